@@ -1,0 +1,325 @@
+"""KV caches as immutable pytrees: a plain dense cache and the hierarchical QuantSpec cache.
+
+Both stack all layers on a leading L axis so the model can `lax.scan` over layers with the
+cache in the scan carry; each layer step writes its new K/V in place and reads its slice.
+
+Both follow one masking rule: a query at logical position p sees every cached position <= p
+(plus, for the quantized region, only t < q_len). Slots past the committed length are garbage
+that a later write overwrites before any query can see it, so rollback only moves a length.
+
+QuantSpecCache layout and buffer protocol are SPEC §3-§4:
+
+    k_hi, k_lo, v_hi, v_lo : uint8[L, B, Hkv, S_max, D/2]  nibble planes, split-halves packing
+    k_scale, k_zero        : f16|f32[L, B, Hkv, S_max/G, D] per channel per G-token block
+    v_scale, v_zero        : f16|f32[L, B, Hkv, S_max, D/Gv] per token per Gv-channel group
+    k_fp, v_fp             : bf16|f32[L, B, Hkv, R, D]     FP ring, R >= 2G + gamma_max
+    q_len, fp_len, fp_start: int32[B]
+
+Quantized token t sits at position t (t < q_len); ring entry j < fp_len sits at position
+q_len + j, in slot (fp_start + j) mod R.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from qspec_jax import quant
+from qspec_jax.config import ModelConfig
+
+Array = jax.Array
+
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_GAMMA_MAX = 8
+RING_ALIGN = 32  # ring slots are a multiple of this so kernels can tile the ring
+
+
+def _dtype(name_or_dtype: Any) -> Any:
+    return jnp.dtype(name_or_dtype)
+
+
+def _nbytes(x: Any) -> int:
+    """Bytes of an array or of a ShapeDtypeStruct (so accounting works under eval_shape)."""
+    return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def _scatter_rows(buf: Array, layer: Array, slots: Array, new: Array) -> Array:
+    """Writes new[b, :, t] into buf[layer, b, :, slots[b, t]].
+
+    buf: [L, B, H, S, X]; slots: int32[B, T] (out-of-range slots are dropped);
+    new: [B, H, T, X].
+    """
+    b = jnp.arange(buf.shape[1])[:, None]
+    # Advanced indices on axes 0, 1, 3 are separated by a slice, so numpy rules put the
+    # broadcast index dims [B, T] first: the update is [B, T, H, X].
+    return buf.at[layer, b, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="drop")
+
+
+# ------------------------------------------------------------------------------------ dense
+@struct.dataclass
+class DenseKVCache:
+    """Plain KV cache. k, v: [L, B, Hkv, S_max, D]; lengths: int32[B] committed tokens."""
+
+    k: Array
+    v: Array
+    lengths: Array
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> "DenseKVCache":
+        dtype = _dtype(dtype or cfg.dtype)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def next_positions(self, t: int) -> Array:
+        """int32[B, t]: logical positions of the next t tokens."""
+        return self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+    def prefill_layer(self, layer: Array, k: Array, v: Array, lengths: Array) -> "DenseKVCache":
+        """Stores a right-padded prompt's K/V [B, Hkv, T, D] at positions 0..T-1 of `layer`."""
+        del lengths  # padding positions are masked by position at read time
+        idx = (layer, 0, 0, 0, 0)
+        return self.replace(
+            k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), idx),
+            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), idx),
+        )
+
+    def append_layer(self, layer: Array, k: Array, v: Array) -> "DenseKVCache":
+        """Writes K/V [B, Hkv, T, D] of T new tokens after each row's committed tokens."""
+        slots = self.next_positions(k.shape[2])
+        return self.replace(k=_scatter_rows(self.k, layer, slots, k), v=_scatter_rows(self.v, layer, slots, v))
+
+    def finish_prefill(self, lengths: Array) -> "DenseKVCache":
+        return self.replace(lengths=lengths.astype(jnp.int32))
+
+    def advance(self, t: int | Array) -> "DenseKVCache":
+        return self.replace(lengths=self.lengths + t)
+
+    def total_lengths(self) -> Array:
+        return self.lengths
+
+    def rollback(self, lengths: Array) -> "DenseKVCache":
+        """Sets each row's committed length (only moves a length; nothing is copied)."""
+        return self.replace(lengths=lengths.astype(jnp.int32))
+
+    def flush(self) -> "DenseKVCache":
+        return self
+
+    def nbytes_by_component(self) -> dict[str, int]:
+        return {"k": _nbytes(self.k), "v": _nbytes(self.v), "lengths": _nbytes(self.lengths)}
+
+
+# ------------------------------------------------------------------------------ hierarchical
+def ring_slots(group_size: int, gamma_max: int) -> int:
+    """Ring size R: at least 2G + gamma_max, rounded up to RING_ALIGN."""
+    need = 2 * group_size + gamma_max
+    return int(math.ceil(need / RING_ALIGN) * RING_ALIGN)
+
+
+def prefill_quantized_len(lengths: Array, group_size: int) -> Array:
+    """Q = G * max(0, floor(P/G) - 1): how many prompt tokens prefill quantizes (SPEC §4)."""
+    return group_size * jnp.maximum(0, lengths // group_size - 1)
+
+
+@struct.dataclass
+class QuantSpecCache:
+    """Hierarchical INT8 KV cache (shared by the INT4 draft view and the INT8 target view)."""
+
+    k_hi: Array
+    k_lo: Array
+    v_hi: Array
+    v_lo: Array
+    k_scale: Array
+    k_zero: Array
+    v_scale: Array
+    v_zero: Array
+    k_fp: Array
+    v_fp: Array
+    q_len: Array
+    fp_len: Array
+    fp_start: Array
+    group_size: int = struct.field(pytree_node=False, default=DEFAULT_GROUP_SIZE)
+    gamma_max: int = struct.field(pytree_node=False, default=DEFAULT_GAMMA_MAX)
+
+    @classmethod
+    def init(
+        cls,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        gamma_max: int = DEFAULT_GAMMA_MAX,
+        scale_dtype: Any = jnp.float16,
+        fp_dtype: Any = None,
+    ) -> "QuantSpecCache":
+        """An empty cache for `batch` rows of up to `max_len` tokens (a multiple of group_size)."""
+        if max_len % group_size:
+            raise ValueError(f"max_len={max_len} must be a multiple of group_size={group_size}")
+        if gamma_max < 1:
+            raise ValueError(f"gamma_max={gamma_max} must be >= 1")
+        L, B, H, D = cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim
+        gv = quant.value_group_size(D)
+        r = ring_slots(group_size, gamma_max)
+        sd, fd = _dtype(scale_dtype), _dtype(fp_dtype or cfg.dtype)
+        plane = lambda: jnp.zeros((L, B, H, max_len, D // 2), jnp.uint8)  # noqa: E731
+        zeros_i = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731
+        return cls(
+            k_hi=plane(), k_lo=plane(), v_hi=plane(), v_lo=plane(),
+            k_scale=jnp.zeros((L, B, H, max_len // group_size, D), sd),
+            k_zero=jnp.zeros((L, B, H, max_len // group_size, D), sd),
+            v_scale=jnp.zeros((L, B, H, max_len, D // gv), sd),
+            v_zero=jnp.zeros((L, B, H, max_len, D // gv), sd),
+            k_fp=jnp.zeros((L, B, H, r, D), fd),
+            v_fp=jnp.zeros((L, B, H, r, D), fd),
+            q_len=zeros_i(), fp_len=zeros_i(), fp_start=zeros_i(),
+            group_size=group_size, gamma_max=gamma_max,
+        )
+
+    # ---------------------------------------------------------------------------- geometry
+    @property
+    def max_len(self) -> int:
+        return self.k_hi.shape[3]
+
+    @property
+    def ring_size(self) -> int:
+        return self.k_fp.shape[3]
+
+    def total_lengths(self) -> Array:
+        """int32[B]: committed tokens per row (quantized + ring)."""
+        return self.q_len + self.fp_len
+
+    def next_positions(self, t: int) -> Array:
+        return self.total_lengths()[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+    def ring_positions(self) -> Array:
+        """int32[B, R]: logical position of every ring slot (garbage slots lie past the rows' ends)."""
+        slot = jnp.arange(self.ring_size, dtype=jnp.int32)[None, :]
+        return self.q_len[:, None] + (slot - self.fp_start[:, None]) % self.ring_size
+
+    # ------------------------------------------------------------------------------ writes
+    def prefill_layer(self, layer: Array, k: Array, v: Array, lengths: Array) -> "QuantSpecCache":
+        """Places a right-padded prompt's K/V [B, Hkv, T, D] for one layer (SPEC §4 prefill).
+
+        Row b quantizes its first Q_b = G*max(0, P_b//G - 1) tokens and puts tokens Q_b..P_b-1
+        into ring slots 0..P_b-Q_b-1. All T//G full blocks are quantized for every row; blocks at
+        or past Q_b are garbage that later flushes overwrite.
+        """
+        G, t = self.group_size, k.shape[2]
+        if t > self.max_len:
+            raise ValueError(f"prompt of {t} tokens does not fit a cache of max_len={self.max_len}")
+        n_blocks = t // G
+        new = {}
+        if n_blocks:
+            kb, vb = k[:, :, : n_blocks * G], v[:, :, : n_blocks * G]
+            k_hi, k_lo, k_s, k_z = quant.quantize_keys(kb, G, self.k_scale.dtype)
+            v_hi, v_lo, v_s, v_z = quant.quantize_values(vb, self.v_scale.dtype)
+            for name, val in dict(k_hi=k_hi, k_lo=k_lo, v_hi=v_hi, v_lo=v_lo, k_scale=k_s, k_zero=k_z,
+                                  v_scale=v_s, v_zero=v_z).items():
+                new[name] = jax.lax.dynamic_update_slice(getattr(self, name), val[None], (layer, 0, 0, 0, 0))
+        q = prefill_quantized_len(lengths, G)
+        src = jnp.minimum(q[:, None] + jnp.arange(self.ring_size)[None, :], t - 1)  # [B, R]
+        take = lambda x: jnp.take_along_axis(x, src[:, None, :, None], axis=2)  # noqa: E731
+        for name, x in (("k_fp", k), ("v_fp", v)):
+            ring = take(x).astype(getattr(self, name).dtype)
+            new[name] = jax.lax.dynamic_update_slice(getattr(self, name), ring[None], (layer, 0, 0, 0, 0))
+        return self.replace(**new)
+
+    def finish_prefill(self, lengths: Array) -> "QuantSpecCache":
+        q = prefill_quantized_len(lengths, self.group_size)
+        return self.replace(q_len=q.astype(jnp.int32), fp_len=(lengths - q).astype(jnp.int32),
+                            fp_start=jnp.zeros_like(self.fp_start))
+
+    def append_layer(self, layer: Array, k: Array, v: Array) -> "QuantSpecCache":
+        """Writes K/V [B, Hkv, T, D] of T new tokens into the ring slots after the committed ones."""
+        t = k.shape[2]
+        j = self.fp_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        slots = (self.fp_start[:, None] + j) % self.ring_size
+        return self.replace(k_fp=_scatter_rows(self.k_fp, layer, slots, k),
+                            v_fp=_scatter_rows(self.v_fp, layer, slots, v))
+
+    def advance(self, t: int | Array) -> "QuantSpecCache":
+        """Commits the t most recently appended tokens of every row."""
+        return self.replace(fp_len=self.fp_len + t)
+
+    def rollback(self, lengths: Array) -> "QuantSpecCache":
+        """Sets each row's committed total length; only fp_len moves (tokens stay in the ring)."""
+        return self.replace(fp_len=(lengths - self.q_len).astype(jnp.int32))
+
+    def flush(self) -> "QuantSpecCache":
+        """Quantizes the oldest G ring tokens of every row with fp_len >= 2G (SPEC §4 flush).
+
+        Afterwards G <= fp_len < 2G for every flushed row. Rows that do not flush are untouched.
+        """
+        G = self.group_size
+        mask = self.fp_len >= 2 * G  # [B]
+        return jax.lax.cond(jnp.any(mask), lambda c: c._flush(mask), lambda c: c, self)
+
+    def _flush(self, mask: Array) -> "QuantSpecCache":
+        G, R, S = self.group_size, self.ring_size, self.max_len
+        slots = (self.fp_start[:, None] + jnp.arange(G)[None, :]) % R  # [B, G]
+        take = lambda x: jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)  # noqa: E731
+        k_old, v_old = take(self.k_fp), take(self.v_fp)  # [L, B, H, G, D]
+        k_hi, k_lo, k_s, k_z = quant.quantize_keys(k_old, G, self.k_scale.dtype)  # k_s: [L,B,H,1,D]
+        v_hi, v_lo, v_s, v_z = quant.quantize_values(v_old, self.v_scale.dtype)
+        b = jnp.arange(self.q_len.shape[0])[:, None]  # [B, 1]
+        tok = jnp.where(mask[:, None], self.q_len[:, None] + jnp.arange(G)[None, :], S)  # [B, G]; S drops
+        blk = jnp.where(mask, self.q_len // G, S // G)[:, None]  # [B, 1]
+
+        def put(buf: Array, idx: Array, val: Array) -> Array:
+            # buf [L, B, H, N, X]; idx [B, n]; val [L, B, H, n, X] -> update laid out [B, n, L, H, X].
+            upd = jnp.transpose(val, (1, 3, 0, 2, 4)).astype(buf.dtype)
+            return buf.at[:, b, :, idx].set(upd, mode="drop")
+
+        return self.replace(
+            k_hi=put(self.k_hi, tok, k_hi), k_lo=put(self.k_lo, tok, k_lo),
+            v_hi=put(self.v_hi, tok, v_hi), v_lo=put(self.v_lo, tok, v_lo),
+            k_scale=put(self.k_scale, blk, k_s), k_zero=put(self.k_zero, blk, k_z),
+            v_scale=put(self.v_scale, tok, v_s), v_zero=put(self.v_zero, tok, v_z),
+            q_len=jnp.where(mask, self.q_len + G, self.q_len),
+            fp_start=jnp.where(mask, (self.fp_start + G) % R, self.fp_start),
+            fp_len=jnp.where(mask, self.fp_len - G, self.fp_len),
+        )
+
+    # ------------------------------------------------------------------------------- reads
+    def dequantized_layer(self, layer: int, view: str = "target") -> tuple[Array, Array]:
+        """float32 K, V [B, Hkv, S_max, D] of the quantized planes of one layer (tests, tools)."""
+        lo = view == "target"
+        k = quant.dequantize_keys(self.k_hi[layer], self.k_lo[layer] if lo else None,
+                                  self.k_scale[layer], self.k_zero[layer])
+        v = quant.dequantize_values(self.v_hi[layer], self.v_lo[layer] if lo else None,
+                                    self.v_scale[layer], self.v_zero[layer])
+        return k, v
+
+    def nbytes_by_component(self) -> dict[str, int]:
+        """Bytes held by each part of the cache."""
+        n = lambda *xs: sum(_nbytes(x) for x in xs)  # noqa: E731
+        parts = {
+            "upper_planes": n(self.k_hi, self.v_hi),
+            "lower_planes": n(self.k_lo, self.v_lo),
+            "scales_zeros": n(self.k_scale, self.k_zero, self.v_scale, self.v_zero),
+            "fp_ring": n(self.k_fp, self.v_fp),
+            "lengths": n(self.q_len, self.fp_len, self.fp_start),
+        }
+        return parts
+
+
+def cache_bytes(kind: str, cfg: ModelConfig, batch: int, max_len: int, **kwargs: Any) -> dict[str, int]:
+    """Bytes by component of a cache of `kind` ("bf16" dense or "int8" hierarchical), without
+    allocating it. Used by benchmarks and by the max-context planner."""
+    if kind == "bf16":
+        shapes = jax.eval_shape(lambda: DenseKVCache.init(cfg, batch, max_len, **kwargs))
+    elif kind == "int8":
+        shapes = jax.eval_shape(lambda: QuantSpecCache.init(cfg, batch, max_len, **kwargs))
+    else:
+        raise ValueError(f"cache kind {kind!r}; expected 'bf16' or 'int8'")
+    return {k: int(v) for k, v in shapes.nbytes_by_component().items()}
+
+

@@ -1,0 +1,188 @@
+"""Autoregressive generation in one jitted `lax.while_loop`, and the pieces generation shares.
+
+Prompts are right-padded into a bucketed [B, T] batch with per-row lengths; every row stops on
+its own (EOS or max_new_tokens) while shapes stay fixed. Emitted tokens past a row's length are
+`PAD_ID`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from qspec_jax import model as M
+from qspec_jax.cache import DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
+from qspec_jax.sampling import SamplingConfig, sample
+
+Array = jax.Array
+KV_KINDS = ("bf16", "int8")
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this to bound recompilation
+PAD_ID = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """Static settings of autoregressive generation.
+
+    kv: "bf16" keeps a dense cache in the model dtype; "int8" uses the hierarchical cache with
+    the target view and the FP-ring protocol of SPEC §4 (prefill placement, append, flush).
+    eos_token_ids None means the model's own.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_ids: tuple[int, ...] | None = None
+    kv: str = "bf16"
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.kv not in KV_KINDS:
+            raise ValueError(f"kv={self.kv!r}; expected one of {KV_KINDS}")
+        self.sampling  # validates the sampling fields
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+
+@struct.dataclass
+class GenerationResult:
+    """tokens: int32[B, max_new_tokens] (PAD_ID past each row's length); lengths: int32[B]."""
+
+    tokens: Array
+    lengths: Array
+
+    def to_lists(self) -> list[list[int]]:
+        toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [toks[b, : lens[b]].tolist() for b in range(toks.shape[0])]
+
+
+# ----------------------------------------------------------------------------------- prompts
+def pad_prompts(prompt_ids: Sequence[Sequence[int]] | np.ndarray, vocab_size: int,
+                bucket: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts into (tokens int32[B, T], lengths int32[B]), T a multiple of `bucket`.
+
+    Accepts a list of token lists, one token list, or a 2-D array of equal-length prompts.
+    """
+    if isinstance(prompt_ids, np.ndarray | jax.Array):
+        arr = np.asarray(prompt_ids)
+        rows = [arr] if arr.ndim == 1 else list(arr)
+    else:
+        rows = list(prompt_ids)
+        if rows and all(isinstance(t, (int, np.integer)) for t in rows):
+            rows = [rows]
+    if not rows:
+        raise ValueError("prompt_ids is empty: expected at least one prompt")
+    lengths = np.array([len(r) for r in rows], np.int32)
+    if (lengths == 0).any():
+        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs >= 1 token")
+    t = int(math.ceil(lengths.max() / bucket) * bucket)
+    tokens = np.full((len(rows), t), PAD_ID, np.int32)
+    for b, r in enumerate(rows):
+        ids = np.asarray(r, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"prompt {b} has shape {ids.shape}; expected a flat list of token ids")
+        if (ids < 0).any() or (ids >= vocab_size).any():
+            raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size})")
+        tokens[b, : len(ids)] = ids
+    return tokens, lengths
+
+
+def check_fits(cfg: M.ModelConfig, lengths: np.ndarray, new_tokens: int) -> None:
+    """Refuses prompts that would run past the model's max positions."""
+    need = int(lengths.max()) + new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {int(lengths.max())} tokens + {new_tokens} new tokens = {need} exceeds the "
+            f"model's max_position_embeddings={cfg.max_position_embeddings}")
+
+
+def cache_capacity(prompt_len: int, extra: int, group_size: int) -> int:
+    """Cache length covering the padded prompt plus `extra` tokens, a multiple of group_size."""
+    return int(math.ceil((prompt_len + extra) / group_size) * group_size)
+
+
+def eos_array(eos_ids: tuple[int, ...]) -> Array:
+    return jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+
+def new_cache(cfg: M.ModelConfig, kind: str, batch: int, max_len: int, group_size: int,
+              gamma_max: int = 1) -> DenseKVCache | QuantSpecCache:
+    if kind == "bf16":
+        return DenseKVCache.init(cfg, batch, max_len)
+    return QuantSpecCache.init(cfg, batch, max_len, group_size=group_size, gamma_max=gamma_max)
+
+
+# ------------------------------------------------------------------------------ AR decoding
+@struct.dataclass
+class _ARState:
+    tokens: Array  # int32[B, N]
+    num_emitted: Array  # int32[B]
+    done: Array  # bool[B]
+    cache: Any
+    key: Array
+    step: Array  # int32[]
+
+
+@functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
+def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
+    cfg, n, b = params.config, gen.max_new_tokens, tokens.shape[0]
+    eos = eos_array(eos_ids)
+    cache = new_cache(cfg, gen.kv, b, max_len, gen.group_size)
+    logits, cache = M.prefill(params, tokens, lengths, cache)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, gen.sampling)
+    state = _ARState(
+        tokens=jnp.full((b, n), PAD_ID, jnp.int32).at[:, 0].set(first),
+        num_emitted=jnp.ones((b,), jnp.int32),
+        done=jnp.isin(first, eos) | (n == 1),
+        cache=cache.flush(), key=key, step=jnp.int32(0))
+
+    def cond(s: _ARState) -> Array:
+        return ~jnp.all(s.done)
+
+    def body(s: _ARState) -> _ARState:
+        last = jnp.take_along_axis(s.tokens, (s.num_emitted - 1)[:, None], axis=1)
+        logits, cache = M.decode(params, last, s.cache)
+        tok = sample(jax.random.fold_in(s.key, s.step), logits[:, 0], gen.sampling)
+        live = ~s.done
+        col = jnp.where(live, s.num_emitted, n)  # n: out of range, dropped
+        tokens = s.tokens.at[jnp.arange(b), col].set(tok, mode="drop")
+        num = s.num_emitted + live
+        done = s.done | (live & jnp.isin(tok, eos)) | (num >= n)
+        return _ARState(tokens=tokens, num_emitted=num, done=done, cache=cache.flush(),
+                        key=s.key, step=s.step + 1)
+
+    s = jax.lax.while_loop(cond, body, state)
+    return GenerationResult(tokens=s.tokens, lengths=s.num_emitted)
+
+
+def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray,
+                            config: GenerationConfig = GenerationConfig(),
+                            key: Array | None = None) -> GenerationResult:
+    """Generates up to `config.max_new_tokens` tokens per prompt with the target model.
+
+    `model` is a `qspec_jax.Model` (or anything with `.params`). Returns a GenerationResult whose
+    rows hold each prompt's generated tokens (EOS included when emitted).
+    """
+    params: M.Params = model.params
+    cfg = params.config
+    tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
+    check_fits(cfg, lengths, config.max_new_tokens)
+    eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
+    max_len = cache_capacity(tokens.shape[1], config.max_new_tokens, config.group_size)
+    key = jax.random.PRNGKey(0) if key is None else key
+    return _autoregressive(params, jnp.asarray(tokens), jnp.asarray(lengths), key,
+                           gen=config, eos_ids=tuple(eos), max_len=max_len)
