@@ -58,6 +58,28 @@ def dense_attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     return _ungroup(o, q.dtype)
 
 
+PREFILL_QUERY_CHUNK = 512
+
+
+def prefill_attention(q: Array, k: Array, v: Array, positions: Array, sliding_window: int | None = None,
+                      chunk: int = PREFILL_QUERY_CHUNK) -> Array:
+    """Causal self-attention of a prompt, `chunk` queries at a time so the float32 scores stay
+    [B, Hkv, chunk, n_rep, T] rather than T x T. Same math as `dense_attention`.
+
+    q: [B, T, Hq, D]; k, v: [B, Hkv, T, D]; positions: int32[B, T].
+    """
+    b, t = q.shape[:2]
+    if t <= chunk:
+        return dense_attention(q, k, v, positions, positions, sliding_window)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, chunk, *q.shape[2:])
+    pc = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=t).reshape(b, n, chunk)
+    out = jax.lax.map(lambda qp: dense_attention(qp[0], k, v, qp[1], positions, sliding_window),
+                      (jnp.swapaxes(qc, 0, 1), jnp.swapaxes(pc, 0, 1)))  # [n, B, chunk, Hq, D]
+    return jnp.swapaxes(out, 0, 1).reshape(b, n * chunk, *q.shape[2:])[:, :t]
+
+
 def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, layer: Array | int,
                               view: str = "target", sliding_window: int | None = None) -> Array:
     """Attention of T query tokens over one layer of the hierarchical cache (SPEC §5), in jnp.
@@ -72,7 +94,7 @@ def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, lay
         raise ValueError(f"view={view!r}; expected one of {VIEWS}")
     target = view == "target"
     G = cache.group_size
-    B, _, Hkv, S, _ = cache.k_hi.shape
+    _, B, Hkv, S, _ = cache.k_hi.shape  # [L, B, Hkv, S, D/2]
     qg = _grouped_queries(q, Hkv)  # [B, g, T, r, D]
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.config import ModelConfig
+from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight, make_draft_params
 
 FORMAT_VERSION = 1
 MANIFEST = "qspec_checkpoint.json"
@@ -62,6 +63,29 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def draft_to_flat(draft: M.Params) -> dict[str, np.ndarray]:
+    """The quantized tensors of draft params as {"draft/layers/wq/packed": ..., ...}."""
+    flat = {}
+    named = [(f"layers/{n}", getattr(draft.layers, n)) for n in M.LINEAR_NAMES] + [("lm_head", draft.lm_head)]
+    for name, w in named:
+        if isinstance(w, QuantizedWeight):
+            for part in ("packed", "scale", "zero"):
+                flat[f"draft/{name}/{part}"] = np.asarray(getattr(w, part))
+    return flat
+
+
+def draft_from_flat(params: M.Params, flat: dict[str, Any]) -> M.Params:
+    """Draft params: `params` with the linears found under "draft/..." replaced by INT4 weights."""
+    quantized = {}
+    for key in flat:
+        if key.startswith("draft/") and key.endswith("/packed"):
+            name = key[len("draft/"):-len("/packed")]
+            quantized[name] = QuantizedWeight(**{p: jnp.asarray(flat[f"draft/{name}/{p}"])
+                                                 for p in ("packed", "scale", "zero")})
+    layers = params.layers.replace(**{n.split("/", 1)[1]: w for n, w in quantized.items() if n.startswith("layers/")})
+    return params.replace(layers=layers, lm_head=quantized.get("lm_head", params.lm_head))
+
+
 def write_checkpoint(out: str | Path, cfg: ModelConfig, flat_params: dict[str, np.ndarray], *,
                      source: str, write_tokenizer: Callable[[Path], None] | None = None,
                      extra: dict[str, Any] | None = None) -> Path:
@@ -69,9 +93,10 @@ def write_checkpoint(out: str | Path, cfg: ModelConfig, flat_params: dict[str, n
 
     `write_tokenizer(dir)` saves the tokenizer files into `dir`. `extra` goes into the manifest.
     """
-    out = Path(out)
+    out = Path(out).absolute()  # orbax wants absolute paths
     if out.exists():
         raise CheckpointError(f"{out}: already exists; remove it or choose another output directory")
+    created = [p for p in reversed(out.parents) if not p.exists()]  # parents this call makes
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
@@ -87,9 +112,17 @@ def write_checkpoint(out: str | Path, cfg: ModelConfig, flat_params: dict[str, n
         manifest = {"format_version": FORMAT_VERSION, "library": "qspec-jax", "source": source,
                     "dtype": cfg.dtype, **(extra or {})}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: marks completeness
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in reversed(created):  # innermost first; only if still empty
+            try:
+                p.rmdir()
+            except OSError:
+                break
         raise
     return out
 
@@ -101,7 +134,10 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     mf = path / MANIFEST
     if not mf.is_file():
         raise CheckpointError(f"{path}: not a qspec-jax checkpoint (no {MANIFEST}); convert it with qspec-convert")
-    manifest = json.loads(mf.read_text())
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{mf}: not valid JSON ({e}); re-run qspec-convert") from None
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(
@@ -112,13 +148,21 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A loaded model: config, target params, tokenizer, and (optionally) INT4 draft params."""
+    """A loaded model: config, target params, tokenizer, and (optionally) INT4 draft params
+    together with the settings they were made with."""
 
     config: ModelConfig
     params: M.Params
     tokenizer: Any = None
     draft_params: M.Params | None = None
+    draft_weights_config: DraftWeightsConfig | None = None
     path: Path | None = None
+
+    def with_draft_weights(self, cfg: DraftWeightsConfig = DraftWeightsConfig()) -> "Model":
+        """This model with INT4 draft weights made by `cfg` (reused if they already match)."""
+        if self.draft_weights_config == cfg and self.draft_params is not None:
+            return self
+        return dataclasses.replace(self, draft_params=make_draft_params(self.params, cfg), draft_weights_config=cfg)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of `text`; with `chat`, wrapped in the tokenizer's chat template as a user turn."""
@@ -150,8 +194,8 @@ def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | No
     """
     import orbax.checkpoint as ocp
 
-    path = Path(path)
-    read_manifest(path)
+    path = Path(path).absolute()
+    manifest = read_manifest(path)
     overrides = {k: v for k, v in (("dtype", dtype), ("attention_impl", attention_impl)) if v}
     cfg = ModelConfig.from_dict(json.loads((path / MODEL_CONFIG).read_text()), source=str(path / MODEL_CONFIG))
     cfg = cfg.replace(**overrides)
@@ -166,9 +210,14 @@ def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | No
         raise CheckpointError(f"{path / PARAMS_DIR}: " + "; ".join(problems))
     jdtype = jnp.dtype(cfg.dtype)
     params = M.params_from_flat(cfg, {k: _cast(v, jdtype) for k, v in target_flat.items()})
+    draft, draft_cfg = None, None
+    if manifest.get("draft_weights"):
+        draft_cfg = DraftWeightsConfig(**manifest["draft_weights"])
+        draft = draft_from_flat(params, flat)
     tok = None
     if tokenizer and (path / TOKENIZER_DIR).is_dir():
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path / TOKENIZER_DIR)
-    return Model(config=cfg, params=params, tokenizer=tok, path=path)
+    return Model(config=cfg, params=params, tokenizer=tok, draft_params=draft, draft_weights_config=draft_cfg,
+                 path=path)

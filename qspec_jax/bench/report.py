@@ -1,0 +1,160 @@
+"""Benchmark reporting: environment stamp, docs/BENCHMARKS.md sections, PNG plots.
+
+Each benchmark owns one section of docs/BENCHMARKS.md, delimited by `<!-- NAME:begin -->` and
+`<!-- NAME:end -->`, and rewrites only that section, so the kernel and e2e benchmarks can be
+regenerated independently.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+
+BENCHMARKS_MD = Path("docs/BENCHMARKS.md")
+HEADER = """# Benchmarks
+
+GPU numbers measured by `qspec-bench`. Every section names its device, date, jax version and
+the exact command; `make bench` on a GPU machine regenerates all of them. Definitions follow
+SPEC §7 (acceptance rate, tokens per round, speedup; medians of repeated device loops).
+"""
+
+
+def environment() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    return {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
+            "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
+            "num_devices": jax.device_count()}
+
+
+def env_line(env: dict[str, Any], command: str) -> str:
+    return (f"Device: {env['device']} ({env['backend']}, {env['num_devices']} device(s)); date {env['date']}; "
+            f"jax {env['jax']}; command: `{command}`")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def update_section(name: str, text: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replaces (or appends) the `name` section of the benchmarks document."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = path.read_text() if path.exists() else HEADER
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{text.strip()}\n{end}"
+    if begin in doc:
+        doc = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, doc, flags=re.S)
+    else:
+        doc = doc.rstrip() + "\n\n" + block + "\n"
+    path.write_text(doc)
+
+
+def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], title: str, ylabel: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, (x, y) in series.items():
+        ax.plot(x, y, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_e2e(results: dict[str, Any], out: Path) -> None:
+    """Markdown section "e2e" and plots from `qspec-bench e2e` results."""
+    env, bw = results["environment"], results.get("copy_bandwidth_bytes_per_s", float("nan"))
+    parts = [f"## End to end\n\n{env_line(env, results['command'])}\n\n"
+             f"Device-to-device copy, same run: {bw / 1e12:.2f} TB/s (bytes read + written)."]
+    p8 = results.get("8b")
+    if p8 and "rows" in p8:
+        rows, gammas = p8["rows"], sorted({int(k.split('_g')[1].split('_')[0]) for r in p8["rows"] for k in r if k.startswith("verify_g")})
+        alphas = sorted({float(k.split("_a")[1].split("_")[0]) for r in rows for k in r if k.startswith("proj_g")})
+        parts.append(
+            f"### {p8['config']}\n\nPer-step times (median over repeated in-device loops), bytes each step must "
+            "read, and the fraction of copy bandwidth that represents. Draft weights: "
+            f"INT4 g{p8['draft']['group_size']} ({p8['draft']['scope']}, lm_head {'INT4' if p8['draft']['lm_head'] else 'bf16'}).\n")
+        parts.append(table(
+            ["context", "AR-bf16 ms", "AR-bf16 % copy BW", "AR-int8 ms", "AR-int8 % BW", "draft step ms", "draft % BW"]
+            + [f"verify γ={g} ms" for g in gammas],
+            [[r["context"], r["ar_bf16_ms"], 100 * r["ar_bf16_bw_frac"], r["ar_int8_ms"], 100 * r["ar_int8_bw_frac"],
+              r["draft_ms"], 100 * r["draft_bw_frac"]] + [r[f"verify_g{g}_ms"] for g in gammas] for r in rows]))
+        for a in alphas:
+            parts.append(f"\nProjected speedup at acceptance α = {a}: E[tokens/round]·t_AR / (γ·t_draft + t_verify)\n")
+            parts.append(table(
+                ["context"] + [f"γ={g} vs AR-bf16" for g in gammas] + [f"γ={g} vs AR-int8" for g in gammas],
+                [[r["context"]] + [r[f"proj_g{g}_a{a}_vs_bf16"] for g in gammas]
+                 + [r[f"proj_g{g}_a{a}_vs_int8"] for g in gammas] for r in rows]))
+        loop_rows = [r for r in rows if "ar_bf16_loop_tok_s" in r]
+        if loop_rows:
+            lg = [k for k in loop_rows[0] if k.startswith("loop_g") and k.endswith("_vs_bf16")]
+            parts.append("\nMeasured generation loops (forced acceptance, " + p8.get("note", "") + "):\n")
+            parts.append(table(
+                ["context", "AR-bf16 tok/s", "AR-int8 tok/s"] + [k.replace("_vs_bf16", " speedup vs AR-bf16") for k in lg]
+                + [k.replace("_vs_bf16", " / projection") for k in lg],
+                [[r["context"], r["ar_bf16_loop_tok_s"], r["ar_int8_loop_tok_s"]] + [r[k] for k in lg]
+                 + [r[k.replace("_vs_bf16", "_vs_projection")] for k in lg] for r in loop_rows]))
+        series = {}
+        for a in alphas:
+            best = [max(r[f"proj_g{g}_a{a}_vs_bf16"] for g in gammas) for r in rows]
+            series[f"projected, best γ, α={a}"] = ([r["context"] for r in rows], best)
+        for k in (lg if loop_rows else []):
+            series[k.replace("_vs_bf16", " measured")] = ([r["context"] for r in loop_rows], [r[k] for r in loop_rows])
+        if _plot(out / "e2e_speedup.png", series, "QuantSpec speedup over AR-bf16 (8B shape)", "speedup"):
+            parts.append(f"\n![speedup vs context]({_rel(out / 'e2e_speedup.png')})")
+    elif p8:
+        parts.append(f"### 8B shape\n\nFailed: `{p8.get('error')}`")
+    sm = results.get("smollm")
+    if sm and "rows" in sm:
+        parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, γ={sm['gamma']})\n")
+        parts.append(table(
+            ["batch", "context", "AR-bf16 tok/s", "AR-int8 tok/s", "QuantSpec tok/s", "speedup vs AR-bf16",
+             "speedup vs AR-int8", "acceptance", "tokens/round", "tokens equal to AR-int8"],
+            [[r["batch"], r["context"], r["ar_bf16_tok_s"], r["ar_int8_tok_s"], r["spec_tok_s"], r["speedup_vs_ar_bf16"],
+              r["speedup_vs_ar_int8"], r["acceptance_rate"], r["tokens_per_round"], r["match_ar_int8"]] for r in sm["rows"]]))
+    elif sm:
+        parts.append(f"\n### SmolLM2\n\nFailed: `{sm.get('error')}`")
+    mem = results.get("memory")
+    if mem and "rows" in mem:
+        parts.append("\n### Memory (8B shape, batch 1)\n\nPeak = arguments + outputs + temporaries of the compiled "
+                     "generation loop (XLA memory analysis).\n")
+        parts.append(table(["context", "mode", "peak GB", "arguments GB", "temporaries GB"],
+                           [[r["context"], r["kind"], r["peak_bytes"] / 1e9, r["arguments"] / 1e9, r["temp"] / 1e9]
+                            for r in mem["rows"]]))
+        plan = mem["plan"]
+        parts.append(f"\nLongest context on this device ({plan['device_bytes'] / 2**30:.1f} GiB) by the cache-bytes "
+                     f"planner: AR-bf16 {plan['ar_bf16']['context']:,} tokens, QuantSpec {plan['quantspec']['context']:,} "
+                     f"tokens ({plan['ratio']:.2f}x).")
+        for kind, c in mem.get("confirm", {}).items():
+            parts.append(f"- confirmed by a run, {kind} at {c['context']:,} tokens: "
+                         + (f"ok, step {c['step_ms']:.2f} ms, peak in use {c['peak_bytes_in_use'] / 1e9:.1f} GB"
+                            if c["ok"] else f"FAILED: {c['error']}"))
+    elif mem:
+        parts.append(f"\n### Memory\n\nFailed: `{mem.get('error')}`")
+    update_section("e2e", "\n".join(parts))
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(BENCHMARKS_MD.parent.resolve()))
+    except ValueError:
+        return str(p)

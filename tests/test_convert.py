@@ -1,0 +1,377 @@
+"""qspec-convert: bad inputs give one clear message, exit code 2 and no output; good inputs round-trip.
+
+Most tests use numpy-written synthetic models (no torch) and call `convert.cli.main` in-process;
+two run the real command in a subprocess (exit codes, no traceback, no torch import).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from convert import ConversionError, cli, convert
+from convert.safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
+from qspec_jax import model as M
+from qspec_jax.checkpoint import MANIFEST, CheckpointError, load
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
+    rc = cli.main([str(a) for a in args] + ["--no-progress"])
+    return rc, capsys.readouterr().err
+
+
+def assert_refused(capsys: pytest.CaptureFixture[str], src: Path, out: Path, *fragments: str) -> str:
+    """Runs the CLI, expects exit 2 with one `qspec-convert: error:` line holding `fragments`,
+    and no OUT (nor a leftover partial directory) afterwards."""
+    rc, err = run_cli(capsys, src, out)
+    assert rc == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("qspec-convert: error: "), err
+    for frag in fragments:
+        assert frag in lines[0], f"{frag!r} not in {lines[0]!r}"
+    assert "Traceback" not in err
+    assert not out.exists()
+    if out.parent.exists():
+        assert not [p for p in out.parent.iterdir() if ".partial-" in p.name]
+    return lines[0]
+
+
+def flat_params(ckpt: Path) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in M.params_to_flat(load(ckpt, dtype="float32", tokenizer=False).params).items()}
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_missing_tensor(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir(drop=("model.layers.1.mlp.up_proj.weight",))
+    assert_refused(capsys, src, tmp_path / "out", "missing tensor", "model.layers.1.mlp.up_proj.weight")
+
+
+def test_missing_lm_head_when_untied(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir(drop=("lm_head.weight",))
+    assert_refused(capsys, src, tmp_path / "out", "missing tensor", "lm_head.weight", "tie_word_embeddings=False")
+
+
+def test_wrong_shape(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir(replace={Q0: np.zeros((32, 31), np.float32)})
+    assert_refused(capsys, src, tmp_path / "out", Q0, "shape (32, 31)", "expected (32, 32)")
+
+
+def test_unexpected_tensor(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir(extra={"model.layers.0.self_attn.q_proj.bias": np.zeros(32, np.float32)})
+    assert_refused(capsys, src, tmp_path / "out", "unexpected tensor", "q_proj.bias")
+
+
+def test_layer_beyond_config(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir(extra={"model.layers.2.input_layernorm.weight": np.ones(32, np.float32)})
+    assert_refused(capsys, src, tmp_path / "out", "model.layers.2.input_layernorm.weight", "num_layers=2")
+
+
+def test_unsupported_model_type(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir({"model_type": "gpt2"})
+    assert_refused(capsys, src, tmp_path / "out", "config.json", "unsupported model_type='gpt2'")
+
+
+def test_unsupported_rope_type(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert_refused(capsys, src, tmp_path / "out", "rope_type", "'yarn'")
+
+
+def test_truncated_safetensors(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir()
+    st = src / "model.safetensors"
+    last = max(SafetensorsFile(st).tensors.values(), key=lambda t: t.end).name
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) - 100])
+    assert_refused(capsys, src, tmp_path / "out", str(st), "truncated", repr(last))
+
+
+def test_corrupt_safetensors_header(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir()
+    st = src / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[8:12] = b"\xff\xfe{["
+    st.write_bytes(bytes(data))
+    assert_refused(capsys, src, tmp_path / "out", str(st), "header")
+
+
+def test_tiny_file_is_not_safetensors(tmp_path: Path) -> None:
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(b"abc")
+    with pytest.raises(SafetensorsError, match="x.safetensors"):
+        SafetensorsFile(p)
+
+
+def test_shard_index_names_missing_file(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir(shards=3)
+    (src / "model-00002-of-00003.safetensors").unlink()
+    assert_refused(capsys, src, tmp_path / "out", "model.safetensors.index.json", "model-00002-of-00003.safetensors")
+
+
+def test_no_weights(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir()
+    (src / "model.safetensors").unlink()
+    (src / "pytorch_model.bin").write_bytes(b"")
+    assert_refused(capsys, src, tmp_path / "out", "no *.safetensors", "pytorch_model.bin", "safe_serialization")
+
+
+def test_nonexistent_source(tmp_path: Path, capsys: Any) -> None:
+    assert_refused(capsys, tmp_path / "nope", tmp_path / "out", str(tmp_path / "nope"), "no such file or directory")
+
+
+def test_directory_without_config(tmp_path: Path, capsys: Any) -> None:
+    (tmp_path / "empty").mkdir()
+    assert_refused(capsys, tmp_path / "empty", tmp_path / "out", "no config.json")
+
+
+def test_out_already_exists(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src, out = synthetic_hf_dir(), tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, err = run_cli(capsys, src, out)
+    assert rc == 2 and err.startswith("qspec-convert: error: ") and "already exists" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]  # untouched
+
+
+def test_failure_during_write_leaves_nothing(synthetic_hf_dir: Callable[..., Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception while writing (here: from the tokenizer writer) leaves no OUT, no partial dir,
+    and no parent directories that the call created."""
+    src = synthetic_hf_dir(files={"tokenizer_config.json": "{}"})
+    import convert.hf as hf
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf.shutil, "copy2", boom)
+    out = tmp_path / "new" / "deeper" / "out"
+    with pytest.raises(OSError, match="disk full"):
+        convert(src, out, progress=False)
+    assert not (tmp_path / "new").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_api_raises_conversion_error(tmp_path: Path) -> None:
+    with pytest.raises(ConversionError, match="no such file"):
+        convert(tmp_path / "missing", tmp_path / "out")
+    assert issubclass(ConversionError, ValueError)
+
+
+def test_real_cli_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "convert", str(tmp_path / "nope"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("qspec-convert: error: ") and "no such file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------- good input
+def test_hf_conversion_is_torch_free_and_exact(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    """Converting a safetensors directory never imports torch; float32 storage is exact."""
+    src, out = synthetic_hf_dir(dtype=np.float16), tmp_path / "out"
+    code = ("import sys; from convert.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(src), str(out), "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    hf = {n: SafetensorsFile(src / "model.safetensors").get(n).astype(np.float32)
+          for n in SafetensorsFile(src / "model.safetensors").keys()}
+    got = flat_params(out)
+    np.testing.assert_array_equal(got["embed"], hf["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(got["lm_head"], hf["lm_head.weight"].T)
+    np.testing.assert_array_equal(got["final_norm"], hf["model.norm.weight"])
+    for i in range(2):
+        np.testing.assert_array_equal(got["layers/wk"][i], hf[f"model.layers.{i}.self_attn.k_proj.weight"].T)
+        np.testing.assert_array_equal(got["layers/w_down"][i], hf[f"model.layers.{i}.mlp.down_proj.weight"].T)
+        np.testing.assert_array_equal(got["layers/mlp_norm"][i], hf[f"model.layers.{i}.post_attention_layernorm.weight"])
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["source_format"] == "hf" and manifest["dtype"] == "float32"
+    assert manifest["source_dtypes"] == ["F16"]
+
+
+def test_sharded_equals_single(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    a = convert(synthetic_hf_dir(seed=5), tmp_path / "a", progress=False)
+    b = convert(synthetic_hf_dir(seed=5, shards=3), tmp_path / "b", progress=False)
+    pa, pb = flat_params(a), flat_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+def test_tied_ignores_lm_head_and_ignores_inv_freq(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    src = synthetic_hf_dir({"tie_word_embeddings": True},
+                           extra={"lm_head.weight": np.zeros((96, 32), np.float32),
+                                  "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)})
+    got = flat_params(convert(src, tmp_path / "out", progress=False))
+    assert "lm_head" not in got
+    model = load(tmp_path / "out", tokenizer=False)
+    assert model.config.tie_word_embeddings and model.params.lm_head is None
+
+
+def test_tokenizer_files_and_generation_eos(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    """Tokenizer files are copied; generation_config.json's EOS ids are merged after config's."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    src = synthetic_hf_dir(files={"generation_config.json": json.dumps({"eos_token_id": [7, 2, 9]})})
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 96)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(src)
+    out = convert(src, tmp_path / "out", progress=False)
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    assert (out / "tokenizer" / "generation_config.json").is_file()
+    model = load(out, dtype="float32")
+    assert model.config.eos_token_ids == (2, 7, 9)
+    assert model.encode("w5 w17 w5") == [5, 17, 5]
+    assert model.decode([5, 17]) == "w5 w17"
+
+
+def test_format_version_stamp_refused(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    out = convert(synthetic_hf_dir(), tmp_path / "out", progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["format_version"] == 1 and manifest["library"] == "qspec-jax"
+    manifest["format_version"] = 999
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"format_version=999.*re-run qspec-convert"):
+        load(out)
+
+
+def test_safetensors_roundtrip(tmp_path: Path) -> None:
+    import ml_dtypes
+
+    arrs = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones((4,), ml_dtypes.bfloat16),
+            "c": np.full((2, 2), 0.5, np.float16), "d": np.zeros((0, 3), np.float64)}
+    write_safetensors(tmp_path / "t.safetensors", arrs)
+    f = SafetensorsFile(tmp_path / "t.safetensors")
+    assert f.keys() == list(arrs)
+    for k, v in arrs.items():
+        assert f.get(k).dtype == v.dtype
+        np.testing.assert_array_equal(f.get(k), v)
+
+
+def test_draft_weights_int4(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    """--draft-weights int4 stores INT4 draft weights that `load` returns, equal to quantizing
+    the stored target weights with the same settings."""
+    from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight, make_draft_params
+
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, synthetic_hf_dir(), out, "--draft-weights", "int4", "--draft-group", "32",
+                      "--draft-scope", "ffn")
+    assert rc == 0, err
+    model = load(out, tokenizer=False)
+    want = DraftWeightsConfig(group_size=32, scope="ffn")
+    assert model.draft_weights_config == want and model.draft_params is not None
+    ref = make_draft_params(model.params, want)
+    for name in ("w_gate", "w_up", "w_down"):
+        got, exp = getattr(model.draft_params.layers, name), getattr(ref.layers, name)
+        assert isinstance(got, QuantizedWeight)
+        np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(exp.packed))
+    assert not isinstance(model.draft_params.layers.wq, QuantizedWeight)  # scope "ffn"
+    assert isinstance(model.draft_params.lm_head, QuantizedWeight)
+
+
+def test_draft_group_must_divide(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    src = synthetic_hf_dir()  # hidden 32, MLP 64
+    rc, err = run_cli(capsys, src, tmp_path / "out", "--draft-weights", "int4", "--draft-group", "128")
+    assert rc == 2 and "--draft-group 128" in err and "layers/wq (input dim 32)" in err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+def test_gguf_synthetic_matches_hf(synthetic_gguf: Callable[..., Any], synthetic_hf_dir: Callable[..., Path],
+                                   tmp_path: Path) -> None:
+    """A GGUF written like llama.cpp (q/k rows permuted, F32) converts to exactly the parameters
+    of the HF directory with the same weights: the permutation is undone and layouts agree."""
+    gguf_path, hf_tensors = synthetic_gguf(seed=3)
+    a = convert(gguf_path, tmp_path / "from_gguf", dtype="float32", progress=False)
+    b = convert(synthetic_hf_dir(tensors=hf_tensors), tmp_path / "from_hf", dtype="float32", progress=False)
+    pa, pb = flat_params(a), flat_params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+    cfg = load(a, tokenizer=False).config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 8)
+    assert not cfg.tie_word_embeddings and cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
+    assert json.loads((a / MANIFEST).read_text())["source_format"] == "gguf"
+
+
+def test_gguf_quantized_q8_0(synthetic_gguf: Callable[..., Any], tmp_path: Path) -> None:
+    gguf_path, hf_tensors = synthetic_gguf(seed=4, qtype="Q8_0")
+    got = flat_params(convert(gguf_path, tmp_path / "out", dtype="float32", progress=False))
+    ref = hf_tensors["model.layers.1.self_attn.q_proj.weight"].T
+    assert np.abs(got["layers/wq"][1] - ref).max() < 0.01 * np.abs(ref).max()
+
+
+def test_gguf_unsupported_architecture(synthetic_gguf: Callable[..., Any], tmp_path: Path, capsys: Any) -> None:
+    gguf_path, _ = synthetic_gguf(arch="gpt2")
+    assert_refused(capsys, gguf_path, tmp_path / "out", "general.architecture='gpt2'", "'llama'")
+
+
+def test_gguf_unsupported_rope_scaling(synthetic_gguf: Callable[..., Any], tmp_path: Path, capsys: Any) -> None:
+    gguf_path, _ = synthetic_gguf(metadata={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
+    assert_refused(capsys, gguf_path, tmp_path / "out", "rope_type", "'yarn'")
+
+
+def test_gguf_linear_rope_scaling(synthetic_gguf: Callable[..., Any], tmp_path: Path) -> None:
+    gguf_path, _ = synthetic_gguf(metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    cfg = load(convert(gguf_path, tmp_path / "out", progress=False), tokenizer=False).config
+    assert cfg.rope_scaling is not None
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 2.0)
+    assert not (tmp_path / "out" / "tokenizer").exists()  # the GGUF has no tokenizer metadata
+
+
+def test_gguf_truncated(synthetic_gguf: Callable[..., Any], tmp_path: Path, capsys: Any) -> None:
+    gguf_path, _ = synthetic_gguf()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_path.read_bytes()[:-500])
+    assert_refused(capsys, cut, tmp_path / "out", str(cut))
+
+
+def test_gguf_package_missing(synthetic_gguf: Callable[..., Any], tmp_path: Path, capsys: Any,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf_path, _ = synthetic_gguf()
+    monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` raise ImportError
+    assert_refused(capsys, gguf_path, tmp_path / "out", "gguf", "pip install 'qspec-jax[gguf]'")
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_roundtrip(smollm2_checkpoint: Path) -> None:
+    """The GGUF metadata becomes SmolLM2's known architecture (SPEC §9) and its chat template
+    survives. (Reads config and tokenizer only; test_parity_hf loads the parameters.)"""
+    from transformers import AutoTokenizer
+
+    from qspec_jax.checkpoint import MODEL_CONFIG
+    from qspec_jax.config import ModelConfig
+
+    manifest = json.loads((smollm2_checkpoint / MANIFEST).read_text())
+    assert manifest["source_format"] == "gguf"
+    assert manifest["source_tensor_types"] == ["F32", "Q4_1", "Q8_0"]
+    cfg = ModelConfig.from_dict(json.loads((smollm2_checkpoint / MODEL_CONFIG).read_text()))
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.tie_word_embeddings
+    assert cfg.rope_theta == 1e5 and cfg.rope_scaling is None and cfg.max_position_embeddings == 8192
+    assert cfg.vocab_size == 49152 and cfg.intermediate_size == 1536
+    assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1
+    tok = AutoTokenizer.from_pretrained(smollm2_checkpoint / "tokenizer")
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False)[0]) == "<|im_start|>"
+
+
+def test_out_parent_is_created(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    out = convert(synthetic_hf_dir(), tmp_path / "a" / "b" / "ckpt", progress=False)
+    assert (out / MANIFEST).is_file()
+    shutil.rmtree(tmp_path / "a")
