@@ -163,8 +163,10 @@ class QuantSpecCache:
         """An empty cache for `batch` rows of up to `max_len` tokens (a multiple of group_size)."""
         if max_len % group_size:
             raise ValueError(f"max_len={max_len} must be a multiple of group_size={group_size}")
-        if gamma_max < 1:
-            raise ValueError(f"gamma_max={gamma_max} must be >= 1")
+        if not 1 <= gamma_max < group_size:
+            # A round commits up to gamma_max + 1 tokens onto fp_len < 2G; one flush removes G, so
+            # G <= fp_len < 2G after it needs gamma_max < G (SPEC §4).
+            raise ValueError(f"gamma_max={gamma_max} must be >= 1 and < group_size={group_size}")
         L, B, H, D = cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim
         gv = quant.value_group_size(D)
         r = ring_slots(group_size, gamma_max)
@@ -250,13 +252,18 @@ class QuantSpecCache:
         return self.replace(fp_len=self.fp_len + t)
 
     def rollback(self, lengths: Array) -> "QuantSpecCache":
-        """Sets each row's committed total length; only fp_len moves (tokens stay in the ring)."""
+        """Sets each row's committed total length; only fp_len moves (tokens stay in the ring).
+
+        `lengths` must be >= q_len: quantized tokens are never un-committed.
+        """
         return self.replace(fp_len=(lengths - self.q_len).astype(jnp.int32))
 
     def flush(self) -> "QuantSpecCache":
         """Quantizes the oldest G ring tokens of every row with fp_len >= 2G (SPEC §4 flush).
 
         Afterwards G <= fp_len < 2G for every flushed row. Rows that do not flush are untouched.
+        The caller sizes max_len for every token it will commit (generation does): a flush past
+        max_len cannot raise inside jit, and its block would be dropped.
         """
         G = self.group_size
         mask = self.fp_len >= 2 * G  # [B]

@@ -64,8 +64,10 @@ def hierarchical_quantize(x: Array, axis: int, scale_dtype=jnp.float16) -> tuple
     """Quantizes `x` with one (scale, zero) per slice along `axis`.
 
     Returns (upper, lower_biased, scale, zero): int32 codes in 0..15 shaped like `x`, and
-    scale/zero in `scale_dtype` with `axis` kept at size 1. A constant group gets scale 0 and
-    codes (0, 8), which dequantize exactly to the constant.
+    scale/zero in `scale_dtype` with `axis` kept at size 1. A constant group whose value is
+    representable in `scale_dtype` gets scale 0 and codes (0, 8), which dequantize exactly;
+    otherwise it gets a tiny scale and stays within the bounds. float16 scales overflow for
+    values beyond +-65504: use float32 scales for such data.
     """
     xf = x.astype(jnp.float32)
     lo = jnp.min(xf, axis=axis, keepdims=True)

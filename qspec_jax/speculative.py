@@ -79,6 +79,8 @@ class SpecConfig:
         for name, allowed in (("draft_kv", DRAFT_KV), ("target_kv", TARGET_KV), ("draft_weights", DRAFT_WEIGHTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected one of {allowed}")
+        if self.target_kv == "int8" and self.gamma_max >= self.group_size:
+            raise ValueError(f"gamma_max={self.gamma_max} must be < group_size={self.group_size} (SPEC §4 flush)")
         if (self.target_kv == "bf16") != (self.draft_kv == "bf16"):
             raise ValueError(
                 f"draft_kv={self.draft_kv!r} with target_kv={self.target_kv!r}: the draft reads the target's "
