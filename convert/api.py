@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from qspec_jax.checkpoint import CheckpointError, write_checkpoint
-from qspec_jax.config import ConfigError, ModelConfig
-
 from convert.core import OUTPUT_DTYPES, ConversionError, Source, fill, validate
 from convert.safetensors_io import SafetensorsError
+from qspec_jax.checkpoint import CheckpointError, write_checkpoint
+from qspec_jax.config import ConfigError, ModelConfig
 
 
 def open_source(src: str | Path, dtype: str = "bfloat16", *, tokenizer: bool = True) -> Source:

@@ -19,10 +19,9 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from convert.errors import ConversionError
 from qspec_jax.config import ModelConfig
 from qspec_jax.model import param_shapes
-
-from convert.errors import ConversionError
 
 __all__ = ["OUTPUT_DTYPES", "ConversionError", "Entry", "Source", "fill", "validate"]
 

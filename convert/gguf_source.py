@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from qspec_jax.config import ModelConfig
-
 from convert.core import ConversionError, Entry, Source
+from qspec_jax.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 GGUF_MAGIC = b"GGUF"

@@ -11,10 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qspec_jax.config import ModelConfig
-
 from convert.core import ConversionError, Entry, Source
 from convert.safetensors_io import DTYPES, SafetensorsFile
+from qspec_jax.config import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

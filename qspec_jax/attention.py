@@ -9,6 +9,8 @@ within `sliding_window` if set). Slots past a row's end hold garbage at position
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -142,16 +144,24 @@ def _use_pallas(impl: str) -> bool:
 
 
 def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache, layer: Array,
-                    view: str, impl: str, sliding_window: int | None) -> Array:
+                    view: str, impl: str, sliding_window: int | None, mesh: Any = None) -> Array:
     """Attention of new queries over one layer of `cache` (which already holds their K/V).
 
     `impl` is ModelConfig.attention_impl: "pallas" uses `pallas_kernels`, "reference" the jnp
-    code above, "auto" picks Pallas on GPU.
+    code above, "auto" picks Pallas on GPU. With a tensor-parallel `mesh` the kernel runs per
+    device on its local heads; the jnp code is partitioned by XLA.
     """
     if _use_pallas(impl):
         import pallas_kernels  # imported lazily: the CPU path needs no Triton
 
-        return pallas_kernels.cache_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window)
+        def attend(q, q_pos, cache, layer):
+            return pallas_kernels.cache_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window)
+
+        if mesh is not None and mesh.size > 1:
+            from qspec_jax.sharding import sharded_cache_attention
+
+            return sharded_cache_attention(attend, mesh, q, q_pos, cache, layer)
+        return attend(q, q_pos, cache, layer)
     if isinstance(cache, QuantSpecCache):
         return quantized_cache_attention(q, q_pos, cache, layer, view, sliding_window)
     k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (q.shape[0], cache.max_len))

@@ -186,11 +186,12 @@ def _cast(x: np.ndarray, dtype: Any) -> jax.Array:
 
 
 def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | None = None,
-         tokenizer: bool = True) -> Model:
+         tokenizer: bool = True, mesh: Any = None) -> Model:
     """Loads a converted checkpoint.
 
     dtype: "bfloat16" or "float32" to override the stored dtype (e.g. float32 for tests);
-    attention_impl: "auto" | "reference" | "pallas" (see ModelConfig).
+    attention_impl: "auto" | "reference" | "pallas" (see ModelConfig); mesh: a tensor-parallel
+    mesh (`qspec_jax.sharding.make_mesh`) to lay the weights out on.
     """
     import orbax.checkpoint as ocp
 
@@ -219,5 +220,10 @@ def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | No
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path / TOKENIZER_DIR)
-    return Model(config=cfg, params=params, tokenizer=tok, draft_params=draft, draft_weights_config=draft_cfg,
-                 path=path)
+    model = Model(config=cfg, params=params, tokenizer=tok, draft_params=draft, draft_weights_config=draft_cfg,
+                  path=path)
+    if mesh is not None:
+        from qspec_jax.sharding import shard
+
+        model = shard(model, mesh)
+    return model

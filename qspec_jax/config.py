@@ -15,6 +15,7 @@ from typing import Any, Mapping
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
+INT4_MATMUL_IMPLS = ("auto", "xla", "pallas")
 DTYPES = ("bfloat16", "float32")
 
 
@@ -60,6 +61,7 @@ class ModelConfig:
     # Run-time choices, not part of the architecture.
     dtype: str = "bfloat16"  # parameter and activation dtype; norms/softmax accumulate in float32
     attention_impl: str = "auto"  # "auto": Pallas kernel on GPU, jnp reference elsewhere
+    int4_matmul_impl: str = "auto"  # INT4 draft linears: "auto" (Pallas on GPU) | "xla" | "pallas"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -73,6 +75,8 @@ class ModelConfig:
             raise ConfigError(f"dtype={self.dtype!r}; expected one of {DTYPES}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+        if self.int4_matmul_impl not in INT4_MATMUL_IMPLS:
+            raise ConfigError(f"int4_matmul_impl={self.int4_matmul_impl!r}; expected one of {INT4_MATMUL_IMPLS}")
 
     @property
     def n_rep(self) -> int:

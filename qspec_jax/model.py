@@ -11,6 +11,7 @@ norms, RoPE angles, softmax and matmul accumulation are float32.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -21,11 +22,12 @@ from flax import struct
 from qspec_jax.attention import cache_attention, prefill_attention
 from qspec_jax.cache import DenseKVCache, QuantSpecCache
 from qspec_jax.config import ModelConfig
+from qspec_jax.weight_quant import QuantizedWeight, StackedLayerWeight
 
 Array = jax.Array
 Cache = DenseKVCache | QuantSpecCache
-# A linear weight is a dense [Din, Dout] array or a quantized weight with `.apply(x)`
-# (see qspec_jax.weight_quant.QuantizedWeight).
+# A linear weight is a dense [Din, Dout] array, a QuantizedWeight, or (inside the layer scan) a
+# StackedLayerWeight; the last two have `.apply(x, out_dtype, impl)`.
 Weight = Any
 
 
@@ -53,6 +55,7 @@ class Params:
     final_norm: Array  # [D]
     lm_head: Weight | None  # [D, V]; None when tied to `embed`
     config: ModelConfig = struct.field(pytree_node=False)
+    mesh: Any = struct.field(pytree_node=False, default=None)  # tensor-parallel mesh (qspec_jax.sharding)
 
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -116,11 +119,16 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight * y.astype(x.dtype)
 
 
-def linear(x: Array, w: Weight) -> Array:
-    """x [..., Din] @ w [Din, Dout] with float32 accumulation; output in x's dtype."""
-    if hasattr(w, "apply"):
-        return w.apply(x)
-    return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def linear(x: Array, w: Weight, int4_impl: str = "auto", out_dtype: Any = None, *, mesh: Any = None,
+           row_parallel: bool = False) -> Array:
+    """x [..., Din] @ w [Din, Dout] with float32 accumulation; output in `out_dtype` (x's).
+
+    `mesh`/`row_parallel` only matter for INT4 weights on the Pallas kernel, which runs per
+    device under tensor parallelism; dense matmuls are partitioned by XLA.
+    """
+    if isinstance(w, (QuantizedWeight, StackedLayerWeight)):
+        return w.apply(x, out_dtype, int4_impl, mesh=mesh, row_parallel=row_parallel)
+    return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -152,36 +160,46 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+def _qkv(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, mesh: Any) -> tuple[Array, Array, Array]:
     """x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k."""
     b, t, _ = x.shape
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     inv_freq = rope_inv_freq(cfg)
-    q = apply_rope(linear(h, lp.wq).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-    k = apply_rope(linear(h, lp.wk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-    v = linear(h, lp.wv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    mm = lambda w: linear(h, w, cfg.int4_matmul_impl, mesh=mesh)  # noqa: E731
+    q = apply_rope(mm(lp.wq).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+    k = apply_rope(mm(lp.wk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+    v = mm(lp.wv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array) -> Array:
+def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array, mesh: Any) -> Array:
     """Residual adds of the attention output projection and the SwiGLU MLP."""
     b, t = x.shape[:2]
-    x = x + linear(attn.reshape(b, t, -1), lp.wo)
+    col = functools.partial(linear, int4_impl=cfg.int4_matmul_impl, mesh=mesh)
+    row = functools.partial(col, row_parallel=True)
+    x = x + row(attn.reshape(b, t, -1), lp.wo)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    return x + linear(jax.nn.silu(linear(h, lp.w_gate)) * linear(h, lp.w_up), lp.w_down)
+    return x + row(jax.nn.silu(col(h, lp.w_gate)) * col(h, lp.w_up), lp.w_down)
 
 
 def _scan_layers(params: Params, x: Array, cache: Cache,
                  layer_fn: Callable[[LayerParams, Array, Cache, Array], tuple[Array, Cache]]) -> tuple[Array, Cache]:
-    """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers."""
+    """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers.
+
+    INT4 weights stay stacked (outside the scan's slicing) and reach the matmul as
+    StackedLayerWeight, so a kernel reads its layer in place instead of a per-step copy.
+    """
+    stacked = {n: w for n, w in vars(params.layers).items() if isinstance(w, QuantizedWeight)}
+    scanned = params.layers.replace(**{n: None for n in stacked})
 
     def body(carry, xs):
         x, cache = carry
         lp, i = xs
+        lp = lp.replace(**{n: StackedLayerWeight(w, i) for n, w in stacked.items()})
         return layer_fn(lp, x, cache, i), None
 
     idx = jnp.arange(params.config.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, idx))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (scanned, idx))
     return x, cache
 
 
@@ -191,9 +209,7 @@ def _logits(params: Params, x: Array) -> Array:
     h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", h, params.embed, preferred_element_type=jnp.float32)
-    if hasattr(params.lm_head, "apply"):
-        return params.lm_head.apply(h, out_dtype=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h, params.lm_head, preferred_element_type=jnp.float32)
+    return linear(h, params.lm_head, cfg.int4_matmul_impl, out_dtype=jnp.float32, mesh=params.mesh)
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -211,10 +227,10 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
     x = params.embed[tokens]
 
     def layer(lp, x, cache, i):
-        q, k, v = _qkv(cfg, lp, x, positions)
+        q, k, v = _qkv(cfg, lp, x, positions, params.mesh)
         attn = prefill_attention(q, k, v, positions, cfg.sliding_window)
         cache = cache.prefill_layer(i, k, v, lengths)
-        return _attn_out_and_mlp(cfg, lp, x, attn), cache
+        return _attn_out_and_mlp(cfg, lp, x, attn, params.mesh), cache
 
     x, cache = _scan_layers(params, x, cache, layer)
     cache = cache.finish_prefill(lengths)
@@ -236,10 +252,11 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target")
     x = params.embed[tokens]
 
     def layer(lp, x, cache, i):
-        q, k, v = _qkv(cfg, lp, x, positions)
+        q, k, v = _qkv(cfg, lp, x, positions, params.mesh)
         cache = cache.append_layer(i, k, v)
-        attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window)
-        return _attn_out_and_mlp(cfg, lp, x, attn), cache
+        attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
+                               mesh=params.mesh)
+        return _attn_out_and_mlp(cfg, lp, x, attn, params.mesh), cache
 
     x, cache = _scan_layers(params, x, cache, layer)
     return _logits(params, x), cache.advance(t)

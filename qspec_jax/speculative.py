@@ -29,8 +29,7 @@ from flax import struct
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
-from qspec_jax.generation import (PAD_ID, cache_capacity, check_fits, eos_array, new_cache, pad_prompts,
-                                  run_jitted)
+from qspec_jax.generation import PAD_ID, cache_capacity, check_fits, eos_array, new_cache, pad_prompts, run_jitted
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
@@ -273,7 +272,8 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
 @functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len"))
 def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
                  spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> SpecResult:
-    cache = new_cache(target.config, spec.target_kv, tokens.shape[0], max_len, spec.group_size, spec.gamma_max)
+    cache = new_cache(target.config, spec.target_kv, tokens.shape[0], max_len, spec.group_size, spec.gamma_max,
+                      mesh=target.mesh)
     logits, cache = M.prefill(target, tokens, lengths, cache)  # target weights fill the shared cache
     key, sub = jax.random.split(key)
     first = sample(sub, logits, spec.sampling)
@@ -290,7 +290,12 @@ def draft_params_for(model: Any, spec: SpecConfig) -> M.Params:
     have = getattr(model, "draft_params", None)
     if have is not None and getattr(model, "draft_weights_config", None) == want:
         return have
-    return make_draft_params(model.params, want)
+    draft = make_draft_params(model.params, want)
+    if model.params.mesh is not None:
+        from qspec_jax.sharding import shard_params
+
+        draft = shard_params(draft, model.params.mesh, want.group_size)
+    return draft
 
 
 def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, config: SpecConfig = SpecConfig(),
@@ -312,6 +317,8 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     if draft.config.replace(attention_impl=cfg.attention_impl) != cfg:
         raise ValueError("draft_params were built for a different model config than the target's")
     draft = draft.replace(config=cfg)
+    if draft.mesh != target.mesh:
+        raise ValueError("the draft params are not on the target's mesh: shard both (qspec_jax.sharding.shard)")
     max_len = cache_capacity(tokens.shape[1], config.max_new_tokens + config.gamma + 1, config.group_size)
     key = jax.random.PRNGKey(0) if key is None else key
     return run_jitted(_speculative, (target, draft, jnp.asarray(tokens), jnp.asarray(lengths), key),

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from qspec_jax.quant import NIBBLE_MAX
@@ -86,14 +87,60 @@ class QuantizedWeight:
         w = self.codes() * self.scale[..., None, :].astype(jnp.float32) + self.zero[..., None, :].astype(jnp.float32)
         return w.reshape(self.shape)
 
-    def apply(self, x: Array, out_dtype: Any = None) -> Array:
-        """x [..., Din] @ W -> [..., Dout], float32 accumulation.
+    def apply(self, x: Array, out_dtype: Any = None, impl: str = "xla", **tp: Any) -> Array:
+        """x [..., Din] @ W -> [..., Dout] (one layer's weight); see `int4_matmul`."""
+        return int4_matmul(x, self, impl=impl, out_dtype=out_dtype, **tp)
 
-        Written as dequantize-then-dot so XLA can fuse the dequantization into the dot's
-        operand; the Pallas W4A16 kernel is the fused alternative on GPU.
-        """
-        w = self.dequantize().astype(x.dtype)
-        return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+
+@struct.dataclass
+class StackedLayerWeight:
+    """Layer `layer` of a stacked QuantizedWeight [L, ...], left unsliced so a kernel can read
+    that layer in place (a sliced operand of a custom call would be copied every step)."""
+
+    weight: QuantizedWeight
+    layer: Array  # int32[]
+
+    def apply(self, x: Array, out_dtype: Any = None, impl: str = "xla", **tp: Any) -> Array:
+        return int4_matmul(x, self.weight, self.layer, impl=impl, out_dtype=out_dtype, **tp)
+
+
+def int4_matmul(x: Array, w: QuantizedWeight, layer: Array | None = None, *, impl: str = "auto",
+                out_dtype: Any = None, mesh: Any = None, row_parallel: bool = False) -> Array:
+    """x [..., Din] @ W with float32 accumulation; `layer` selects a layer of a stacked `w`.
+
+    impl "pallas": the Pallas W4A16 kernel (dequantizes in registers, reads a stacked layer in
+    place); "xla": dequantize-then-dot, which XLA may fuse into the dot's operand; "auto":
+    Pallas on GPU, XLA elsewhere. With a tensor-parallel `mesh` the kernel runs per device
+    (`row_parallel` weights all-reduce their partial products); XLA partitions its own path.
+    """
+    out_dtype = out_dtype or x.dtype
+    want_pallas = impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+    tp = 1 if mesh is None else mesh.size
+    local_n = w.shape[-1] if row_parallel else w.shape[-1] // tp  # the kernel sees one device's slice
+    if want_pallas and _kernel_supports(int(np.prod(x.shape[:-1])), local_n, w.group_size):
+        from pallas_kernels.w4a16 import w4a16_apply  # lazily: the CPU path needs no Triton
+
+        if mesh is not None and mesh.size > 1:
+            from qspec_jax.sharding import sharded_int4_matmul
+
+            def local(x, w, layer):
+                return w4a16_apply(x, w, out_dtype, layer=layer)
+
+            return sharded_int4_matmul(local, mesh, x, w, layer, row_parallel)
+        return w4a16_apply(x, w, out_dtype, layer=layer)
+    if layer is not None:
+        w = jax.tree.map(lambda a: a[layer], w)
+    wd = w.dequantize().astype(x.dtype)
+    return jnp.einsum("...i,io->...o", x, wd, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+KERNEL_MAX_M = 128  # the W4A16 kernel is for decode-sized M; larger M (prefill) uses XLA
+KERNEL_N_MULTIPLE = 128
+
+
+def _kernel_supports(m: int, n: int, group_size: int) -> bool:
+    """Shapes the Pallas W4A16 kernel takes; others (e.g. SmolLM2's 192-wide k/v) use XLA."""
+    return m <= KERNEL_MAX_M and n % KERNEL_N_MULTIPLE == 0 and group_size in WEIGHT_GROUPS
 
 
 def _quantize_range(w: Array, lo: Array, hi: Array, scale_dtype: Any) -> tuple[Array, Array, Array]:

@@ -6,7 +6,6 @@ a quantized region and generation crosses flushes.
 
 import json
 
-import jax
 import numpy as np
 import pytest
 

@@ -8,6 +8,8 @@ Parts (select with --parts):
   smollm  SmolLM2-135M real model on real text: AR vs speculative tokens/s at batch 1/8/32.
   memory  Peak memory of AR-bf16, AR-int8 and QuantSpec (8B shape) at 32k and 128k, and the
           longest context that fits, from the planner, confirmed by a run.
+  tp      Tensor parallelism: AR-bf16 and QuantSpec tokens/s of the 8B shape at 128k/256k on 1
+          vs N devices (--tp-sizes), scaling efficiency and peak memory per device.
 
 Caches for the 8B parts are filled with random data at the target context (a 128k prefill
 would only add minutes of setup); step times do not depend on the values.
@@ -20,10 +22,8 @@ fixed cost of a call.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax import model as M
-from qspec_jax.bench import report
+from qspec_jax.bench import report, synthetic
+from qspec_jax.bench.timing import copy_bandwidth
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig, RopeScaling
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
@@ -71,15 +72,6 @@ def median_seconds(call: Callable[[], Any], trials: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, trials: int = 10) -> float:
-    """Device-to-device copy in bytes/s, counting bytes read plus bytes written."""
-    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a + 0)  # one read, one write
-    jax.block_until_ready(copy(x))
-    t = median_seconds(lambda: copy(x), trials)
-    return 2 * nbytes / t
-
-
 @functools.partial(jax.jit, static_argnames=("n", "view"), donate_argnums=(1,))
 def _steps(params: M.Params, cache: Any, toks: jax.Array, *, n: int, view: str) -> tuple[jax.Array, Any]:
     """n decode passes over toks [B, T] at a fixed context (rolled back after each pass)."""
@@ -99,41 +91,12 @@ def time_steps(params: M.Params, cache: Any, t: int, view: str, n: int, trials: 
     return run_steps(lambda p, c, tk: _steps(p, c, tk, n=n, view=view), params, cache, t, n, trials)
 
 
-# ------------------------------------------------------------------------- synthetic caches
 def random_dense_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array) -> DenseKVCache:
-    max_len = context + EXTRA_SLOTS
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    fill = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.bfloat16),
-                              jax.random.normal(jax.random.fold_in(k, 1), shape, jnp.bfloat16)))
-    k, v = fill(key)
-    return DenseKVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+    return synthetic.random_dense_cache(cfg, batch, context, key, extra_slots=EXTRA_SLOTS)
 
 
-def random_quant_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array, group: int = 128,
-                       gamma_max: int = 8) -> QuantSpecCache:
-    """A hierarchical cache holding `context` random tokens, laid out as after a prefill."""
-    max_len = -(-(context + EXTRA_SLOTS) // group) * group
-    empty = jax.eval_shape(lambda: QuantSpecCache.init(cfg, batch, max_len, group, gamma_max))
-
-    @jax.jit
-    def fill(k):
-        leaves, treedef = jax.tree.flatten(empty)
-        out = []
-        for i, leaf in enumerate(leaves):
-            ki = jax.random.fold_in(k, i)
-            if leaf.dtype == jnp.uint8:
-                out.append(jax.random.bits(ki, leaf.shape, jnp.uint8))
-            elif leaf.dtype == jnp.int32:
-                out.append(jnp.zeros(leaf.shape, jnp.int32))
-            else:  # scales small and positive, zeros and ring values O(1)
-                x = jax.random.uniform(ki, leaf.shape, jnp.float32, 0.01, 0.1)
-                out.append(x.astype(leaf.dtype))
-        return jax.tree.unflatten(treedef, out)
-
-    cache = fill(key)
-    lengths = jnp.full((batch,), context, jnp.int32)
-    q = prefill_quantized_len(lengths, group)
-    return cache.replace(q_len=q, fp_len=lengths - q, fp_start=jnp.zeros_like(q))
+def random_quant_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array) -> QuantSpecCache:
+    return synthetic.random_quant_cache(cfg, batch, context, key, extra_slots=EXTRA_SLOTS)
 
 
 # ------------------------------------------------------------------------------- bytes model
@@ -163,14 +126,18 @@ def compile_all(programs: dict[Any, tuple[Any, tuple, dict]], workers: int = 8) 
     def one(item):
         name, (fn, a, kw) = item
         t0 = time.perf_counter()
-        exe = fn.lower(*a, **kw).compile()
+        try:
+            exe = fn.lower(*a, **kw).compile()
+        except Exception as e:  # noqa: BLE001 - one failing program must not sink the others
+            traceback.print_exc()
+            exe = f"{type(e).__name__}: {e}"[:500]
         return name, exe, time.perf_counter() - t0
 
     out = {}
     with ThreadPoolExecutor(workers) as pool:
         for name, exe, secs in pool.map(one, programs.items()):
             out[name] = exe
-            log(f"compiled {name} in {secs:.1f} s")
+            log(f"{'compiled' if not isinstance(exe, str) else 'FAILED to compile'} {name} in {secs:.1f} s")
     return out
 
 
@@ -192,13 +159,29 @@ def bench_config(args: argparse.Namespace) -> ModelConfig:
     return (QUICK if args.quick else LLAMA31_8B).replace(attention_impl=args.attention_impl)
 
 
+def time_generate_compile(p_abs: Any, d_abs: Any, args: argparse.Namespace) -> float:
+    """Seconds to compile `generate` (prefill + speculative loop) for the model, alone."""
+    from qspec_jax.speculative import _speculative
+
+    prompt = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    t0 = time.perf_counter()
+    _speculative.lower(p_abs, d_abs, prompt, lengths, jax.random.PRNGKey(0), spec=SpecConfig(gamma=4, max_new_tokens=128),
+                       eos_ids=(), max_len=4352).compile()
+    secs = time.perf_counter() - t0
+    log(f"compile of generate (prefill + speculative loop, {p_abs.config.num_layers} layers): {secs:.1f} s")
+    return secs
+
+
 def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
     cfg = bench_config(args)
     key = jax.random.PRNGKey(0)
     dcfg = DraftWeightsConfig(group_size=args.draft_group)
     p_abs = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
     d_abs = jax.eval_shape(lambda p: make_draft_params(p, dcfg), p_abs)
+    d_xla_abs = d_abs.replace(config=cfg.replace(int4_matmul_impl="xla"))
     first = jnp.array([7], jnp.int32)
+    compile_generate_s = time_generate_compile(p_abs, d_abs, args)
     loop_new = args.loop_tokens
     ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
     spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
@@ -212,6 +195,8 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
         programs[("ar_bf16", c)] = (_steps, (p_abs, dense, toks(1)), dict(view="target", **steps))
         programs[("ar_int8", c)] = (_steps, (p_abs, quant, toks(1)), dict(view="target", **steps))
         programs[("draft", c)] = (_steps, (d_abs, quant, toks(1)), dict(view="draft", **steps))
+        if c in (min(args.contexts), max(args.contexts)):  # the XLA INT4 path, for comparison
+            programs[("draft_xla", c)] = (_steps, (d_xla_abs, quant, toks(1)), dict(view="draft", **steps))
         for g in args.gammas:
             programs[("verify", g, c)] = (_steps, (p_abs, quant, toks(g + 1)), dict(view="target", **steps))
         if c in args.loop_contexts:
@@ -233,6 +218,7 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
     draft = make_draft_params(params, dcfg)
     jax.block_until_ready(draft)
+    draft_xla = draft.replace(config=d_xla_abs.config)
     wb = weight_bytes(cfg, dcfg)
     embed = tree_bytes(params.embed)
     target_read = wb["target"] - embed  # an embedding row is negligible; untied lm_head is read
@@ -241,32 +227,45 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
                               if not hasattr(getattr(draft.layers, n), "packed")])
     rows = []
     for c in args.contexts:
-        row: dict[str, Any] = {"context": c}
+        row: dict[str, Any] = {"context": c, "errors": {}}
+
+        def steps(name: Any, field: str, p: Any, cache: Any, t: int) -> Any:
+            """Times one compiled step program into row[field] (NaN and an error if it failed)."""
+            exe = exes.get(name)
+            if exe is None or isinstance(exe, str):
+                row[field], row["errors"][field] = float("nan"), exe or "not compiled"
+                return cache
+            secs, cache = run_steps(exe, p, cache, t, args.steps, args.trials)
+            row[field] = secs * 1e3
+            return cache
+
+        def loop(name: Any, field: str, *call_args: Any) -> Any:
+            exe = exes.get(name)
+            if exe is None or isinstance(exe, str):
+                row[field], row["errors"][field] = float("nan"), exe or "not compiled"
+                return None
+            res = exe(*call_args)
+            row[field] = loop_new / median_seconds(lambda: exe(*call_args), args.trials)
+            return res
+
         dense = random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
-        t, dense = run_steps(exes[("ar_bf16", c)], params, dense, 1, args.steps, args.trials)
-        row["ar_bf16_ms"] = t * 1e3
+        dense = steps(("ar_bf16", c), "ar_bf16_ms", params, dense, 1)
         if c in args.loop_contexts:
-            exe = exes[("ar_bf16_loop", c)]
-            secs = median_seconds(lambda: exe(params, dense, first, key), args.trials)
-            row["ar_bf16_loop_tok_s"] = loop_new / secs
+            loop(("ar_bf16_loop", c), "ar_bf16_loop_tok_s", params, dense, first, key)
         del dense
         quant = random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
-        t, quant = run_steps(exes[("ar_int8", c)], params, quant, 1, args.steps, args.trials)
-        row["ar_int8_ms"] = t * 1e3
-        t, quant = run_steps(exes[("draft", c)], draft, quant, 1, args.steps, args.trials)
-        row["draft_ms"] = t * 1e3
+        quant = steps(("ar_int8", c), "ar_int8_ms", params, quant, 1)
+        quant = steps(("draft", c), "draft_ms", draft, quant, 1)
+        quant = steps(("draft_xla", c), "draft_xla_int4_ms", draft_xla, quant, 1)
         for g in args.gammas:
-            t, quant = run_steps(exes[("verify", g, c)], params, quant, g + 1, args.steps, args.trials)
-            row[f"verify_g{g}_ms"] = t * 1e3
+            quant = steps(("verify", g, c), f"verify_g{g}_ms", params, quant, g + 1)
         if c in args.loop_contexts:
-            exe = exes[("ar_int8_loop", c)]
-            row["ar_int8_loop_tok_s"] = loop_new / median_seconds(lambda: exe(params, quant, first, key), args.trials)
+            loop(("ar_int8_loop", c), "ar_int8_loop_tok_s", params, quant, first, key)
             for a in args.alphas:
-                exe = exes[("spec_loop", args.loop_gamma, a, c)]
-                res = exe(params, draft, quant, first, key)
-                secs = median_seconds(lambda: exe(params, draft, quant, first, key), args.trials)
-                row[f"spec_g{args.loop_gamma}_a{a}_loop_tok_s"] = loop_new / secs
-                row[f"spec_g{args.loop_gamma}_a{a}_loop_tokens_per_round"] = res.tokens_per_round
+                res = loop(("spec_loop", args.loop_gamma, a, c), f"spec_g{args.loop_gamma}_a{a}_loop_tok_s",
+                           params, draft, quant, first, key)
+                if res is not None:
+                    row[f"spec_g{args.loop_gamma}_a{a}_loop_tokens_per_round"] = res.tokens_per_round
         del quant
         row.update(ar_bf16_bytes=step_bytes(cfg, target_read, c, 1, "bf16"),
                    ar_int8_bytes=step_bytes(cfg, target_read, c, 1, "int8"),
@@ -287,7 +286,8 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
         rows.append(row)
     return {"config": "Llama-3.1-8B shape, random bf16 weights, batch 1", "weights": wb,
-            "draft": dcfg.to_dict(), "compile_wall_s": compile_wall, "rows": rows,
+            "draft": dcfg.to_dict(), "compile_wall_s": compile_wall, "compile_generate_s": compile_generate_s,
+            "rows": rows,
             "note": "forced acceptance: each draft accepted i.i.d. with probability alpha (SpecConfig.forced_acceptance)"}
 
 
@@ -346,24 +346,27 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     key = jax.random.PRNGKey(0)
     params = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
     draft = jax.eval_shape(lambda p: make_draft_params(p, dcfg), params)
-    rows = []
+    programs: dict[Any, tuple[Any, tuple, dict]] = {}
+    first = jax.ShapeDtypeStruct((1,), jnp.int32)
     for context in args.memory_contexts:
-        for kind in ("ar_bf16", "ar_int8", "spec"):
-            kv = "bf16" if kind == "ar_bf16" else "int8"
-            cache = jax.eval_shape(lambda k: (random_dense_cache if kv == "bf16" else random_quant_cache)(
-                cfg, 1, context, k), key)
-            first = jax.ShapeDtypeStruct((1,), jnp.int32)
-            if kind == "spec":
-                fn = jax.jit(functools.partial(speculative_loop, spec=SpecConfig(gamma=4, max_new_tokens=64), eos_ids=()))
-                lowered = fn.lower(params, draft, cache, first, key)
-            else:
-                fn = jax.jit(functools.partial(autoregressive_loop, gen=GenerationConfig(max_new_tokens=64, kv=kv), eos_ids=()))
-                lowered = fn.lower(params, cache, first, key)
-            ma = lowered.compile().memory_analysis()
-            peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
-            rows.append({"context": context, "kind": kind, "peak_bytes": int(peak),
-                         "arguments": int(ma.argument_size_in_bytes), "temp": int(ma.temp_size_in_bytes)})
-            log(json.dumps(rows[-1]))
+        dense = jax.eval_shape(lambda k: random_dense_cache(cfg, 1, context, k), key)
+        quant = jax.eval_shape(lambda k: random_quant_cache(cfg, 1, context, k), key)
+        for kind, cache in (("ar_bf16", dense), ("ar_int8", quant)):
+            fn = jax.jit(functools.partial(autoregressive_loop, gen=GenerationConfig(max_new_tokens=64, kv=kind[3:]),
+                                           eos_ids=()))
+            programs[(context, kind)] = (fn, (params, cache, first, key), {})
+        fn = jax.jit(functools.partial(speculative_loop, spec=SpecConfig(gamma=4, max_new_tokens=64), eos_ids=()))
+        programs[(context, "spec")] = (fn, (params, draft, quant, first, key), {})
+    rows = []
+    for (context, kind), exe in compile_all(programs, args.compile_workers).items():
+        if isinstance(exe, str):
+            rows.append({"context": context, "kind": kind, "error": exe})
+            continue
+        ma = exe.memory_analysis()
+        peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+        rows.append({"context": context, "kind": kind, "peak_bytes": int(peak),
+                     "arguments": int(ma.argument_size_in_bytes), "temp": int(ma.temp_size_in_bytes)})
+        log(json.dumps(rows[-1]))
     plan = {"device_bytes": device_bytes,
             "ar_bf16": max_context(cfg, "bf16", device_bytes),
             "quantspec": max_context(cfg, "int8", device_bytes, draft=dcfg)}
@@ -395,6 +398,59 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "plan": plan, "confirm": confirm}
 
 
+# --------------------------------------------------------------------------------- part: tp
+def part_tp(args: argparse.Namespace) -> dict[str, Any]:
+    """AR-bf16 and QuantSpec (forced acceptance) tokens/s of the 8B shape on 1 vs N devices."""
+    from jax.sharding import NamedSharding
+
+    from qspec_jax.sharding import cache_specs, make_mesh, shard_params
+
+    cfg = bench_config(args)
+    key = jax.random.PRNGKey(0)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    first = jnp.array([7], jnp.int32)
+    rows = []
+    for n in args.tp_sizes:
+        mesh = make_mesh(n) if n > 1 else None
+        params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
+        draft = make_draft_params(params, dcfg)
+        if mesh is not None:
+            params, draft = shard_params(params, mesh, dcfg.group_size), shard_params(draft, mesh, dcfg.group_size)
+        place = (lambda c: c) if mesh is None else (  # noqa: E731
+            lambda c: jax.device_put(c, jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(c))))
+        for c in args.tp_contexts:
+            row: dict[str, Any] = {"devices": n, "context": c}
+            try:
+                cache = place(random_dense_cache(cfg, 1, c, key))
+                ar = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
+                gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16")
+                jax.block_until_ready(ar(params, cache, first, key, gen=gen, eos_ids=()))
+                row["ar_bf16_tok_s"] = args.loop_tokens / median_seconds(
+                    lambda: ar(params, cache, first, key, gen=gen, eos_ids=()), args.trials)
+                del cache
+                cache = place(random_quant_cache(cfg, 1, c, key))
+                sp = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
+                spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens,
+                                  forced_acceptance=args.alphas[0], eos_token_ids=())
+                jax.block_until_ready(sp(params, draft, cache, first, key, spec=spec, eos_ids=()))
+                row["spec_tok_s"] = args.loop_tokens / median_seconds(
+                    lambda: sp(params, draft, cache, first, key, spec=spec, eos_ids=()), args.trials)
+                del cache
+                row["peak_bytes_per_device"] = [int((d.memory_stats() or {}).get("peak_bytes_in_use", -1))
+                                                for d in (mesh.devices.flat if mesh is not None else jax.devices()[:1])]
+            except Exception as e:  # noqa: BLE001 - e.g. 256k on one device may not fit: that is a result
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            log(json.dumps(row))
+            rows.append(row)
+        del params, draft
+    for r in rows:  # scaling efficiency: tokens/s on N devices / (N x tokens/s on one)
+        base = next((b for b in rows if b["devices"] == 1 and b["context"] == r["context"]), None)
+        for k in ("ar_bf16_tok_s", "spec_tok_s"):
+            if base and k in base and k in r:
+                r[k.replace("tok_s", "scaling_eff")] = r[k] / (r["devices"] * base[k])
+    return {"alpha": args.alphas[0], "gamma": args.loop_gamma, "rows": rows}
+
+
 # ------------------------------------------------------------------------------------ main
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x)
@@ -406,7 +462,7 @@ def _floats(s: str) -> tuple[float, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qspec-bench e2e", description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="8b,smollm,memory")
+    p.add_argument("--parts", default="8b,smollm,memory", help="any of 8b,smollm,memory,tp")
     p.add_argument("--out", type=Path, default=Path("docs/bench"))
     p.add_argument("--contexts", type=_ints, default=CONTEXTS)
     p.add_argument("--loop-contexts", type=_ints, default=(32768, 131072),
@@ -429,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smollm-gamma", type=int, default=4)
     p.add_argument("--memory-contexts", type=_ints, default=(32768, 131072))
     p.add_argument("--confirm-max-context", action="store_true")
+    p.add_argument("--tp-sizes", type=_ints, default=(1, 2), help="part tp: device counts compared")
+    p.add_argument("--tp-contexts", type=_ints, default=(131072, 262144), help="part tp: contexts")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test of the harness)")
     return p
 
@@ -439,16 +497,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.contexts, args.loop_contexts, args.memory_contexts = (512, 1024), (1024,), (1024,)
         args.gammas, args.steps, args.trials, args.loop_tokens, args.smollm_batches = (2, 4), 2, 1, 16, (1, 2)
         args.smollm_context, args.smollm_new_tokens, args.draft_group = 256, 16, 64
+        args.tp_contexts = (1024,)
     parts = [x for x in args.parts.split(",") if x]
     args.out.mkdir(parents=True, exist_ok=True)
     env = report.environment()
     log(json.dumps(env))
     results: dict[str, Any] = {"environment": env, "command": "qspec-bench e2e " + " ".join(argv or sys.argv[1:])}
-    bw = copy_bandwidth(256 << 20 if args.quick else 2 << 30)
+    bw = copy_bandwidth(256 << 20 if args.quick else 2 << 30, args.trials)
     results["copy_bandwidth_bytes_per_s"] = bw
     log(f"device-to-device copy: {bw / 1e12:.3f} TB/s")
     for part, fn in (("8b", lambda: part_8b(args, bw)), ("smollm", lambda: part_smollm(args)),
-                     ("memory", lambda: part_memory(args))):
+                     ("memory", lambda: part_memory(args)), ("tp", lambda: part_tp(args))):
         if part not in parts:
             continue
         try:

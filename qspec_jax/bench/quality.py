@@ -96,7 +96,8 @@ def part_ppl(model: Any, text_dir: Path, context: int, n_eval: int) -> list[dict
 
 
 def part_accept(model: Any, text_dir: Path, contexts: Sequence[int], gammas: Sequence[int], n_tf: int,
-                n_free: int, batch: int, variants: Sequence[DraftVariant]) -> list[dict[str, Any]]:
+                n_free: int, batch: int, variants: Sequence[DraftVariant],
+                modes: Sequence[str] = ("teacher-forced", "free-running")) -> list[dict[str, Any]]:
     from qspec_jax import evaluation as E
     from qspec_jax.speculative import SpecConfig, generate
 
@@ -107,16 +108,18 @@ def part_accept(model: Any, text_dir: Path, contexts: Sequence[int], gammas: Seq
             texts = [text_dir / COMEDIES[b % len(COMEDIES)] for b in range(batch)]
             win = context + n_tf
             toks = np.stack([E.read_text_tokens(model, t, win, TEXT_OFFSET) for t in texts])
-            log(f"teacher-forced: {v.name}, context {context}")
-            res = E.teacher_forced(model.params, toks, context, kv="int8", draft=draft, draft_kv=v.draft_kv,
-                                   progress=False)
-            agree = res["draft_top"] == res["target_top"]
-            for g in gammas:
-                sim = E.simulate_rounds(agree, g)
-                rows.append({"variant": v.name, "mode": "teacher-forced", "context": context, "gamma": g,
-                             "acceptance_rate": sim["acceptance_rate"], "tokens_per_round": sim["tokens_per_round"],
-                             "agreement": float(agree.mean())})
-            for g in gammas:
+            if "teacher-forced" in modes:
+                log(f"teacher-forced: {v.name}, context {context}")
+                res = E.teacher_forced(model.params, toks, context, kv="int8", draft=draft, draft_kv=v.draft_kv,
+                                       progress=False)
+                agree = res["draft_top"] == res["target_top"]
+                for g in gammas:
+                    sim = E.simulate_rounds(agree, g)
+                    rows.append({"variant": v.name, "mode": "teacher-forced", "context": context, "gamma": g,
+                                 "acceptance_rate": sim["acceptance_rate"], "tokens_per_round": sim["tokens_per_round"],
+                                 "agreement": float(agree.mean()), "tokens": int(agree.size)})
+                log(json.dumps(rows[-1]))
+            for g in (gammas if "free-running" in modes else ()):
                 log(f"free-running: {v.name}, context {context}, gamma {g}")
                 spec = SpecConfig(gamma=g, max_new_tokens=n_free, draft_kv=v.draft_kv, draft_weights=v.draft_weights,
                                   draft_group=v.group, draft_scope=v.scope, draft_method=v.method,
@@ -130,7 +133,8 @@ def part_accept(model: Any, text_dir: Path, contexts: Sequence[int], gammas: Seq
 
 def write_quality(results: dict[str, Any]) -> None:
     env = results["environment"]
-    head = f"{report.env_line(env, results['command'])}"
+    head = (f"{report.env_line(env, results['command'])}. Compute dtype {env.get('compute_dtype', '?')} "
+            "(weights as stored in the checkpoint: bfloat16)")
     if "ppl" in results:
         rows = results["ppl"]
         text = (f"## Perplexity (teacher-forced; the cache evolves as in decoding)\n\n{head}\n\n"
@@ -173,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tf-tokens", type=int, default=512)
     p.add_argument("--free-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--modes", default="teacher-forced,free-running")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--quick", action="store_true")
     return p
 
@@ -181,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import qspec_jax
 
     args = build_parser().parse_args(argv)
-    model = qspec_jax.load(args.checkpoint)
+    model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
     contexts = [int(x) for x in args.contexts.split(",")]
     gammas = [int(x) for x in args.gammas.split(",")]
     variants = VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")]
@@ -189,16 +195,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         contexts, gammas, variants, ppl_ctx, ppl_eval = [256], [2, 4], variants[:2], 256, 64
         args.tf_tokens, args.free_tokens, args.batch = 64, 16, 1
-    results: dict[str, Any] = {"environment": report.environment(),
-                               "command": "qspec-bench quality " + " ".join(argv or sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)
+    store = args.out / "quality.json"  # results of earlier invocations are kept and merged
+    results: dict[str, Any] = json.loads(store.read_text()) if store.exists() else {}
+    command = "qspec-bench quality " + " ".join(argv or sys.argv[1:])
+    results["environment"] = report.environment()
+    results["environment"]["compute_dtype"] = model.config.dtype
+    results["commands"] = list(dict.fromkeys(results.get("commands", []) + [command]))
+    results["command"] = " ; ".join(results["commands"])
     parts = args.parts.split(",")
     if "ppl" in parts:
         results["ppl"] = part_ppl(model, args.text_dir, ppl_ctx, ppl_eval)
     if "accept" in parts:
-        results["accept"] = part_accept(model, args.text_dir, contexts, gammas, args.tf_tokens, args.free_tokens,
-                                        args.batch, variants)
-    (args.out / "quality.json").write_text(json.dumps(results, indent=1))
+        new = part_accept(model, args.text_dir, contexts, gammas, args.tf_tokens, args.free_tokens, args.batch,
+                          variants, modes=args.modes.split(","))
+        key = lambda r: (r["variant"], r["mode"], r["context"], r["gamma"])  # noqa: E731
+        fresh = {key(r) for r in new}
+        results["accept"] = [r for r in results.get("accept", []) if key(r) not in fresh] + new
+    store.write_text(json.dumps(results, indent=1))
     write_quality(results)
     return 0
 

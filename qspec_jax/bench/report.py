@@ -37,7 +37,7 @@ def env_line(env: dict[str, Any], command: str) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = lambda v: ("–" if v != v else f"{v:.3g}") if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
@@ -94,10 +94,13 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
             "read, and the fraction of copy bandwidth that represents. Draft weights: "
             f"INT4 g{p8['draft']['group_size']} ({p8['draft']['scope']}, lm_head {'INT4' if p8['draft']['lm_head'] else 'bf16'}).\n")
         parts.append(table(
-            ["context", "AR-bf16 ms", "AR-bf16 % copy BW", "AR-int8 ms", "AR-int8 % BW", "draft step ms", "draft % BW"]
-            + [f"verify γ={g} ms" for g in gammas],
+            ["context", "AR-bf16 ms", "AR-bf16 % copy BW", "AR-int8 ms", "AR-int8 % BW", "draft step ms", "draft % BW",
+             "draft ms, XLA int4"] + [f"verify γ={g} ms" for g in gammas],
             [[r["context"], r["ar_bf16_ms"], 100 * r["ar_bf16_bw_frac"], r["ar_int8_ms"], 100 * r["ar_int8_bw_frac"],
-              r["draft_ms"], 100 * r["draft_bw_frac"]] + [r[f"verify_g{g}_ms"] for g in gammas] for r in rows]))
+              r["draft_ms"], 100 * r["draft_bw_frac"], r.get("draft_xla_int4_ms", float("nan"))]
+             + [r[f"verify_g{g}_ms"] for g in gammas] for r in rows]))
+        parts.append(f"\nCompile time of `generate` (prefill + speculative loop) for this {p8.get('layers', 32)}-layer "
+                     f"model: {p8.get('compile_generate_s', float('nan')):.1f} s.")
         for a in alphas:
             parts.append(f"\nProjected speedup at acceptance α = {a}: E[tokens/round]·t_AR / (γ·t_draft + t_verify)\n")
             parts.append(table(
@@ -107,7 +110,7 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
         loop_rows = [r for r in rows if "ar_bf16_loop_tok_s" in r]
         if loop_rows:
             lg = [k for k in loop_rows[0] if k.startswith("loop_g") and k.endswith("_vs_bf16")]
-            parts.append("\nMeasured generation loops (forced acceptance, " + p8.get("note", "") + "):\n")
+            parts.append("\nMeasured generation loops, 128 tokens each (" + p8.get("note", "") + "):\n")
             parts.append(table(
                 ["context", "AR-bf16 tok/s", "AR-int8 tok/s"] + [k.replace("_vs_bf16", " speedup vs AR-bf16") for k in lg]
                 + [k.replace("_vs_bf16", " / projection") for k in lg],
@@ -139,6 +142,7 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
                      "generation loop (XLA memory analysis).\n")
         parts.append(table(["context", "mode", "peak GB", "arguments GB", "temporaries GB"],
                            [[r["context"], r["kind"], r["peak_bytes"] / 1e9, r["arguments"] / 1e9, r["temp"] / 1e9]
+                            if "error" not in r else [r["context"], r["kind"], "failed", r["error"][:80], ""]
                             for r in mem["rows"]]))
         plan = mem["plan"]
         parts.append(f"\nLongest context on this device ({plan['device_bytes'] / 2**30:.1f} GiB) by the cache-bytes "
@@ -150,6 +154,16 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
                             if c["ok"] else f"FAILED: {c['error']}"))
     elif mem:
         parts.append(f"\n### Memory\n\nFailed: `{mem.get('error')}`")
+    tp = results.get("tp")
+    if tp and "rows" in tp:
+        parts.append(f"\n### Tensor parallelism (8B shape, batch 1, γ={tp['gamma']}, forced α={tp['alpha']})\n")
+        parts.append(table(
+            ["devices", "context", "AR-bf16 tok/s", "QuantSpec tok/s", "AR scaling eff.", "QuantSpec scaling eff.",
+             "peak GB per device", "note"],
+            [[r["devices"], r["context"], r.get("ar_bf16_tok_s", float("nan")), r.get("spec_tok_s", float("nan")),
+              r.get("ar_bf16_scaling_eff", float("nan")), r.get("spec_scaling_eff", float("nan")),
+              " / ".join(f"{b / 1e9:.1f}" for b in r.get("peak_bytes_per_device", [])), r.get("error", "")[:60]]
+             for r in tp["rows"]]))
     update_section("e2e", "\n".join(parts))
 
 

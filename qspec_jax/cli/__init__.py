@@ -12,6 +12,17 @@ def fail(prog: str, message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def tp_mesh(n: int):
+    """The mesh for `--tp N` (None for one device)."""
+    if n < 1:
+        raise ValueError(f"--tp {n}: must be >= 1")
+    if n == 1:
+        return None
+    from qspec_jax.sharding import make_mesh
+
+    return make_mesh(n)
+
+
 def run_cli(prog: str, body: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None) -> int:
     """Runs `body(argv)`, turning expected user errors into `fail` instead of tracebacks."""
     from qspec_jax.checkpoint import CheckpointError

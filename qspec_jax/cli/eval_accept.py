@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cli import run_cli
+from qspec_jax.cli import run_cli, tp_mesh
 
 PROG = "qspec-eval-accept"
 
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-draft-lm-head", action="store_true", help="keep the draft's lm_head in bf16")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     return p
 
 
@@ -62,13 +63,12 @@ def _prompts(ids: Any, context: int, stride: int, batch: int) -> Any:
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     import jax
-    import numpy as np
 
     import qspec_jax
     from qspec_jax.evaluation import read_text_tokens, simulate_rounds, teacher_forced
     from qspec_jax.speculative import SpecConfig, draft_params_for, generate
 
-    model = qspec_jax.load(args.checkpoint)
+    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
     gamma_max = max(8, max(args.gamma))
     base = SpecConfig(gamma=1, gamma_max=gamma_max, max_new_tokens=args.new_tokens, draft_kv=args.draft_kv,
                       draft_weights=args.draft_weights, draft_group=args.draft_group, draft_scope=args.draft_scope,

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from qspec_jax.cli import run_cli
+from qspec_jax.cli import run_cli, tp_mesh
 
 PROG = "qspec-eval-ppl"
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="evaluate B windows, each M tokens further on")
     p.add_argument("--draft-weights", action="store_true", help="use the INT4 draft weights")
     p.add_argument("--json", action="store_true", help='print {"ppl": ..., "tokens": ...}')
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     return p
 
 
@@ -43,7 +44,7 @@ def _main(argv: Sequence[str] | None) -> int:
     import qspec_jax
     from qspec_jax.evaluation import perplexity, read_text_tokens, teacher_forced
 
-    model = qspec_jax.load(args.checkpoint)
+    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
     if args.draft_weights:
         model = model if model.draft_params is not None else model.with_draft_weights()
     params = model.draft_params if args.draft_weights else model.params

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cli import fail, run_cli
+from qspec_jax.cli import fail, run_cli, tp_mesh
 
 PROG = "qspec-generate"
 
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-ar", action="store_true", help="spec mode: also run autoregressive and print both speeds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     return p
 
 
@@ -77,7 +78,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     import qspec_jax
 
-    model = qspec_jax.load(args.checkpoint)
+    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
     ids = model.encode(args.prompt, chat=args.chat)
     result = _run(model, ids, args, args.mode)
     ar = _run(model, ids, args, "ar") if args.compare_ar and args.mode == "spec" else None

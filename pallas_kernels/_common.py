@@ -1,0 +1,28 @@
+"""Small helpers shared by the Pallas kernels."""
+
+from __future__ import annotations
+
+import jax
+
+
+def interpret_default(interpret: bool | None) -> bool:
+    """None means: interpret mode (CPU) unless the default backend is a GPU."""
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    return bool(interpret)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first GPU (132 on an H100 SXM when unknown)."""
+    try:
+        dev = jax.devices()[0]
+        n = getattr(dev, "core_count", None)
+        if dev.platform == "gpu" and n:
+            return int(n)
+    except Exception:  # pragma: no cover - no devices
+        pass
+    return 132
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,450 @@
+"""`qspec-bench kernel`: decode-attention kernels on one layer, on device, against bf16 baselines.
+
+Variants (ours): INT4 draft (T=1), INT8 verify (T=5, T=7) over a QuantSpecCache, and our dense
+bf16 kernel (T=1). Baselines (bf16, T=1): XLA (the jnp `dense_attention` under jit), cuDNN
+(`jax.nn.dot_product_attention(implementation="cudnn")`), JAX Pallas
+`decode_attention.gqa`, and torch SDPA FlashAttention when torch is importable.
+
+Timing (SPEC §7): many repetitions inside one jitted `lax.fori_loop` whose carry is the
+attention output fed back as the next query (so nothing is hoisted); median of several trials.
+Caches hold random data. When one call's bytes fit in L2 (50 MB), each repetition runs over
+several cache copies in turn. A device-to-device copy (read + write) is measured in the same run.
+
+Usage: python -m qspec_jax.bench.kernel [--out DIR] [--quick]   (entry: `main(argv)`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+L2_BYTES = 50 * 2**20
+from qspec_jax.bench import report
+from qspec_jax.bench.synthetic import random_quant_cache
+from qspec_jax.bench.timing import copy_bandwidth, time_loop
+
+MAX_COPIES = 8
+SHAPES = {  # name: (query heads, kv heads, head_dim)
+    "llama3-8b": (32, 8, 128),
+    "smollm2": (9, 3, 64),
+}
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+def quant_bytes(cache, ctx: int, t: int, hq: int, target: bool) -> int:
+    """Bytes one attention call must read and write: the planes it reads over q_len tokens, their
+    scales and zeros, the visible ring entries, q and the output."""
+    _, b, hkv, _, dh = cache.k_hi.shape
+    d = 2 * dh
+    q_len = int(cache.q_len[0])
+    n_fp = int(cache.fp_len[0])
+    sd = jnp.dtype(cache.k_scale.dtype).itemsize
+    planes = 4 if target else 2
+    n = planes * b * hkv * q_len * dh  # uint8 planes
+    n += 2 * b * hkv * (q_len // cache.group_size) * d * sd  # key scale + zero
+    n += 2 * b * hkv * q_len * cache.v_scale.shape[-1] * sd  # value scale + zero
+    n += 2 * b * hkv * n_fp * d * jnp.dtype(cache.k_fp.dtype).itemsize  # ring K + V
+    n += 2 * b * t * hq * d * 2  # q in, o out (bf16)
+    return int(n)
+
+
+def dense_bytes(b: int, hkv: int, ctx: int, d: int, t: int, hq: int) -> int:
+    return int(2 * b * hkv * ctx * d * 2 + 2 * b * t * hq * d * 2)
+
+
+# ----------------------------------------------------------------------------- variants
+def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx: int, t: int, trials: int,
+               configs: list, key) -> list[dict]:
+    """Times one of our kernels under each KernelConfig in `configs`; returns one row each."""
+    import pallas_kernels as pk
+    from qspec_jax.cache import QuantSpecCache  # noqa: F401
+    from qspec_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    if kind == "dense":
+        per_copy = 2 * batch * hkv * ctx * d * 2
+    else:
+        per_copy = batch * hkv * ctx * d * (2 if kind == "target" else 1)
+    copies = max(1, min(MAX_COPIES, math.ceil(2 * L2_BYTES / per_copy)))
+    q = jax.random.normal(key, (batch, t, hq, d), jnp.float32).astype(jnp.bfloat16)
+    if kind == "dense":
+        kk, vk = jax.random.split(key)
+        shape = (copies, batch, hkv, ctx, d)
+        k = jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
+        v = jax.random.normal(vk, shape, jnp.float32).astype(jnp.bfloat16)
+        q_pos = jnp.full((batch, t), ctx - t, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+        nbytes = dense_bytes(batch, hkv, ctx, d, t, hq)
+
+        data = (q_pos, k, v)
+
+        def make_step(conf):
+            def step(x, data):
+                q_pos, k, v = data
+                for c in range(copies):
+                    x = pk.dense_decode_attention(x, q_pos, k, v, jnp.int32(c), interpret=None, config=conf)
+                return x
+            return step
+    else:
+        cache = random_quant_cache(cfg, batch, ctx, key, layers=copies, fp_start=3)
+        tot = cache.q_len + cache.fp_len
+        q_pos = tot[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+        nbytes = quant_bytes(cache, ctx, t, hq, kind == "target")
+
+        data = (q_pos, cache)
+
+        def make_step(conf):
+            def step(x, data):
+                q_pos, cache = data
+                for c in range(copies):
+                    x = pk.quantized_decode_attention(x, q_pos, cache, jnp.int32(c), view=kind, interpret=None,
+                                                      config=conf)
+                return x
+            return step
+
+    rows = []
+    for conf in configs:
+        try:
+            r = time_loop(make_step(conf), q, 3, trials, data=data)
+            s = r["s"] / copies
+            rows.append({"variant": f"ours-{kind}", "config": _conf_str(conf), "s": s, "bytes": nbytes,
+                         "copies": copies, "reps": r["reps"], "spread_s": r["spread"] / copies})
+        except Exception as e:  # a config that does not compile on this device
+            rows.append({"variant": f"ours-{kind}", "config": _conf_str(conf), "error": f"{type(e).__name__}: {e}"[:300]})
+    return rows
+
+
+def _conf_str(conf) -> str:
+    if conf is None:
+        return "default"
+    return ",".join(f"{k}={v}" for k, v in vars(conf).items() if v not in (None, False))
+
+
+def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int, key, torch_ok: bool) -> list[dict]:
+    from qspec_jax.attention import dense_attention
+
+    t = 1
+    per_copy = 2 * batch * hkv * ctx * d * 2
+    copies = max(1, min(MAX_COPIES, math.ceil(2 * L2_BYTES / per_copy)))
+    nbytes = dense_bytes(batch, hkv, ctx, d, t, hq)
+    kk, vk = jax.random.split(key)
+    q = jax.random.normal(key, (batch, t, hq, d), jnp.float32).astype(jnp.bfloat16)
+    rows = []
+
+    def run(name, make):
+        try:
+            step, data = make()
+            r = time_loop(step, q, 3, trials, data=data)
+            rows.append({"variant": name, "config": "", "s": r["s"] / copies, "bytes": nbytes, "copies": copies,
+                         "reps": r["reps"], "spread_s": r["spread"] / copies})
+        except Exception as e:
+            rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            log(f"  {name} failed: {rows[-1]['error'][:160]}")
+
+    # XLA: the jnp reference over [B, Hkv, S, D].
+    shape = (copies, batch, hkv, ctx, d)
+    k = jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(vk, shape, jnp.float32).astype(jnp.bfloat16)
+    q_pos = jnp.full((batch, 1), ctx - 1, jnp.int32)
+    k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (batch, ctx))
+
+    def make_xla():
+        def step(x, data):
+            k, v = data
+            for c in range(copies):
+                x = dense_attention(x, k[c], v[c], q_pos, k_pos)
+            return x
+        return step, (k, v)
+
+    run("xla-bf16", make_xla)
+    del k, v
+    # cuDNN and Pallas gqa take [B, S, Hkv, D].
+    shape = (copies, batch, ctx, hkv, d)
+    k = jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(vk, shape, jnp.float32).astype(jnp.bfloat16)
+
+    def make_cudnn():
+        def step(x, data):
+            k, v = data
+            for c in range(copies):
+                x = jax.nn.dot_product_attention(x, k[c], v[c], implementation="cudnn")
+            return x
+        return step, (k, v)
+
+    run("cudnn-bf16", make_cudnn)
+
+    def make_gqa():
+        from jax.experimental.pallas.ops.gpu import decode_attention as up
+
+        def step(x, data):
+            k, v = data
+            for c in range(copies):
+                x = up.gqa(x[:, 0], k[c], v[c])[:, None].astype(x.dtype)
+            return x
+        return step, (k, v)
+
+    run("pallas-gqa-bf16", make_gqa)
+    del k, v
+    if torch_ok:
+        rows.append(bench_torch(hq, hkv, d, batch, ctx, trials, copies, nbytes))
+    return rows
+
+
+def bench_torch(hq, hkv, d, batch, ctx, trials, copies, nbytes) -> dict:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        dev = "cuda"
+        q = torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16)
+        ks = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        vs = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        f = torch.nn.functional.scaled_dot_product_attention
+
+        def once():
+            x = q
+            for c in range(copies):
+                x = f(x, ks[c], vs[c], enable_gqa=True)
+            return x
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            once()
+            torch.cuda.synchronize()
+            reps = 50
+            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s0.record()
+            for _ in range(reps):
+                once()
+            s1.record()
+            torch.cuda.synchronize()
+            est = s0.elapsed_time(s1) / 1e3 / reps
+            reps = int(max(50, min(5000, 0.03 / max(est, 1e-7))))
+            times = []
+            for _ in range(trials):
+                s0.record()
+                for _ in range(reps):
+                    once()
+                s1.record()
+                torch.cuda.synchronize()
+                times.append(s0.elapsed_time(s1) / 1e3 / reps)
+        del ks, vs
+        torch.cuda.empty_cache()
+        s = statistics.median(times)
+        return {"variant": "torch-sdpa-flash-bf16", "config": f"torch {torch.__version__}", "s": s / copies,
+                "bytes": nbytes, "copies": copies, "reps": reps, "spread_s": (max(times) - min(times)) / 2 / copies}
+    except Exception as e:
+        log(f"  torch failed: {e}"[:200])
+        return {"variant": "torch-sdpa-flash-bf16", "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+# ------------------------------------------------------------------------------ reporting
+def fits(batch: int, hkv: int, ctx: int, d: int) -> bool:
+    """bf16 K+V of one copy plus its BSHD twin must leave room on an 80 GB card."""
+    need = 2 * (2 * batch * hkv * ctx * d * 2) + 4 * batch * hkv * ctx * d // 2
+    try:
+        free = jax.devices()[0].memory_stats().get("bytes_limit", 80e9)
+    except Exception:
+        free = 80e9
+    return need < 0.6 * free
+
+
+def write_outputs(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel_bench.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / "kernel_bench.md").write_text(md)
+    plot(out / "kernel_speedup.png", result)
+
+
+def markdown(result: dict) -> str:
+    bw = result["copy_bw_Bps"]
+    lines = [
+        f"Device: {result['device']}; jax {result['jax']}; {result['date']}; command: `{result['command']}`.",
+        f"Device-to-device copy: {bw / 1e12:.2f} TB/s (read + write). Times are medians of "
+        f"{result['trials']} trials of a jitted loop; speedup is against the best bf16 baseline "
+        "(XLA, cuDNN, Pallas gqa, torch FlashAttention) at the same shape.",
+        "",
+        "| shape | B | context | variant | T | ms | MB moved | TB/s | % copy BW | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "error" in r or r.get("best") is False:
+            continue
+        tbs = r["bytes"] / r["s"] / 1e12
+        sp = r.get("speedup")
+        lines.append(f"| {r['shape']} | {r['batch']} | {_ctx(r['ctx'])} | {r['variant']} | {r['t']} | "
+                     f"{r['s'] * 1e3:.4f} | {r['bytes'] / 1e6:.1f} | {tbs:.2f} | {100 * r['bytes'] / r['s'] / bw:.0f}% | "
+                     f"{'' if sp is None else f'{sp:.2f}x'} |")
+    errs = [r for r in result["rows"] if "error" in r]
+    if errs:
+        lines += ["", "Failed or skipped:", ""]
+        lines += [f"- {r.get('shape')} B={r.get('batch')} {r.get('ctx')} {r['variant']} {r.get('config', '')}: "
+                  f"{r['error'][:200]}" for r in errs]
+    for s in result.get("skipped", []):
+        lines.append(f"- skipped: {s}")
+    return "\n".join(lines) + "\n"
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def plot(path: Path, result: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, shape in zip(axes, SHAPES):
+        for var in ("ours-draft", "ours-target", "ours-dense"):
+            for b in (1, 8):
+                for t in (1, 5, 7):
+                    pts = sorted((r["ctx"], r["speedup"]) for r in result["rows"]
+                                 if r.get("shape") == shape and r["variant"] == var and r.get("batch") == b
+                                 and r.get("t") == t and r.get("speedup") and r.get("best") is not False)
+                    if pts:
+                        ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o",
+                                label=f"{var} T={t} B={b}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (k tokens)")
+        ax.set_ylabel("speedup vs best bf16 baseline")
+        ax.set_title(shape)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="qspec-bench kernel", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/bench", help="directory for JSON/markdown/PNG")
+    ap.add_argument("--quick", action="store_true", help="small sizes (runs on CPU in interpret mode)")
+    ap.add_argument("--doc", default="docs/BENCHMARKS.md", help="markdown file whose Kernel section to update")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--contexts", default=None, help="comma-separated contexts in tokens")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--no-sweep", action="store_true", help="only the default kernel configs")
+    ap.add_argument("--combos", default=None, help="shape:batch pairs to run instead of shapes x batches")
+    args = ap.parse_args(argv)
+
+    import pallas_kernels as pk
+
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.quick:
+        log("no GPU: use --quick (interpret mode, tiny sizes)")
+        return 2
+    if not on_gpu:  # interpret mode (the kernels' default off-GPU): only a smoke run of the code paths
+        global MAX_COPIES
+        MAX_COPIES = 1
+    contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts else
+                ([4096, 16384] if args.quick and on_gpu else [512] if args.quick else
+                 [4096, 16384, 65536, 131072]))
+    batches = [int(b) for b in args.batches.split(",")] if not (args.quick and not on_gpu) else [1]
+    shapes = args.shapes.split(",")
+    trials = args.trials if on_gpu else 1
+    try:
+        import torch
+
+        torch_ok = on_gpu and torch.cuda.is_available()
+    except Exception:
+        torch_ok = False
+
+    dev = jax.devices()[0]
+    result = {"device": f"{dev.device_kind} ({dev.platform})", "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
+              "command": " ".join(["qspec-bench kernel"] + (argv if argv is not None else sys.argv[1:])),
+              "trials": trials, "rows": [], "skipped": []}
+    copy_n = 2 * 2**30 if on_gpu else 2**24
+    result["copy_bw_Bps"] = copy_bandwidth(copy_n, trials)
+    log(f"copy bandwidth: {result['copy_bw_Bps'] / 1e12:.3f} TB/s")
+    out = Path(args.out)
+
+    sweep = {
+        "draft": [None, pk.KernelConfig(codes="f32"), pk.KernelConfig(num_stages=3),
+                  pk.KernelConfig(row_groups=1)],
+        "target": [None, pk.KernelConfig(codes="f32"), pk.KernelConfig(num_warps=4), pk.KernelConfig(block_s=64),
+                   pk.KernelConfig(block_s=64, num_warps=4), pk.KernelConfig(num_stages=3)],
+        "dense": [None, pk.KernelConfig(num_stages=2), pk.KernelConfig(block_s=128), pk.KernelConfig(num_warps=8)],
+    }
+    best: dict[tuple, Any] = {}
+    key = jax.random.PRNGKey(0)
+    if args.quick or args.no_sweep:
+        sweep = {k: [None] for k in sweep}
+    combos = ([(c.split(":")[0], int(c.split(":")[1])) for c in args.combos.split(",")] if args.combos else
+              [(s, b) for s in shapes for b in batches])
+    for shape, batch in combos:
+        hq, hkv, d = SHAPES[shape]
+        if True:
+            for ctx in sorted(contexts, reverse=True):  # largest first: the sweep picks configs there
+                if on_gpu and not fits(batch, hkv, ctx, d):
+                    result["skipped"].append(f"{shape} B={batch} ctx={ctx}: does not fit in memory")
+                    log(f"skip {shape} B={batch} ctx={ctx}")
+                    continue
+                base = dict(shape=shape, batch=batch, ctx=ctx)
+                t0 = time.time()
+                rows = []
+                for kind, t in (("draft", 1), ("target", 5), ("target", 7), ("dense", 1)):
+                    kb = (kind, t, shape)
+                    confs = sweep[kind] if kb not in best else [best[kb]] + ([None] if best[kb] is not None else [])
+                    rs = bench_ours(kind, shape, hq, hkv, d, batch, ctx, t, trials, confs, key)
+                    ok = [r for r in rs if "error" not in r]
+                    if ok:
+                        win = min(ok, key=lambda r: r["s"])
+                        if kb not in best:
+                            best[kb] = confs[[_conf_str(c) for c in confs].index(win["config"])]
+                        for r in ok:
+                            r["best"] = r is win
+                    for r in rs:
+                        r.update(base, t=t)
+                    rows += rs
+                if on_gpu:
+                    for r in bench_baselines(hq, hkv, d, batch, ctx, trials, key, torch_ok):
+                        r.update(base, t=1)
+                        rows.append(r)
+                base_ok = [r["s"] for r in rows if "error" not in r and not r["variant"].startswith("ours")]
+                if base_ok:
+                    for r in rows:
+                        if "error" not in r:
+                            r["speedup"] = min(base_ok) / r["s"]
+                result["rows"] += rows
+                for r in rows:
+                    if "error" in r:
+                        log(f"  {r['variant']} {r.get('config', '')}: ERROR {r['error'][:150]}")
+                    else:
+                        log(f"  {shape} B={batch} ctx={ctx} {r['variant']:>22} T={r['t']} {r.get('config', ''):>28} "
+                            f"{r['s'] * 1e3:8.4f} ms {r['bytes'] / r['s'] / 1e12:5.2f} TB/s "
+                            f"{100 * r['bytes'] / r['s'] / result['copy_bw_Bps']:4.0f}% "
+                            f"{'' if r.get('speedup') is None else format(r['speedup'], '.2f') + 'x'}")
+                log(f"{shape} B={batch} ctx={ctx}: {time.time() - t0:.1f}s")
+                write_outputs(out, result)  # after every shape: a killed run keeps what it measured
+    write_outputs(out, result)
+    if args.doc:
+        report.update_section("kernel", "## Decode attention kernel (Pallas/Triton)\n\n" + markdown(result),
+                              Path(args.doc))
+    log(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

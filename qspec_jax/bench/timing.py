@@ -1,0 +1,63 @@
+"""Device timing for benchmarks (SPEC §7): many repetitions inside one jitted loop, median of
+trials, and the device-to-device copy bandwidth every achieved bandwidth is compared with."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def time_loop(step: Callable, q0: Any, reps: int, trials: int, target_s: float = 0.03, data: Any = ()) -> dict:
+    """Median seconds per `step` call; step(q, data) -> q' (same shape) runs `reps` times per
+    trial inside one jitted fori_loop (grown until a trial takes ~target_s). `data` (caches,
+    weights) is passed as a jit argument, never captured as a constant."""
+
+    @jax.jit
+    def run(q, n, data):
+        return jax.lax.fori_loop(0, n, lambda i, x: step(x, data), q)
+
+    jax.block_until_ready(run(q0, 1, data))
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(q0, reps, data))
+    est = (time.perf_counter() - t0) / reps
+    reps = int(max(reps, min(5000, target_s / max(est, 1e-7))))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(q0, reps, data))
+        times.append((time.perf_counter() - t0) / reps)
+    return {"s": statistics.median(times), "reps": reps, "trials": trials, "spread": (max(times) - min(times)) / 2}
+
+
+def copy_bandwidth(nbytes: int, trials: int = 5) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
+
+    Each pass writes y = x * s out of place (x read once, y written once; s changes per pass so
+    nothing is hoisted). Two loop lengths are timed and differenced, so per-call costs cancel.
+    """
+    n = nbytes // 4
+    x = jnp.arange(n, dtype=jnp.float32) % 7.0
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(x, passes):
+        def body(i, y):
+            return x * (1.0 + (i % 2).astype(jnp.float32)) + y[0] * 0.0
+        return jax.lax.fori_loop(0, passes, body, jnp.zeros_like(x))
+
+    short, long = 4, 24
+    per_call = {}
+    for passes in (short, long):
+        jax.block_until_ready(run(x, passes))
+        times = []
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(x, passes))
+            times.append(time.perf_counter() - t0)
+        per_call[passes] = statistics.median(times)
+    per_pass = max((per_call[long] - per_call[short]) / (long - short), 1e-12)
+    return 2 * nbytes / per_pass

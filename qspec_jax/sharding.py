@@ -1,0 +1,162 @@
+"""Tensor parallelism over a 1-D device mesh (axis "tp") with JAX's own SPMD machinery.
+
+Layout (N devices):
+
+    embed [V, D]                vocabulary-sharded            lm_head [D, V]    vocabulary-sharded
+    wq, wk, wv [L, D, H*Dh]     column-parallel (heads)       wo [L, Hq*Dh, D]  row-parallel
+    w_gate, w_up [L, D, F]      column-parallel               w_down [L, F, D]  row-parallel
+    INT4 draft weights          as their dense twins (packed, scale and zero alike)
+    every cache array [L, B, Hkv, ...]   sharded along KV heads; lengths replicated
+    norms                       replicated
+
+XLA's partitioner inserts the collectives the math needs: an all-reduce after each row-parallel
+matmul (wo, w_down) and for the embedding gather; logits stay vocabulary-sharded until sampling
+reduces over them. The Pallas kernels, which XLA cannot partition, run per device on their local
+heads inside `shard_map` (attention) or `shard_map` + psum (row-parallel INT4 matmuls).
+
+Requirements: num_heads, num_kv_heads, intermediate_size and vocab_size divisible by N, and for
+row-parallel INT4 weights each device's input slice a multiple of the draft group size. KV
+heads are not replicated when N > num_kv_heads: that is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qspec_jax import model as M
+from qspec_jax.cache import DenseKVCache, QuantSpecCache
+from qspec_jax.config import ModelConfig
+from qspec_jax.weight_quant import QuantizedWeight
+
+TP = "tp"
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
+ROW_PARALLEL = ("wo", "w_down")
+
+
+class ShardingError(ValueError):
+    """The model cannot be laid out on this mesh."""
+
+
+def make_mesh(n: int | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+    """A 1-D mesh named "tp" over the first n local devices (all by default)."""
+    devices = list(devices if devices is not None else jax.local_devices())
+    n = n or len(devices)
+    if n > len(devices):
+        raise ShardingError(f"--tp {n}: only {len(devices)} device(s) available")
+    return Mesh(np.array(devices[:n]), (TP,))
+
+
+def tp_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape[TP]
+
+
+def check_divisible(cfg: ModelConfig, n: int, draft_group: int | None = None) -> None:
+    """Clear errors for sizes the layout cannot split over n devices."""
+    if n <= 1:
+        return
+    for field, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                         ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if value % n:
+            raise ShardingError(f"{field}={value} is not divisible by the tensor-parallel size {n}")
+    if draft_group:
+        for name, din in (("wo", cfg.num_heads * cfg.head_dim), ("w_down", cfg.intermediate_size)):
+            if (din // n) % draft_group:
+                raise ShardingError(
+                    f"{name}: each device's input slice ({din // n}) is not a multiple of the draft group "
+                    f"size {draft_group}")
+
+
+# ----------------------------------------------------------------------------------- specs
+def _weight_spec(name: str, stacked: bool) -> P:
+    lead = (None,) if stacked else ()
+    if name in COLUMN_PARALLEL or name == "lm_head":
+        return P(*lead, None, TP)
+    if name in ROW_PARALLEL:
+        return P(*lead, TP, None)
+    return P()
+
+
+def param_specs(params: M.Params) -> M.Params:
+    """PartitionSpecs shaped like `params` (the same pytree, specs at the leaves)."""
+
+    def spec_for(name: str, w: Any, stacked: bool) -> Any:
+        spec = _weight_spec(name, stacked)
+        if isinstance(w, QuantizedWeight):
+            return QuantizedWeight(packed=spec, scale=spec, zero=spec)
+        return spec
+
+    layers = params.layers.replace(**{n: spec_for(n, getattr(params.layers, n), True) for n in M.LINEAR_NAMES},
+                                   attn_norm=P(), mlp_norm=P())
+    lm_head = None if params.lm_head is None else spec_for("lm_head", params.lm_head, False)
+    return params.replace(embed=P(TP, None), layers=layers, final_norm=P(), lm_head=lm_head)
+
+
+def cache_specs(cache: DenseKVCache | QuantSpecCache) -> Any:
+    """Every [L, B, Hkv, ...] array sharded along KV heads; per-row lengths replicated."""
+    return jax.tree.map(lambda x: P(None, None, TP) if x.ndim >= 3 else P(), cache)
+
+
+def _named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def constrain_cache(cache: Any, mesh: Mesh | None) -> Any:
+    """Pins a cache created inside a jitted function to the head-sharded layout."""
+    if tp_size(mesh) <= 1:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, _named(mesh, cache_specs(cache)))
+
+
+def shard_params(params: M.Params, mesh: Mesh, draft_group: int | None = None) -> M.Params:
+    """Places params on the mesh by the layout above and records the mesh in them."""
+    check_divisible(params.config, tp_size(mesh), draft_group)
+    placed = jax.device_put(params, _named(mesh, param_specs(params)))
+    return placed.replace(mesh=mesh)
+
+
+def shard(model: Any, mesh: Mesh) -> Any:
+    """The model (target and draft params) laid out on `mesh`; generate() then runs sharded."""
+    group = model.draft_weights_config.group_size if getattr(model, "draft_params", None) is not None else None
+    params = shard_params(model.params, mesh, group)
+    draft = None if model.draft_params is None else shard_params(model.draft_params, mesh, group)
+    return dataclasses.replace(model, params=params, draft_params=draft)
+
+
+# ------------------------------------------------------------------------ per-device kernels
+def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    """`jax.shard_map` (jax >= 0.7) with replication checks off: kernels are opaque to them."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def sharded_cache_attention(attend: Callable, mesh: Mesh, q: jax.Array, q_pos: jax.Array, cache: Any,
+                            layer: jax.Array) -> jax.Array:
+    """Runs `attend(q, q_pos, cache, layer)` per device on its local query and KV heads."""
+    head = P(None, None, TP)
+    return shard_map(attend, mesh, in_specs=(head, P(), cache_specs(cache), P()), out_specs=head)(
+        q, q_pos, cache, layer)
+
+
+def sharded_int4_matmul(matmul: Callable, mesh: Mesh, x: jax.Array, w: QuantizedWeight, layer: jax.Array | None,
+                        row_parallel: bool) -> jax.Array:
+    """`matmul(x, w, layer)` per device: column-parallel gives output columns sharded; row-parallel
+    consumes x sharded on its last dim and all-reduces the partial products."""
+    stacked = layer is not None
+    spec = _weight_spec("wo" if row_parallel else "wq", stacked)
+    wspec = QuantizedWeight(packed=spec, scale=spec, zero=spec)
+    last = P(*([None] * (x.ndim - 1)), TP)
+    if not stacked:
+        layer = np.int32(0)  # shard_map needs an array; unused by a one-layer weight
+    if row_parallel:
+        def local(x, w, i):
+            return jax.lax.psum(matmul(x, w, i if stacked else None), TP)
+        return shard_map(local, mesh, in_specs=(last, wspec, P()), out_specs=P())(x, w, layer)
+
+    def column(x, w, i):
+        return matmul(x, w, i if stacked else None)
+    return shard_map(column, mesh, in_specs=(P(), wspec, P()), out_specs=last)(x, w, layer)

@@ -1,0 +1,44 @@
+"""Tensor parallelism on 4 simulated CPU devices (in a subprocess: the device count is fixed
+when JAX initializes). See tests/helpers/tp_check.py for the checks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_sharded_generation_matches_single_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    script = Path(__file__).parent / "helpers" / "tp_check.py"
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0 and "TP-CHECKS-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_mesh_on_localhost():
+    """jax.distributed with two CPU processes (one device each, gloo collectives): the sharded
+    greedy tokens (AR and speculative) equal each process's own single-device tokens."""
+    import json
+
+    port = str(_free_port())
+    script = Path(__file__).parent / "helpers" / "multihost_worker.py"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-2000:] + err[-4000:]
+        lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("TOKENS ", "REF ")))
+        assert json.loads(lines["TOKENS"]) == json.loads(lines["REF"])
