@@ -414,6 +414,32 @@ def _quant_config(cfg: KernelConfig | None, *, batch: int, hkv: int, max_len: in
     return bs, ns, nr, warps, stages
 
 
+def _partials_call(kernel: Any, args: list, grid: tuple[int, int, int], m_rows: int, D: int, warps: int,
+                   stages: int, interpret: bool | None, name: str) -> tuple[Array, Array, Array]:
+    """Launches a split-K kernel over grid (B, Hkv, programs) that reads full-array refs and
+    writes one float32 partial (o [m_rows, D], m [m_rows], l [m_rows]) per program."""
+    b, hkv, n = grid
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[pl.no_block_spec] * len(args),
+        out_specs=[
+            pl.BlockSpec((None, None, None, m_rows, D), lambda i, j, k: (i, j, k, 0, 0)),
+            pl.BlockSpec((None, None, None, m_rows), lambda i, j, k: (i, j, k, 0)),
+            pl.BlockSpec((None, None, None, m_rows), lambda i, j, k: (i, j, k, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, n, m_rows, D), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n, m_rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, n, m_rows), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret_default(interpret),
+        debug=_DEBUG,
+        name=name,
+    )(*args)
+
+
 def quantized_decode_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str,
                                sliding_window: int | None = None, interpret: bool | None = None,
                                config: KernelConfig | None = None, fast: bool | None = None,
@@ -464,25 +490,8 @@ def quantized_decode_attention(q: Array, q_pos: Array, cache: Any, layer: Array 
     kernel = functools.partial(_quant_kernel, target=target, fast=fast, G=G, BS=bs, NS=ns, NR=nr, R=R,
                                D=D, window=window, tf32=tf32,
                                k_interleave=bool(config and config.k_interleave), J=J)
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(B, hkv, n_prog),
-        in_specs=[pl.no_block_spec] * len(args),
-        out_specs=[
-            pl.BlockSpec((None, None, None, m_rows, D), lambda i, j, k: (i, j, k, 0, 0)),
-            pl.BlockSpec((None, None, None, m_rows), lambda i, j, k: (i, j, k, 0)),
-            pl.BlockSpec((None, None, None, m_rows), lambda i, j, k: (i, j, k, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, hkv, n_prog, m_rows, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, hkv, n_prog, m_rows), jnp.float32),
-            jax.ShapeDtypeStruct((B, hkv, n_prog, m_rows), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret_default(interpret),
-        debug=_DEBUG,
-        name=f"quantspec_{view}_decode",
-    )(*args)
+    o, m, l = _partials_call(kernel, args, (B, hkv, n_prog), m_rows, D, warps, stages, interpret,
+                             f"quantspec_{view}_decode")
     if return_partials:
         return deinterleave(o), m, l
     return merge_partials(deinterleave(o), m, l, t, n_rep, q.dtype, J)
@@ -563,25 +572,8 @@ def dense_decode_attention(q: Array, q_pos: Array, k: Array, v: Array, layer: Ar
     layer = jnp.asarray(layer, jnp.int32)
     meta = jnp.stack([jnp.broadcast_to(layer, (B,)), jnp.max(q_pos, axis=1).astype(jnp.int32)], axis=1)
     kernel = functools.partial(_dense_kernel, BS=bs, NS=ns, S=S, window=window, exact=q.dtype == jnp.float32)
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(B, hkv, ns),
-        in_specs=[pl.no_block_spec] * 5,
-        out_specs=[
-            pl.BlockSpec((None, None, None, m_rows, D), lambda i, j, s: (i, j, s, 0, 0)),
-            pl.BlockSpec((None, None, None, m_rows), lambda i, j, s: (i, j, s, 0)),
-            pl.BlockSpec((None, None, None, m_rows), lambda i, j, s: (i, j, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, hkv, ns, m_rows, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, hkv, ns, m_rows), jnp.float32),
-            jax.ShapeDtypeStruct((B, hkv, ns, m_rows), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret_default(interpret),
-        debug=_DEBUG,
-        name="dense_decode",
-    )(meta, pos, qg, k, v)
+    o, m, l = _partials_call(kernel, [meta, pos, qg, k, v], (B, hkv, ns), m_rows, D, warps, stages, interpret,
+                             "dense_decode")
     if return_partials:
         return o, m, l
     return merge_partials(o, m, l, t, n_rep, q.dtype)

@@ -75,6 +75,8 @@ def hierarchical_quantize(x: Array, axis: int, scale_dtype=jnp.float16) -> tuple
     zero = _round_toward(lo, scale_dtype, -1.0)
     z = zero.astype(jnp.float32)
     scale = _round_toward((hi - z) / NIBBLE_MAX, scale_dtype, +1.0)
+    # A range so small that (max - zero)/15 flushes to zero (float32 subnormal) still needs s > 0.
+    scale = jnp.where((hi > z) & (scale.astype(jnp.float32) <= 0), jnp.finfo(scale_dtype).smallest_normal, scale)
     s = scale.astype(jnp.float32)
     nonzero = s > 0
     inv_s = jnp.where(nonzero, 1.0 / jnp.where(nonzero, s, 1.0), 0.0)

@@ -177,6 +177,19 @@ kinds = st.sampled_from(["unit", "tiny", "large"])
 seeds = st.integers(0, 2**32 - 1)
 
 
+
+def check_dequantize(dequantize, lo, u, lb, s, z):
+    """The library's dequantization (draft view: lo=None; target view: lo) equals the float64
+    SPEC formula up to float32 rounding, and is never NaN."""
+    for view_lo in (None, lo):
+        got = np.asarray(dequantize(view_lo))
+        assert got.dtype == np.float32 and np.all(np.isfinite(got))
+        want = _f64(u) * _f64(s) + _f64(z)
+        if view_lo is not None:
+            want = want + (_f64(lb) - 8) * _f64(s) / 16
+        tol = 4 * np.spacing(np.maximum(np.abs(want), np.abs(_f64(z)) + 15 * _f64(s)).astype(np.float32))
+        np.testing.assert_array_less(np.abs(got - want), tol + 1e-30)
+
 # ------------------------------------------------------------------------------------- keys
 @settings(max_examples=50, deadline=None)
 @given(lead=lead_shapes, d=head_dims, group=groups, sd=scale_dtypes, kind=kinds, seed=seeds)
@@ -202,14 +215,7 @@ def test_quantize_keys_bounds_and_shapes(lead, d, group, sd, kind, seed):
     check_scale_zero_cover(blocks, np.asarray(scale)[..., None, :], np.asarray(zero)[..., None, :], -2, dtype)
 
     # dequantize_keys == the float64 formula (up to float32 rounding), never NaN.
-    for view_lo in (None, lo):
-        got = np.asarray(_dqkeys(hi, view_lo, scale, zero))
-        assert got.dtype == np.float32 and np.all(np.isfinite(got))
-        want = _f64(u) * _f64(s) + _f64(z)
-        if view_lo is not None:
-            want = want + (_f64(lb) - 8) * _f64(s) / 16
-        tol = 4 * np.spacing(np.maximum(np.abs(want), np.abs(_f64(z)) + 15 * _f64(s)).astype(np.float32))
-        np.testing.assert_array_less(np.abs(got - want), tol + 1e-30)
+    check_dequantize(lambda view_lo: _dqkeys(hi, view_lo, scale, zero), lo, u, lb, s, z)
 
 
 # ----------------------------------------------------------------------------------- values
@@ -236,14 +242,7 @@ def test_quantize_values_bounds_and_shapes(lead, d, seq, sd, kind, seed):
     grouped = x.reshape(*lead, seq, d // gv, gv)
     check_scale_zero_cover(grouped, np.asarray(scale)[..., None], np.asarray(zero)[..., None], -1, dtype)
 
-    for view_lo in (None, lo):
-        got = np.asarray(_dqvalues(hi, view_lo, scale, zero))
-        assert got.dtype == np.float32 and np.all(np.isfinite(got))
-        want = _f64(u) * _f64(s) + _f64(z)
-        if view_lo is not None:
-            want = want + (_f64(lb) - 8) * _f64(s) / 16
-        tol = 4 * np.spacing(np.maximum(np.abs(want), np.abs(_f64(z)) + 15 * _f64(s)).astype(np.float32))
-        np.testing.assert_array_less(np.abs(got - want), tol + 1e-30)
+    check_dequantize(lambda view_lo: _dqvalues(hi, view_lo, scale, zero), lo, u, lb, s, z)
 
 
 # ------------------------------------------------------------------------------- core quantizer
