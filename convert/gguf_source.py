@@ -229,12 +229,65 @@ def open_gguf(path: Path, dtype: str, *, tokenizer: bool = True) -> Source:
                          "gguf_name": fields.get("general.name"), "chat_template": has_template})
 
 
+# Byte-level BPE vocabularies whose pre-tokenizer is GPT-2's own regex (no custom split).
+GPT2_REGEX_PRE_TYPES = (None, "default", "gpt2", "smollm")
+GGUF_CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special (control) tokens
+
+
 def _gguf_tokenizer(path: Path) -> Any:
-    """transformers' tokenizer rebuilt from the GGUF's tokenizer metadata (chat template included)."""
+    """The tokenizer rebuilt from the GGUF's tokenizer metadata (chat template included).
+
+    Byte-level BPE files with GPT-2's pre-tokenizer (SmolLM2's kind) are rebuilt here with the
+    `tokenizers` library, exactly as transformers rebuilds them but without torch, which its GGUF
+    reader imports; other kinds go through transformers (and need torch).
+    """
+    try:
+        return _byte_level_tokenizer(path) or _transformers_gguf_tokenizer(path)
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ConversionError(f"{path}: cannot build a tokenizer from the GGUF metadata "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def _byte_level_tokenizer(path: Path) -> Any:
+    """transformers' byte-level BPE tokenizer for a "gpt2"-model GGUF, or None for other kinds."""
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+
+    reader = gguf.GGUFReader(str(path))
+
+    def get(key: str) -> Any:
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    if get("tokenizer.ggml.model") != "gpt2" or get("tokenizer.ggml.pre") not in GPT2_REGEX_PRE_TYPES:
+        return None
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, types = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type") or []
+    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges") or []]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, kind in zip(tokens, types) if kind == GGUF_CONTROL_TOKEN])
+    special = {name: tokens[i] for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                                                 ("pad_token", "padding"))
+               if (i := get(f"tokenizer.ggml.{key}_token_id")) is not None}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=bool(get("tokenizer.ggml.add_bos_token")),
+                                  **special)
+    template = get("tokenizer.chat_template")
+    if template:
+        tok.chat_template = template
+    return tok
+
+
+def _transformers_gguf_tokenizer(path: Path) -> Any:
     try:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # noqa: BLE001
-        raise ConversionError(f"{path}: cannot build a tokenizer from the GGUF metadata "
-                              f"({type(e).__name__}: {e})") from None
+    except ImportError as e:
+        raise ConversionError(f"{path}: building this GGUF's tokenizer needs transformers' GGUF support with torch "
+                              f"({e}); pip install torch") from None

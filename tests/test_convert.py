@@ -375,3 +375,27 @@ def test_out_parent_is_created(synthetic_hf_dir: Callable[..., Path], tmp_path: 
     out = convert(synthetic_hf_dir(), tmp_path / "a" / "b" / "ckpt", progress=False)
     assert (out / MANIFEST).is_file()
     shutil.rmtree(tmp_path / "a")
+
+
+def test_gguf_tokenizer_without_torch_matches_transformers(smollm2_gguf_path):
+    """The converter rebuilds SmolLM2's byte-level BPE tokenizer without torch (make demo installs
+    none); it must encode, decode and template exactly as transformers' GGUF loader does."""
+    pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from convert.gguf_source import _byte_level_tokenizer
+
+    ours = _byte_level_tokenizer(smollm2_gguf_path)
+    ref = AutoTokenizer.from_pretrained(str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name)
+    texts = ["What is the capital of France?", "  spaces\tand tabs\nnewlines 12345 678 3.14159",
+             "Ünïcödé — ✓ 漢字 émoji 🙂", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+             "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ours.decode(ids) == ref.decode(ids)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (ours.bos_token, ours.eos_token, ours.pad_token, len(ours)) == (ref.bos_token, ref.eos_token,
+                                                                           ref.pad_token, len(ref))
