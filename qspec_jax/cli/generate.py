@@ -88,14 +88,14 @@ def _main(argv: Sequence[str] | None) -> int:
         print(json.dumps({k: result[k] for k in result if k != "mode"}))
         return 0
     print(result["text"])
-    line = f"[{result['mode']}]   {len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tokens/s"
+    line = f"{'[' + result['mode'] + ']':7}{len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tokens/s"
     if result["mode"] == "spec":
         line += (f", gamma={args.gamma}, acceptance rate {result['acceptance_rate']:.2f}, "
                  f"{result['tokens_per_round']:.2f} tokens/round")
     print(line + f" (compile {result['compile_s']:.1f} s)", file=sys.stderr)
     if ar is not None:
         same = "same tokens" if ar["tokens"] == result["tokens"] else "tokens differ"
-        print(f"[ar]   {len(ar['tokens'])} tokens, {ar['tokens_per_s']:.1f} tokens/s ({same}; "
+        print(f"{'[ar]':7}{len(ar['tokens'])} tokens, {ar['tokens_per_s']:.1f} tokens/s ({same}; "
               f"speedup {result['tokens_per_s'] / ar['tokens_per_s']:.2f}x)", file=sys.stderr)
     return 0
 
