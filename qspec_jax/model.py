@@ -121,14 +121,38 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
 
 def linear(x: Array, w: Weight, int4_impl: str = "auto", out_dtype: Any = None, *, mesh: Any = None,
            row_parallel: bool = False) -> Array:
-    """x [..., Din] @ w [Din, Dout] with float32 accumulation; output in `out_dtype` (x's).
+    """x [..., Din] @ w [Din, Dout]; output in `out_dtype` (x's by default).
 
-    `mesh`/`row_parallel` only matter for INT4 weights on the Pallas kernel, which runs per
-    device under tensor parallelism; dense matmuls are partitioned by XLA.
+    Dense dots produce x's dtype and are cast afterwards: the GEMM accumulates in float32
+    internally (cuBLAS, XLA CPU) either way, but asking XLA for a float32 result of a bf16 dot
+    at M = 1 moves it off cuBLAS onto a GEMV 3.7x slower on an H100 (docs/BENCHMARKS.md). Logits
+    are therefore rounded to the model dtype before the float32 cast, as in HF transformers.
+    With a tensor-parallel `mesh` every matmul runs per device on its local weight slice
+    (`row_parallel` ones all-reduce their partial products): see `sharding.sharded_matmul`.
     """
     if isinstance(w, (QuantizedWeight, StackedLayerWeight)):
         return w.apply(x, out_dtype, int4_impl, mesh=mesh, row_parallel=row_parallel)
-    return jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+    if mesh is not None and mesh.size > 1:
+        from qspec_jax.sharding import sharded_matmul  # lazily: sharding imports this module
+
+        return sharded_matmul(lambda x, w, _: _local_dense_matmul(x, w), mesh, x, w, None,
+                              row_parallel).astype(out_dtype or x.dtype)
+    return jnp.einsum("...i,io->...o", x, w).astype(out_dtype or x.dtype)
+
+
+def _local_dense_matmul(x: Array, w: Array) -> Array:
+    """One device's x [..., Din] @ w [Din, Dout] under tensor parallelism, in x's dtype.
+
+    A single row (decode at batch 1) is padded to two: on the halved per-device shapes XLA's
+    GPU compiler rewrites most vector-matrix dots as a broadcast-multiply written to memory
+    plus a reduction; a two-row product stays a cuBLAS GEMM (2 H200s: +11% tokens/s at 128k).
+    On one device the pad measured 4-6% slower on an H100, so it is used only here.
+    """
+    lead = x.shape[:-1]
+    if int(np.prod(lead)) != 1:
+        return jnp.einsum("...i,io->...o", x, w)
+    x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+    return (x2 @ w)[:1].reshape(*lead, w.shape[-1])
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -208,7 +232,7 @@ def _logits(params: Params, x: Array) -> Array:
     cfg = params.config
     h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
-        return jnp.einsum("...d,vd->...v", h, params.embed, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", h, params.embed).astype(jnp.float32)  # see `linear`
     return linear(h, params.lm_head, cfg.int4_matmul_impl, out_dtype=jnp.float32, mesh=params.mesh)
 
 

@@ -9,10 +9,11 @@ Layout (N devices):
     every cache array [L, B, Hkv, ...]   sharded along KV heads; lengths replicated
     norms                       replicated
 
-XLA's partitioner inserts the collectives the math needs: an all-reduce after each row-parallel
-matmul (wo, w_down) and for the embedding gather; logits stay vocabulary-sharded until sampling
+The collectives are the ones the math needs: an all-reduce after each row-parallel matmul (wo,
+w_down) and, from XLA's partitioner, for the embedding gather; logits stay vocabulary-sharded until sampling
 reduces over them. The Pallas kernels, which XLA cannot partition, run per device on their local
-heads inside `shard_map` (attention) or `shard_map` + psum (row-parallel INT4 matmuls).
+heads inside `shard_map` (attention) or `shard_map` + psum (row-parallel matmuls); dense matmuls
+take the same per-device route (see `sharded_matmul`).
 
 Requirements: num_heads, num_kv_heads, intermediate_size and vocab_size divisible by N, and for
 row-parallel INT4 weights each device's input slice a multiple of the draft group size. KV
@@ -142,13 +143,19 @@ def sharded_cache_attention(attend: Callable, mesh: Mesh, q: jax.Array, q_pos: j
         q, q_pos, cache, layer)
 
 
-def sharded_int4_matmul(matmul: Callable, mesh: Mesh, x: jax.Array, w: QuantizedWeight, layer: jax.Array | None,
-                        row_parallel: bool) -> jax.Array:
-    """`matmul(x, w, layer)` per device: column-parallel gives output columns sharded; row-parallel
-    consumes x sharded on its last dim and all-reduces the partial products."""
+def sharded_matmul(matmul: Callable, mesh: Mesh, x: jax.Array, w: Any, layer: jax.Array | None,
+                   row_parallel: bool) -> jax.Array:
+    """`matmul(x, w, layer)` per device on its local slice of `w` (a dense array or a
+    QuantizedWeight, one layer or stacked with `layer`): column-parallel gives output columns
+    sharded; row-parallel consumes x sharded on its last dim and all-reduces the partial products.
+
+    Dense weights go through here too: left to XLA's partitioner, their M = 1 dots become a
+    broadcast-multiply written to memory plus a reduction (AR on 2 H200s slower than on one,
+    docs/BENCHMARKS.md); a per-device dot is a plain GEMV.
+    """
     stacked = layer is not None
     spec = _weight_spec("wo" if row_parallel else "wq", stacked)
-    wspec = QuantizedWeight(packed=spec, scale=spec, zero=spec)
+    wspec = jax.tree.map(lambda _: spec, w)
     last = P(*([None] * (x.ndim - 1)), TP)
     if not stacked:
         layer = np.int32(0)  # shard_map needs an array; unused by a one-layer weight

@@ -61,7 +61,7 @@ class SpecConfig:
     gamma_max: int = DEFAULT_GAMMA_MAX
     draft_kv: str = "int4"
     draft_weights: str = "int4"
-    draft_group: int = 64
+    draft_group: int = 32  # see weight_quant.DraftWeightsConfig
     draft_scope: str = "all"
     draft_lm_head: bool = True
     draft_method: str = "clip"

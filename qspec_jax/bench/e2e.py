@@ -63,6 +63,14 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ timing
+def program_peak_bytes(compiled: Any) -> int:
+    """Peak device bytes of a compiled program (per device when sharded): arguments + outputs +
+    temporaries - donated aliases, from XLA's memory analysis. Unlike the allocator's
+    peak_bytes_in_use, it does not carry over from earlier programs in the same process."""
+    ma = compiled.memory_analysis()
+    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+
+
 def median_seconds(call: Callable[[], Any], trials: int) -> float:
     times = []
     for _ in range(trials):
@@ -363,8 +371,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"context": context, "kind": kind, "error": exe})
             continue
         ma = exe.memory_analysis()
-        peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
-        rows.append({"context": context, "kind": kind, "peak_bytes": int(peak),
+        rows.append({"context": context, "kind": kind, "peak_bytes": program_peak_bytes(exe),
                      "arguments": int(ma.argument_size_in_bytes), "temp": int(ma.temp_size_in_bytes)})
         log(json.dumps(rows[-1]))
     plan = {"device_bytes": device_bytes,
@@ -422,22 +429,24 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {"devices": n, "context": c}
             try:
                 cache = place(random_dense_cache(cfg, 1, c, key))
-                ar = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
                 gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16")
-                jax.block_until_ready(ar(params, cache, first, key, gen=gen, eos_ids=()))
+                ar = jax.jit(functools.partial(autoregressive_loop, gen=gen, eos_ids=())).lower(
+                    params, cache, first, key).compile()
+                jax.block_until_ready(ar(params, cache, first, key))
                 row["ar_bf16_tok_s"] = args.loop_tokens / median_seconds(
-                    lambda: ar(params, cache, first, key, gen=gen, eos_ids=()), args.trials)
-                del cache
+                    functools.partial(ar, params, cache, first, key), args.trials)
+                row["ar_bf16_peak_bytes_per_device"] = program_peak_bytes(ar)
+                del cache, ar
                 cache = place(random_quant_cache(cfg, 1, c, key))
-                sp = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
                 spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens,
                                   forced_acceptance=args.alphas[0], eos_token_ids=())
-                jax.block_until_ready(sp(params, draft, cache, first, key, spec=spec, eos_ids=()))
+                sp = jax.jit(functools.partial(speculative_loop, spec=spec, eos_ids=())).lower(
+                    params, draft, cache, first, key).compile()
+                jax.block_until_ready(sp(params, draft, cache, first, key))
                 row["spec_tok_s"] = args.loop_tokens / median_seconds(
-                    lambda: sp(params, draft, cache, first, key, spec=spec, eos_ids=()), args.trials)
-                del cache
-                row["peak_bytes_per_device"] = [int((d.memory_stats() or {}).get("peak_bytes_in_use", -1))
-                                                for d in (mesh.devices.flat if mesh is not None else jax.devices()[:1])]
+                    functools.partial(sp, params, draft, cache, first, key), args.trials)
+                row["spec_peak_bytes_per_device"] = program_peak_bytes(sp)
+                del cache, sp
             except Exception as e:  # noqa: BLE001 - e.g. 256k on one device may not fit: that is a result
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             log(json.dumps(row))
@@ -448,7 +457,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
         for k in ("ar_bf16_tok_s", "spec_tok_s"):
             if base and k in base and k in r:
                 r[k.replace("tok_s", "scaling_eff")] = r[k] / (r["devices"] * base[k])
-    return {"alpha": args.alphas[0], "gamma": args.loop_gamma, "rows": rows}
+    return {"alpha": args.alphas[0], "gamma": args.loop_gamma, "tokens": args.loop_tokens, "rows": rows}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -473,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-workers", type=int, default=8)
     p.add_argument("--alphas", type=_floats, default=(0.9,),
                    help="acceptance rates for the projection (add the SmolLM2-measured one)")
-    p.add_argument("--draft-group", type=int, default=64)
+    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig().group_size)
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--steps", type=int, default=16, help="decode passes per timed call")
     p.add_argument("--trials", type=int, default=5)

@@ -164,7 +164,7 @@ def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int
     q_pos = jnp.full((batch, 1), ctx - 1, jnp.int32)
     k_pos = jnp.broadcast_to(jnp.arange(ctx, dtype=jnp.int32), (batch, ctx))
 
-    def make_xla():
+    def make_xla(k=k, v=v):
         def step(x, data):
             k, v = data
             for c in range(copies):
@@ -179,7 +179,7 @@ def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int
     k = jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(vk, shape, jnp.float32).astype(jnp.bfloat16)
 
-    def make_cudnn():
+    def make_cudnn(k=k, v=v):
         def step(x, data):
             k, v = data
             for c in range(copies):
@@ -189,7 +189,7 @@ def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int
 
     run("cudnn-bf16", make_cudnn)
 
-    def make_gqa():
+    def make_gqa(k=k, v=v):
         from jax.experimental.pallas.ops.gpu import decode_attention as up
 
         def step(x, data):
@@ -217,7 +217,7 @@ def bench_torch(hq, hkv, d, batch, ctx, trials, copies, nbytes) -> dict:
         vs = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
         f = torch.nn.functional.scaled_dot_product_attention
 
-        def once():
+        def once(ks=ks, vs=vs):
             x = q
             for c in range(copies):
                 x = f(x, ks[c], vs[c], enable_gqa=True)

@@ -8,6 +8,7 @@ regenerated independently.
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import re
 from pathlib import Path
@@ -28,12 +29,12 @@ def environment() -> dict[str, Any]:
     dev = jax.devices()[0]
     return {"date": datetime.date.today().isoformat(), "device": getattr(dev, "device_kind", str(dev)),
             "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
-            "num_devices": jax.device_count()}
+            "num_devices": jax.device_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def env_line(env: dict[str, Any], command: str) -> str:
     return (f"Device: {env['device']} ({env['backend']}, {env['num_devices']} device(s)); date {env['date']}; "
-            f"jax {env['jax']}; command: `{command}`")
+            f"jax {env['jax']}; XLA_FLAGS `{env.get('xla_flags') or '(none)'}`; command: `{command}`")
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -43,10 +44,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def update_section(name: str, text: str, path: Path = BENCHMARKS_MD) -> None:
-    """Replaces (or appends) the `name` section of the benchmarks document."""
+def update_section(name: str, text: str, path: Path = BENCHMARKS_MD, header: str = HEADER) -> None:
+    """Replaces (or appends) the `name` section of a generated document (`header` starts a new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = path.read_text() if path.exists() else HEADER
+    doc = path.read_text() if path.exists() else header
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     block = f"{begin}\n{text.strip()}\n{end}"
     if begin in doc:
@@ -154,17 +155,24 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
                             if c["ok"] else f"FAILED: {c['error']}"))
     elif mem:
         parts.append(f"\n### Memory\n\nFailed: `{mem.get('error')}`")
+    if any(k in results for k in ("8b", "smollm", "memory")):
+        update_section("e2e", "\n".join(parts))
     tp = results.get("tp")
-    if tp and "rows" in tp:
-        parts.append(f"\n### Tensor parallelism (8B shape, batch 1, γ={tp['gamma']}, forced α={tp['alpha']})\n")
-        parts.append(table(
-            ["devices", "context", "AR-bf16 tok/s", "QuantSpec tok/s", "AR scaling eff.", "QuantSpec scaling eff.",
-             "peak GB per device", "note"],
-            [[r["devices"], r["context"], r.get("ar_bf16_tok_s", float("nan")), r.get("spec_tok_s", float("nan")),
-              r.get("ar_bf16_scaling_eff", float("nan")), r.get("spec_scaling_eff", float("nan")),
-              " / ".join(f"{b / 1e9:.1f}" for b in r.get("peak_bytes_per_device", [])), r.get("error", "")[:60]]
-             for r in tp["rows"]]))
-    update_section("e2e", "\n".join(parts))
+    if tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest
+        update_section("tp", "\n".join([
+            f"## Tensor parallelism (8B shape, batch 1, γ={tp['gamma']}, forced α={tp['alpha']})\n",
+            f"{env_line(env, results['command'])}\n",
+            f"Tokens/s of {tp.get('tokens', '?')}-token generation loops; scaling efficiency = tokens/s on N devices / (N × tokens/s "
+            "on one). Peak per device from XLA's memory analysis of each compiled loop.\n",
+            table(["devices", "context", "AR-bf16 tok/s", "QuantSpec tok/s", "AR scaling eff.",
+                   "QuantSpec scaling eff.", "AR peak GB/device", "QuantSpec peak GB/device", "note"],
+                  [[r["devices"], r["context"], r.get("ar_bf16_tok_s", float("nan")), r.get("spec_tok_s", float("nan")),
+                    r.get("ar_bf16_scaling_eff", float("nan")), r.get("spec_scaling_eff", float("nan")),
+                    r.get("ar_bf16_peak_bytes_per_device", float("nan")) / 1e9,
+                    r.get("spec_peak_bytes_per_device", float("nan")) / 1e9, r.get("error", "")[:60]]
+                   for r in tp["rows"]])]))
+    elif tp:
+        update_section("tp", f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`")
 
 
 def _rel(p: Path) -> str:
