@@ -12,6 +12,7 @@ plus one source tensor.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +24,7 @@ from convert.errors import ConversionError
 from qspec_jax.config import ModelConfig
 from qspec_jax.model import param_shapes
 
-__all__ = ["OUTPUT_DTYPES", "ConversionError", "Entry", "Source", "fill", "validate"]
+__all__ = ["OUTPUT_DTYPES", "ConversionError", "Entry", "Source", "TensorNaming", "fill", "validate"]
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 _LIST_MAX = 8  # how many names an error message lists before "and N more"
@@ -40,6 +41,42 @@ class Entry:
     shape: tuple[int, ...]  # source shape, numpy order
     transpose: bool  # HF [out, in] -> our [in, out]
     read: Callable[[], np.ndarray]  # the tensor's values in `shape` (any float dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorNaming:
+    """A format's tensor names -> (flat target, transpose), and back.
+
+    `global_names` are whole names; `layer_names` are suffixes after `layer_prefix`, a pattern
+    with one "{}" for the layer index ("model.layers.{}.").
+    """
+
+    global_names: dict[str, tuple[str, bool]]
+    layer_names: dict[str, tuple[str, bool]]
+    layer_prefix: str
+
+    def __post_init__(self) -> None:
+        head, tail = self.layer_prefix.split("{}")
+        object.__setattr__(self, "_layer_re", re.compile(rf"^{re.escape(head)}(\d+){re.escape(tail)}(.+)$"))
+        by_target = {t: n for n, (t, _) in self.global_names.items()}
+        by_target |= {t: self.layer_prefix + n for n, (t, _) in self.layer_names.items()}
+        object.__setattr__(self, "_by_target", by_target)
+
+    def resolve(self, name: str) -> tuple[str, int | None, bool] | None:
+        """(target, layer or None, transpose) for a source tensor name; None if the model has no use for it."""
+        if name in self.global_names:
+            target, transpose = self.global_names[name]
+            return target, None, transpose
+        m = self._layer_re.match(name)
+        if m and m.group(2) in self.layer_names:
+            target, transpose = self.layer_names[m.group(2)]
+            return target, int(m.group(1)), transpose
+        return None
+
+    def source_name(self, target: str, layer: int | None) -> str:
+        """The source tensor name of flat target `target` (layer `layer`)."""
+        name = self._by_target[target]
+        return name if layer is None else name.format(layer)
 
 
 @dataclasses.dataclass

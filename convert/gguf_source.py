@@ -13,24 +13,22 @@ Tensors are dequantized one at a time with `gguf.quants.dequantize` (no torch). 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from convert.core import ConversionError, Entry, Source
+from convert.core import ConversionError, Entry, Source, TensorNaming
 from qspec_jax.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 GGUF_MAGIC = b"GGUF"
 
-GLOBAL_NAMES = {
+GGUF_NAMES = TensorNaming(global_names={
     "token_embd.weight": ("embed", False),
     "output_norm.weight": ("final_norm", False),
     "output.weight": ("lm_head", True),
-}
-LAYER_NAMES = {
+}, layer_names={
     "attn_norm.weight": ("layers/attn_norm", False),
     "ffn_norm.weight": ("layers/mlp_norm", False),
     "attn_q.weight": ("layers/wq", True),
@@ -40,14 +38,7 @@ LAYER_NAMES = {
     "ffn_gate.weight": ("layers/w_gate", True),
     "ffn_up.weight": ("layers/w_up", True),
     "ffn_down.weight": ("layers/w_down", True),
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-_TARGET_TO_GGUF = {t: n for n, (t, _) in GLOBAL_NAMES.items()} | {t: n for n, (t, _) in LAYER_NAMES.items()}
-
-
-def gguf_name(target: str, layer: int | None) -> str:
-    name = _TARGET_TO_GGUF[target]
-    return name if layer is None else f"blk.{layer}.{name}"
+}, layer_prefix="blk.{}.")
 
 
 def is_gguf(path: Path) -> bool:
@@ -184,15 +175,11 @@ def open_gguf(path: Path, dtype: str, *, tokenizer: bool = True) -> Source:
     unexpected: list[str] = []
     qtypes: set[str] = set()
     for name, t in tensors.items():
-        layer = None
-        if name in GLOBAL_NAMES:
-            target, transpose = GLOBAL_NAMES[name]
-        elif (m := _LAYER_RE.match(name)) and m.group(2) in LAYER_NAMES:
-            layer = int(m.group(1))
-            target, transpose = LAYER_NAMES[m.group(2)]
-        else:
+        resolved = GGUF_NAMES.resolve(name)
+        if resolved is None:
             unexpected.append(name)
             continue
+        target, layer, transpose = resolved
         n_perm = {"layers/wq": cfg.num_heads, "layers/wk": cfg.num_kv_heads}.get(target)
         shape = tuple(int(d) for d in reversed(list(t.shape)))  # GGUF order is fastest-first
         qtypes.add(t.tensor_type.name)
@@ -223,7 +210,7 @@ def open_gguf(path: Path, dtype: str, *, tokenizer: bool = True) -> Source:
         # Built now, before any tensor work, so a tokenizer problem fails fast.
         write_tokenizer = _gguf_tokenizer(path).save_pretrained
 
-    return Source(cfg=cfg, entries=entries, source_name=gguf_name,
+    return Source(cfg=cfg, entries=entries, source_name=GGUF_NAMES.source_name,
                   config_source=f"{path.name} (GGUF metadata)", write_tokenizer=write_tokenizer,
                   extra={"source_format": "gguf", "source_tensor_types": sorted(qtypes),
                          "gguf_name": fields.get("general.name"), "chat_template": has_template})

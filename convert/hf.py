@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from convert.core import ConversionError, Entry, Source
+from convert.core import ConversionError, Entry, Source, TensorNaming
 from convert.safetensors_io import DTYPES, SafetensorsFile
 from qspec_jax.config import ModelConfig
 
@@ -29,12 +29,11 @@ _TOKENIZER_DEFINING = set(TOKENIZER_FILES) - {"generation_config.json", "chat_te
                                                "chat_template.json"}
 
 # HF name -> (flat target, transpose)
-GLOBAL_NAMES = {
+HF_NAMES = TensorNaming(global_names={
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
     "lm_head.weight": ("lm_head", True),
-}
-LAYER_NAMES = {
+}, layer_names={
     "input_layernorm.weight": ("layers/attn_norm", False),
     "post_attention_layernorm.weight": ("layers/mlp_norm", False),
     "self_attn.q_proj.weight": ("layers/wq", True),
@@ -44,16 +43,8 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": ("layers/w_gate", True),
     "mlp.up_proj.weight": ("layers/w_up", True),
     "mlp.down_proj.weight": ("layers/w_down", True),
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+}, layer_prefix="model.layers.{}.")
 _IGNORED_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # non-persistent buffers of old exports
-_TARGET_TO_HF = {t: n for n, (t, _) in GLOBAL_NAMES.items()} | {t: n for n, (t, _) in LAYER_NAMES.items()}
-
-
-def hf_name(target: str, layer: int | None) -> str:
-    """The HF tensor name of flat target `target` (layer `layer`)."""
-    name = _TARGET_TO_HF[target]
-    return name if layer is None else f"model.layers.{layer}.{name}"
 
 
 def _read_json(path: Path) -> Any:
@@ -124,15 +115,11 @@ def open_hf_dir(src: Path, dtype: str) -> Source:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # HF ties it to the embedding at load time, whatever the file holds
-            layer = None
-            if name in GLOBAL_NAMES:
-                target, transpose = GLOBAL_NAMES[name]
-            elif (m := _LAYER_RE.match(name)) and m.group(2) in LAYER_NAMES:
-                layer = int(m.group(1))
-                target, transpose = LAYER_NAMES[m.group(2)]
-            else:
+            resolved = HF_NAMES.resolve(name)
+            if resolved is None:
                 unexpected.append(f"{name} (in {shard.path.name})")
                 continue
+            target, layer, transpose = resolved
             if info.dtype not in DTYPES:
                 raise ConversionError(f"tensor {name} in {shard.path.name} has dtype {info.dtype}; "
                                       f"supported: {', '.join(DTYPES)}")
@@ -158,7 +145,7 @@ def open_hf_dir(src: Path, dtype: str) -> Source:
         for s in shards:
             s.close()
 
-    return Source(cfg=cfg, entries=entries, source_name=hf_name, config_source=str(cfg_path),
+    return Source(cfg=cfg, entries=entries, source_name=HF_NAMES.source_name, config_source=str(cfg_path),
                   write_tokenizer=write_tokenizer, close=close,
                   extra={"source_format": "hf", "source_dtypes": sorted(dtypes),
                          "source_files": [f.name for f in files],
