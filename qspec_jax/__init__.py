@@ -8,7 +8,6 @@ from qspec_jax.xla_flags import apply_recommended_xla_flags
 
 apply_recommended_xla_flags()  # before any submodule can make JAX create its backend
 
-
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, cache_bytes
 from qspec_jax.checkpoint import CheckpointError, Model, load
 from qspec_jax.config import ConfigError, ModelConfig

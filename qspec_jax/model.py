@@ -135,21 +135,22 @@ def linear(x: Array, w: Weight, int4_impl: str = "auto", out_dtype: Any = None, 
     if mesh is not None and mesh.size > 1:
         from qspec_jax.sharding import sharded_matmul  # lazily: sharding imports this module
 
-        return sharded_matmul(lambda x, w, _: _local_dense_matmul(x, w), mesh, x, w, None,
+        return sharded_matmul(lambda x, w, _: _dense_matmul(x, w, pad_single_row=True), mesh, x, w, None,
                               row_parallel).astype(out_dtype or x.dtype)
-    return jnp.einsum("...i,io->...o", x, w).astype(out_dtype or x.dtype)
+    return _dense_matmul(x, w, pad_single_row=False).astype(out_dtype or x.dtype)
 
 
-def _local_dense_matmul(x: Array, w: Array) -> Array:
-    """One device's x [..., Din] @ w [Din, Dout] under tensor parallelism, in x's dtype.
+def _dense_matmul(x: Array, w: Array, *, pad_single_row: bool) -> Array:
+    """x [..., Din] @ w [Din, Dout] in x's dtype.
 
-    A single row (decode at batch 1) is padded to two: on the halved per-device shapes XLA's
-    GPU compiler rewrites most vector-matrix dots as a broadcast-multiply written to memory
-    plus a reduction; a two-row product stays a cuBLAS GEMM (2 H200s: +11% tokens/s at 128k).
-    On one device the pad measured 4-6% slower on an H100, so it is used only here.
+    `pad_single_row` (used per device under tensor parallelism): a single row (decode at batch 1)
+    is padded to two. On the halved per-device shapes XLA's GPU compiler rewrites most
+    vector-matrix dots as a broadcast-multiply written to memory plus a reduction; a two-row
+    product stays a cuBLAS GEMM (2 H200s: +10% tokens/s at 128k). On one device the pad measured
+    4-6% slower on an H100, so it is not used there.
     """
     lead = x.shape[:-1]
-    if int(np.prod(lead)) != 1:
+    if not pad_single_row or int(np.prod(lead)) != 1:
         return jnp.einsum("...i,io->...o", x, w)
     x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
     return (x2 @ w)[:1].reshape(*lead, w.shape[-1])

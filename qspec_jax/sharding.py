@@ -149,9 +149,9 @@ def sharded_matmul(matmul: Callable, mesh: Mesh, x: jax.Array, w: Any, layer: ja
     QuantizedWeight, one layer or stacked with `layer`): column-parallel gives output columns
     sharded; row-parallel consumes x sharded on its last dim and all-reduces the partial products.
 
-    Dense weights go through here too: left to XLA's partitioner, their M = 1 dots become a
-    broadcast-multiply written to memory plus a reduction (AR on 2 H200s slower than on one,
-    docs/BENCHMARKS.md); a per-device dot is a plain GEMV.
+    Dense weights go through here too, so each device runs an ordinary local dot whose shape the
+    model controls (`model._dense_matmul` pads M = 1 to two rows to keep it on cuBLAS; left to
+    XLA's partitioner, those dots became broadcast-multiply + reduce fusions, docs/BENCHMARKS.md).
     """
     stacked = layer is not None
     spec = _weight_spec("wo" if row_parallel else "wq", stacked)

@@ -61,10 +61,11 @@ class SpecConfig:
     gamma_max: int = DEFAULT_GAMMA_MAX
     draft_kv: str = "int4"
     draft_weights: str = "int4"
-    draft_group: int = 32  # see weight_quant.DraftWeightsConfig
-    draft_scope: str = "all"
-    draft_lm_head: bool = True
-    draft_method: str = "clip"
+    # Draft-weight format; defaults are DraftWeightsConfig's (chosen by measurement, docs/QUALITY.md).
+    draft_group: int = DraftWeightsConfig.group_size
+    draft_scope: str = DraftWeightsConfig.scope
+    draft_lm_head: bool = DraftWeightsConfig.lm_head
+    draft_method: str = DraftWeightsConfig.method
     target_kv: str = "int8"
     # Benchmarks only: accept each draft with this probability instead of verifying (output is
     # then not the target's). None (the default) verifies.

@@ -63,11 +63,10 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ timing
-def program_peak_bytes(compiled: Any) -> int:
-    """Peak device bytes of a compiled program (per device when sharded): arguments + outputs +
-    temporaries - donated aliases, from XLA's memory analysis. Unlike the allocator's
+def peak_bytes(ma: Any) -> int:
+    """Peak device bytes of a compiled program (per device when sharded) from its XLA memory
+    analysis: arguments + outputs + temporaries - donated aliases. Unlike the allocator's
     peak_bytes_in_use, it does not carry over from earlier programs in the same process."""
-    ma = compiled.memory_analysis()
     return int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
 
 
@@ -371,7 +370,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"context": context, "kind": kind, "error": exe})
             continue
         ma = exe.memory_analysis()
-        rows.append({"context": context, "kind": kind, "peak_bytes": program_peak_bytes(exe),
+        rows.append({"context": context, "kind": kind, "peak_bytes": peak_bytes(ma),
                      "arguments": int(ma.argument_size_in_bytes), "temp": int(ma.temp_size_in_bytes)})
         log(json.dumps(rows[-1]))
     plan = {"device_bytes": device_bytes,
@@ -435,7 +434,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
                 jax.block_until_ready(ar(params, cache, first, key))
                 row["ar_bf16_tok_s"] = args.loop_tokens / median_seconds(
                     functools.partial(ar, params, cache, first, key), args.trials)
-                row["ar_bf16_peak_bytes_per_device"] = program_peak_bytes(ar)
+                row["ar_bf16_peak_bytes_per_device"] = peak_bytes(ar.memory_analysis())
                 del cache, ar
                 cache = place(random_quant_cache(cfg, 1, c, key))
                 spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens,
@@ -445,7 +444,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
                 jax.block_until_ready(sp(params, draft, cache, first, key))
                 row["spec_tok_s"] = args.loop_tokens / median_seconds(
                     functools.partial(sp, params, draft, cache, first, key), args.trials)
-                row["spec_peak_bytes_per_device"] = program_peak_bytes(sp)
+                row["spec_peak_bytes_per_device"] = peak_bytes(sp.memory_analysis())
                 del cache, sp
             except Exception as e:  # noqa: BLE001 - e.g. 256k on one device may not fit: that is a result
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -482,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-workers", type=int, default=8)
     p.add_argument("--alphas", type=_floats, default=(0.9,),
                    help="acceptance rates for the projection (add the SmolLM2-measured one)")
-    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig().group_size)
+    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size)
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--steps", type=int, default=16, help="decode passes per timed call")
     p.add_argument("--trials", type=int, default=5)

@@ -151,10 +151,9 @@ def write_quality(results: dict[str, Any]) -> None:
                                  f"{r['change_pct']:+.2f}%"] for r in rows]))
         report.update_section("ppl", text, QUALITY_MD, QUALITY_HEADER)
     if "accept" in results:
-        rows = results["accept"]
+        skipped = [r for r in results["accept"] if r["mode"] == "skipped"]
+        rows = [r for r in results["accept"] if r["mode"] != "skipped"]
         variants = list(dict.fromkeys(r["variant"] for r in rows))
-        skipped = [r for r in rows if r["mode"] == "skipped"]
-        rows = [r for r in rows if r["mode"] != "skipped"]
         gammas = sorted({r["gamma"] for r in rows})
         contexts = sorted({r["context"] for r in rows})
         out = [f"## Acceptance (greedy; SmolLM2 on Shakespeare comedies)\n\n{head}\n\n"

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher-forced", action="store_true")
     p.add_argument("--draft-kv", choices=("int4", "int8"), default="int4")
     p.add_argument("--draft-weights", choices=("int4", "bf16"), default="int4")
-    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig().group_size)
+    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size)
     p.add_argument("--draft-scope", choices=("all", "ffn"), default="all")
     p.add_argument("--draft-method", choices=("clip", "minmax"), default="clip")
     p.add_argument("--no-draft-lm-head", action="store_true", help="keep the draft's lm_head in bf16")
