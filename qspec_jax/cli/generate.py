@@ -1,53 +1,149 @@
 """qspec-generate: generate text from a converted checkpoint, speculatively or autoregressively.
 
     qspec-generate --checkpoint DIR (--prompt TEXT | --prompt-file F) [--chat] [--json]
-                   [--mode spec|ar] [--gamma N] [--kv bf16|int8] [--max-new-tokens N]
+                   [--mode spec|ar] [--gamma N|auto] [--acceptance A] [--plan-cache F]
+                   [--draft-policy fixed|bass] [--kv bf16|int8] [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compare-ar]
+                   [--draft-weights int4|bf16] [--draft-group G] [--draft-scope S] [--draft-method M]
 
-tokens/s is measured on the run alone: the program is compiled ahead of time first.
+tokens/s is measured on the run alone: the program is compiled ahead of time first. Speculative
+mode uses the checkpoint's stored INT4 draft as it is and says so on stderr; a --draft-* flag
+that asks for another format quantizes the draft again, which stderr says too. --gamma auto
+lets the planner (qspec_jax.planner.plan) pick gamma from step costs measured on this device
+(cached) and a short calibration run's acceptance; it decodes autoregressively, and says so on
+stderr, when no gamma is predicted faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cli import fail, run_cli, tp_mesh
+from qspec_jax.cache import DEFAULT_GAMMA_MAX
+from qspec_jax.cli import (HelpFormatter, add_draft_format_args, check_draft_flags, draft_fields, fail, read_text,
+                           require, require_tokenizer, run_cli, tp_mesh, use_draft)
 
 PROG = "qspec-generate"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Generate text with QuantSpec self-speculative decoding.")
+    p = argparse.ArgumentParser(prog=PROG, formatter_class=HelpFormatter,
+                                description="Generate text with QuantSpec self-speculative decoding (an INT4-weight "
+                                            "draft over the INT8 KV cache's upper nibbles, verified by the target); "
+                                            "the output is exactly the target's.")
     p.add_argument("--checkpoint", required=True, type=Path, help="directory written by qspec-convert")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="file holding the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--mode", choices=("spec", "ar"), default="spec", help="speculative (default) or autoregressive")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round (spec mode)")
+    src.add_argument("--prompt", help="the prompt text itself")
+    src.add_argument("--prompt-file", type=Path, help="UTF-8 text file holding the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (a user turn)")
+    p.add_argument("--mode", choices=("spec", "ar"), default="spec",
+                   help="spec: speculative decoding; ar: plain autoregressive decoding with the target")
+    p.add_argument("--gamma", type=_gamma_arg, default=4,
+                   help=f"draft tokens per round in spec mode, 1..{DEFAULT_GAMMA_MAX} (gamma_max, which sizes the "
+                        f"cache's FP ring), or 'auto': the planner picks the fastest gamma from step costs measured "
+                        f"on this device and the acceptance of a short calibration run, or autoregressive decoding "
+                        f"when no gamma is predicted faster")
+    p.add_argument("--acceptance", type=float, default=None,
+                   help="with --gamma auto: the per-position acceptance rate alpha in [0, 1] to plan with (default: "
+                        "measured by a 32-token speculative calibration run on the prompt)")
+    p.add_argument("--plan-cache", type=Path, default=None,
+                   help="with --gamma auto: JSON file caching measured step costs per model, device, context bucket "
+                        "and batch (default: ~/.cache/qspec-jax/step_costs.json)")
+    p.add_argument("--draft-policy", choices=("fixed", "bass"), default="fixed",
+                   help=f"spec mode: draft length per round: fixed (gamma every round) or bass (starts at gamma and "
+                        f"adapts to the acceptance, within 1..{DEFAULT_GAMMA_MAX}; BASS, Algorithm 1)")
     p.add_argument("--kv", choices=("bf16", "int8"), default=None,
-                   help="target KV cache: int8 hierarchical (spec default) or dense bf16 (ar default); "
-                        "in spec mode bf16 makes the draft read the dense cache too")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare-ar", action="store_true", help="spec mode: also run autoregressive and print both speeds")
+                   help="target KV cache: int8 hierarchical or dense bf16 (default: int8 in spec mode, bf16 in ar "
+                        "mode); in spec mode bf16 makes the draft read the dense cache too")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (>= 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (>= 0; 0 = greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (>= 0; 0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (1 = all)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="spec mode: also run autoregressive decoding and print both speeds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
+    p.add_argument("--draft-weights", choices=("int4", "bf16"), default="int4",
+                   help="spec mode: the draft's weights, INT4 or the target's own bf16 weights (the KV-only "
+                        "ablation: the draft then differs from the target only in reading the INT4 KV view)")
+    add_draft_format_args(p)
     return p
+
+
+def _gamma_arg(text: str) -> int | str:
+    """--gamma: an integer or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer 1..{DEFAULT_GAMMA_MAX} or 'auto', got {text!r}") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuses bad flag values before anything is loaded; messages name the flag."""
+    require(PROG, args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, ">= 1")
+    auto = args.gamma == "auto"
+    require(PROG, auto or 1 <= args.gamma <= DEFAULT_GAMMA_MAX, "--gamma", args.gamma,
+            f"in 1..{DEFAULT_GAMMA_MAX} (gamma_max)")
+    if args.acceptance is not None:
+        require(PROG, auto, "--acceptance", args.acceptance, "given only with --gamma auto")
+        require(PROG, 0.0 <= args.acceptance <= 1.0, "--acceptance", args.acceptance, "in [0, 1]")
+    if args.plan_cache is not None:
+        require(PROG, auto, "--plan-cache", args.plan_cache, "given only with --gamma auto")
+    if auto and args.draft_policy != "fixed":
+        fail(PROG, f"--draft-policy {args.draft_policy} with --gamma auto: the planner picks a fixed gamma; give "
+                   "--gamma N to start the dynamic policy at N")
+    require(PROG, math.isfinite(args.temperature) and args.temperature >= 0, "--temperature", args.temperature,
+            ">= 0 (0 = greedy)")
+    require(PROG, args.top_k >= 0, "--top-k", args.top_k, ">= 0 (0 = all tokens)")
+    require(PROG, 0.0 < args.top_p <= 1.0, "--top-p", args.top_p, "in (0, 1]")
+    require(PROG, args.tp >= 1, "--tp", args.tp, ">= 1")
+    check_draft_flags(PROG, args)
+    if args.mode == "ar" and args.compare_ar:
+        fail(PROG, "--compare-ar compares against spec mode; drop it or use --mode spec")
+
+
+def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
+    """The SpecConfig of spec mode (with the format of the draft the model carries)."""
+    from qspec_jax.speculative import SpecConfig
+
+    kv = dict(target_kv="bf16", draft_kv="bf16") if (args.kv or "int8") == "bf16" else {}
+    draft = {}
+    if args.draft_weights == "int4" and getattr(model, "draft_weights_config", None) is not None:
+        d = model.draft_weights_config
+        draft = dict(draft_group=d.group_size, draft_scope=d.scope, draft_lm_head=d.lm_head, draft_method=d.method)
+    return SpecConfig(gamma=gamma, draft_weights=args.draft_weights, draft_policy=args.draft_policy,
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, **kv, **draft)
+
+
+def plan_gamma(model: Any, ids: list[int], args: argparse.Namespace) -> str:
+    """--gamma auto: sets args.gamma to the planner's choice, or args.mode to "ar" when no gamma
+    is predicted faster; returns the planner's one-line summary."""
+    from qspec_jax.planner import plan
+
+    draft = model.draft_params if args.draft_weights == "int4" else model.params
+    chosen = plan(model, [ids], spec_config(model, args, 4), alpha=args.acceptance, draft_params=draft,
+                  cost_cache=args.plan_cache)
+    if chosen.spec is None:
+        args.mode = "ar"
+    else:
+        args.gamma = chosen.spec.gamma
+    return chosen.summary()
 
 
 def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import jax
 
     from qspec_jax.generation import GenerationConfig, generate_autoregressive
-    from qspec_jax.speculative import SpecConfig, generate
+    from qspec_jax.speculative import generate
 
     key = jax.random.PRNGKey(args.seed)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -58,9 +154,11 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dic
     if mode == "ar":
         res = generate_autoregressive(model, [ids], GenerationConfig(kv=kv_kind, **sampling), key, timings=timings)
     else:
-        kv = dict(target_kv="bf16", draft_kv="bf16") if kv_kind == "bf16" else {}
-        res = generate(model, [ids], SpecConfig(gamma=args.gamma, **kv, **sampling), key, timings=timings)
-        out.update(acceptance_rate=res.acceptance_rate, tokens_per_round=res.tokens_per_round)
+        spec = spec_config(model, args, args.gamma)
+        draft = model.draft_params if args.draft_weights == "int4" else model.params
+        res = generate(model, [ids], spec, key, draft_params=draft, timings=timings)
+        out.update(acceptance_rate=res.acceptance_rate, tokens_per_round=res.tokens_per_round,
+                   mean_draft_length=res.mean_draft_length)
     tokens = res.to_lists()[0]
     out.update(text=model.decode(tokens), tokens=tokens, tokens_per_s=len(tokens) / timings["run_s"],
                compile_s=timings["compile_s"])
@@ -69,28 +167,43 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dic
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
-            fail(PROG, f"--prompt-file {args.prompt_file}: no such file")
-        args.prompt = args.prompt_file.read_text()
-    if args.max_new_tokens < 1:
-        fail(PROG, f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+        args.prompt = read_text(args.prompt_file, "--prompt-file")
+    if not args.prompt and not args.chat:
+        fail(PROG, "--prompt is empty")
 
     import qspec_jax
 
     model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
+    require_tokenizer(model)
     ids = model.encode(args.prompt, chat=args.chat)
+    if args.mode == "spec":
+        if args.draft_weights == "int4":
+            model = use_draft(PROG, model, draft_fields(args))
+        else:
+            if draft_fields(args):
+                fail(PROG, "--draft-group/--draft-scope/--draft-method/--draft-lm-head set the INT4 draft's "
+                           "format; they do not apply with --draft-weights bf16")
+            print(f"{PROG}: draft: the target's own weights (--draft-weights bf16)", file=sys.stderr, flush=True)
+    planned = None
+    if args.mode == "spec" and args.gamma == "auto":
+        planned = plan_gamma(model, ids, args)
+        print(f"{PROG}: --gamma auto: {planned}", file=sys.stderr, flush=True)
     result = _run(model, ids, args, args.mode)
     ar = _run(model, ids, args, "ar") if args.compare_ar and args.mode == "spec" else None
     if args.json:
         if ar is not None:
             result["ar_tokens_per_s"] = ar["tokens_per_s"]
+        if planned is not None:
+            result.update(gamma=args.gamma if args.mode == "spec" else None, plan=planned)
         print(json.dumps({k: result[k] for k in result if k != "mode"}))
         return 0
     print(result["text"])
     line = f"{'[' + result['mode'] + ']':7}{len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tokens/s"
     if result["mode"] == "spec":
-        line += (f", gamma={args.gamma}, acceptance rate {result['acceptance_rate']:.2f}, "
+        policy = f" (bass: mean draft length {result['mean_draft_length']:.2f})" if args.draft_policy == "bass" else ""
+        line += (f", gamma={args.gamma}{policy}, acceptance rate {result['acceptance_rate']:.2f}, "
                  f"{result['tokens_per_round']:.2f} tokens/round")
     print(line + f" (compile {result['compile_s']:.1f} s)", file=sys.stderr)
     if ar is not None:
