@@ -1,24 +1,34 @@
-"""Pallas GPU kernels (Triton lowering) for qspec-jax.
+"""Pallas GPU kernels for qspec-jax.
 
-`cache_attention(q, q_pos, cache, layer, *, view, sliding_window=None, interpret=None)` is the
-entry `qspec_jax.attention.cache_attention` dispatches to. `interpret=None` runs Pallas'
-interpreter unless `jax.default_backend() == "gpu"`.
+`cache_attention(q, q_pos, cache, layer, *, view, sliding_window=None, interpret=None, impl="auto")`
+is the entry `qspec_jax.attention.cache_attention` dispatches to: the Mosaic GPU kernels
+(`decode_attention_mgpu`) on Hopper, the Triton kernels (`decode_attention`) elsewhere.
+`interpret=None` runs Pallas' interpreter unless `jax.default_backend() == "gpu"`.
 """
 
 from pallas_kernels.decode_attention import (
+    IMPLS,
     KernelConfig,
     cache_attention,
+    choose_impl,
     dense_decode_attention,
+    is_hopper,
     merge_partials,
     quantized_decode_attention,
     rows_for,
 )
+from pallas_kernels.decode_attention_mgpu import MgpuConfig, quantized_decode_attention_mgpu
 
 __all__ = [
+    "IMPLS",
     "KernelConfig",
+    "MgpuConfig",
     "cache_attention",
+    "choose_impl",
     "dense_decode_attention",
+    "is_hopper",
     "merge_partials",
     "quantized_decode_attention",
+    "quantized_decode_attention_mgpu",
     "rows_for",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qspec_jax import quant
+from qspec_jax import quant, spmd
 from qspec_jax.cache import DenseKVCache, QuantSpecCache
 
 Array = jax.Array
@@ -103,7 +103,7 @@ def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, lay
     # Quantized keys: per channel c, per block n of G tokens.
     ks, kz = f32(cache.k_scale[layer]), f32(cache.k_zero[layer])  # [B, g, N, D]
     n_blocks, d = ks.shape[2], ks.shape[3]
-    blocks = lambda plane: quant.unpack_nibbles(plane[layer]).reshape(B, Hkv, n_blocks, G, d)  # noqa: E731
+    blocks = lambda plane: quant.key_codes_cache(plane[layer]).reshape(B, Hkv, n_blocks, G, d)  # noqa: E731
     q_s = jnp.einsum("bgtrd,bgnd->bgtrnd", qg, ks)  # q_c s_c per block
     s_q = jnp.einsum("bgtrnd,bgnkd->bgtrnk", q_s, f32(blocks(cache.k_hi)))
     if target:
@@ -126,7 +126,7 @@ def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, lay
     # Quantized values: per token t, per channel group n of Gv channels.
     vs, vz = f32(cache.v_scale[layer]), f32(cache.v_zero[layer])  # [B, g, S, D/Gv]
     n_groups = vs.shape[-1]
-    groups = lambda plane: quant.unpack_nibbles(plane[layer]).reshape(B, Hkv, S, n_groups, d // n_groups)  # noqa: E731
+    groups = lambda plane: quant.value_codes_cache(plane[layer], G).reshape(B, Hkv, S, n_groups, d // n_groups)  # noqa: E731
     p_s = p_q[..., None] * vs[:, :, None, None]  # p_t s_t: [B, g, T, r, S, n]
     o_q = jnp.einsum("bgtrsn,bgsnc->bgtrnc", p_s, f32(groups(cache.v_hi)))
     if target:
@@ -140,27 +140,33 @@ def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, lay
 def _use_pallas(impl: str) -> bool:
     if impl == "auto":
         return jax.default_backend() == "gpu"
-    return impl == "pallas"
+    return impl in ("pallas", "mosaic", "triton")
+
+
+def _kernel_impl(impl: str) -> str:
+    """ModelConfig.attention_impl -> pallas_kernels.cache_attention's impl ("pallas" and "auto"
+    let the kernels pick: Mosaic GPU on Hopper, Triton elsewhere)."""
+    return impl if impl in ("mosaic", "triton") else "auto"
 
 
 def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache, layer: Array,
                     view: str, impl: str, sliding_window: int | None, mesh: Any = None) -> Array:
     """Attention of new queries over one layer of `cache` (which already holds their K/V).
 
-    `impl` is ModelConfig.attention_impl: "pallas" uses `pallas_kernels`, "reference" the jnp
-    code above, "auto" picks Pallas on GPU. With a tensor-parallel `mesh` the kernel runs per
-    device on its local heads; the jnp code is partitioned by XLA.
+    `impl` is ModelConfig.attention_impl: "pallas" uses `pallas_kernels` (Mosaic GPU kernels on
+    Hopper, Triton elsewhere), "mosaic" / "triton" force one of them, "reference" the jnp code
+    above, "auto" picks the kernels on GPU and the jnp code elsewhere. With a tensor-parallel
+    `mesh` the kernel runs per device on its local heads; the jnp code is partitioned by XLA.
     """
     if _use_pallas(impl):
         import pallas_kernels  # imported lazily: the CPU path needs no Triton
 
         def attend(q, q_pos, cache, layer):
-            return pallas_kernels.cache_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window)
+            return pallas_kernels.cache_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
+                                                  impl=_kernel_impl(impl))
 
         if mesh is not None and mesh.size > 1:
-            from qspec_jax.sharding import sharded_cache_attention
-
-            return sharded_cache_attention(attend, mesh, q, q_pos, cache, layer)
+            return spmd.sharded_cache_attention(attend, mesh, q, q_pos, cache, layer)
         return attend(q, q_pos, cache, layer)
     if isinstance(cache, QuantSpecCache):
         return quantized_cache_attention(q, q_pos, cache, layer, view, sliding_window)

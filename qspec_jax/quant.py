@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -48,6 +49,82 @@ def unpack_nibbles(packed: Array) -> Array:
     """uint8 [..., D/2] -> int32 codes [..., D] in 0..15 (inverse of `pack_nibbles`)."""
     p = packed.astype(jnp.int32)  # widen before shifting
     return jnp.concatenate([p & 0xF, p >> 4], axis=-1)
+
+
+# ------------------------------------------------------------------- cache plane layout (SPEC §3)
+# The cache stores its nibble planes in the order the Hopper decode-attention kernels consume them
+# (pallas_kernels/decode_attention_mgpu.py; measurement in docs/kernel_notes.md):
+#
+# * Byte order: within every 16-byte group of a plane row, stored byte 4j + i holds logical byte
+#   2j + i // 2 + 8 (i % 2) (j = 0..3, i = 0..3). A thread that loads the 32-bit word 4j..4j+3
+#   then finds in its nibble pairs (bytes 0, 2) and (bytes 1, 3) exactly the element pairs
+#   (2j, 2j+1) and (2j+8, 2j+9) that the wgmma register-operand layout gives it, so codes become
+#   operands with one bit operation per pair and no shuffles.
+# * Keys: per token, split halves (logical byte c = channel c | channel c + D/2 << 4), in that
+#   byte order: [S, D/2] rows.
+# * Values: per flushed block of G tokens, transposed: logical byte (c, t) of a [D, G/2] array is
+#   token t of channel c in its low nibble and token t + G/2 in its high nibble, rows in the byte
+#   order above; the block's [D, G/2] bytes fill its G rows of the [S, D/2] plane (same size).
+#   The value kernel's operand is V^T (channels x tokens), so tokens must lie along a row.
+KERNEL_BYTE_GROUP = 16
+
+
+def kernel_byte_order(n: int) -> np.ndarray:
+    """int64[n]: `perm` with stored[..., q] = logical[..., perm[q]] for a plane row of n bytes.
+    Whole 16-byte groups are permuted; a remainder shorter than 16 bytes (rows of geometries the
+    Hopper kernels do not take) stays in order."""
+    q = np.arange(n)
+    r = q % KERNEL_BYTE_GROUP
+    grouped = q - r + 2 * (r // 4) + (r % 4) // 2 + 8 * (r % 2)
+    return np.where(q < n - n % KERNEL_BYTE_GROUP, grouped, q)
+
+
+def _inverse(perm: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.size)
+    return inv
+
+
+def _permute_last(x: Array, perm: np.ndarray) -> Array:
+    return x if np.array_equal(perm, np.arange(perm.size)) else x[..., perm]
+
+
+def key_plane_to_kernel(plane: Array) -> Array:
+    """Split-halves key plane uint8 [..., S, D/2] (as `quantize_keys` returns) -> cache layout."""
+    return _permute_last(plane, kernel_byte_order(plane.shape[-1]))
+
+
+def key_plane_from_kernel(plane: Array) -> Array:
+    """Cache-layout key plane -> split-halves uint8 [..., S, D/2] (inverse of key_plane_to_kernel)."""
+    return _permute_last(plane, _inverse(kernel_byte_order(plane.shape[-1])))
+
+
+def value_plane_to_kernel(plane: Array, block: int) -> Array:
+    """Split-halves value plane uint8 [..., S, D/2] (as `quantize_values` returns), S a multiple
+    of `block` (the key group G), -> cache layout (each block a transposed [D, G/2] byte array)."""
+    *lead, s, dh = plane.shape
+    if s % block or block % 2:
+        raise ValueError(f"value plane of {s} tokens: needs whole blocks of an even {block} tokens")
+    codes = unpack_nibbles(plane).reshape(*lead, s // block, block, 2 * dh)  # [..., n, G, D]
+    half = block // 2
+    pairs = codes[..., :half, :] | (codes[..., half:, :] << 4)  # [..., n, G/2, D]: byte (t, c)
+    pairs = _permute_last(jnp.swapaxes(pairs, -1, -2), kernel_byte_order(half))  # [..., n, D, G/2]
+    return pairs.astype(jnp.uint8).reshape(*lead, s, dh)
+
+
+def _value_codes(plane: Array, block: int) -> Array:
+    """Cache-layout value plane uint8 [..., S, D/2] -> int32 codes [..., S, D]."""
+    *lead, s, dh = plane.shape
+    half = block // 2
+    pairs = _permute_last(plane.reshape(*lead, s // block, 2 * dh, half), _inverse(kernel_byte_order(half)))
+    pairs = jnp.swapaxes(pairs.astype(jnp.int32), -1, -2)  # [..., n, G/2, D]
+    codes = jnp.concatenate([pairs & 0xF, pairs >> 4], axis=-2)  # [..., n, G, D]
+    return codes.reshape(*lead, s, 2 * dh)
+
+
+def value_plane_from_kernel(plane: Array, block: int) -> Array:
+    """Cache-layout value plane -> split-halves uint8 [..., S, D/2] (inverse of value_plane_to_kernel)."""
+    return pack_nibbles(_value_codes(plane, block))
 
 
 # ------------------------------------------------------------------------------- core quantizer
@@ -141,3 +218,37 @@ def dequantize_values(hi: Array, lo: Array | None, scale: Array, zero: Array) ->
     s = jnp.repeat(scale, gv, axis=-1)
     z = jnp.repeat(zero, gv, axis=-1)
     return dequantize(unpack_nibbles(hi), None if lo is None else unpack_nibbles(lo), s, z)
+
+
+# ------------------------------------------------------------------ cache-layout entry points
+def quantize_keys_cache(k: Array, group: int, scale_dtype=jnp.float16) -> tuple[Array, Array, Array, Array]:
+    """`quantize_keys` with the planes in the cache layout (`key_plane_to_kernel`)."""
+    hi, lo, scale, zero = quantize_keys(k, group, scale_dtype)
+    return key_plane_to_kernel(hi), key_plane_to_kernel(lo), scale, zero
+
+
+def quantize_values_cache(v: Array, block: int, scale_dtype=jnp.float16) -> tuple[Array, Array, Array, Array]:
+    """`quantize_values` of whole blocks of `block` tokens with the planes in the cache layout."""
+    hi, lo, scale, zero = quantize_values(v, scale_dtype)
+    return value_plane_to_kernel(hi, block), value_plane_to_kernel(lo, block), scale, zero
+
+
+def dequantize_keys_cache(hi: Array, lo: Array | None, scale: Array, zero: Array) -> Array:
+    """`dequantize_keys` of cache-layout planes."""
+    return dequantize_keys(key_plane_from_kernel(hi), None if lo is None else key_plane_from_kernel(lo), scale, zero)
+
+
+def dequantize_values_cache(hi: Array, lo: Array | None, scale: Array, zero: Array, block: int) -> Array:
+    """`dequantize_values` of cache-layout planes (blocks of `block` tokens)."""
+    lo = None if lo is None else value_plane_from_kernel(lo, block)
+    return dequantize_values(value_plane_from_kernel(hi, block), lo, scale, zero)
+
+
+def key_codes_cache(plane: Array) -> Array:
+    """Cache-layout key plane uint8 [..., S, D/2] -> int32 codes [..., S, D] in 0..15."""
+    return unpack_nibbles(key_plane_from_kernel(plane))
+
+
+def value_codes_cache(plane: Array, block: int) -> Array:
+    """Cache-layout value plane uint8 [..., S, D/2] -> int32 codes [..., S, D] in 0..15."""
+    return _value_codes(plane, block)

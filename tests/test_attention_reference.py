@@ -184,6 +184,7 @@ rounds_st = st.lists(st.lists(st.integers(0, GAMMA_MAX + 1), min_size=4, max_siz
 
 # (Hkv, scale dtype) are drawn as pairs and the sliding window is a separate test: every distinct
 # combination is a compile of the attention and of the cache ops.
+@pytest.mark.slow
 @settings(max_examples=24, deadline=None)
 @given(hkv_sd=st.sampled_from([(1, "float32"), (2, "float16")]), n_rep=st.sampled_from([1, 3]),
        t=st.sampled_from([1, 5]), prompts=prompts_st, rounds=rounds_st, seed=st.integers(0, 2**32 - 1))

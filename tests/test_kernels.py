@@ -1,4 +1,6 @@
-"""Pallas decode-attention kernels (interpret mode on CPU) against the jnp references.
+"""Pallas (Triton) decode-attention kernels (interpret mode on CPU) against the jnp references.
+
+The Mosaic GPU kernels have their own file (tests/test_attention_mgpu.py).
 
 Caches are built through the public QuantSpecCache / DenseKVCache API with random data.
 Compilation dominates the run time, so shapes are drawn from small sets and every kernel call
@@ -8,6 +10,7 @@ goes through one jitted function per static configuration.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +146,7 @@ def fresh_cache(seed: int) -> QuantSpecCache:
     return build_quant_cache(jax.random.PRNGKey(seed), cfg, BATCH, S_MAX, lens, GROUP)
 
 
+@pytest.mark.slow
 def test_shared_cache_covers_edge_rows():
     cache = shared_cache("float32")
     q_len, fp_len = np.asarray(cache.q_len), np.asarray(cache.fp_len)
@@ -152,6 +156,7 @@ def test_shared_cache_covers_edge_rows():
     assert np.asarray(fresh.q_len).tolist()[:2] == [0, 0] and np.asarray(fresh.fp_len).tolist()[:2] == [1, 1]
 
 
+@pytest.mark.slow
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     view=st.sampled_from(["draft", "target"]),
@@ -178,12 +183,12 @@ def test_edge_rows_float32(view):
     _check(shared_cache("float32"), 5, 3, jnp.float32, view)
 
 
-def test_head_dim_128_group_32():
+def test_head_dim_128_group_64():
     cfg = _cfg(hkv=1, n_rep=4, d=128, layers=1)
     cache = build_quant_cache(jax.random.PRNGKey(3), cfg, 2, 256, [250, 140], 64, gamma=8,
-                              fp_dtype=jnp.bfloat16)  # G = 64: 4 row groups of the 4 query rows
+                              fp_dtype=jnp.bfloat16)  # G = 64, D = 128: the cache byte order is in play
     _check(cache, 1, 4, jnp.bfloat16, "draft", layer=0)
-    _check(cache, 7, 4, jnp.float32, "target", layer=0)
+    _check(cache, 7, 4, jnp.float32, "target", layer=0)  # 28 rows: two row tiles
 
 
 def test_magic_number_codes_match_on_cpu():
@@ -204,14 +209,14 @@ def test_partials_written_and_neutral():
     """Every partial is written (interpret mode fills outputs with NaN before the run, so an
     unwritten element stays NaN), and splits past q_len / unused ring programs are neutral."""
     cfg = _cfg(hkv=2, n_rep=4)
-    cache = build_quant_cache(jax.random.PRNGKey(5), cfg, 2, 256, [40, 230], 16)
+    cache = build_quant_cache(jax.random.PRNGKey(5), cfg, 2, 256, [70, 230], 32)
     q, q_pos = _queries(jax.random.PRNGKey(6), cache, 1, 8, 64, jnp.float32)
     o, m, l = _kernel(q, q_pos, cache, jnp.int32(0), view="draft", partials=True,
                       config=pk.KernelConfig(num_splits=8, ring_splits=2))
     o, m, l = map(np.asarray, (o, m, l))
     assert np.isfinite(o).all() and np.isfinite(m).all() and np.isfinite(l).all()
     neutral = l == 0
-    assert neutral[0].any(), "row 0 has 16 quantized tokens: most of its splits must be empty"
+    assert neutral[0].any(), "row 0 has 32 quantized tokens: most of its splits must be empty"
     assert (m[neutral] == da.NEG).all() and (o[neutral] == 0).all()
     assert (l[1, :, 0] > 0).any(), "row 1's first split holds tokens"
 
@@ -279,16 +284,21 @@ def test_lowering_passes_whole_stacked_cache():
     q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
     qp = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     for view in ("draft", "target"):
-        f = lambda q, qp, c, l: pk.cache_attention(q, qp, c, l, view=view, interpret=False)  # noqa: E731
+        f = lambda q, qp, c, l: pk.cache_attention(q, qp, c, l, view=view, interpret=False, impl="triton")  # noqa: E731
         txt = jax.jit(f).trace(q, qp, cache, jax.ShapeDtypeStruct((), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in txt
         assert "dynamic_slice" not in txt and "stablehlo.slice" not in txt.split("xla.gpu.triton")[0][-2000:]
         call = txt[txt.index("@__gpu$xla.gpu.triton("):]
         call = call[: call.index(")")]
+        # Row-major reshapes of whole arguments (value planes viewed as [.., S/G * D, G/2], value
+        # scales as [.., S]) are bitcasts, not copies: count them as arguments.
+        reshaped = set(re.findall(r"(%\S+) = stablehlo.reshape %arg", txt))
+        operands = re.findall(r"%[\w#]+", call)
+        direct = [o for o in operands if o.startswith("%arg") or o.split("#")[0] in reshaped]
         planes = 4 if view == "target" else 2
         # k_hi, (k_lo,) v_hi, (v_lo,), scales, zeros, ring: all function arguments.
-        assert call.count("%arg") >= planes + 6, call
+        assert len(direct) >= planes + 6, call
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
@@ -296,11 +306,11 @@ def test_model_decode_pallas_matches_reference(kind):
     cfg_ref = _cfg(hkv=2, n_rep=2, layers=2, dtype="float32", impl="reference")
     cfg_pal = cfg_ref.replace(attention_impl="pallas")
     params = M.init_random_params(cfg_ref, jax.random.PRNGKey(11), scale=0.2)
-    b, prompt = 2, 40
+    b, prompt = 2, 80
     tokens = jax.random.randint(jax.random.PRNGKey(12), (b, prompt), 0, cfg_ref.vocab_size)
-    lengths = jnp.asarray([40, 23], jnp.int32)
+    lengths = jnp.asarray([80, 45], jnp.int32)  # q_len 32 and 0
     if kind == "int8":
-        cache = QuantSpecCache.init(cfg_ref, b, 64, group_size=16, gamma_max=4)
+        cache = QuantSpecCache.init(cfg_ref, b, 128, group_size=32, gamma_max=4)
     else:
         cache = DenseKVCache.init(cfg_ref, b, 96)
     _, cache = jax.jit(M.prefill)(params, tokens, lengths, cache)
@@ -312,3 +322,28 @@ def test_model_decode_pallas_matches_reference(kind):
             logits, new_cache = jax.jit(functools.partial(M.decode, view=view))(p, step, cache)
             outs[name] = (np.asarray(logits), new_cache)
         assert _relerr(outs["pallas"][0], outs["ref"][0]) <= 1e-4
+
+
+# ------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("view", ["draft", "target"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quantized_kernel_row_independent_of_T_bitwise(dtype, view):
+    """T = 1 at position p and T = 5 covering p..p+4 give bit-identical rows for p: the row tile,
+    splits and merge order never depend on T (issue 11)."""
+    cache = shared_cache("float32" if dtype == jnp.float32 else "bfloat16")
+    b = cache.q_len.shape[0]
+    q5 = jax.random.normal(jax.random.PRNGKey(21), (b, 5, 6, 64)).astype(dtype)
+    pos5 = jnp.maximum(cache.total_lengths()[:, None] - 5, 0) + jnp.arange(5, dtype=jnp.int32)[None, :]
+    o5 = np.asarray(_kernel(q5, pos5, cache, jnp.int32(1), view=view).astype(jnp.float32))
+    o1 = np.asarray(_kernel(q5[:, :1], pos5[:, :1], cache, jnp.int32(1), view=view).astype(jnp.float32))
+    np.testing.assert_array_equal(o1[:, 0], o5[:, 0])
+
+
+def test_dense_kernel_row_independent_of_T_bitwise():
+    cfg = _cfg(hkv=2, n_rep=3)
+    cache = build_dense_cache(jax.random.PRNGKey(22), cfg, 2, 96, [96, 40], dtype=jnp.bfloat16)
+    q5 = jax.random.normal(jax.random.PRNGKey(23), (2, 5, 6, 64)).astype(jnp.bfloat16)
+    pos5 = cache.lengths[:, None] - 5 + jnp.arange(5, dtype=jnp.int32)[None, :]
+    o5 = np.asarray(_kernel(q5, pos5, cache, jnp.int32(0)).astype(jnp.float32))
+    o1 = np.asarray(_kernel(q5[:, :1], pos5[:, :1], cache, jnp.int32(0)).astype(jnp.float32))
+    np.testing.assert_array_equal(o1[:, 0], o5[:, 0])

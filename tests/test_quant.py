@@ -191,6 +191,7 @@ def check_dequantize(dequantize, lo, u, lb, s, z):
         np.testing.assert_array_less(np.abs(got - want), tol + 1e-30)
 
 # ------------------------------------------------------------------------------------- keys
+@pytest.mark.slow
 @settings(max_examples=50, deadline=None)
 @given(lead=lead_shapes, d=head_dims, group=groups, sd=scale_dtypes, kind=kinds, seed=seeds)
 def test_quantize_keys_bounds_and_shapes(lead, d, group, sd, kind, seed):
@@ -219,6 +220,7 @@ def test_quantize_keys_bounds_and_shapes(lead, d, group, sd, kind, seed):
 
 
 # ----------------------------------------------------------------------------------- values
+@pytest.mark.slow
 @settings(max_examples=50, deadline=None)
 @given(lead=lead_shapes, d=head_dims, seq=st.sampled_from([7, 32]), sd=scale_dtypes, kind=kinds, seed=seeds)
 def test_quantize_values_bounds_and_shapes(lead, d, seq, sd, kind, seed):

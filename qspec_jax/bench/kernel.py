@@ -1,7 +1,8 @@
 """`qspec-bench kernel`: decode-attention kernels on one layer, on device, against bf16 baselines.
 
-Variants (ours): INT4 draft (T=1), INT8 verify (T=5, T=7) over a QuantSpecCache, and our dense
-bf16 kernel (T=1). Baselines (bf16, T=1): XLA (the jnp `dense_attention` under jit), cuDNN
+Variants (ours): the Mosaic GPU kernels (Hopper) -- INT4 draft (T=1), INT8 verify (T=5 and
+T=9 = gamma_max + 1) over a QuantSpecCache --, the Triton kernels (INT4 draft T=1, INT8 T=5) and
+our dense bf16 Triton kernel (T=1). Baselines (bf16, T=1): XLA (the jnp `dense_attention` under jit), cuDNN
 (`jax.nn.dot_product_attention(implementation="cudnn")`), JAX Pallas
 `decode_attention.gqa`, and torch SDPA FlashAttention when torch is importable.
 
@@ -70,9 +71,11 @@ def dense_bytes(b: int, hkv: int, ctx: int, d: int, t: int, hq: int) -> int:
 
 # ----------------------------------------------------------------------------- variants
 def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx: int, t: int, trials: int,
-               configs: list, key) -> list[dict]:
-    """Times one of our kernels under each KernelConfig in `configs`; returns one row each."""
+               configs: list, key, impl: str = "triton") -> list[dict]:
+    """Times one of our kernels (`impl` "triton" or "mosaic" for the quantized views) under each
+    config in `configs` (KernelConfig / MgpuConfig); returns one row each."""
     import pallas_kernels as pk
+    from pallas_kernels import decode_attention_mgpu as mg
     from qspec_jax.cache import QuantSpecCache  # noqa: F401
     from qspec_jax.config import ModelConfig
 
@@ -113,8 +116,12 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
             def step(x, data):
                 q_pos, cache = data
                 for c in range(copies):
-                    x = pk.quantized_decode_attention(x, q_pos, cache, jnp.int32(c), view=kind, interpret=None,
-                                                      config=conf)
+                    if impl == "mosaic":
+                        x = mg.quantized_decode_attention_mgpu(x, q_pos, cache, jnp.int32(c), view=kind, config=conf,
+                                                               interpret=jax.default_backend() != "gpu")
+                    else:
+                        x = pk.quantized_decode_attention(x, q_pos, cache, jnp.int32(c), view=kind, interpret=None,
+                                                          config=conf)
                 return x
             return step
 
@@ -123,11 +130,18 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
         try:
             r = time_loop(make_step(conf), q, 3, trials, data=data)
             s = r["s"] / copies
-            rows.append({"variant": f"ours-{kind}", "config": _conf_str(conf), "s": s, "bytes": nbytes,
+            rows.append({"variant": _variant(kind, impl), "config": _conf_str(conf), "s": s, "bytes": nbytes,
                          "copies": copies, "reps": r["reps"], "spread_s": r["spread"] / copies})
         except Exception as e:  # a config that does not compile on this device
-            rows.append({"variant": f"ours-{kind}", "config": _conf_str(conf), "error": f"{type(e).__name__}: {e}"[:300]})
+            rows.append({"variant": _variant(kind, impl), "config": _conf_str(conf),
+                         "error": f"{type(e).__name__}: {e}"[:300]})
     return rows
+
+
+def _variant(kind: str, impl: str) -> str:
+    if kind == "dense":
+        return "ours-dense"
+    return f"ours-{impl}-{'int4-draft' if kind == 'draft' else 'int8-target'}"
 
 
 def _conf_str(conf) -> str:
@@ -136,7 +150,8 @@ def _conf_str(conf) -> str:
     return ",".join(f"{k}={v}" for k, v in vars(conf).items() if v not in (None, False))
 
 
-def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int, key, torch_ok: bool) -> list[dict]:
+def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int, key, torch_ok: bool,
+                    which: tuple = ("torch", "xla", "cudnn", "gqa")) -> list[dict]:
     from qspec_jax.attention import dense_attention
 
     t = 1
@@ -172,7 +187,8 @@ def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int
             return x
         return step, (k, v)
 
-    run("xla-bf16", make_xla)
+    if "xla" in which:
+        run("xla-bf16", make_xla)
     del k, v
     # cuDNN and Pallas gqa take [B, S, Hkv, D].
     shape = (copies, batch, ctx, hkv, d)
@@ -187,7 +203,8 @@ def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int
             return x
         return step, (k, v)
 
-    run("cudnn-bf16", make_cudnn)
+    if "cudnn" in which:
+        run("cudnn-bf16", make_cudnn)
 
     def make_gqa(k=k, v=v):
         from jax.experimental.pallas.ops.gpu import decode_attention as up
@@ -199,10 +216,11 @@ def bench_baselines(hq: int, hkv: int, d: int, batch: int, ctx: int, trials: int
             return x
         return step, (k, v)
 
-    run("pallas-gqa-bf16", make_gqa)
+    if "gqa" in which:
+        run("pallas-gqa-bf16", make_gqa)
     del k, v
-    if torch_ok:
-        rows.append(bench_torch(hq, hkv, d, batch, ctx, trials, copies, nbytes))
+    if torch_ok and "torch" in which:
+        rows.insert(0, bench_torch(hq, hkv, d, batch, ctx, trials, copies, nbytes))
     return rows
 
 
@@ -272,32 +290,36 @@ def write_outputs(out: Path, result: dict) -> None:
     plot(out / "kernel_speedup.png", result)
 
 
+READ_CEILING_BPS = 4.35e12  # H200: bf16 GEMV through cuBLAS (SPEC §8), the ceiling for bytes read
+
+
 def markdown(result: dict) -> str:
-    bw = result["copy_bw_Bps"]
     lines = [
         f"Device: {result['device']}; jax {result['jax']}; {result['date']}; command: `{result['command']}`.",
-        f"Device-to-device copy: {bw / 1e12:.2f} TB/s (read + write). Times are medians of "
-        f"{result['trials']} trials of a jitted loop; speedup is against the best bf16 baseline "
-        "(XLA, cuDNN, Pallas gqa, torch FlashAttention) at the same shape.",
+        f"Device-to-device copy measured in the run: {result['copy_bw_Bps'] / 1e12:.2f} TB/s (read + write). Times "
+        f"are medians of {result['trials']} trials of a jitted loop (the kernel's XLA query preparation and merge "
+        "included). `% ceiling` is bytes moved / time against the 4.35 TB/s read ceiling; `vs flash` is torch SDPA "
+        "FlashAttention (bf16, T = 1) time / this row's time at the same shape, batch and context.",
         "",
-        "| shape | B | context | variant | T | ms | MB moved | TB/s | % copy BW | speedup |",
+        "| shape | B | context | variant | T | ms | MB moved | TB/s | % ceiling | vs flash |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r or r.get("best") is False:
             continue
         tbs = r["bytes"] / r["s"] / 1e12
-        sp = r.get("speedup")
+        vf = r.get("vs_flash")
         lines.append(f"| {r['shape']} | {r['batch']} | {_ctx(r['ctx'])} | {r['variant']} | {r['t']} | "
-                     f"{r['s'] * 1e3:.4f} | {r['bytes'] / 1e6:.1f} | {tbs:.2f} | {100 * r['bytes'] / r['s'] / bw:.0f}% | "
-                     f"{'' if sp is None else f'{sp:.2f}x'} |")
+                     f"{r['s'] * 1e3:.4f} | {r['bytes'] / 1e6:.1f} | {tbs:.2f} | "
+                     f"{100 * r['bytes'] / r['s'] / READ_CEILING_BPS:.0f}% | "
+                     f"{'' if vf is None else f'{vf:.2f}x'} |")
     errs = [r for r in result["rows"] if "error" in r]
     if errs:
         lines += ["", "Failed or skipped:", ""]
         lines += [f"- {r.get('shape')} B={r.get('batch')} {r.get('ctx')} {r['variant']} {r.get('config', '')}: "
                   f"{r['error'][:200]}" for r in errs]
-    for s in result.get("skipped", []):
-        lines.append(f"- skipped: {s}")
+    for sk in result.get("skipped", []):
+        lines.append(f"- skipped: {sk}")
     return "\n".join(lines) + "\n"
 
 
@@ -315,19 +337,19 @@ def plot(path: Path, result: dict) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, shape in zip(axes, SHAPES):
-        for var in ("ours-draft", "ours-target", "ours-dense"):
+        for var in ("ours-mosaic-int4-draft", "ours-mosaic-int8-target", "ours-triton-int4-draft", "ours-dense"):
             for b in (1, 8):
-                for t in (1, 5, 7):
-                    pts = sorted((r["ctx"], r["speedup"]) for r in result["rows"]
+                for t in (1, 5):
+                    pts = sorted((r["ctx"], r["vs_flash"]) for r in result["rows"]
                                  if r.get("shape") == shape and r["variant"] == var and r.get("batch") == b
-                                 and r.get("t") == t and r.get("speedup") and r.get("best") is not False)
+                                 and r.get("t") == t and r.get("vs_flash") and r.get("best") is not False)
                     if pts:
                         ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o",
                                 label=f"{var} T={t} B={b}")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (k tokens)")
-        ax.set_ylabel("speedup vs best bf16 baseline")
+        ax.set_ylabel("speedup vs torch SDPA flash (bf16)")
         ax.set_title(shape)
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -335,20 +357,30 @@ def plot(path: Path, result: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------ main
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qspec-bench kernel", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="qspec-bench kernel", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--out", default="docs/bench", help="directory for JSON/markdown/PNG")
     ap.add_argument("--quick", action="store_true", help="small sizes (runs on CPU in interpret mode)")
     ap.add_argument("--doc", default="docs/BENCHMARKS.md", help="markdown file whose Kernel section to update")
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--contexts", default=None, help="comma-separated contexts in tokens")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--trials", type=int, default=5, help="timed trials per measurement (the median is reported)")
+    ap.add_argument("--contexts", default=None,
+                    help="comma-separated contexts in tokens (default: 4096,16384,65536,131072; --quick: 512 on a "
+                         "CPU, 4096,16384 on a GPU)")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help="comma-separated attention shapes (query heads, KV heads, head_dim) by name")
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (--quick on a CPU: 1)")
     ap.add_argument("--no-sweep", action="store_true", help="only the default kernel configs")
-    ap.add_argument("--combos", default=None, help="shape:batch pairs to run instead of shapes x batches")
-    args = ap.parse_args(argv)
+    ap.add_argument("--combos", default=None,
+                    help="shape:batch pairs to run instead of shapes x batches (default: all of them)")
+    ap.add_argument("--impls", default=None, help="subset of our kernels to time: mosaic,triton,dense (default: all)")
+    ap.add_argument("--baselines", default="torch,xla,cudnn,gqa", help="bf16 baselines to time (GPU only)")
+    ap.add_argument("--target-ts", default="5,9", help="query tokens T of the Mosaic INT8 verify rows")
+    return ap
 
-    import pallas_kernels as pk
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.quick:
@@ -380,67 +412,69 @@ def main(argv: list[str] | None = None) -> int:
     log(f"copy bandwidth: {result['copy_bw_Bps'] / 1e12:.3f} TB/s")
     out = Path(args.out)
 
-    sweep = {
-        "draft": [None, pk.KernelConfig(codes="f32"), pk.KernelConfig(num_stages=3),
-                  pk.KernelConfig(row_groups=1)],
-        "target": [None, pk.KernelConfig(codes="f32"), pk.KernelConfig(num_warps=4), pk.KernelConfig(block_s=64),
-                   pk.KernelConfig(block_s=64, num_warps=4), pk.KernelConfig(num_stages=3)],
-        "dense": [None, pk.KernelConfig(num_stages=2), pk.KernelConfig(block_s=128), pk.KernelConfig(num_warps=8)],
-    }
+    from pallas_kernels.decode_attention_mgpu import MgpuConfig
+
+    # (impl, kind, T): the draft view at T = 1, the target view at T = gamma + 1 = 5 and 9.
+    target_ts = [int(x) for x in args.target_ts.split(",")]
+    variants = ([("mosaic", "draft", 1)] + [("mosaic", "target", t) for t in target_ts]
+                + [("triton", "draft", 1), ("triton", "target", 5), ("triton", "dense", 1)])
+    if args.impls:
+        variants = [v for v in variants if v[0] in args.impls.split(",") or (v[1] == "dense" and "dense" in args.impls)]
+    sweep = {"mosaic": [None, MgpuConfig(stages=2), MgpuConfig(stages=4), MgpuConfig(auto_barriers=True)],
+             "triton": [None]}
     best: dict[tuple, Any] = {}
     key = jax.random.PRNGKey(0)
     if args.quick or args.no_sweep:
         sweep = {k: [None] for k in sweep}
     combos = ([(c.split(":")[0], int(c.split(":")[1])) for c in args.combos.split(",")] if args.combos else
-              [(s, b) for s in shapes for b in batches])
+              [(s_, b) for s_ in shapes for b in batches])
     for shape, batch in combos:
         hq, hkv, d = SHAPES[shape]
-        if True:
-            for ctx in sorted(contexts, reverse=True):  # largest first: the sweep picks configs there
-                if on_gpu and not fits(batch, hkv, ctx, d):
-                    result["skipped"].append(f"{shape} B={batch} ctx={ctx}: does not fit in memory")
-                    log(f"skip {shape} B={batch} ctx={ctx}")
-                    continue
-                base = dict(shape=shape, batch=batch, ctx=ctx)
-                t0 = time.time()
-                rows = []
-                for kind, t in (("draft", 1), ("target", 5), ("target", 7), ("dense", 1)):
-                    kb = (kind, t, shape)
-                    confs = sweep[kind] if kb not in best else [best[kb]] + ([None] if best[kb] is not None else [])
-                    rs = bench_ours(kind, shape, hq, hkv, d, batch, ctx, t, trials, confs, key)
-                    ok = [r for r in rs if "error" not in r]
-                    if ok:
-                        win = min(ok, key=lambda r: r["s"])
-                        if kb not in best:
-                            best[kb] = confs[[_conf_str(c) for c in confs].index(win["config"])]
-                        for r in ok:
-                            r["best"] = r is win
-                    for r in rs:
-                        r.update(base, t=t)
-                    rows += rs
-                if on_gpu:
-                    for r in bench_baselines(hq, hkv, d, batch, ctx, trials, key, torch_ok):
-                        r.update(base, t=1)
-                        rows.append(r)
-                base_ok = [r["s"] for r in rows if "error" not in r and not r["variant"].startswith("ours")]
-                if base_ok:
-                    for r in rows:
-                        if "error" not in r:
-                            r["speedup"] = min(base_ok) / r["s"]
-                result["rows"] += rows
-                for r in rows:
-                    if "error" in r:
-                        log(f"  {r['variant']} {r.get('config', '')}: ERROR {r['error'][:150]}")
-                    else:
-                        log(f"  {shape} B={batch} ctx={ctx} {r['variant']:>22} T={r['t']} {r.get('config', ''):>28} "
-                            f"{r['s'] * 1e3:8.4f} ms {r['bytes'] / r['s'] / 1e12:5.2f} TB/s "
-                            f"{100 * r['bytes'] / r['s'] / result['copy_bw_Bps']:4.0f}% "
-                            f"{'' if r.get('speedup') is None else format(r['speedup'], '.2f') + 'x'}")
-                log(f"{shape} B={batch} ctx={ctx}: {time.time() - t0:.1f}s")
-                write_outputs(out, result)  # after every shape: a killed run keeps what it measured
+        for ctx in sorted(contexts, reverse=True):  # largest first: the sweep picks configs there
+            if on_gpu and not fits(batch, hkv, ctx, d):
+                result["skipped"].append(f"{shape} B={batch} ctx={ctx}: does not fit in memory")
+                log(f"skip {shape} B={batch} ctx={ctx}")
+                continue
+            base = dict(shape=shape, batch=batch, ctx=ctx)
+            t0 = time.time()
+            rows = []
+            for impl, kind, t in variants:
+                kb = (impl, kind, t, shape)
+                confs = sweep[impl] if kb not in best else [best[kb]]
+                rs = bench_ours(kind, shape, hq, hkv, d, batch, ctx, t, trials, confs, key, impl=impl)
+                ok = [r for r in rs if "error" not in r]
+                if ok:
+                    win = min(ok, key=lambda r: r["s"])
+                    if kb not in best:
+                        best[kb] = confs[[_conf_str(c) for c in confs].index(win["config"])]
+                    for r in ok:
+                        r["best"] = r is win
+                for r in rs:
+                    r.update(base, t=t)
+                rows += rs
+            if on_gpu:
+                for r in bench_baselines(hq, hkv, d, batch, ctx, trials, key, torch_ok, args.baselines.split(",")):
+                    r.update(base, t=1)
+                    rows.append(r)
+            flash = [r["s"] for r in rows if r["variant"] == "torch-sdpa-flash-bf16" and "error" not in r]
+            for r in rows:
+                if "error" not in r and flash:
+                    r["vs_flash"] = flash[0] / r["s"]
+            result["rows"] += rows
+            for r in rows:
+                if "error" in r:
+                    log(f"  {r['variant']} {r.get('config', '')}: ERROR {r['error'][:150]}")
+                else:
+                    log(f"  {shape} B={batch} ctx={ctx} {r['variant']:>24} T={r['t']} {r.get('config', ''):>20} "
+                        f"{r['s'] * 1e3:8.4f} ms {r['bytes'] / r['s'] / 1e12:5.2f} TB/s "
+                        f"{100 * r['bytes'] / r['s'] / READ_CEILING_BPS:4.0f}% "
+                        f"{'' if r.get('vs_flash') is None else format(r['vs_flash'], '.2f') + 'x'}")
+            log(f"{shape} B={batch} ctx={ctx}: {time.time() - t0:.1f}s")
+            write_outputs(out, result)  # after every shape: a killed run keeps what it measured
     write_outputs(out, result)
     if args.doc:
-        report.update_section("kernel", "## Decode attention kernel (Pallas/Triton)\n\n" + markdown(result),
+        report.update_section("kernel", "## Decode attention kernel (Pallas: Mosaic GPU and Triton)\n\n"
+                              + markdown(result),
                               Path(args.doc))
     log(markdown(result))
     return 0

@@ -1,7 +1,9 @@
 """Compiled (non-interpret) correctness check of the Pallas kernels against the jnp references.
 
 Run on the GPU before timing: python -m qspec_jax.bench.kernel_check. Exits non-zero on a
-failure. Tolerances: float32 1e-5 (IEEE float32 dots), bf16 2e-2 relative (Frobenius).
+failure. Tolerances: float32 1e-5 (IEEE float32 dots, Triton), bf16 2e-2 relative (Frobenius; Triton
+and the Mosaic GPU kernel). tools/device/check_attention.py adds the register-operand mapping
+check, poisoned outputs and the bitwise T-invariance checks.
 """
 
 from __future__ import annotations
@@ -56,16 +58,19 @@ def main(argv=None) -> int:
                     q = jax.random.normal(qk, (b, t, hq, d)).astype(dtype)
                     tot = cache.q_len + cache.fp_len
                     q_pos = tot[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
-                    f = jax.jit(lambda q, p, c, l: pk.cache_attention(q, p, c, l, view=view, interpret=interpret))
-                    out = f(q, q_pos, cache, jnp.int32(1))
                     ref = jax.jit(lambda q, p, c, l: A.quantized_cache_attention(q, p, c, l, view))(
                         q, q_pos, cache, jnp.int32(1))
-                    err = relerr(out, ref)
-                    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-                    ok = err <= tol
-                    fails += not ok
-                    print(f"quant {view:6s} Hq={hq} Hkv={hkv} D={d} T={t} {jnp.dtype(dtype).name:8s} "
-                          f"relerr={err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+                    # Triton always; the Mosaic GPU kernel (float16 operands) for 16-bit queries
+                    for impl in ("triton", "mosaic") if dtype != jnp.float32 else ("triton",):
+                        f = jax.jit(lambda q, p, c, l, impl=impl: pk.cache_attention(q, p, c, l, view=view,
+                                                                                   interpret=interpret, impl=impl))
+                        out = f(q, q_pos, cache, jnp.int32(1))
+                        err = relerr(out, ref)
+                        tol = 1e-5 if dtype == jnp.float32 else 2e-2
+                        ok = err <= tol
+                        fails += not ok
+                        print(f"quant {impl:6s} {view:6s} Hq={hq} Hkv={hkv} D={d} T={t} {jnp.dtype(dtype).name:8s} "
+                              f"relerr={err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
         # dense kernel
         kd, vd = jax.random.split(key)
         S = 512 if small else 4096

@@ -1,0 +1,350 @@
+"""Mosaic GPU decode-attention kernels (pallas_kernels/decode_attention_mgpu.py) on the CPU.
+
+GPU interpret mode runs the kernels' SMEM-operand twin (register_a=False): the same program
+except that the codes -> float16 operand conversion happens in jnp (same 32-bit word formulas,
+same register placement) and wgmma reads its A operand from SMEM. Interpret mode fills outputs
+with NaN before the run, so a tile no program writes fails the finiteness checks.
+
+* the twin's operand tile against an independent numpy decode of the cache layout;
+* the kernels against the jnp reference (`quantized_cache_attention`), for caches built through
+  the public API: lengths ending mid-block, wrapped rings, constant groups and outliers;
+* T-invariance: T = 1 at position p and T = 5 at p..p+4 give bit-identical rows for p;
+* every program writes its partial; empty splits are neutral;
+* the register-operand path (the one the GPU runs) lowers for CUDA under jax 0.10.2 and, when a
+  jax 0.11 interpreter is available (QSPEC_JAX011_PYTHON or /tmp/j11), under 0.11;
+* the dispatch picks the kernels as documented.
+
+The GPU itself is checked by tools/device/check_attention.py (not in CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pallas_kernels as pk
+from pallas_kernels import decode_attention_mgpu as mg
+from qspec_jax import attention as A
+from qspec_jax import quant
+from qspec_jax.cache import QuantSpecCache
+from qspec_jax.config import ModelConfig
+
+GAMMA_MAX = 8  # T up to gamma_max + 1 = 9
+TOL = 1e-2  # float16 operands, bfloat16 ring: ~3e-3 measured; a wrong offset or scale is O(1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cfg(hkv: int, n_rep: int, d: int, layers: int = 2) -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_layers=layers,
+                       num_heads=hkv * n_rep, num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+
+
+def _kv(key, shape, outliers: bool = True):
+    """Random K/V with outliers (x30) and, per (row, head), a constant key channel 0 and a few
+    constant value tokens (scale 0: exact codes)."""
+    k1, k2 = jax.random.split(key)
+    x = jax.random.normal(k1, shape)
+    if outliers:
+        x = jnp.where(jax.random.uniform(k2, shape) < 0.02, x * 30.0, x)
+    return x
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len", "group", "rounds", "round_t"))
+def _build(key, prompt_lens, *, cfg, batch, max_len, group, rounds, round_t):
+    cache = QuantSpecCache.init(cfg, batch, max_len, group_size=group, gamma_max=GAMMA_MAX,
+                                fp_dtype=jnp.bfloat16)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    for layer in range(cfg.num_layers):
+        kk, vk = jax.random.split(jax.random.fold_in(key, layer))
+        k = _kv(kk, shape) * 2.0 + 0.5
+        k = k.at[:, :, :, 0].set(1.25)  # a constant key channel in every block
+        v = _kv(vk, shape)
+        v = v.at[:, :, ::7, :].set(-0.75)  # constant value tokens
+        cache = cache.prefill_layer(layer, k, v, prompt_lens)
+    cache = cache.finish_prefill(prompt_lens)
+
+    def one_round(r, cache):
+        shape = (batch, cfg.num_kv_heads, round_t, cfg.head_dim)
+        for layer in range(cfg.num_layers):
+            kk, vk = jax.random.split(jax.random.fold_in(key, 1000 + r * cfg.num_layers + layer))
+            cache = cache.append_layer(layer, _kv(kk, shape) * 2.0, _kv(vk, shape))
+        return cache.advance(round_t).flush()
+
+    return jax.lax.fori_loop(0, rounds, one_round, cache)
+
+
+def build_cache(seed: int, hkv: int, n_rep: int, d: int, group: int, lens, rounds: int = 0, round_t: int = 5):
+    """Prefill of `lens` random tokens per row, then `rounds` rounds appending and committing
+    `round_t` tokens and flushing (quantizing ring blocks, wrapping the ring)."""
+    cfg = _cfg(hkv, n_rep, d)
+    max_len = 4 * group
+    return _build(jax.random.PRNGKey(seed), jnp.asarray(lens, jnp.int32), cfg=cfg, batch=len(lens),
+                  max_len=max_len, group=group, rounds=rounds, round_t=round_t)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_cache(d: int, group: int, n_rep: int) -> QuantSpecCache:
+    """Rows: a prompt ending mid-block followed by rounds that wrap the ring and flush; a short
+    ring-only row."""
+    return build_cache(0, 2, n_rep, d, group, [2 * group + 37, 11], rounds=30, round_t=5)
+
+
+def _queries(key, cache, t: int, hq: int, d: int, dtype=jnp.bfloat16):
+    q = jax.random.normal(key, (cache.q_len.shape[0], t, hq, d)).astype(dtype)
+    q_pos = cache.total_lengths()[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return q, jnp.maximum(q_pos, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("view", "window", "partials", "config"))
+def _mgpu(q, q_pos, cache, layer, view, window=None, partials=False, config=None):
+    return mg.quantized_decode_attention_mgpu(q, q_pos, cache, layer, view=view, sliding_window=window,
+                                              interpret=True, return_partials=partials,
+                                              config=config or mg.MgpuConfig(register_a=False))
+
+
+@functools.partial(jax.jit, static_argnames=("view", "window"))
+def _ref(q, q_pos, cache, layer, view, window=None):
+    return A.quantized_cache_attention(q, q_pos, cache, layer, view, window)
+
+
+def _relerr(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "kernel output has NaN/inf (an unwritten tile?)"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _check(cache, t: int, n_rep: int, view: str, window=None, seed: int = 0, layer: int = 1):
+    d = cache.k_fp.shape[-1]
+    hq = cache.k_fp.shape[2] * n_rep
+    q, q_pos = _queries(jax.random.PRNGKey(seed), cache, t, hq, d)
+    out = _mgpu(q, q_pos, cache, jnp.int32(layer), view, window)
+    ref = _ref(q, q_pos, cache, jnp.int32(layer), view, window)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = _relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
+    assert err <= TOL, err
+    return err
+
+
+# ------------------------------------------------------------------------ operand conversion
+def _np_logical(stored: np.ndarray) -> np.ndarray:
+    """Independent inverse of the cache byte order: stored byte 4j + i of a 16-byte group is
+    logical byte 2j + i // 2 + 8 (i % 2)."""
+    out = np.empty_like(stored)
+    n = stored.shape[-1]
+    for q in range(n):
+        j, i = (q % 16) // 4, q % 4
+        out[..., q - q % 16 + 2 * j + i // 2 + 8 * (i % 2)] = stored[..., q]
+    return out
+
+
+@pytest.mark.parametrize("view", ["draft", "target"])
+@pytest.mark.parametrize("nb", [32, 64])
+def test_twin_operand_is_offset_plus_code(view, nb):
+    """twin_operand (the word formulas and register placement the GPU path uses) turns a plane
+    tile in the cache byte order into offset + code, elements in logical order: the low
+    nibbles' elements first, then the high nibbles'."""
+    rng = np.random.default_rng(nb)
+    hi = rng.integers(0, 256, (64, nb)).astype(np.uint8)
+    lo = rng.integers(0, 256, (64, nb)).astype(np.uint8)
+    target = view == "target"
+    got = np.asarray(mg.twin_operand(jnp.asarray(hi), jnp.asarray(lo) if target else None)).astype(np.float64)
+    h, l = _np_logical(hi).astype(np.int64), _np_logical(lo).astype(np.int64)
+    off_lo, off_hi = mg.offsets(view)
+    if target:
+        want = np.concatenate([off_lo + 16 * (h & 15) + (l & 15), off_hi + 16 * (h >> 4) + (l >> 4)], axis=1)
+    else:
+        want = np.concatenate([off_lo + (h & 15), off_hi + (h >> 4)], axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_prmt_emulation_matches_ptx_semantics():
+    """The twin's prmt (PTX prmt.b32 d, a, 0x64646464, sel) on known bytes."""
+    x = jnp.asarray([0x44332211], jnp.uint32)
+    assert int(mg._JnpOps.prmt64(x, 0x4240)[0]) == 0x64336411
+    assert int(mg._JnpOps.prmt64(x, 0x4341)[0]) == 0x64446422
+
+
+# ------------------------------------------------------------------------ against the reference
+@pytest.mark.parametrize("view,d,group,t,n_rep", [
+    ("draft", 128, 128, 1, 4),
+    ("target", 64, 64, 5, 3),
+    ("target", 128, 64, 9, 2),
+    ("draft", 64, 128, 7, 3),
+])
+def test_mgpu_matches_reference(view, d, group, t, n_rep):
+    _check(shared_cache(d, group, n_rep), t, n_rep, view)
+
+
+def test_mgpu_sliding_window():
+    cache = shared_cache(64, 64, 3)
+    _check(cache, 5, 3, "target", window=70)
+    _check(cache, 1, 3, "draft", window=150)
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    view=st.sampled_from(["draft", "target"]),
+    batch=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    n_rep=st.sampled_from([1, 2, 3, 4]),
+    d=st.sampled_from([64, 128]),
+    group=st.sampled_from([64, 128]),
+    t=st.integers(1, GAMMA_MAX + 1),
+    window=st.sampled_from([None, 40]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_mgpu_matches_reference_hypothesis(view, batch, hkv, n_rep, d, group, t, window, seed, data):
+    """Random geometry and contents: prompts ending mid-block, rounds that wrap the ring."""
+    lens = [data.draw(st.integers(t, 3 * group + group // 2)) for _ in range(batch)]
+    rounds = data.draw(st.integers(0, 30))
+    cache = build_cache(seed, hkv, n_rep, d, group, lens, rounds=rounds, round_t=4)
+    _check(cache, t, n_rep, view, window=window, seed=seed)
+
+
+# ------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("view,window", [("target", None), ("draft", 60)])
+def test_mgpu_row_independent_of_T_bitwise(view, window):
+    """T = 1 at position p and T = 5 covering p..p+4 (the verify) over the same cache give
+    bit-identical outputs for p (float32 queries, so the comparison sees every bit)."""
+    cache = shared_cache(64, 64, 3)
+    d, hq = 64, 2 * 3
+    b = cache.q_len.shape[0]
+    p0 = cache.total_lengths()[:, None] - 5
+    q5 = jax.random.normal(jax.random.PRNGKey(3), (b, 5, hq, d), jnp.float32)
+    pos5 = p0 + jnp.arange(5, dtype=jnp.int32)[None, :]
+    o5 = np.asarray(_mgpu(q5, pos5, cache, jnp.int32(0), view, window))
+    o1 = np.asarray(_mgpu(q5[:, :1], pos5[:, :1], cache, jnp.int32(0), view, window))
+    assert np.isfinite(o5).all()
+    np.testing.assert_array_equal(o1[:, 0], o5[:, 0])
+
+
+def test_mgpu_partials_written_and_neutral():
+    """Every program writes its partial (outputs start as NaN in interpret mode); splits past a
+    row's q_len are neutral (m = NEG, l = 0, o = 0)."""
+    cache = build_cache(5, 1, 2, 64, 64, [64 + 64 + 10, 200])  # q_len 64 and 128 of max 256
+    q, q_pos = _queries(jax.random.PRNGKey(6), cache, 1, 2, 64)
+    o, ml = _mgpu(q, q_pos, cache, jnp.int32(0), "draft", partials=True,
+                  config=mg.MgpuConfig(register_a=False, num_splits=4, ring_splits=2))
+    o, ml = np.asarray(o), np.asarray(ml)
+    assert np.isfinite(o).all() and np.isfinite(ml).all()
+    m, l = ml[:, :, :, 0, :2], ml[:, :, :, mg.MT // 2, :2]  # the 2 real columns
+    assert (l[0, :, 0] > 0).all() and (l[0, :, 1:4] == 0).all()  # row 0: one block, in split 0
+    assert (m[0, :, 1:4] == np.float32(mg.NEG)).all() and (o[0, :, 1:4] == 0).all()
+    assert (l[1, :, :2] > 0).all()  # row 1: two blocks
+    assert (l[:, :, 4:] > 0).any()  # the ring programs see the ring
+
+
+def test_unsupported_geometries_raise():
+    cache = jax.eval_shape(lambda: QuantSpecCache.init(_cfg(1, 2, 64), 1, 128, group_size=32))
+    q = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="group_size 32"):
+        mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True)
+    cache = jax.eval_shape(lambda: QuantSpecCache.init(_cfg(1, 2, 64), 1, 128, group_size=64, fp_dtype=jnp.float32))
+    with pytest.raises(ValueError, match="FP ring dtype"):
+        mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True)
+    cache = jax.eval_shape(lambda: QuantSpecCache.init(_cfg(1, 2, 64), 1, 128, group_size=64, fp_dtype=jnp.bfloat16))
+    with pytest.raises(ValueError, match="view"):
+        mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="int4", interpret=True)
+    with pytest.raises(ValueError, match="register-operand path"):
+        mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True,
+                                           config=mg.MgpuConfig(register_a=True))
+
+
+# ---------------------------------------------------------------------------------- dispatch
+def test_dispatch():
+    """On the CPU "auto" picks Triton (no Hopper); "mosaic" forces the Mosaic kernel (its twin in
+    interpret mode) through pallas_kernels.cache_attention and qspec_jax.attention.cache_attention."""
+    cache = shared_cache(64, 64, 3)
+    q, q_pos = _queries(jax.random.PRNGKey(9), cache, 2, 6, 64)
+    assert pk.choose_impl("auto", q, cache, "target") == "triton"
+    assert pk.choose_impl("mosaic", q, cache, "target") == "mosaic"
+    with pytest.raises(ValueError, match="impl"):
+        pk.choose_impl("cuda", q, cache, "target")
+    direct = _mgpu(q, q_pos, cache, jnp.int32(1), "target")
+    via_pk = jax.jit(lambda q, p, c: pk.cache_attention(q, p, c, jnp.int32(1), view="target", impl="mosaic",
+                                                        interpret=True))(q, q_pos, cache)
+    via_model = jax.jit(lambda q, p, c: A.cache_attention(q, p, c, jnp.int32(1), "target", "mosaic", None))(
+        q, q_pos, cache)
+    np.testing.assert_array_equal(np.asarray(via_pk, np.float32), np.asarray(direct, np.float32))
+    np.testing.assert_array_equal(np.asarray(via_model, np.float32), np.asarray(direct, np.float32))
+
+
+# ----------------------------------------------------------------------------- CUDA lowering
+LOWER_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    from qspec_jax.cache import QuantSpecCache
+    from qspec_jax.config import ModelConfig
+    from pallas_kernels import decode_attention_mgpu as mg
+    for view, d, group, t, n_rep, window in [("draft", 128, 128, 1, 4, None), ("target", 128, 128, 9, 4, None),
+                                             ("target", 64, 64, 5, 3, 100), ("draft", 64, 128, 1, 3, None)]:
+        cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,
+                          num_kv_heads=2, head_dim=d, dtype="bfloat16")
+        cache = jax.eval_shape(lambda: QuantSpecCache.init(cfg, 2, 4 * group, group_size=group, gamma_max=8))
+        q = jax.ShapeDtypeStruct((2, t, 2 * n_rep, d), jnp.bfloat16)
+        qp = jax.ShapeDtypeStruct((2, t), jnp.int32)
+        f = lambda q, qp, c, l: mg.quantized_decode_attention_mgpu(q, qp, c, l, view=view, sliding_window=window)
+        txt = jax.jit(f).trace(q, qp, cache, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "custom_call @mosaic_gpu" in txt, view
+        print("lowered", view, d, group, t, flush=True)
+    print("ALL OK", jax.__version__)
+""")
+
+
+def _jax011_python() -> str | None:
+    for cand in (os.environ.get("QSPEC_JAX011_PYTHON"), "/tmp/j11/bin/python"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def test_register_path_lowers_for_cuda_jax010():
+    """The register-operand path (what the H200 runs; interpret mode cannot run it) lowers to a
+    Mosaic GPU custom call for CUDA on the CPU, in this process's jax."""
+    r = subprocess.run([sys.executable, "-c", LOWER_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(_jax011_python() is None, reason="no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")
+def test_register_path_lowers_for_cuda_jax011():
+    """Same, under jax 0.11 (the device's version), where plgpu.kernel goes through mpmd_map."""
+    r = subprocess.run([_jax011_python(), "-c", LOWER_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_quant_layout_helpers_roundtrip():
+    """The cache-layout helpers invert each other (and leave short rows in order)."""
+    rng = np.random.default_rng(1)
+    for dh, group in ((64, 128), (32, 64), (8, 8)):
+        plane = jnp.asarray(rng.integers(0, 256, (2, 4 * group, dh)), jnp.uint8)
+        k = quant.key_plane_to_kernel(plane)
+        np.testing.assert_array_equal(np.asarray(quant.key_plane_from_kernel(k)), np.asarray(plane))
+        np.testing.assert_array_equal(np.asarray(k), _np_kernel_bytes(np.asarray(plane)))
+        v = quant.value_plane_to_kernel(plane, group)
+        np.testing.assert_array_equal(np.asarray(quant.value_plane_from_kernel(v, group)), np.asarray(plane))
+
+
+def _np_kernel_bytes(logical: np.ndarray) -> np.ndarray:
+    stored = np.empty_like(logical)
+    n = logical.shape[-1]
+    for q in range(n - n % 16):
+        j, i = (q % 16) // 4, q % 4
+        stored[..., q] = logical[..., q - q % 16 + 2 * j + i // 2 + 8 * (i % 2)]
+    stored[..., n - n % 16:] = logical[..., n - n % 16:]
+    return stored

@@ -1,0 +1,289 @@
+"""GPU check of the decode-attention kernels (not in CI): run on the H200 before timing.
+
+    PYTHONPATH=. python3 tools/device/check_attention.py [--parts mapping,check,tinv,time] [--impls mosaic,triton]
+
+* mapping: the register-operand conversion of the Mosaic kernels (codes -> float16 wgmma
+  operands in registers) against its jnp twin, bit for bit, for both views and both row widths.
+* check: every kernel against the jnp reference (`quantized_cache_attention`, float32, highest
+  matmul precision) on fresh random caches at the benchmark shapes (Llama-3-8B: 32 q heads, 8 KV
+  heads, D 128; SmolLM2: 9, 3, 64), rows with q_len = 0, half and full, T in {1, 5, 9}, both
+  views, with and without a sliding window; outputs come from memory poisoned with NaN first, so
+  an unwritten tile fails; every partial must be finite.
+* tinv: T = 1 at position p and T = 5 at p..p+4 over the same cache give bit-identical rows for
+  p (float32 and bfloat16 queries; Mosaic and Triton; dense kernel too).
+* time: a few timings (ms) of the Mosaic and Triton kernels and torch SDPA flash at 4k/32k/128k.
+
+Prints one line per case and a summary table; exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FAILS: list[str] = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def relerr(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(out).all():
+        return float("inf")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def poison():
+    """Fill and free a large buffer with NaN so that the next allocations likely reuse NaN memory."""
+    x = jnp.full((256 * 2**20,), jnp.nan, jnp.float32)
+    x.block_until_ready()
+    del x
+
+
+def expect(ok: bool, what: str):
+    log(f"  {'ok  ' if ok else 'FAIL'} {what}")
+    if not ok:
+        FAILS.append(what)
+
+
+# --------------------------------------------------------------------------------- mapping
+def part_mapping():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels import decode_attention_mgpu as mg
+
+    rng = np.random.default_rng(0)
+    for view in ("draft", "target"):
+        for nb in (32, 64):
+            target = view == "target"
+            tr = mg._swizzle_transforms(nb, 1)
+
+            def body(hi_g, lo_g, o_g, hi_s, lo_s, bar):
+                plgpu.copy_gmem_to_smem(hi_g, hi_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(lo_g, lo_s, bar.at[0])
+                plgpu.barrier_wait(bar.at[0])
+                h = mg._load_with_layout(hi_s, plgpu.Layout.WGMMA_8BIT)
+                l = mg._load_with_layout(lo_s, plgpu.Layout.WGMMA_8BIT) if target else None
+                o_g[...] = mg._register_operand(h, l, 64, nb)
+
+            f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 2 * nb), jnp.float16), grid=(1,),
+                             grid_names=("x",),
+                             scratch_types=dict(hi_s=plgpu.SMEM((64, nb), jnp.uint8, transforms=tr),
+                                                lo_s=plgpu.SMEM((64, nb), jnp.uint8, transforms=tr),
+                                                bar=plgpu.Barrier(num_arrivals=2, num_barriers=1)))
+            hi = jnp.asarray(rng.integers(0, 256, (64, nb)), jnp.uint8)
+            lo = jnp.asarray(rng.integers(0, 256, (64, nb)), jnp.uint8)
+            try:
+                got = np.asarray(jax.jit(f)(hi, lo)).view(np.uint16)
+                want = np.asarray(mg.twin_operand(hi, lo if target else None)).view(np.uint16)
+                bad = np.argwhere(got != want)
+                expect(bad.size == 0, f"mapping {view} nb={nb}: register operand == twin "
+                                      f"({len(bad)} mismatches{', first ' + str(bad[:4].tolist()) if len(bad) else ''})")
+                if len(bad):
+                    r, c = bad[0]
+                    log(f"    got {got[r, c]:#06x} want {want[r, c]:#06x}; row 0 got {got[0, :16]} want {want[0, :16]}")
+            except Exception as e:  # noqa: BLE001
+                expect(False, f"mapping {view} nb={nb}: {type(e).__name__}: {str(e)[:300]}")
+
+
+# ----------------------------------------------------------------------------------- check
+SHAPES = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
+
+
+def make_cache(shape: str, b: int, ctx: int, seed: int = 0):
+    from qspec_jax.bench.synthetic import random_quant_cache
+    from qspec_jax.config import ModelConfig
+
+    hq, hkv, d = SHAPES[shape]
+    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=2, num_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    cache = random_quant_cache(cfg, b, ctx, jax.random.PRNGKey(seed), layers=2, fp_start=3, extra_slots=16)
+    q_len = np.asarray(cache.q_len).copy()
+    fp_len = np.asarray(cache.fp_len).copy()
+    if b > 1:
+        q_len[1], fp_len[1] = 0, 37  # ring only
+    if b > 2:
+        q_len[2] = (ctx // 2) // 128 * 128
+    return cache.replace(q_len=jnp.asarray(q_len), fp_len=jnp.asarray(fp_len)), hq
+
+
+def run_impl(impl, q, q_pos, cache, view, window=None, partials=False):
+    """One kernel call on layer 1 of the cache."""
+    import pallas_kernels as pk
+
+    if impl == "mosaic":
+        from pallas_kernels import decode_attention_mgpu as mg
+
+        return mg.quantized_decode_attention_mgpu(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
+                                                  return_partials=partials)
+    return pk.quantized_decode_attention(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
+                                         interpret=False, return_partials=partials)
+
+
+def part_check(impls, quick=False, shapes_sel=None):
+    from qspec_jax import attention as A
+
+    ref_f = jax.jit(lambda q, p, c, w, v: A.quantized_cache_attention(q, p, c, jnp.int32(1), v, w),
+                    static_argnums=(3, 4))
+    shapes = (("llama3-8b", 2, 8192 + 200), ("smollm2", 3, 4096 + 77))
+    shapes = [x for x in shapes if (x[0] in shapes_sel if shapes_sel else (not quick or x[0] == "llama3-8b"))]
+    for shape, b, ctx in shapes:
+        cache, hq = make_cache(shape, b, ctx)
+        d = cache.k_fp.shape[-1]
+        for view in ("draft", "target"):
+            for t in ((1, 5) if quick else (1, 5, 9)):
+                for window in ((None,) if t != 5 else (None, 1000)):
+                    q = jax.random.normal(jax.random.PRNGKey(t), (b, t, hq, d)).astype(jnp.bfloat16)
+                    q_pos = (cache.q_len + cache.fp_len)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+                    ref = ref_f(q, q_pos, cache, window, view)
+                    for impl in impls:
+                        f = jax.jit(lambda q, p, c, impl=impl, view=view, window=window: (
+                            run_impl(impl, q, p, c, view, window), run_impl(impl, q, p, c, view, window, True)))
+                        try:
+                            poison()
+                            out, parts = f(q, q_pos, cache)
+                            err = relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
+                            fin = all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(parts))
+                            expect(err <= 2e-2 and fin, f"check {impl:6s} {shape} B={b} {view:6s} T={t} "
+                                                         f"window={window}: relerr {err:.2e}, partials finite {fin}")
+                        except Exception as e:  # noqa: BLE001
+                            expect(False, f"check {impl} {shape} {view} T={t}: {type(e).__name__}: {str(e)[:400]}")
+                            traceback.print_exc()
+
+
+def part_tinv(impls, quick=False, shapes_sel=None, dtypes=(jnp.float32, jnp.bfloat16)):
+    import pallas_kernels as pk
+
+    shapes = (("llama3-8b", 2, 8192 + 200), ("smollm2", 3, 4096 + 77))
+    shapes = [x for x in shapes if (x[0] in shapes_sel if shapes_sel else (not quick or x[0] == "llama3-8b"))]
+    for shape, b, ctx in shapes:
+        cache, hq = make_cache(shape, b, ctx, seed=1)
+        d = cache.k_fp.shape[-1]
+        p0 = (cache.q_len + cache.fp_len)[:, None] - 5  # verify covers p0..p0+4
+        for dtype in dtypes:
+            q5 = jax.random.normal(jax.random.PRNGKey(7), (b, 5, hq, d)).astype(dtype)
+            pos5 = p0 + jnp.arange(5, dtype=jnp.int32)[None, :]
+            for impl in [i for i in impls if i != "dense"]:
+                for view in ("draft", "target"):
+                    for window in ((None,) if dtype == jnp.float32 else (None, 1000)):
+                        try:
+                            f = jax.jit(functools.partial(run_impl, impl, view=view, window=window))
+                            o5 = np.asarray(f(q5, pos5, cache).astype(jnp.float32))
+                            o1 = np.asarray(f(q5[:, :1], pos5[:, :1], cache).astype(jnp.float32))
+                            same = np.array_equal(o5[:, 0], o1[:, 0])
+                            expect(same, f"tinv {impl:6s} {shape} {view:6s} {jnp.dtype(dtype).name:8s} window={window}: "
+                                         f"T=1 row == T=5 row bitwise (max diff {np.abs(o5[:, 0] - o1[:, 0]).max():.3e})")
+                        except Exception as e:  # noqa: BLE001
+                            expect(False, f"tinv {impl} {shape} {view}: {type(e).__name__}: {str(e)[:300]}")
+        # dense kernel
+        if "dense" in impls:
+            hq_, hkv, d = SHAPES[shape]
+            S = 4096
+            k = jax.random.normal(jax.random.PRNGKey(2), (1, b, hkv, S, d)).astype(jnp.bfloat16)
+            v = jax.random.normal(jax.random.PRNGKey(3), (1, b, hkv, S, d)).astype(jnp.bfloat16)
+            q5 = jax.random.normal(jax.random.PRNGKey(4), (b, 5, hq_, d)).astype(jnp.bfloat16)
+            pos5 = jnp.full((b, 1), S - 5, jnp.int32) + jnp.arange(5, dtype=jnp.int32)[None, :]
+            f = jax.jit(lambda q, p: pk.dense_decode_attention(q, p, k, v, 0, interpret=False))
+            o5 = np.asarray(f(q5, pos5).astype(jnp.float32))
+            o1 = np.asarray(f(q5[:, :1], pos5[:, :1]).astype(jnp.float32))
+            expect(np.array_equal(o5[:, 0], o1[:, 0]), f"tinv dense {shape}: T=1 row == T=5 row bitwise")
+
+
+# ------------------------------------------------------------------------------------ time
+def parse_configs(spec: str):
+    """"default;stages=2;auto_barriers=1,stages=3" -> [None, MgpuConfig(stages=2), ...]."""
+    from pallas_kernels.decode_attention_mgpu import MgpuConfig
+
+    out = []
+    for item in spec.split(";"):
+        if item in ("", "default"):
+            out.append(None)
+            continue
+        kw = {}
+        for kv in item.split(","):
+            k, v = kv.split("=")
+            kw[k] = bool(int(v)) if k in ("auto_barriers", "register_a") else int(v)
+        out.append(MgpuConfig(**kw))
+    return out
+
+
+def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b"):
+    from qspec_jax.bench import kernel as K
+
+    rows = []
+    for b in batches:
+        for ctx in contexts:
+            hq, hkv, d = SHAPES[shape]
+            key = jax.random.PRNGKey(0)
+            for impl in impls:
+                for kind, t in (("draft", 1), ("target", 5)):
+                    try:
+                        confs = mgpu_configs if (impl == "mosaic" and mgpu_configs) else [None]
+                        rs = K.bench_ours(kind, shape, hq, hkv, d, b, ctx, t, 3, confs, key, impl=impl)
+                        for r in rs:
+                            r.update(ctx=ctx, batch=b, t=t, impl=impl)
+                            rows.append(r)
+                            log(f"  time {impl:6s} {kind:6s} B={b} ctx={ctx:6d} T={t} {r.get('config', '')}: "
+                                + (f"{r['s'] * 1e3:.4f} ms, {r['bytes'] / r['s'] / 1e12:.2f} TB/s" if "s" in r
+                                   else r.get("error", "")[:300]))
+                    except Exception as e:  # noqa: BLE001
+                        log(f"  time {impl} {kind} ctx={ctx}: {type(e).__name__}: {str(e)[:300]}")
+            per_copy = 2 * b * hkv * ctx * d * 2
+            copies = max(1, min(K.MAX_COPIES, math.ceil(2 * K.L2_BYTES / per_copy)))
+            r = K.bench_torch(hq, hkv, d, b, ctx, 3, copies, K.dense_bytes(b, hkv, ctx, d, 1, hq))
+            r.update(ctx=ctx, batch=b, t=1, impl="torch")
+            rows.append(r)
+            log(f"  time torch flash B={b} ctx={ctx}: {r.get('s', float('nan')) * 1e3:.4f} ms")
+    log("\n| B | context | impl | variant | config | T | ms | TB/s |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "s" in r:
+            log(f"| {r['batch']} | {r['ctx']} | {r['impl']} | {r['variant']} | {r.get('config', '')} | {r['t']} | "
+                f"{r['s'] * 1e3:.4f} | {r['bytes'] / r['s'] / 1e12:.2f} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="mapping,check,tinv,time")
+    ap.add_argument("--impls", default="mosaic,triton,dense", help="kernels for check and tinv")
+    ap.add_argument("--time-impls", default="mosaic,triton")
+    ap.add_argument("--quick", action="store_true", help="Llama shape only, fewer T and windows")
+    ap.add_argument("--mgpu-configs", default="default", help="';'-separated MgpuConfig variants to time")
+    ap.add_argument("--time-shape", default="llama3-8b")
+    ap.add_argument("--shapes", default=None, help="check/tinv shapes (default: all, or Llama with --quick)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="tinv query dtypes")
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--batches", default="1")
+    args = ap.parse_args(argv)
+    jax.config.update("jax_default_matmul_precision", "highest")  # the reference in true float32
+    log(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    parts = args.parts.split(",")
+    sel = None if args.shapes is None else args.shapes.split(",")
+    impls = args.impls.split(",")
+    t0 = time.time()
+    if "mapping" in parts:
+        part_mapping()
+    if "check" in parts:
+        part_check([i for i in impls if i != "dense"], args.quick, sel)
+    if "tinv" in parts:
+        part_tinv(impls, args.quick, sel, tuple(jnp.dtype(x) for x in args.dtypes.split(",")))
+    if "time" in parts:
+        part_time(args.time_impls.split(","), [int(c) for c in args.contexts.split(",")],
+                  [int(b) for b in args.batches.split(",")], parse_configs(args.mgpu_configs), args.time_shape)
+    log(f"check_attention: {len(FAILS)} failure(s) in {time.time() - t0:.0f}s")
+    for f in FAILS:
+        log("  FAILED: " + f)
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Dump and summarize what the compiler emitted for the Mosaic GPU decode-attention kernels.
+
+    PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR
+
+Compiles the INT4 draft (T=1) and INT8 target (T=5) kernels at the Llama-3-8B shape with
+MOSAIC_GPU_DUMP_TO set, then prints per kernel: ptxas registers/spills and the count of each SASS
+opcode (HGMMA present? PRMT/LOP3 per converted word? LDS/STS, SHFL, BAR, MUFU). Copies the SASS
+of the two kernels to OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+DUMP = tempfile.mkdtemp(prefix="mgpu_dump_")
+os.environ["MOSAIC_GPU_DUMP_TO"] = DUMP
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+def main(out_dir: str) -> int:
+    from pallas_kernels import decode_attention_mgpu as mg
+    from qspec_jax.bench.synthetic import random_quant_cache
+    from qspec_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_layers=1, num_heads=32,
+                      num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    cache = random_quant_cache(cfg, 1, 8192, jax.random.PRNGKey(0), layers=1)
+    for view, t in (("draft", 1), ("target", 5)):
+        q = jnp.ones((1, t, 32, 128), jnp.bfloat16)
+        qp = (cache.q_len + cache.fp_len)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+        jax.block_until_ready(jax.jit(lambda q, p, c, v=view: mg.quantized_decode_attention_mgpu(
+            q, p, c, 0, view=v))(q, qp, cache))
+    os.makedirs(out_dir, exist_ok=True)
+    files = sorted(glob.glob(os.path.join(DUMP, "*")))
+    print("dumped:", [os.path.basename(f) for f in files])
+    for f in files:
+        if f.endswith(".ptxas"):
+            print(f"== {os.path.basename(f)}")
+            print(open(f).read()[-1500:])
+    sass_files = [f for f in files if f.endswith(".sass")]
+    for f in files:  # no nvdisasm next to the pip CUDA: assemble the PTX with the system toolkit
+        if f.endswith(".ptx") and not any(x.startswith(f[:-4]) for x in sass_files):
+            tool = lambda name: shutil.which(name) or f"/usr/local/cuda/bin/{name}"  # noqa: E731
+            cubin = f[:-4] + ".cubin"
+            r = subprocess.run([tool("ptxas"), "-arch=sm_90a", "-v", f, "-o", cubin], capture_output=True, text=True)
+            print(f"== ptxas {os.path.basename(f)}: {r.stderr.strip()[-600:]}")
+            r = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True)
+            open(f[:-4] + ".sass", "w").write(r.stdout or r.stderr)
+            sass_files.append(f[:-4] + ".sass")
+            shutil.copy(f, os.path.join(out_dir, os.path.basename(f)))
+    for f in sass_files:
+        txt = open(f).read()
+        ops = collections.Counter(m.group(1).split(".")[0] for m in re.finditer(
+            r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", txt))
+        print(f"== {os.path.basename(f)}: {sum(ops.values())} instructions")
+        print("  " + ", ".join(f"{k} {v}" for k, v in ops.most_common(40)))
+        shutil.copy(f, os.path.join(out_dir, os.path.basename(f)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
