@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import w4a16 as w4
 from pallas_kernels.w4a16 import default_config, w4a16_apply, w4a16_matmul
+from qspec_jax.linear import linear
 from qspec_jax.weight_quant import QuantizedWeight, quantize_weight
 
 LLAMA_SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256)]
@@ -31,6 +32,7 @@ def _rel(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
+@pytest.mark.slow
 @settings(max_examples=16, deadline=None)
 @given(seed=st.integers(0, 10_000), m=st.sampled_from([1, 3, 16, 20]), k=st.sampled_from([128, 256]),
        n=st.sampled_from([128, 256]), g=st.sampled_from([32, 64, 128]), ks=st.sampled_from([1, 2]),
@@ -70,7 +72,7 @@ def test_apply_flattens_leading_dims():
     x3 = x.reshape(2, 3, 256)
     y = w4a16_apply(x3, qw, out_dtype=jnp.float32)
     assert y.shape == (2, 3, 256)
-    ref = np.asarray(qw.apply(x3, out_dtype=jnp.float32), np.float64)  # XLA's dequant -> dot
+    ref = np.asarray(linear(x3, qw, int4_impl="xla", out_dtype=jnp.float32), np.float64)  # XLA's dequant -> dot
     assert np.linalg.norm(np.asarray(y) - ref) / np.linalg.norm(ref) <= 1e-2
     stacked = QuantizedWeight(packed=qw.packed[None], scale=qw.scale[None], zero=qw.zero[None])
     with pytest.raises(ValueError, match="one layer"):
@@ -171,7 +173,8 @@ def test_bench_quick_records():
         assert set(bench.RECORD_KEYS) <= set(r), r
         assert r["status"] == "ok", r
         assert r["ms"] > 0 and r["bytes"] > 0 and r["tb_s"] > 0 and r["speedup_vs_bf16"] > 0
-        assert (r["K"], r["N"], r["G"], r["M"]) == (256, 128, 64, 3)
+        # the bf16 baseline does not depend on the group size: one record per (shape, M), G None
+        assert (r["K"], r["N"], r["G"], r["M"]) == (256, 128, None if r["impl"] == "bf16" else 64, 3)
     pallas = [r for r in rows if r["impl"] == "pallas"]
     assert sum(bool(r["best"]) for r in pallas) == 1 and all(r["rel_err"] <= 2e-2 for r in pallas)
     xla = next(r for r in rows if r["impl"] == "xla_dq")
@@ -211,9 +214,12 @@ ENTRY %main.5 (a: u8[64,128], b: bf16[1,128]) -> bf16[1,128] {
     assert xla_fusion_summary(hoisted, 128, 128)["hoisted_out_of_loop"]
 
 
-def test_model_decode_with_pallas_int4_matmul_matches_xla():
-    """Through the model: INT4 draft linears via the kernel (stacked layers read in place inside
-    the layer scan, interpret mode) give the logits of the XLA dequantize-then-dot path."""
+@pytest.mark.slow
+def test_model_decode_with_int4_kernel_matches_xla():
+    """Through the model: INT4 draft linears via the Triton kernel (interpret mode; stacked
+    layers read in place inside the layer scan) give the logits of the XLA dequantize-then-dot
+    path. (The Mosaic kernel's GPU interpret mode did not finish inside `lax.scan` within 5
+    minutes on jax 0.10.2; it is checked through `linear` below and on the GPU through the model.)"""
     from qspec_jax import model as M
     from qspec_jax.cache import DenseKVCache
     from qspec_jax.config import ModelConfig
@@ -225,10 +231,42 @@ def test_model_decode_with_pallas_int4_matmul_matches_xla():
     draft = make_draft_params(params, DraftWeightsConfig(group_size=64))
     toks = jnp.asarray([[5, 9, 11], [1, 2, 3]], jnp.int32)
     out = {}
-    for impl in ("xla", "pallas"):
+    for impl in ("xla", "triton"):
         d = draft.replace(config=cfg.replace(int4_matmul_impl=impl))
         cache = DenseKVCache.init(d.config, 2, 64)
         _, cache = M.prefill(params, toks, jnp.asarray([3, 3]), cache)
         out[impl], _ = M.decode(d, toks[:, :2], cache)
     ref = np.asarray(out["xla"])
-    assert np.abs(np.asarray(out["pallas"]) - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert np.abs(np.asarray(out["triton"]) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_linear_packs_once_and_reads_a_stacked_layer_with_the_mosaic_kernel():
+    """`model.for_device` fuses q|k|v and gate|up and puts INT4 weights in the Hopper layout
+    exactly when the configured implementation is the Mosaic kernel, and `linear` on a
+    StackedLayer of the packed stack (the Mosaic SMEM twin, interpret mode) gives the XLA
+    path's product of that layer."""
+    from pallas_kernels.w4a16_layout import W4A16Packed
+    from qspec_jax import model as M
+    from qspec_jax.config import ModelConfig
+    from qspec_jax.linear import StackedLayer
+    from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
+
+    for_device = M.for_device
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=32, dtype="bfloat16", attention_impl="reference")
+    draft = make_draft_params(M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1),
+                              DraftWeightsConfig(group_size=64))
+    assert for_device(draft) is draft  # "auto" on the CPU: unchanged
+    packed = for_device(draft.replace(config=cfg.replace(int4_matmul_impl="interpret")))
+    assert packed.layers.w_up is None and packed.layers.wq is None  # fused
+    assert isinstance(packed.layers.w_gate_up, W4A16Packed) and isinstance(packed.lm_head, W4A16Packed)
+    assert for_device(packed).layers.w_gate_up is packed.layers.w_gate_up  # idempotent
+    fused = M.fuse_projections(draft).layers.w_gate_up  # the same weight, XLA's format
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 2, 128)).astype(jnp.bfloat16)
+    f = jax.jit(lambda x, w, i, impl: linear(x, StackedLayer(w, i), int4_impl=impl), static_argnums=3)
+    y = np.asarray(f(x, packed.layers.w_gate_up, jnp.int32(1), "interpret"), np.float32)
+    ref = np.asarray(f(x, fused, jnp.int32(1), "xla"), np.float32)
+    other = np.asarray(f(x, fused, jnp.int32(0), "xla"), np.float32)
+    assert np.abs(y - ref).max() <= 1e-2 * np.abs(ref).max()
+    assert np.abs(y - other).max() > 10 * np.abs(y - ref).max()  # it read layer 1, not layer 0

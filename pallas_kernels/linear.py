@@ -1,0 +1,171 @@
+"""One entry per weight kind for decode-sized linears, dispatching by device.
+
+    int4_linear(x, w, backend="auto")   x [..., K] @ W (INT4) -> [..., N]
+    dense_linear(x, w, backend="auto")  x [..., K] @ W (bf16 [K, N]) -> [..., N]
+
+Backends ("auto" picks by the default device):
+
+| backend    | int4_linear                                   | dense_linear                      |
+|------------|-----------------------------------------------|-----------------------------------|
+| "mosaic"   | Hopper (sm_90): `w4a16_mgpu.int4_matmul_mgpu` | `w4a16_mgpu.bf16_matmul_mgpu`     |
+| "triton"   | older GPUs: `w4a16.w4a16_matmul` (Triton)     | (n/a: "xla")                      |
+| "xla"      | CPU: dequantize -> dot (float32 weight)       | XLA dot (cuBLAS on GPU)           |
+| "interpret"| the Mosaic SMEM twin in GPU interpret mode    | the Mosaic kernel, interpreted    |
+| "reference"| the jnp oracle: x (f32) @ (U * s + z), HIGHEST| x (f32) @ W (f32), HIGHEST        |
+
+"auto": "mosaic" on a GPU of compute capability 9.x with bf16 activations, M within the
+kernels' range and (int4) a weight already in the Hopper layout; "triton" (int4) / "xla"
+(bf16) on other GPUs; "xla" on the CPU. Shapes a kernel does not take (prefill-sized M, odd N)
+fall back to "xla".
+
+Weights: `int4_linear` takes the Hopper layout (`w4a16_layout.W4A16Packed`) or the
+QuantizedWeight fields (any object with .packed / .scale / .zero). Each backend reads its own
+format; given the other one it converts with the exact `pack_fields` / `unpack_fields`, which
+re-reads and re-writes the whole weight: convert once at load time, not per call. Stacked
+weights ([L, ...]) take `layer=` (int or traced scalar) and are read in place by the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import w4a16_layout as lay
+from pallas_kernels import w4a16_mgpu as mg
+
+Array = jax.Array
+BACKENDS = ("auto", "mosaic", "triton", "xla", "interpret", "reference")
+
+
+def device_arch() -> tuple[str, int | None]:
+    """(platform, compute-capability major) of the default device; major None off CUDA."""
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    try:
+        major = int(str(cc).split(".")[0]) if cc is not None else None
+    except ValueError:
+        major = None
+    return dev.platform, major
+
+
+def pick_backend(kind: str, m: int, k: int, n: int, x_dtype: Any, *, hopper_layout: bool = True) -> str:
+    """The backend "auto" resolves to for an [M, K] @ [K, N] call of weight `kind` ("int4"/"bf16").
+
+    `hopper_layout` False (an INT4 weight given as QuantizedWeight fields): never "mosaic",
+    whose layout would have to be rebuilt on every call; the Triton kernel reads the fields."""
+    platform, major = device_arch()
+    if platform != "gpu":
+        return "xla"
+    if major == 9 and hopper_layout and jnp.dtype(x_dtype) == jnp.bfloat16 and supports("mosaic", m, k, n):
+        return "mosaic"
+    if kind == "int4" and supports("triton", m, k, n):
+        return "triton"
+    return "xla"
+
+
+def supports(backend: str, m: int, k: int, n: int) -> bool:
+    """Whether an explicit kernel backend takes an [M, K] @ [K, N] call (the model sends the
+    shapes it does not take, e.g. prefill-sized M or SmolLM2's 192-wide k/v, to "xla")."""
+    if backend in ("mosaic", "interpret"):
+        return m <= mg.MAX_M and n % lay.ROWS == 0 and k % lay.KB == 0
+    if backend == "triton":
+        return m <= 128 and n % 128 == 0
+    return True
+
+
+def _as_fields(w: Any) -> lay.Int4Fields:
+    if isinstance(w, lay.W4A16Packed):
+        return lay.unpack_fields(w)
+    return lay.Int4Fields(w.packed, w.scale, w.zero)
+
+
+def _as_packed(w: Any) -> lay.W4A16Packed:
+    return w if isinstance(w, lay.W4A16Packed) else lay.pack_fields(w.packed, w.scale, w.zero)
+
+
+def _int4_shape(w: Any) -> tuple[int, int, tuple[int, ...]]:
+    if isinstance(w, lay.W4A16Packed):
+        return w.k, w.n, w.lead
+    return 2 * w.packed.shape[-2], w.packed.shape[-1], tuple(w.packed.shape[:-2])
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+
+
+def _flatten(x: Array, k: int) -> tuple[Array, tuple[int, ...]]:
+    if x.shape[-1] != k:
+        raise ValueError(f"x [..., {x.shape[-1]}] does not match the weight's K={k}")
+    lead = x.shape[:-1]
+    return x.reshape(math.prod(lead), k), lead
+
+
+def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
+                out_dtype: Any = None) -> Array:
+    """x [..., K] @ W [K, N] with W in INT4 -> [..., N] (float32 accumulation; `out_dtype`
+    defaults to x's dtype). See the module docstring for `backend` and the weight formats."""
+    _check_backend(backend)
+    k, n, wlead = _int4_shape(w)
+    if (layer is None) != (len(wlead) == 0):
+        raise ValueError(f"weight leading dims {wlead}: pass layer= exactly for stacked [L, ...] weights")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    x2, lead = _flatten(x, k)
+    m = x2.shape[0]
+    if backend == "auto":
+        backend = pick_backend("int4", m, k, n, x.dtype, hopper_layout=isinstance(w, lay.W4A16Packed))
+    if backend in ("mosaic", "interpret"):
+        y = mg.int4_matmul_mgpu(x2, _as_packed(w), layer=layer, out_dtype=out_dtype,
+                                variant="mma" if backend == "mosaic" else "smem",
+                                interpret=backend == "interpret")
+    elif backend == "triton":
+        from pallas_kernels.w4a16 import w4a16_matmul  # Triton: imported only where used
+
+        f = _as_fields(w)
+        y = w4a16_matmul(x2, f.packed, f.scale, f.zero, out_dtype=out_dtype, layer=layer)
+    else:
+        if layer is not None:  # one layer first: never unpack or dequantize the whole stack
+            w = jax.tree.map(lambda a: a[layer], w)
+        f = _as_fields(w)
+        wf = lay.dequantize_fields(*f)
+        if backend == "reference":
+            y = jnp.dot(x2.astype(jnp.float32), wf, precision=lax.Precision.HIGHEST).astype(out_dtype)
+        else:  # "xla": the weight in the activation dtype, as the model's XLA path does
+            y = jnp.dot(x2, wf.astype(x2.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+    return y.reshape(*lead, n)
+
+
+def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None,
+                 out_dtype: Any = None) -> Array:
+    """x [..., K] @ W [K, N] (or a stack [L, K, N] with `layer`) -> [..., N]. On Hopper the
+    Mosaic kernel's rows do not depend on how many rows share the call (bitwise)."""
+    _check_backend(backend)
+    if backend == "triton":
+        raise ValueError("backend='triton' has no dense kernel; use 'xla' or 'mosaic'")
+    if w.ndim not in (2, 3) or (layer is None) != (w.ndim == 2):
+        raise ValueError(f"w must be [K, N], or [L, K, N] with layer=; got {w.shape} and layer={layer!r}")
+    k, n = w.shape[-2:]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    x2, lead = _flatten(x, k)
+    m = x2.shape[0]
+    if backend == "auto":
+        backend = pick_backend("bf16", m, k, n, x.dtype)
+        if backend == "mosaic" and w.dtype != jnp.bfloat16:
+            backend = "xla"
+    if backend in ("mosaic", "interpret"):
+        y = mg.bf16_matmul_mgpu(x2, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret")
+    else:
+        wl = w if layer is None else w[layer]
+        if backend == "reference":
+            y = jnp.dot(x2.astype(jnp.float32), wl.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST).astype(out_dtype)
+        else:
+            y = jnp.dot(x2, wl.astype(x2.dtype)).astype(out_dtype)
+    return y.reshape(*lead, n)
+
+
+__all__ = ["BACKENDS", "dense_linear", "device_arch", "int4_linear", "pick_backend", "supports"]

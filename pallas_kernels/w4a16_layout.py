@@ -1,0 +1,291 @@
+"""Pre-packed INT4 weight layout for the Hopper (Mosaic GPU) W4A16 kernel, and its exact inverse.
+
+The kernel (`pallas_kernels.w4a16_mgpu`) computes out^T = W^T x^T with the weight tile as the
+wgmma A operand held in registers. On Hopper an A fragment of a 64-row warpgroup tile is fixed
+by the hardware: thread t = 32 w + 4 g + c (warp w, row group g, column pair c) holds, for every
+16-column k step j, rows R0 = 16 w + g and R1 = R0 + 8 at columns 16 j + 2 c + {0, 1} and
+16 j + 8 + 2 c + {0, 1}, as four bf16x2 registers (a0a1, a2a3, a4a5, a6a7 in PTX's naming).
+This layout stores exactly those nibbles in exactly that order, so one 16-byte shared-memory
+load per thread and k-block gives a thread its 32 codes and no shuffle or permute follows.
+
+Arrays (leading dims `...`, e.g. a stacked layer axis L, are kept):
+
+    qw  uint32 [..., N/64, K/64, 128, 4]
+        word [rt, kb, t, j], bits 4 p + 16 h .. +3 (p = 0..3, h = 0..1) hold the code U in 0..15
+        of W[k, n] with  n = 64 rt + 16 (t // 32) + (t % 32) // 4 + 8 (p % 2),
+                         k = 64 kb + 16 j + 2 (t % 4) + 8 (p // 2) + h.
+        A register pair p comes out of a word with one shift (by 4 p) and one lop3 (mask
+        0x000F000F, OR 0x4300 4300: the bf16 pair 128 + U exactly); no byte permute.
+    sz  uint32 [..., N/64, K/C, 64 C/G]   with C = max(64, G) (the k columns one record covers)
+        word [rt, kc, 2 (C/G) r + 2 i + e] = scale | zero << 16 (the float16 bit patterns) of row
+        n = 64 rt + 16 (r // 8) + r % 8 + 8 e and group kc C/G + i. Thread t reads the words of
+        r = t // 4 with one vector load (4 threads share a record: broadcast, no bank conflict).
+        (One flat last axis: TMA needs every non-minor stride to be a multiple of 16 bytes.)
+
+Values: W[k, n] = U * scale + zero exactly as in `qspec_jax.weight_quant` (U the same codes, scale
+and zero the same float16 numbers), so packing a QuantizedWeight and unpacking it gives it back
+bit for bit. The kernel computes, per bf16 pair, (128 + U) - 136 = U - 8 exactly, then
+fma(U - 8, bf16(scale), bf16(zero + 8 scale)) (one rounding to bf16; the centered zero is the
+group's middle, so rounding it costs far less than rounding `zero` itself).
+
+Public: `W4A16Packed`, `pack_fields`, `pack_quantized`, `pack_float`, `unpack_fields`,
+`dequantize_bf16` (the kernel's own dequantization in jnp: the oracle for the layout),
+`thread_elements` (the index map above, shared with the kernels and the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+Array = jax.Array
+
+ROWS = 64  # rows of N per warpgroup tile (the wgmma M)
+KB = 64  # k columns per 16-byte thread load (one wgmma k group at 128-byte swizzle)
+THREADS = 128  # threads in a warpgroup
+WORDS = 4  # uint32 words per thread and k block (32 codes)
+GROUPS = (32, 64, 128)
+LAYOUT_VERSION = 1
+
+
+def chunk_cols(group_size: int) -> int:
+    """k columns covered by one scale record row (C = max(64, G))."""
+    return max(KB, group_size)
+
+
+@functools.lru_cache(maxsize=None)
+def thread_elements() -> np.ndarray:
+    """int32 [128, 4, 4, 2, 2]: (row, col) inside a 64x64 tile of code (thread t, word j, pair p,
+    half h). The single definition of the A-fragment order; the packer, the unpacker, the SMEM
+    twin and the register kernel all use it."""
+    out = np.zeros((THREADS, WORDS, 4, 2, 2), np.int32)
+    for t in range(THREADS):
+        w, g, c = t // 32, (t % 32) // 4, t % 4
+        for j in range(WORDS):
+            for p in range(4):
+                for h in range(2):
+                    out[t, j, p, h] = (16 * w + g + 8 * (p % 2), 16 * j + 2 * c + 8 * (p // 2) + h)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_gather() -> np.ndarray:
+    """int32 [64 * 64]: flat (t, j, p, h) position of tile element (row, col), row-major."""
+    te = thread_elements().reshape(-1, 2)
+    inv = np.empty(ROWS * KB, np.int32)
+    inv[te[:, 0] * KB + te[:, 1]] = np.arange(te.shape[0], dtype=np.int32)
+    assert np.array_equal(np.sort(inv), np.arange(ROWS * KB))  # a bijection
+    return inv
+
+
+@struct.dataclass
+class W4A16Packed:
+    """INT4 weight W [K, N] in the kernel's layout (see the module docstring); leading dims kept."""
+
+    qw: Array  # uint32 [..., N/64, K/64, 128, 4]
+    sz: Array  # uint32 [..., N/64, K/C, 64 C/G]
+    group_size: int = struct.field(pytree_node=False)
+
+    @property
+    def k(self) -> int:
+        return self.qw.shape[-3] * KB
+
+    @property
+    def n(self) -> int:
+        return self.qw.shape[-4] * ROWS
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.qw.shape[:-4])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.lead, self.k, self.n)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.qw.size * 4 + self.sz.size * 4)
+
+
+class Int4Fields(NamedTuple):
+    """The QuantizedWeight fields (qspec_jax.weight_quant): packed uint8 [..., K/2, N] (split
+    halves per group), scale / zero float16 [..., K/G, N]."""
+
+    packed: Array
+    scale: Array
+    zero: Array
+
+
+def check_shape(k: int, n: int, group_size: int) -> None:
+    """Raises ValueError naming the constraint a [K, N] weight breaks."""
+    if group_size not in GROUPS:
+        raise ValueError(f"group size {group_size}; the W4A16 layout supports {GROUPS}")
+    c = chunk_cols(group_size)
+    if k % c:
+        raise ValueError(f"K={k} must be a multiple of {c} (64 and the group size {group_size})")
+    if n % ROWS:
+        raise ValueError(f"N={n} must be a multiple of {ROWS} (the wgmma tile rows)")
+
+
+# ------------------------------------------------------------------------------------- packing
+def _codes_from_fields(packed: Array, group_size: int) -> Array:
+    """uint8 [..., K/2, N] split-halves packing -> int32 codes [..., K, N]."""
+    *lead, half, n = packed.shape
+    ng = 2 * half // group_size
+    p = packed.reshape(*lead, ng, group_size // 2, n).astype(jnp.int32)  # widen before shifting
+    return jnp.concatenate([p & 0xF, p >> 4], axis=-2).reshape(*lead, 2 * half, n)
+
+
+def _fields_from_codes(codes: Array, group_size: int) -> Array:
+    *lead, k, n = codes.shape
+    u = codes.reshape(*lead, k // group_size, group_size, n).astype(jnp.int32)
+    h = group_size // 2
+    return (u[..., :h, :] | (u[..., h:, :] << 4)).astype(jnp.uint8).reshape(*lead, k // 2, n)
+
+
+def pack_codes(codes: Array, scale: Array, zero: Array) -> W4A16Packed:
+    """Codes int [..., K, N] in 0..15 and float16 scale / zero [..., K/G, N] -> the layout."""
+    *lead, k, n = codes.shape
+    ng = scale.shape[-2]
+    if scale.shape != zero.shape or scale.shape[-1] != n or k % ng:
+        raise ValueError(f"scale {scale.shape} / zero {zero.shape} do not match codes [..., K={k}, N={n}]")
+    check_shape(k, n, k // ng)
+    if scale.dtype != jnp.float16 or zero.dtype != jnp.float16:
+        raise ValueError(f"scale/zero must be float16 (the draft format), got {scale.dtype}/{zero.dtype}")
+    return _pack_codes(codes, scale, zero)
+
+
+@jax.jit
+def _pack_codes(codes: Array, scale: Array, zero: Array) -> W4A16Packed:
+    *lead, k, n = codes.shape
+    g = k // scale.shape[-2]
+    te = thread_elements()  # [128, 4, 4, 2, 2]
+    # [.., K, N] -> W^T tiles [.., N/64, K/64, 64 (row), 64 (col)]
+    u = codes.astype(jnp.uint32)
+    wt = jnp.swapaxes(u, -1, -2).reshape(*lead, n // ROWS, ROWS, k // KB, KB)
+    wt = jnp.swapaxes(wt, -2, -3)  # [.., rt, kb, row, col]
+    nib = wt[..., te[..., 0], te[..., 1]]  # [.., rt, kb, 128, 4, 4(p), 2(h)]
+    shifts = (4 * np.arange(4)[:, None] + 16 * np.arange(2)[None, :]).astype(np.uint32)
+    qw = jnp.sum(nib << shifts, axis=(-1, -2), dtype=jnp.uint32)  # disjoint bits: sum == OR
+    c = chunk_cols(g)
+    gpc = c // g
+    s16 = lax_bitcast_u16(scale).astype(jnp.uint32)
+    z16 = lax_bitcast_u16(zero).astype(jnp.uint32)
+    rec = s16 | (z16 << 16)  # [.., K/G, N]
+    rec = rec.reshape(*lead, k // c, gpc, n // ROWS, 4, 2, 8)  # [.., kc, i, rt, w, e, gg]
+    rec = _permute_tail(rec, (2, 0, 3, 5, 1, 4))  # [.., rt, kc, w, gg, i, e]
+    sz = rec.reshape(*lead, n // ROWS, k // c, 64 * gpc)
+    return W4A16Packed(qw=qw, sz=sz, group_size=g)
+
+
+def lax_bitcast_u16(a: Array) -> Array:
+    return jax.lax.bitcast_convert_type(a, jnp.uint16)
+
+
+def _permute_tail(a: Array, perm: tuple[int, ...]) -> Array:
+    """Transposes the last len(perm) axes of `a` by `perm` (leading axes stay)."""
+    lead = a.ndim - len(perm)
+    return jnp.transpose(a, (*range(lead), *(lead + q for q in perm)))
+
+
+@jax.jit
+def unpack_codes(p: W4A16Packed) -> tuple[Array, Array, Array]:
+    """Exact inverse of `pack_codes`: (codes int32 [..., K, N], scale, zero float16 [..., K/G, N])."""
+    lead, k, n, g = p.lead, p.k, p.n, p.group_size
+    shifts = (4 * np.arange(4)[:, None] + 16 * np.arange(2)[None, :]).astype(np.uint32)
+    nib = (p.qw[..., None, None] >> shifts) & 0xF  # [.., rt, kb, 128, 4, 4, 2]
+    flat = nib.reshape(*lead, n // ROWS, k // KB, -1)
+    tile = flat[..., _tile_gather()].reshape(*lead, n // ROWS, k // KB, ROWS, KB)
+    wt = jnp.swapaxes(tile, -2, -3).reshape(*lead, n, k)
+    codes = jnp.swapaxes(wt, -1, -2).astype(jnp.int32)
+    c = chunk_cols(g)
+    gpc = c // g
+    rec = p.sz.reshape(*lead, n // ROWS, k // c, 4, 8, gpc, 2)  # [.., rt, kc, w, gg, i, e]
+    rec = _permute_tail(rec, (1, 4, 0, 2, 5, 3))  # [.., kc, i, rt, w, e, gg]
+    rec = rec.reshape(*lead, k // g, n)
+    scale = jax.lax.bitcast_convert_type((rec & 0xFFFF).astype(jnp.uint16), jnp.float16)
+    zero = jax.lax.bitcast_convert_type((rec >> 16).astype(jnp.uint16), jnp.float16)
+    return codes, scale, zero
+
+
+def pack_fields(packed: Array, scale: Array, zero: Array) -> W4A16Packed:
+    """QuantizedWeight fields (uint8 [..., K/2, N] split halves, float16 [..., K/G, N]) -> layout."""
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"packed must be uint8 [..., K/2, N], got {packed.dtype}")
+    k = 2 * packed.shape[-2]
+    ng = scale.shape[-2]
+    if ng == 0 or k % ng or (k // ng) % 2:
+        raise ValueError(f"scale rows {ng} do not divide K={k} into even groups (packed {packed.shape})")
+    return pack_codes(_codes_from_fields(packed, k // ng), scale, zero)
+
+
+def pack_quantized(qw: Any) -> W4A16Packed:
+    """A QuantizedWeight-like object (.packed, .scale, .zero) -> the kernel layout."""
+    return pack_fields(qw.packed, qw.scale, qw.zero)
+
+
+def pack_float(w: Array, group_size: int, quantizer: Callable[..., Any]) -> W4A16Packed:
+    """Float weights [..., K, N] -> the layout, through `quantizer(w, group_size)` (e.g.
+    `qspec_jax.weight_quant.quantize_weight`, the project's one quantizer: this lower-layer
+    module does not import it) which returns a QuantizedWeight-like object."""
+    return pack_quantized(quantizer(w, group_size))
+
+
+@jax.jit
+def unpack_fields(p: W4A16Packed) -> Int4Fields:
+    """Exact inverse of `pack_fields` (bit for bit)."""
+    codes, scale, zero = unpack_codes(p)
+    return Int4Fields(_fields_from_codes(codes, p.group_size), scale, zero)
+
+
+# -------------------------------------------------------------------------------- the math
+def kernel_scales(scale: Array, zero: Array) -> tuple[Array, Array]:
+    """(bf16(scale), bf16(zero + 8 scale)) from float16 scale / zero: the kernel's per-group pair
+    (float32 fma, one rounding to bf16 each; float16 -> float32 is exact)."""
+    s = scale.astype(jnp.float32)
+    return s.astype(jnp.bfloat16), (zero.astype(jnp.float32) + 8.0 * s).astype(jnp.bfloat16)
+
+
+@jax.jit
+def dequantize_bf16(p: W4A16Packed) -> Array:
+    """W [..., K, N] in bf16 exactly as the kernels form it: fma(U - 8, s', z') rounded once.
+
+    (U - 8) * s' is exact in float32 and adding z' rounds at most once more (never for the
+    magnitudes a quantizer produces), so this equals the bf16x2 fma of the register kernel."""
+    codes, scale, zero = unpack_codes(p)
+    s, z = kernel_scales(scale, zero)
+    g = p.group_size
+    s = jnp.repeat(s.astype(jnp.float32), g, axis=-2)
+    z = jnp.repeat(z.astype(jnp.float32), g, axis=-2)
+    return ((codes - 8).astype(jnp.float32) * s + z).astype(jnp.bfloat16)
+
+
+def _dequant_codes(codes: Array, scale: Array, zero: Array) -> Array:
+    g = codes.shape[-2] // scale.shape[-2]
+    s = jnp.repeat(scale.astype(jnp.float32), g, axis=-2)
+    z = jnp.repeat(zero.astype(jnp.float32), g, axis=-2)
+    return codes.astype(jnp.float32) * s + z
+
+
+@jax.jit
+def dequantize_f32(p: W4A16Packed) -> Array:
+    """W [..., K, N] in float32 from the stored numbers (U * scale + zero): the oracle's weight
+    (the formula of `qspec_jax.weight_quant.QuantizedWeight.dequantize`)."""
+    return _dequant_codes(*unpack_codes(p))
+
+
+def dequantize_fields(packed: Array, scale: Array, zero: Array) -> Array:
+    """W [..., K, N] in float32 from the QuantizedWeight fields (same formula)."""
+    return _dequant_codes(_codes_from_fields(packed, 2 * packed.shape[-2] // scale.shape[-2]), scale, zero)
+
+
+__all__ = [
+    "GROUPS", "KB", "LAYOUT_VERSION", "ROWS", "THREADS", "WORDS", "Int4Fields", "W4A16Packed",
+    "check_shape", "chunk_cols", "dequantize_bf16", "dequantize_f32", "dequantize_fields", "kernel_scales", "pack_codes",
+    "pack_fields", "pack_float", "pack_quantized", "thread_elements", "unpack_codes", "unpack_fields",
+]

@@ -1,0 +1,822 @@
+"""Pallas Mosaic GPU skinny GEMMs for Hopper: out [M, N] = x [M, K] @ W [K, N] at decode-sized M.
+
+Both kernels compute out^T = W^T x^T: the weight tile is the MMA's A operand (64 rows of N per
+warpgroup, 16 per warp) and the activation rows, padded to M_pad = 8 * ceil(M / 8), are the B
+operand (MMA N = M_pad; the INT4 "mma" kernel issues one n8 MMA per 8 columns), so M = 1..8 cost
+the same and M = 16 little more.
+
+* `int4_matmul_mgpu`: W in INT4 (`pallas_kernels.w4a16_layout.W4A16Packed`). Per 64-column k
+  block a thread loads its 32 codes with one 16-byte shared-memory load and turns them into its A
+  fragment in registers: per bf16 pair one shift, one lop3 (128 + U exactly), one bf16x2
+  subtraction (U - 8 exactly) and one bf16x2 fma with (bf16(s), bf16(z + 8 s)): 15 instructions
+  per 8 weights; each (group, row) scale record costs 5 more (f16 -> f32, fma, f32 -> bf16x2).
+  No shuffle: the layout stores the nibbles in the fragment's own order.
+  `variant`: "mma" (default: warp-level `mma.sync.m16n8k16`, activation fragments by `ldmatrix`),
+  "wgmma" (the same registers as the register A operand of `wgmma`) or "smem", the SMEM-operand
+  twin: the same layout, split-K ranges, reduction order and dequantization (jnp, in GPU interpret
+  mode), written to shared memory and multiplied from there. GPU interpret mode cannot run the
+  register kernels (inline Mosaic GPU code): CI runs the twin and replays the register kernels'
+  per-thread work (their PTX, emulated) against the layout; tools/device/check_w4a16.py runs them.
+* `bf16_matmul_mgpu`: W in bf16 [K, N] as stored (the wgmma reads the [k, 64] tile from shared
+  memory transposed), for the target's dense linears.
+
+Schedule (`MgpuConfig`, chosen by `default_config` from (K, N, G) only): a grid of
+(N / (64 wgs), splits) CTAs; each CTA has `wgs` compute warpgroups (64 rows each) and one
+producer warpgroup that streams the weight tiles, the scale records and the x tile with TMA
+through a `stages`-deep ring of shared-memory buffers (full / empty mbarriers). CTA (j, s) sums
+k in [s K/S, (s+1) K/S) in order, 16 columns per MMA step, into a float32 accumulator.
+With splits S > 1 the partials are summed in a fixed order, p[0] + p[1] + ... + p[S-1], either by
+an unrolled XLA sum of float32 partials [S, M, N] ("gmem") or inside the kernel across the CTAs
+of a thread-block cluster through distributed shared memory ("cluster", the default): never
+atomics. Both orders are the same, so both give the same bits.
+
+Row invariance (issue 11): every choice above depends on (K, N, G) only, the columns of an MMA
+are independent, and padding rows are zeros (TMA out-of-bounds fill) or never stored, so row i
+of a call with M rows equals the same row computed alone, bit for bit; `tests/test_w4a16_mgpu.py`
+checks it in interpret mode and tools/device/check_w4a16.py on the GPU.
+
+Measured (H200, docs/kernel_notes.md "W4A16 (Mosaic GPU, H200)"): the INT4 kernels stream their
+code words at <= ~1.95 TB/s because TMA copies them as 16-byte rows (`tma_view="thread"`);
+`tma_view="wide"` copies the same bytes as 1-KB rows and is the default of `default_config`
+since it checked out and timed faster on the H200 (gate_up 2.60 vs 1.85 TB/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _common
+from pallas_kernels import w4a16_layout as lay
+
+Array = jax.Array
+
+MAX_M = 64  # rows per call (M_pad <= 64; larger M is prefill: use a dense GEMM)
+SMEM_BUDGET = 200 * 1024  # bytes of pipeline buffers per CTA (the H100/H200 limit is 227 KB)
+REDUCE_MODES = ("gmem", "cluster")
+MAX_CLUSTER = 8  # portable cluster size: the most CTAs a "cluster" split-K reduction spans
+VARIANTS = ("mma", "wgmma", "smem")  # register A + mma.sync | register A + wgmma | SMEM twin
+SWIZZLE = 128  # bytes: 64 bf16 per swizzled row, the wgmma k group
+# TMA views of the code words. Each (row tile, k block) is 512 contiguous u32 (2 KB) and TMA
+# copies a box row by row along its innermost dimension. "thread" views them as the layout's
+# [128 threads, 4 words] (16-byte rows): measured on the H200, that copy streams at most ~1.95
+# TB/s even with all compute removed (docs/kernel_notes.md, run 3). "wide" views the same bytes
+# as [2, 256] (1-KB rows; a free reshape): the diagnosed fix, lowered but NOT yet run on a GPU,
+# so it is opt-in until tools/device/check_w4a16.py has checked and timed it.
+TMA_VIEWS = {"thread": (lay.THREADS, lay.WORDS), "wide": (2, 256)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Launch shape. Only `splits` changes the arithmetic (the partial sums); every field comes
+    from (K, N, G) in `default_config`, never from M, except `stages` (buffer count only)."""
+
+    wgs: int = 2  # compute warpgroups per CTA: 64 * wgs rows of N per CTA (1, 2 or 4)
+    k_tile: int = 256  # k columns per pipeline stage (a multiple of 64 and of the group size)
+    splits: int = 1  # split-K factor S (divides K / k_tile)
+    stages: int = 4  # pipeline depth (shared-memory buffers in flight)
+    reduce: str = "gmem"  # split-K partial sum: "gmem" (XLA, fixed order) | "cluster" (in-kernel)
+    tma_view: str = "thread"  # TMA view of the code words: "thread" [128, 4] | "wide" [2, 256]
+    diag: str = ""  # timing experiments on the "mma" kernel only (see _mma_stage); "" in real use
+
+    def replace(self, **kw: Any) -> "MgpuConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def rows_for(m: int) -> int:
+    """M_pad: the wgmma N for M activation rows (a multiple of 8)."""
+    return 8 * max(1, -(-m // 8))
+
+
+def _x_stage_bytes(mp: int, kt: int) -> int:
+    return mp * kt * 2
+
+
+def _w_stage_bytes(kind: str, wgs: int, kt: int, g: int | None) -> int:
+    if kind == "bf16":
+        return wgs * kt * lay.ROWS * 2
+    return wgs * (kt * lay.ROWS // 2 + lay.ROWS * (kt // g) * 4)
+
+
+def _stages_for(kind: str, cfg: MgpuConfig, mp: int, g: int | None) -> int:
+    per = _w_stage_bytes(kind, cfg.wgs, cfg.k_tile, g) + _x_stage_bytes(mp, cfg.k_tile)
+    return max(2, min(cfg.stages, SMEM_BUDGET // per))
+
+
+SM_BYTES_PER_US = 4.35e6 / 132  # bytes one SM streams per microsecond at the read ceiling
+CTA_FIXED_US = 1.5  # per-CTA fill + drain (first TMA round trip, epilogue) not hidden by others
+REDUCE_US = {"gmem": 2.0, "cluster": 0.5}  # the split-K sum: an XLA kernel, or in-kernel DSMEM
+
+
+def predicted_us(k: int, n: int, group_size: int | None, cfg: MgpuConfig, num_sms: int = 132) -> float:
+    """The cost model `default_config` minimises (microseconds, read ceiling): waves of CTAs
+    streaming their tiles, a fixed cost per CTA round that co-resident CTAs hide, and the
+    split-K reduction. Rough by design; the benchmark measures."""
+    bpe = 2.0 if group_size is None else 0.5 + 4.0 / group_size  # weight bytes per element
+    ctas = n // (lay.ROWS * cfg.wgs) * cfg.splits
+    per_cta = lay.ROWS * cfg.wgs * (k // cfg.splits) * bpe
+    kind = "bf16" if group_size is None else "int4"
+    smem = _stages_for(kind, cfg, 16, group_size) * (_w_stage_bytes(kind, cfg.wgs, cfg.k_tile, group_size)
+                                                     + _x_stage_bytes(16, cfg.k_tile))
+    resident = max(1, min(2, 227 * 1024 // max(smem, 1)))
+    waves = -(-ctas // num_sms)
+    t = waves * per_cta / SM_BYTES_PER_US + CTA_FIXED_US * -(-ctas // (num_sms * resident))
+    return t + (REDUCE_US[cfg.reduce] if cfg.splits > 1 else 0.0)
+
+
+def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | None = None,
+                   reduce: str = "cluster") -> MgpuConfig:
+    """The launch shape for a [K, N] weight (`group_size` None: bf16 weights); from (K, N, G) and
+    the SM count only, never from M. Minimises `predicted_us` over wgs in (2, 1), k_tile and
+    splits (dividing K / k_tile, each split >= 2 steps and >= 512 columns; at most 8 splits for
+    the cluster reduction); ties go to fewer splits, then two warpgroups, then larger k_tile."""
+    sms = num_sms or _common.num_sms()
+    kind = "bf16" if group_size is None else "int4"
+    # The code words' TMA view: "wide" (1-KB rows) by default, checked and timed on the H200
+    # (gate_up M=1 G=32: 28.2 us vs 39.7 for "thread"); QSPEC_W4A16_TMA_VIEW=thread restores the old one.
+    tma_view = os.environ.get("QSPEC_W4A16_TMA_VIEW", "wide")
+    if tma_view not in TMA_VIEWS:
+        raise ValueError(f"QSPEC_W4A16_TMA_VIEW={tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
+    c = lay.KB if group_size is None else lay.chunk_cols(group_size)
+    tiles_k = (256, 128, 64) if kind == "int4" else (128, 64)
+    best, best_key = None, None
+    for wgs in (2, 1):
+        if n % (lay.ROWS * wgs):
+            continue
+        for kt in tiles_k:
+            if kt % c or k % kt:
+                continue
+            steps = k // kt
+            for s in range(1, min(steps, MAX_CLUSTER if reduce == "cluster" else 16) + 1):
+                if steps % s or (s > 1 and (steps // s < 2 or k // s < 512)):
+                    continue
+                cfg = MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce,
+                                 stages=4 if kind == "int4" else 6, tma_view=tma_view)
+                key = (round(predicted_us(k, n, group_size, cfg, sms), 1), s, -wgs, -kt)
+                if best_key is None or key < best_key:
+                    best, best_key = cfg, key
+    if best is None:
+        raise ValueError(f"no Mosaic GPU launch shape for K={k}, N={n}, G={group_size} "
+                         f"(K must be a multiple of {c}, N of {lay.ROWS})")
+    return best
+
+
+# ------------------------------------------------------------------------------ interpret mode
+def interpret_params() -> Any:
+    """GPU interpret-mode parameters (CPU): out-of-bounds TMA reads give NaN instead of the
+    hardware's zeros, so padding rows that leaked into a stored row would show."""
+    try:
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # jax >= 0.11
+    except ImportError:  # jax 0.10
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized")
+
+
+def _T(ref: Any) -> Any:
+    """Transposed view of a 2-D ref (jax 0.11 spells it ref.T, 0.10 transpose_ref)."""
+    if jax.__version_info__ >= (0, 11):
+        return ref.T
+    return plgpu.transpose_ref(ref, (1, 0))
+
+
+# ----------------------------------------------------------------------- register dequantization
+# PTX per uint32 word of 8 codes -> 4 bf16x2 A registers. Pair p is bits 4p and 16 + 4p. lop3 LUT
+# 0xEA = (a & b) | c gives the bf16 pair 0x4300 | U = 128 + U exactly; 0x4308 = 136 removes
+# 128 + 8 (exact: small integers), and one fma applies (s, z + 8 s) of the pair's row.
+_CONVERT_ASM = """{
+.reg .b32 t<4>, m;
+mov.b32 m, 0x43084308;
+lop3.b32 t0, $4, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 t1, $4, 4;
+lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 t2, $4, 8;
+lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 t3, $4, 12;
+lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xEA;
+sub.bf16x2 t0, t0, m;
+sub.bf16x2 t1, t1, m;
+sub.bf16x2 t2, t2, m;
+sub.bf16x2 t3, t3, m;
+fma.rn.bf16x2 $0, t0, $5, $6;
+fma.rn.bf16x2 $1, t1, $7, $8;
+fma.rn.bf16x2 $2, t2, $5, $6;
+fma.rn.bf16x2 $3, t3, $7, $8;
+}"""
+# One scale record (float16 scale | zero << 16) -> (bf16x2 (s, s), bf16x2 (z + 8 s, z + 8 s)).
+_SCALE_ASM = """{
+.reg .b16 hs, hz;
+.reg .f32 fs, fz;
+mov.b32 {hs, hz}, $2;
+cvt.f32.f16 fs, hs;
+cvt.f32.f16 fz, hz;
+fma.rn.f32 fz, fs, 0f41000000, fz;
+cvt.rn.bf16x2.f32 $0, fs, fs;
+cvt.rn.bf16x2.f32 $1, fz, fz;
+}"""
+
+
+def _mgpu_modules():
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental import mosaic as _mosaic  # noqa: F401
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    return ir, arith, llvm, mgpu, fa, mu
+
+
+def _smem_addr(ref: Any) -> Any:
+    """i32 shared-memory address of a memref (its dynamic offset folded in)."""
+    ir, _, llvm, _, _, mu = _mgpu_modules()
+    return llvm.ptrtoint(ir.IntegerType.get_signless(32), mu.memref_ptr(ref))
+
+
+def _ld_shared(addr: Any, n: int) -> list[Any]:
+    """`n` (1, 2 or 4) consecutive u32 words at a 4n-byte aligned shared address; one vector load.
+    Side-effecting asm: the load stays after the mbarrier wait that publishes the data."""
+    ir, _, llvm, _, _, _ = _mgpu_modules()
+    i32 = ir.IntegerType.get_signless(32)
+    outs = ",".join(f"${i}" for i in range(n))
+    vec = "" if n == 1 else f".v{n}"
+    asm = f"ld.shared{vec}.b32 {{{outs}}}, [${n}];" if n > 1 else "ld.shared.b32 $0, [$1];"
+    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * n) if n > 1 else i32, [addr], asm,
+                          ",".join(["=r"] * n + ["r"]), has_side_effects=True)
+    if n == 1:
+        return [res]
+    return [llvm.extractvalue(i32, res, [i]) for i in range(n)]
+
+
+def block_plan(group_size: int, kb: int) -> tuple[int, int, list[int]]:
+    """(kc, records, word_group) for k block `kb` of a stage: the scale chunk holding it, the u32
+    words per thread record row (2 C/G) and, per word j, its group index inside the chunk."""
+    c = lay.chunk_cols(group_size)
+    gpc, kpc = c // group_size, c // lay.KB
+    sub = kb % kpc
+    return kb // kpc, 2 * gpc, [(sub * lay.KB + 16 * j) // group_size for j in range(lay.WORDS)]
+
+
+def word_offset(kb: int, tid: int) -> int:
+    """Byte offset of thread `tid`'s 4 code words of k block `kb` in a warpgroup's stage buffer."""
+    return (kb * lay.THREADS + tid) * 16
+
+
+def record_offset(kc: int, tid: int, records: int) -> int:
+    """Byte offset of thread `tid`'s scale records (row pair tid // 4) of chunk `kc`."""
+    return (kc * 32 + tid // 4) * 4 * records
+
+
+def register_index(j: int, p: int) -> tuple[int, int]:
+    """(8-column tile, row half) of the WGMMA-layout register that pair p of word j becomes."""
+    return 2 * j + p // 2, p % 2
+
+
+def _dequant_block(group_size: int, kb: int):
+    """inline_mgpu function: (w_ref uint32 [KT/64, 128, 4] (or its [KT/64, 2, 256] TMA view), sz_ref uint32 [KT/C, 64 C/G]) of
+    one warpgroup and stage -> the bf16 A fragment [64, 64] (WGMMA layout) of k block `kb`.
+    Addresses and register placement come from `word_offset`, `record_offset`, `register_index`
+    (pure functions that tests/test_w4a16_mgpu.py replays against the layout)."""
+    kc, nrec, word_group = block_plan(group_size, kb)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((lay.ROWS, lay.KB), jnp.bfloat16,
+                                                          layout=plgpu.Layout.WGMMA))
+    def fn(ctx, w_ref, sz_ref):
+        del ctx
+        ir, arith, llvm, mgpu, fa, mu = _mgpu_modules()
+        i32 = ir.IntegerType.get_signless(32)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        tid = arith.remui(mu.thread_idx(), mu.c(lay.THREADS, i32))
+        # word_offset(kb, tid) = kb * 2048 + 16 tid
+        w_addr = arith.addi(_smem_addr(w_ref), arith.addi(arith.muli(tid, mu.c(16, i32)),
+                                                          mu.c(word_offset(kb, 0), i32)))
+        words = _ld_shared(w_addr, lay.WORDS)
+        # record_offset(kc, tid, nrec) = (32 kc + tid // 4) * 4 nrec
+        s_addr = arith.addi(_smem_addr(sz_ref), arith.addi(
+            arith.muli(arith.shrui(tid, mu.c(2, i32)), mu.c(4 * nrec, i32)),
+            mu.c(record_offset(kc, 0, nrec), i32)))
+        recs = _ld_shared(s_addr, nrec)
+        scales: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+        def pair(i: int, e: int) -> tuple[Any, Any]:
+            if (i, e) not in scales:
+                res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [recs[2 * i + e]],
+                                      _SCALE_ASM, "=r,=r,r", has_side_effects=False)
+                scales[(i, e)] = (llvm.extractvalue(i32, res, [0]), llvm.extractvalue(i32, res, [1]))
+            return scales[(i, e)]
+
+        layout = fa.WGMMA_LAYOUT
+        regs = np.empty(layout.registers_shape((lay.ROWS, lay.KB)), dtype=object)
+        for j in range(lay.WORDS):
+            i = word_group[j]  # group index within the chunk
+            (s0, z0), (s1, z1) = pair(i, 0), pair(i, 1)
+            res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [words[j], s0, z0, s1, z1],
+                                  _CONVERT_ASM, "=r,=r,=r,=r,r,r,r,r,r", has_side_effects=False)
+            for p in range(4):
+                idx = [0] * regs.ndim
+                idx[1], idx[4] = register_index(j, p)
+                regs[tuple(idx)] = mu.bitcast(llvm.extractvalue(i32, res, [p]), bf16x2)
+        return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return fn
+
+
+_MMA_ASM = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+_LDMATRIX_ASM = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
+
+
+def x_tile_offset(ct: int, kb: int, kt: int) -> int:
+    """Byte offset of the 8 x 64 tile (n tile ct, k block kb) in the stage's x tile [M_pad, KT]."""
+    return (ct * (kt // lay.KB) + kb) * 1024
+
+
+def x_fragment_offset(ct: int, kb: int, j: int, lane: int, kt: int) -> int:
+    """Byte offset (in the stage's x tile [M_pad, KT], 8 x 64 tiles, 128-byte swizzle) of the
+    8 bf16 that lane `lane` addresses in `ldmatrix.x4` for k16 steps j, j + 1 (j even) of k block
+    `kb` and n tile `ct`: matrix q = lane // 8 is (step j + q // 2, k half q % 2), row lane % 8
+    is activation row 8 ct + lane % 8. Matrix q lands in register q: (b0, b1) of step j, then of
+    step j + 1 (the mma.sync B fragment: B[k = 2c.., n = g] = x[g, 2c..])."""
+    q, r = lane // 8, lane % 8
+    chunk = 2 * j + q  # 16-byte chunk of the 128-byte tile row
+    return x_tile_offset(ct, kb, kt) + r * 128 + ((chunk ^ r) & 7) * 16
+
+
+DIAGNOSTICS = ("", "stream", "load", "convert", "mma_raw")
+
+
+def _mma_stage(group_size: int, kt: int, mp: int, diag: str = ""):
+    """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
+
+    (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
+    tiles, 128-byte swizzle), acc float32 [64, M_pad] WGMMA layout) -> acc + W_tile^T x_tile^T.
+    Per k16 step a warp multiplies its 16 weight rows (the A fragment built from one code word,
+    exactly the wgmma fragment of `_dequant_block`) by each 8-column activation tile with
+    `mma.sync.m16n8k16` (B fragments by `ldmatrix.x4`, two k steps per load). Column tiles are
+    independent n8 MMAs on the same A registers, so a row's arithmetic never depends on M_pad.
+
+    `diag` (timing experiments only; wrong results): "stream" does no work on the stage,
+    "load" only its shared-memory loads, "convert" loads + dequantization without MMAs,
+    "mma_raw" loads + MMAs on the raw code words (no dequantization)."""
+    g = group_size
+    nkb = kt // lay.KB
+    nct = mp // 8
+    x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms=x_tf), plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((lay.ROWS, mp), jnp.float32, layout=plgpu.Layout.WGMMA))
+    def fn(ctx, w_ref, sz_ref, x_ref, acc):
+        del ctx
+        ir, arith, llvm, mgpu, fa, mu = _mgpu_modules()
+        i32 = ir.IntegerType.get_signless(32)
+        f32 = ir.F32Type.get()
+        tid = arith.remui(mu.thread_idx(), mu.c(lay.THREADS, i32))
+        lane = arith.remui(tid, mu.c(32, i32))
+        w_base = arith.addi(_smem_addr(w_ref), arith.muli(tid, mu.c(16, i32)))
+        s_base = _smem_addr(sz_ref)
+        x_base = _smem_addr(x_ref)
+        # lane-dependent part of x_fragment_offset: r * 128 + ((chunk ^ r) & 7) * 16 with
+        # chunk = 2 j + q; (2 j + q) ^ r = 2 j ^ (q ^ r) for j in {0, 2} since q < 4
+        r = arith.remui(lane, mu.c(8, i32))
+        q = arith.divui(lane, mu.c(8, i32))
+        lane_row = arith.muli(r, mu.c(128, i32))
+        qr = arith.xori(q, r)
+        x_lane = {j: arith.addi(lane_row, arith.muli(arith.andi(arith.xori(qr, mu.c(2 * j, i32)),
+                                                                 mu.c(7, i32)), mu.c(16, i32)))
+                  for j in (0, 2)}
+        # accumulator registers: [0, ct, 0, 0, h, 0, 0, 0, 0] = (row g + 8 h, cols 2c, 2c + 1)
+        regs_in = acc.registers
+        cur = {}
+        for ct in range(nct):
+            for h in range(2):
+                idx = [0] * regs_in.ndim
+                idx[1], idx[4] = ct, h
+                v = regs_in[tuple(idx)]
+                for e in range(2):
+                    cur[(ct, 2 * h + e)] = llvm.extractelement(v, arith.constant(i32, e))
+        c_acc = [[cur[(ct, i)] for i in range(4)] for ct in range(nct)]
+        sink = mu.c(0, i32)  # diagnostics: values folded in so the work is not dead code
+        for kb in range(nkb if diag != "stream" else 0):
+            kc, nrec, word_group = block_plan(g, kb)
+            words = _ld_shared(arith.addi(w_base, mu.c(word_offset(kb, 0), i32)), lay.WORDS)
+            recs = _ld_shared(arith.addi(s_base, arith.addi(
+                arith.muli(arith.shrui(tid, mu.c(2, i32)), mu.c(4 * nrec, i32)),
+                mu.c(record_offset(kc, 0, nrec), i32))), nrec)
+            scales: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+            def pair(i: int, e: int) -> tuple[Any, Any]:
+                if (i, e) not in scales:
+                    res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [recs[2 * i + e]],
+                                          _SCALE_ASM, "=r,=r,r", has_side_effects=False)
+                    scales[(i, e)] = (llvm.extractvalue(i32, res, [0]), llvm.extractvalue(i32, res, [1]))
+                return scales[(i, e)]
+
+            b_frag: dict[tuple[int, int], tuple[Any, Any]] = {}
+            for ct in range(nct):
+                for j in (0, 2):
+                    addr = arith.addi(x_base, arith.addi(x_lane[j], mu.c(x_tile_offset(ct, kb, kt), i32)))
+                    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [addr], _LDMATRIX_ASM,
+                                          "=r,=r,=r,=r,r", has_side_effects=True)
+                    b = [llvm.extractvalue(i32, res, [t]) for t in range(4)]
+                    b_frag[(ct, j)], b_frag[(ct, j + 1)] = (b[0], b[1]), (b[2], b[3])
+            if diag == "load":
+                for v in (*words, *recs, *(b for bb in b_frag.values() for b in bb)):
+                    sink = arith.xori(sink, v)
+                continue
+            for j in range(lay.WORDS):
+                if diag == "mma_raw":
+                    a = [words[j], words[(j + 1) % 4], words[(j + 2) % 4], words[(j + 3) % 4]]
+                else:
+                    i = word_group[j]
+                    (s0, z0), (s1, z1) = pair(i, 0), pair(i, 1)
+                    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [words[j], s0, z0, s1, z1],
+                                          _CONVERT_ASM, "=r,=r,=r,=r,r,r,r,r,r", has_side_effects=False)
+                    a = [llvm.extractvalue(i32, res, [p]) for p in range(4)]
+                if diag == "convert":
+                    for v in (*a, *(b for bb in b_frag.values() for b in bb)):
+                        sink = arith.xori(sink, v)
+                    continue
+                for ct in range(nct):
+                    out = llvm.inline_asm(
+                        llvm.StructType.get_literal([f32] * 4), [*a, *b_frag[(ct, j)], *c_acc[ct]], _MMA_ASM,
+                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False)
+                    c_acc[ct] = [llvm.extractvalue(f32, out, [t]) for t in range(4)]
+        if diag in ("load", "convert"):
+            c_acc[0][0] = arith.addf(c_acc[0][0], arith.bitcast(f32, sink))
+        regs = np.empty(regs_in.shape, dtype=object)
+        vec_ty = ir.VectorType.get((2,), f32)
+        for ct in range(nct):
+            for h in range(2):
+                idx = [0] * regs.ndim
+                idx[1], idx[4] = ct, h
+                v = llvm.mlir_undef(vec_ty)
+                for e in range(2):
+                    v = llvm.insertelement(v, c_acc[ct][2 * h + e], arith.constant(i32, e))
+                regs[tuple(idx)] = v
+        return fa.FragmentedArray(_registers=regs, _layout=acc.layout, _is_signed=None)
+
+    return fn
+
+
+# ------------------------------------------------------------------------------ the SMEM twin
+def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
+    """jnp: uint32 words [128, 4] and records [64 C/G] of one warpgroup and stage -> the bf16
+    tile W^T [64 rows, 64 cols] of k block `kb`, with the register kernel's arithmetic.
+    Static reshapes and transposes only (a Mosaic GPU kernel may not capture array constants)."""
+    g = group_size
+    _, nrec, word_group = block_plan(g, kb)
+    gpc = nrec // 2
+    shift = (4 * lax.broadcasted_iota(jnp.uint32, (lay.THREADS, lay.WORDS, 4, 2), 2)
+             + 16 * lax.broadcasted_iota(jnp.uint32, (lay.THREADS, lay.WORDS, 4, 2), 3))
+    nib = (words[:, :, None, None] >> shift) & 0xF  # [t, j, p, h]
+    # t = 32 w + 4 g + c, p = 2 pr + pc: row = 16 w + 8 pc + g, col = 16 j + 8 pr + 2 c + h
+    nib = nib.reshape(4, 8, 4, lay.WORDS, 2, 2, 2)  # [w, g, c, j, pr, pc, h]
+    codes = jnp.transpose(nib, (0, 5, 1, 3, 4, 2, 6)).reshape(lay.ROWS, lay.KB)
+    # records: word 2 gpc r + 2 i + e of row pair r = 8 w + g -> row 16 w + 8 e + g
+    rec = jnp.transpose(recs.reshape(4, 8, gpc, 2), (0, 3, 1, 2)).reshape(lay.ROWS, gpc)
+    scale = lax.bitcast_convert_type((rec & 0xFFFF).astype(jnp.uint16), jnp.float16)
+    zero = lax.bitcast_convert_type((rec >> 16).astype(jnp.uint16), jnp.float16)
+    ss, zz = lay.kernel_scales(scale, zero)  # [64, gpc]
+    if gpc == 1:
+        ss = jnp.broadcast_to(ss, (lay.ROWS, lay.KB))
+        zz = jnp.broadcast_to(zz, (lay.ROWS, lay.KB))
+    else:  # G = 32: columns 0..31 are group word_group[0], 32..63 group word_group[2]
+        assert word_group == [0, 0, 1, 1]
+        ss = jnp.broadcast_to(ss[:, :, None], (lay.ROWS, gpc, g)).reshape(lay.ROWS, lay.KB)
+        zz = jnp.broadcast_to(zz[:, :, None], (lay.ROWS, gpc, g)).reshape(lay.ROWS, lay.KB)
+    q = (codes.astype(jnp.int32) - 8).astype(jnp.float32)
+    return (q * ss.astype(jnp.float32) + zz.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------------- kernels
+def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int, wgs: int,
+            steps: int, stages: int, splits: int, g: int | None, stacked: bool, n_layers: int,
+            reduce: str, diag: str = ""):
+    """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring."""
+    it = iter(refs)
+    x_gmem = next(it)
+    w_gmem = next(it)
+    sz_gmem = next(it) if kind == "int4" else None
+    layer_gmem = next(it) if stacked else None
+    out_gmem = next(it)
+    x_smem, w_smem = next(it), next(it)
+    sz_smem = next(it) if kind == "int4" else None
+    twin = (next(it), next(it)) if (variant == "smem" or interpret) else None  # a_smem, xt_smem
+    o_smem, full, empty = next(it), next(it), next(it)
+    red = next(it) if reduce == "cluster" and splits > 1 else None
+    nt = lax.axis_index("nt")
+    ks = lax.axis_index("ks")
+    wg = lax.axis_index("wg")
+    col0 = (nt * wgs + wg) * lay.ROWS  # this warpgroup's first output column
+    k_split = steps * kt
+    lead: tuple[Any, ...] = ()
+    if stacked:
+        lead = (jnp.clip(layer_gmem[0], 0, n_layers - 1),)
+
+    @pl.when(wg == wgs)
+    def _producer():
+        def step(i, carry):
+            slot = lax.rem(i, stages)
+
+            @pl.when(i >= stages)
+            def _():
+                plgpu.barrier_wait(empty.at[slot])
+
+            k0 = ks * k_split + i * kt
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], full.at[slot])
+            if kind == "int4":
+                c = lay.chunk_cols(g)
+                plgpu.copy_gmem_to_smem(
+                    w_gmem.at[(*lead, pl.ds(nt * wgs, wgs), pl.ds(k0 // lay.KB, kt // lay.KB))],
+                    w_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    sz_gmem.at[(*lead, pl.ds(nt * wgs, wgs), pl.ds(k0 // c, kt // c))],
+                    sz_smem.at[slot], full.at[slot])
+            else:
+                for cw in range(wgs):
+                    plgpu.copy_gmem_to_smem(
+                        w_gmem.at[(*lead, pl.ds(k0, kt), pl.ds((nt * wgs + cw) * lay.ROWS, lay.ROWS))],
+                        w_smem.at[slot, cw], full.at[slot])
+            return carry
+
+        lax.fori_loop(0, steps, step, 0)
+
+    @pl.when(wg < wgs)
+    def _compute():
+        if kind == "int4" and variant == "mma":  # register A, warp-level MMAs, no async state
+            def mma_step(i, acc):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(full.at[slot])
+                acc = _mma_stage(g, kt, mp, diag)(w_smem.at[slot, wg], sz_smem.at[slot, wg], x_smem.at[slot],
+                                                  acc)
+                plgpu.barrier_arrive(empty.at[slot])
+                return acc
+
+            acc0 = plgpu.layout_cast(jnp.zeros((lay.ROWS, mp), jnp.float32), plgpu.Layout.WGMMA)
+            acc = lax.fori_loop(0, steps, mma_step, acc0)
+            if red is not None:
+                red.at[wg][...] = acc
+            else:
+                _store_tile(acc, o_smem, out_gmem.at[ks] if splits > 1 else out_gmem, wg=wg, col0=col0,
+                            m=m, interpret=interpret)
+            return
+
+        def acc_scope(acc_ref):
+            def step(i, carry):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(full.at[slot])
+                if kind == "bf16" and not interpret:  # A straight from shared memory, transposed
+                    plgpu.wgmma(acc_ref, _T(w_smem.at[slot, wg]), _T(x_smem.at[slot]))
+                for kb in range(kt // lay.KB if (kind == "int4" or interpret) else 0):
+                    cols = pl.ds(kb * lay.KB, lay.KB)
+                    x_kb = x_smem.at[slot, :, cols]
+                    if kind == "int4" and variant == "wgmma":
+                        a = _dequant_block(g, kb)(w_smem.at[slot, wg], sz_smem.at[slot, wg])
+                        plgpu.wgmma(acc_ref, a, _T(x_kb))
+                        plgpu.wgmma_wait(1)
+                        continue
+                    a_smem, xt_smem = twin
+                    if kind == "int4":  # the twin: dequantize into shared memory
+                        c = lay.chunk_cols(g)
+                        tile = _twin_dequant(w_smem.at[slot, wg, kb][...].reshape(lay.THREADS, lay.WORDS),
+                                             sz_smem.at[slot, wg, kb // (c // lay.KB)][...], g, kb)
+                        a_smem.at[wg][...] = tile
+                        a_op = a_smem.at[wg]
+                    else:  # bf16 weights, interpret mode: materialize W^T
+                        a_smem.at[wg][...] = w_smem.at[slot, wg, cols, :][...].T
+                        a_op = a_smem.at[wg]
+                    if interpret:  # the interpreter's wgmma takes no transposed operand
+                        xt_smem.at[wg][...] = x_kb[...].T
+                        b_op = xt_smem.at[wg]
+                    else:
+                        b_op = _T(x_kb)
+                    plgpu.wgmma(acc_ref, a_op, b_op)
+                    plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(empty.at[slot])
+                return carry
+
+            lax.fori_loop(0, steps, step, 0)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((lay.ROWS, mp), jnp.float32))
+        if red is not None:  # publish the partial; rank 0 sums them below
+            red.at[wg][...] = acc
+        else:
+            _store_tile(acc, o_smem, out_gmem.at[ks] if splits > 1 else out_gmem, wg=wg, col0=col0,
+                        m=m, interpret=interpret)
+
+    if red is not None:
+        _cluster_sync()
+
+        @pl.when((wg < wgs) & (ks == 0))
+        def _reduce():
+            tot = _load_wgmma(red.at[wg])
+            for r in range(1, splits):  # fixed order: p[0] + p[1] + ... + p[S-1]
+                tot = tot + _load_wgmma(plgpu.cluster_ref(red, {"ks": r}).at[wg])
+            _store_tile(tot, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret)
+
+        _cluster_sync()  # no CTA leaves while rank 0 still reads its shared memory
+
+
+def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int, interpret: bool) -> None:
+    """acc [64 (n), M_pad] float32 -> out rows 0..M-1, columns col0 .. col0 + 63 (transposed
+    through shared memory, one TMA store)."""
+    val = acc.astype(o_smem.dtype)
+    if interpret:
+        o_smem.at[wg][...] = val.T
+    else:
+        _T(o_smem.at[wg])[...] = plgpu.layout_cast(val, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, m)], dst.at[pl.ds(0, m), pl.ds(col0, lay.ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _cluster_sync() -> None:
+    """barrier.cluster arrive (release) + wait (acquire), by every thread of every CTA of the
+    cluster: orders the partials' shared-memory stores before the peers' DSMEM reads."""
+
+    @plgpu.inline_mgpu()
+    def fn(ctx):
+        del ctx
+        ir, _, llvm, _, _, _ = _mgpu_modules()
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                        "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;",
+                        "", has_side_effects=True)
+
+    fn()
+
+
+def _load_wgmma(ref: Any) -> Array:
+    """A [64, M_pad] float32 partial from (local or peer) shared memory in the WGMMA layout."""
+    if jax.__version_info__ >= (0, 11):
+        return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+
+
+def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: int, n: int,
+          g: int | None, cfg: MgpuConfig, out_dtype: Any, variant: str, interpret: bool,
+          n_layers: int) -> Array:
+    m = x.shape[0]
+    mp = rows_for(m)
+    kt, wgs, s = cfg.k_tile, cfg.wgs, cfg.splits
+    steps = k // (kt * s)
+    stages = _stages_for(kind, cfg, mp, g)
+    stacked = layer is not None
+    reduce = cfg.reduce if s > 1 else "gmem"
+    if interpret and reduce == "cluster":
+        raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
+    use_twin = variant == "smem" or interpret
+    x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    scratch = [plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)]
+    if kind == "int4":
+        c = lay.chunk_cols(g)
+        scratch.append(plgpu.SMEM((stages, wgs, kt // lay.KB, *TMA_VIEWS[cfg.tma_view]), jnp.uint32))
+        scratch.append(plgpu.SMEM((stages, wgs, kt // c, 64 * c // g), jnp.uint32))
+    else:
+        scratch.append(plgpu.SMEM((stages, wgs, kt, lay.ROWS), jnp.bfloat16, transforms=x_tf))
+    if use_twin:
+        a_tf = () if interpret else x_tf
+        scratch.append(plgpu.SMEM((wgs, lay.ROWS, lay.KB), jnp.bfloat16, transforms=a_tf))
+        scratch.append(plgpu.SMEM((wgs, lay.KB, mp), jnp.bfloat16))
+    o_dtype = jnp.dtype(out_dtype) if s == 1 or reduce == "cluster" else jnp.dtype(jnp.float32)
+    scratch.append(plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype))
+    n_tma = 3 if kind == "int4" else 1 + wgs
+    scratch.append(plgpu.Barrier(num_barriers=stages, num_arrivals=n_tma))
+    scratch.append(plgpu.Barrier(num_barriers=stages, num_arrivals=wgs))
+    if reduce == "cluster":
+        scratch.append(plgpu.SMEM((wgs, lay.ROWS, mp), jnp.float32))
+    out_shape = (m, n) if (s == 1 or reduce == "cluster") else (s, m, n)
+    kernel = functools.partial(
+        _kernel, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
+        steps=steps, stages=stages, splits=s, g=g, stacked=stacked, n_layers=n_layers, reduce=reduce,
+        diag=cfg.diag)
+    kw: dict[str, Any] = {}
+    if interpret:
+        kw["interpret"] = interpret_params()
+    if reduce == "cluster":  # the S CTAs of a column tile form one cluster (rank = split index)
+        kw.update(grid=(n // (lay.ROWS * wgs),), grid_names=("nt",), cluster=(s,), cluster_names=("ks",))
+    else:
+        kw.update(grid=(n // (lay.ROWS * wgs), s), grid_names=("nt", "ks"))
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct(out_shape, o_dtype), num_threads=wgs + 1,
+        thread_name="wg", scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        kernel_name=f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}", **kw)
+    if m > 8 and m % 8:  # the TMA view of x tiles rows by 8: above 8 rows, M must be a multiple
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))  # zero rows, never stored: rows stay independent
+    args = [x, *w_arrays]
+    if stacked:
+        args.append(jnp.asarray(layer, jnp.int32).reshape(1))
+    y = call(*args)
+    if out_shape != (m, n):  # fixed-order sum of the split-K partials: p[0] + p[1] + ... + p[S-1]
+        acc = y[0]
+        for i in range(1, s):
+            acc = acc + y[i]
+        y = acc.astype(out_dtype)
+    return y
+
+
+# ------------------------------------------------------------------------------ public entries
+def _check_x(x: Array, k: int) -> int:
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x dtype {x.dtype}: the Mosaic GPU kernels take bfloat16 activations")
+    m, kx = x.shape
+    if kx != k:
+        raise ValueError(f"x has K={kx} columns but the weight has K={k} rows")
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"M={m} rows; the skinny kernels take 1..{MAX_M} (decode-sized M)")
+    return m
+
+
+def _check_cfg(cfg: MgpuConfig, k: int, n: int, c: int) -> None:
+    if cfg.wgs not in (1, 2, 4) or n % (lay.ROWS * cfg.wgs):
+        raise ValueError(f"wgs={cfg.wgs}: must be 1, 2 or 4 with N={n} a multiple of {lay.ROWS * cfg.wgs}")
+    if cfg.k_tile % c or k % (cfg.k_tile * cfg.splits):
+        raise ValueError(f"k_tile={cfg.k_tile} x splits={cfg.splits} must divide K={k} "
+                         f"(k_tile a multiple of {c})")
+    if cfg.reduce not in REDUCE_MODES:
+        raise ValueError(f"reduce={cfg.reduce!r}; expected one of {REDUCE_MODES}")
+    if cfg.reduce == "cluster" and cfg.splits > MAX_CLUSTER:
+        raise ValueError(f"reduce='cluster' spans at most {MAX_CLUSTER} CTAs; splits={cfg.splits}")
+    if cfg.diag not in DIAGNOSTICS:
+        raise ValueError(f"diag={cfg.diag!r}; expected one of {DIAGNOSTICS}")
+    if cfg.tma_view not in TMA_VIEWS:
+        raise ValueError(f"tma_view={cfg.tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
+
+
+def _reduce_mode(m: int, interpret: bool) -> str:
+    """The split-K sum: in-cluster (DSMEM) up to 24 rows; beyond, the float32 partial tiles
+    [64, M_pad >= 32] have no bank-conflict-free WGMMA-layout load (Mosaic's transfer planner
+    refuses it: H200, SmolLM2 w_down at M = 32), so the partials go through global memory.
+    Interpret mode has no clusters. Both sum p[0] + p[1] + ... in that order, so a row's bits
+    do not depend on the mode (tools/device/check_w4a16.py, check 2)."""
+    return "gmem" if interpret or rows_for(m) > 24 else "cluster"
+
+
+def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dtype: Any = None,
+                     config: MgpuConfig | None = None, variant: str = "mma",
+                     interpret: bool | None = None) -> Array:
+    """x [M, K] bf16 @ W [K, N] (INT4, packed layout) -> [M, N] (default bf16) on Hopper.
+
+    `w` holds one layer ([N/64, K/64, 128, 4] ...) or a stack [L, ...] with `layer` (int or traced
+    int32 scalar, clamped to 0..L-1) read in place. `variant`: "mma" (dequantize into registers,
+    warp-level mma.sync: the GPU default), "wgmma" (dequantize into the wgmma register operand) or
+    "smem" (the shared-memory twin; interpret mode). `interpret=None` interprets unless the default
+    backend is a GPU; the register variants cannot be interpreted (ValueError)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}; expected one of {VARIANTS}")
+    if not isinstance(w, lay.W4A16Packed):
+        raise TypeError(f"w must be a W4A16Packed (pallas_kernels.w4a16_layout.pack_*), got {type(w).__name__}")
+    n_lead = len(w.lead)
+    if (layer is None) != (n_lead == 0) or n_lead > 1:
+        raise ValueError(f"weight leading dims {w.lead} need layer= exactly when stacked ([L, ...]); "
+                         f"got layer={layer!r}")
+    k, n, g = w.k, w.n, w.group_size
+    lay.check_shape(k, n, g)
+    m = _check_x(x, k)
+    interp = _common.interpret_default(interpret)
+    if interp and variant != "smem":
+        raise ValueError(f"variant={variant!r} (register operand) does not run in GPU interpret mode "
+                         "(inline Mosaic GPU code); use variant='smem' on the CPU")
+    cfg = config or default_config(k, n, g, reduce=_reduce_mode(m, interp))
+    _check_cfg(cfg, k, n, lay.chunk_cols(g))
+    qw_tma = w.qw.reshape(*w.qw.shape[:-2], *TMA_VIEWS[cfg.tma_view])  # same bytes
+    return _call("int4", x, (qw_tma, w.sz), layer, k=k, n=n, g=g, cfg=cfg,
+                 out_dtype=jnp.dtype(out_dtype or x.dtype), variant=variant, interpret=interp,
+                 n_layers=w.lead[0] if n_lead else 0)
+
+
+def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = None,
+                     config: MgpuConfig | None = None, interpret: bool | None = None) -> Array:
+    """x [M, K] bf16 @ W [K, N] bf16 -> [M, N] with row-invariant results (module docstring).
+    `w` is one layer [K, N] or a stack [L, K, N] with `layer` read in place."""
+    if w.dtype != jnp.bfloat16:
+        raise ValueError(f"w dtype {w.dtype}: bf16_matmul_mgpu takes bfloat16 weights")
+    if w.ndim not in (2, 3) or (layer is None) != (w.ndim == 2):
+        raise ValueError(f"w must be [K, N], or [L, K, N] with layer=; got {w.shape} and layer={layer!r}")
+    k, n = w.shape[-2:]
+    if k % lay.KB or n % lay.ROWS:
+        raise ValueError(f"W [K={k}, N={n}]: K must be a multiple of {lay.KB} and N of {lay.ROWS}")
+    m = _check_x(x, k)
+    interp = _common.interpret_default(interpret)
+    cfg = config or default_config(k, n, None, reduce=_reduce_mode(m, interp))
+    _check_cfg(cfg, k, n, lay.KB)
+    return _call("bf16", x, (w,), layer, k=k, n=n, g=None, cfg=cfg,
+                 out_dtype=jnp.dtype(out_dtype or x.dtype), variant="wgmma",
+                 interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0)
+
+
+__all__ = ["MAX_M", "MgpuConfig", "bf16_matmul_mgpu", "default_config", "int4_matmul_mgpu",
+           "interpret_params", "rows_for"]
