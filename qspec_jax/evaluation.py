@@ -26,14 +26,38 @@ KV_EVAL_KINDS = {"bf16": ("bf16", "target"), "int8": ("int8", "target"), "int4":
 STEP_CHUNK = 64  # evaluated tokens per jitted call (one progress tick each)
 
 
-def read_text_tokens(model: Any, path: str | Path, needed: int, offset: int = 0) -> np.ndarray:
-    """Token ids of a text file, from token `offset`, with a clear error when it is too short."""
+def read_text_file(path: str | Path, what: str = "text file") -> str:
+    """The UTF-8 text of `path`. ValueError naming `what` (e.g. the flag "--text") and the file
+    for a missing file, a directory, an empty file, or a binary one (a NUL byte, or not UTF-8):
+    tokenizing binary data would silently evaluate garbage."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path}: is a directory; expected a text file")
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such text file")
-    ids = model.tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
+        raise ValueError(f"{what} {path}: no such file")
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{what} {path}: the file is empty")
+    try:
+        if b"\x00" in data:
+            i = data.index(b"\x00")
+            raise UnicodeDecodeError("utf-8", data, i, i + 1, "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path}: not a UTF-8 text file ({e.reason} at byte {e.start}); "
+                         "expected plain text") from None
+
+
+def read_text_tokens(model: Any, path: str | Path, needed: int, offset: int = 0, *,
+                     what: str = "text file") -> np.ndarray:
+    """Token ids [needed] of a UTF-8 text file (`read_text_file`), from token `offset`; a clear
+    error (naming `what`, e.g. "--text") when the file is not text or too short."""
+    tok = model.require_tokenizer()
+    text = read_text_file(path, what)
+    ids = tok.encode(text, add_special_tokens=False)
     if len(ids) < offset + needed:
-        raise ValueError(f"{path}: {len(ids)} tokens, need offset {offset} + {needed}")
+        raise ValueError(f"{what} {path}: {len(ids)} tokens, but {offset + needed} are needed "
+                         f"({offset} skipped + {needed} read); use a longer text or fewer tokens")
     return np.asarray(ids[offset: offset + needed], np.int32)
 
 

