@@ -9,7 +9,8 @@ that a later write overwrites before any query can see it, so rollback only move
 
 QuantSpecCache layout and buffer protocol are SPEC §3-§4:
 
-    k_hi, k_lo, v_hi, v_lo : uint8[L, B, Hkv, S_max, D/2]  nibble planes, split-halves packing
+    k_hi, k_lo, v_hi, v_lo : uint8[L, B, Hkv, S_max, D/2]  nibble planes in the kernel layout
+                             (quant.py: keys split halves per token, values transposed per block)
     k_scale, k_zero        : f16|f32[L, B, Hkv, S_max/G, D] per channel per G-token block
     v_scale, v_zero        : f16|f32[L, B, Hkv, S_max, D/Gv] per token per Gv-channel group
     k_fp, v_fp             : bf16|f32[L, B, Hkv, R, D]     FP ring, R >= 2G + gamma_max
@@ -35,8 +36,9 @@ from qspec_jax.config import ModelConfig
 Array = jax.Array
 
 DEFAULT_GROUP_SIZE = 128
-DEFAULT_GAMMA_MAX = 8
+DEFAULT_GAMMA_MAX = 7  # verify width 8: fills the attention kernels' 32-row tile at n_rep 4 (docs/QUALITY.md, Exactness)
 RING_ALIGN = 32  # ring slots are a multiple of this so kernels can tile the ring
+UNBOUNDED = 2**30  # "no limit" for tokens_until_flush
 
 
 def _dtype(name_or_dtype: Any) -> Any:
@@ -105,6 +107,11 @@ class DenseKVCache:
 
     def total_lengths(self) -> Array:
         return self.lengths
+
+    def tokens_until_flush(self) -> Array:
+        """int32[B]: new tokens the cache can take before a flush changes what a query sees.
+        A dense cache never requantizes: a large number."""
+        return jnp.full_like(self.lengths, UNBOUNDED)
 
     def rollback(self, lengths: Array) -> "DenseKVCache":
         """Sets each row's committed length (only moves a length; nothing is copied)."""
@@ -201,6 +208,18 @@ class QuantSpecCache:
     def next_positions(self, t: int) -> Array:
         return self.total_lengths()[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
+    def tokens_until_flush(self) -> Array:
+        """int32[B]: how many new tokens (positions from total_lengths() on) a query can add before
+        the next flush is due, i.e. 2G - fp_len (>= 1 after a flush).
+
+        Autoregressive decoding flushes as soon as fp_len reaches 2G, so the query at position p
+        sees positions < G * max(0, p // G - 1) quantized and the rest at full precision. A
+        speculative round flushes only after it ends; its rows at or past this horizon would see
+        the next block at full precision where autoregressive decoding sees it quantized, so a
+        round accepts no token past it (speculative.speculative_loop).
+        """
+        return (2 * self.group_size - self.fp_len).astype(jnp.int32)
+
     def ring_positions(self) -> Array:
         """int32[B, R]: logical position of every ring slot (garbage slots lie past the rows' ends)."""
         slot = jnp.arange(self.ring_size, dtype=jnp.int32)[None, :]
@@ -221,8 +240,8 @@ class QuantSpecCache:
         new = {}
         if n_blocks:
             kb, vb = k[:, :, : n_blocks * G], v[:, :, : n_blocks * G]
-            k_hi, k_lo, k_s, k_z = quant.quantize_keys(kb, G, self.k_scale.dtype)
-            v_hi, v_lo, v_s, v_z = quant.quantize_values(vb, self.v_scale.dtype)
+            k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(kb, G, self.k_scale.dtype)
+            v_hi, v_lo, v_s, v_z = quant.quantize_values_cache(vb, G, self.v_scale.dtype)
             for name, val in dict(k_hi=k_hi, k_lo=k_lo, v_hi=v_hi, v_lo=v_lo, k_scale=k_s, k_zero=k_z,
                                   v_scale=v_s, v_zero=v_z).items():
                 new[name] = jax.lax.dynamic_update_slice(getattr(self, name), val[None], (layer, 0, 0, 0, 0))
@@ -274,8 +293,8 @@ class QuantSpecCache:
         slots = (self.fp_start[:, None] + jnp.arange(G)[None, :]) % R  # [B, G]
         take = lambda x: jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)  # noqa: E731
         k_old, v_old = take(self.k_fp), take(self.v_fp)  # [L, B, H, G, D]
-        k_hi, k_lo, k_s, k_z = quant.quantize_keys(k_old, G, self.k_scale.dtype)  # k_s: [L,B,H,1,D]
-        v_hi, v_lo, v_s, v_z = quant.quantize_values(v_old, self.v_scale.dtype)
+        k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(k_old, G, self.k_scale.dtype)  # k_s: [L,B,H,1,D]
+        v_hi, v_lo, v_s, v_z = quant.quantize_values_cache(v_old, G, self.v_scale.dtype)  # one block
         b = jnp.arange(self.q_len.shape[0])[:, None]  # [B, 1]
         tok = jnp.where(mask[:, None], self.q_len[:, None] + jnp.arange(G)[None, :], S)  # [B, G]; S drops
         blk = jnp.where(mask, self.q_len // G, S // G)[:, None]  # [B, 1]
@@ -299,10 +318,10 @@ class QuantSpecCache:
     def dequantized_layer(self, layer: int, view: str = "target") -> tuple[Array, Array]:
         """float32 K, V [B, Hkv, S_max, D] of the quantized planes of one layer (tests, tools)."""
         lo = view == "target"
-        k = quant.dequantize_keys(self.k_hi[layer], self.k_lo[layer] if lo else None,
-                                  self.k_scale[layer], self.k_zero[layer])
-        v = quant.dequantize_values(self.v_hi[layer], self.v_lo[layer] if lo else None,
-                                    self.v_scale[layer], self.v_zero[layer])
+        k = quant.dequantize_keys_cache(self.k_hi[layer], self.k_lo[layer] if lo else None,
+                                        self.k_scale[layer], self.k_zero[layer])
+        v = quant.dequantize_values_cache(self.v_hi[layer], self.v_lo[layer] if lo else None,
+                                          self.v_scale[layer], self.v_zero[layer], self.group_size)
         return k, v
 
     def nbytes_by_component(self) -> dict[str, int]:

@@ -7,17 +7,15 @@ A checkpoint directory holds:
     params/                 orbax-checkpoint of the nested params tree (numpy arrays)
     tokenizer/              the tokenizer files (loadable with transformers.AutoTokenizer)
 
-It is written into a temporary sibling directory and renamed into place at the end, so a failed
-or interrupted conversion leaves no checkpoint behind.
+`write_checkpoint_into` fills a directory; `qspec-convert` (convert.output) gives it a hidden
+staging directory next to OUT and renames that into place at the end, so a failed or
+interrupted conversion leaves no checkpoint behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,6 +61,24 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def draft_weight_shapes(cfg: ModelConfig, draft: DraftWeightsConfig) -> dict[str, tuple[int, ...]]:
+    """[..., Din, Dout] of every weight the draft quantizes ("layers/wq": [L, D, Hq*Dh], ...,
+    "lm_head": [D, V], which for a tied model is the embedding transposed)."""
+    from qspec_jax.weight_quant import DRAFT_SCOPES
+
+    shapes = {f"layers/{n}": M.param_shapes(cfg)[f"layers/{n}"] for n in DRAFT_SCOPES[draft.scope]}
+    if draft.lm_head:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return shapes
+
+
+def draft_group_problems(cfg: ModelConfig, draft: DraftWeightsConfig) -> list[str]:
+    """The quantized weights whose input dimension draft.group_size does not divide, as
+    "layers/wq (input dim 32)"; empty when the draft can be made."""
+    return sorted(f"{name} (input dim {shape[-2]})" for name, shape in draft_weight_shapes(cfg, draft).items()
+                  if shape[-2] % draft.group_size)
+
+
 def draft_to_flat(draft: M.Params) -> dict[str, np.ndarray]:
     """The quantized tensors of draft params as {"draft/layers/wq/packed": ..., ...}."""
     flat = {}
@@ -86,45 +102,36 @@ def draft_from_flat(params: M.Params, flat: dict[str, Any]) -> M.Params:
     return params.replace(layers=layers, lm_head=quantized.get("lm_head", params.lm_head))
 
 
-def write_checkpoint(out: str | Path, cfg: ModelConfig, flat_params: dict[str, np.ndarray], *,
-                     source: str, write_tokenizer: Callable[[Path], None] | None = None,
-                     extra: dict[str, Any] | None = None) -> Path:
-    """Atomically writes a checkpoint to `out`, which must not exist yet.
+def write_checkpoint_into(dst: str | Path, cfg: ModelConfig, flat_params: dict[str, np.ndarray], *,
+                          source: str, write_tokenizer: Callable[[Path], None] | None = None,
+                          extra: dict[str, Any] | None = None,
+                          on_stage: Callable[[str], None] | None = None) -> None:
+    """Writes a checkpoint's files into the existing, empty directory `dst`.
 
-    `write_tokenizer(dir)` saves the tokenizer files into `dir`. `extra` goes into the manifest.
+    The caller makes the result appear atomically (renames `dst` into place) and removes `dst`
+    on failure. `write_tokenizer(dir)` saves the tokenizer files into `dir`; `extra` goes into
+    the manifest. `on_stage("write")` is called while orbax's background commit may still be
+    writing (tests interrupt the conversion there). When this returns or raises, nothing
+    writes into `dst` any more: orbax's commit thread has been waited for.
     """
-    out = Path(out).absolute()  # orbax wants absolute paths
-    if out.exists():
-        raise CheckpointError(f"{out}: already exists; remove it or choose another output directory")
-    created = [p for p in reversed(out.parents) if not p.exists()]  # parents this call makes
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp
 
-        (tmp / MODEL_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
-        ckpt = ocp.StandardCheckpointer()
-        ckpt.save(tmp / PARAMS_DIR, nest(flat_params))
+    dst = Path(dst).absolute()  # orbax wants absolute paths
+    (dst / MODEL_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        ckpt.save(dst / PARAMS_DIR, nest(flat_params))  # returns while a background thread commits
+        if on_stage is not None:
+            on_stage("write")
         ckpt.wait_until_finished()
-        if write_tokenizer is not None:
-            (tmp / TOKENIZER_DIR).mkdir()
-            write_tokenizer(tmp / TOKENIZER_DIR)
-        manifest = {"format_version": FORMAT_VERSION, "library": "qspec-jax", "source": source,
-                    "dtype": cfg.dtype, **(extra or {})}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: marks completeness
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in reversed(created):  # innermost first; only if still empty
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        raise
-    return out
+    finally:
+        ckpt.close()  # waits for the commit thread on any exception too, before dst can be removed
+    if write_tokenizer is not None:
+        (dst / TOKENIZER_DIR).mkdir()
+        write_tokenizer(dst / TOKENIZER_DIR)
+    manifest = {"format_version": FORMAT_VERSION, "library": "qspec-jax", "source": source,
+                "dtype": cfg.dtype, **(extra or {})}
+    (dst / MANIFEST).write_text(json.dumps(manifest, indent=2))  # written last: marks completeness
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
@@ -159,23 +166,44 @@ class Model:
     path: Path | None = None
 
     def with_draft_weights(self, cfg: DraftWeightsConfig = DraftWeightsConfig()) -> "Model":
-        """This model with INT4 draft weights made by `cfg` (reused if they already match)."""
+        """This model with INT4 draft weights made by `cfg`: the stored ones (this very object)
+        when they were made with `cfg`, else quantized now (on the target's mesh, if any)."""
         if self.draft_weights_config == cfg and self.draft_params is not None:
             return self
-        return dataclasses.replace(self, draft_params=make_draft_params(self.params, cfg), draft_weights_config=cfg)
+        draft = make_draft_params(M.unfuse_projections(self.params), cfg)
+        if self.params.mesh is not None:
+            from qspec_jax.sharding import shard_params
+
+            draft = shard_params(draft, self.params.mesh, cfg.group_size)
+        return dataclasses.replace(self, draft_params=M.for_device(draft), draft_weights_config=cfg)
+
+    def require_tokenizer(self) -> Any:
+        """The tokenizer; CheckpointError naming the checkpoint when there is none."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.path is not None and (self.path / TOKENIZER_DIR).is_dir():
+            raise CheckpointError(f"{self.path}: loaded with tokenizer=False; load it with tokenizer=True "
+                                  "to encode or decode text")
+        where = f"the checkpoint {self.path}" if self.path is not None else "this model"
+        fix = (f" (re-convert from a model that has tokenizer files, or save a tokenizer into "
+               f"{self.path / TOKENIZER_DIR})" if self.path is not None else "")
+        raise CheckpointError(f"{where} has no tokenizer: it was converted from a model without tokenizer "
+                              f"files, so it can only be used with token ids{fix}")
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of `text`; with `chat`, wrapped in the tokenizer's chat template as a user turn."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer")
+        tok = self.require_tokenizer()
         if chat:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        return list(self.tokenizer.encode(text))
+            if not getattr(tok, "chat_template", None):
+                raise CheckpointError(f"{self.path or 'this model'}: the tokenizer has no chat template; "
+                                      "pass the prompt without chat formatting")
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+            return list(tok.encode(text, add_special_tokens=False))
+        return list(tok.encode(text))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.require_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _cast(x: np.ndarray, dtype: Any) -> jax.Array:
@@ -226,4 +254,7 @@ def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | No
         from qspec_jax.sharding import shard
 
         model = shard(model, mesh)
+    else:  # once, here: this device's layout (fused projections on a GPU, the INT4 kernel's packing)
+        model = dataclasses.replace(model, params=M.for_device(params),
+                                    draft_params=None if draft is None else M.for_device(draft))
     return model

@@ -14,8 +14,9 @@ from typing import Any, Mapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION_IMPLS = ("auto", "reference", "pallas")
-INT4_MATMUL_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic", "triton")
+INT4_MATMUL_IMPLS = ("auto", "xla", "pallas", "mosaic", "triton", "interpret")  # qspec_jax.linear
+DENSE_MATMUL_IMPLS = ("xla", "mosaic", "auto")  # qspec_jax.linear
 DTYPES = ("bfloat16", "float32")
 
 
@@ -60,8 +61,9 @@ class ModelConfig:
     model_type: str = "llama"
     # Run-time choices, not part of the architecture.
     dtype: str = "bfloat16"  # parameter and activation dtype; norms/softmax accumulate in float32
-    attention_impl: str = "auto"  # "auto": Pallas kernel on GPU, jnp reference elsewhere
-    int4_matmul_impl: str = "auto"  # INT4 draft linears: "auto" (Pallas on GPU) | "xla" | "pallas"
+    attention_impl: str = "auto"  # "auto": Pallas kernel on GPU (Mosaic on Hopper), jnp reference elsewhere
+    int4_matmul_impl: str = "auto"  # INT4 draft linears: "auto" (Mosaic on Hopper, Triton on older GPUs, XLA on CPU)
+    dense_matmul_impl: str = "xla"  # bf16 target linears: "xla" (cuBLAS on GPU) | "mosaic" (Hopper kernel) | "auto"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +79,8 @@ class ModelConfig:
             raise ConfigError(f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
         if self.int4_matmul_impl not in INT4_MATMUL_IMPLS:
             raise ConfigError(f"int4_matmul_impl={self.int4_matmul_impl!r}; expected one of {INT4_MATMUL_IMPLS}")
+        if self.dense_matmul_impl not in DENSE_MATMUL_IMPLS:
+            raise ConfigError(f"dense_matmul_impl={self.dense_matmul_impl!r}; expected one of {DENSE_MATMUL_IMPLS}")
 
     @property
     def n_rep(self) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import struct
 
 from qspec_jax import model as M
-from qspec_jax.cache import DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
+from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
 from qspec_jax.sampling import SamplingConfig, sample
 from qspec_jax.sharding import constrain_cache
 
@@ -36,6 +36,15 @@ class GenerationConfig:
     kv: "bf16" keeps a dense cache in the model dtype; "int8" uses the hierarchical cache with
     the target view and the FP-ring protocol of SPEC §4 (prefill placement, append, flush).
     eos_token_ids None means the model's own.
+
+    width: token columns of each decode pass (`model.decode`'s `width`). The default,
+    DEFAULT_GAMMA_MAX + 1, is the width of speculative verification with the default
+    SpecConfig.gamma_max, so this decoding computes bit for bit what speculative decoding's
+    target computes and greedy outputs are identical (set width = SpecConfig.gamma_max + 1 if
+    you change gamma_max). width=1 is the fastest autoregressive decoding (the benchmarks'
+    baseline); its logits can differ from the speculative target's in the last bf16 bit, since
+    matmul libraries sum in another order for another shape.
+    return_logits: also return the float32 logits each emitted token was chosen from.
     """
 
     max_new_tokens: int = 128
@@ -45,12 +54,18 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] | None = None
     kv: str = "bf16"
     group_size: int = DEFAULT_GROUP_SIZE
+    width: int = DEFAULT_GAMMA_MAX + 1
+    return_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.kv not in KV_KINDS:
             raise ValueError(f"kv={self.kv!r}; expected one of {KV_KINDS}")
+        if self.width < 1:
+            raise ValueError(f"width={self.width} must be >= 1")
+        if self.kv == "int8" and self.width - 1 >= self.group_size:
+            raise ValueError(f"width={self.width} must be <= group_size={self.group_size} (SPEC §4 flush)")
         self.sampling  # validates the sampling fields
 
     @property
@@ -60,10 +75,13 @@ class GenerationConfig:
 
 @struct.dataclass
 class GenerationResult:
-    """tokens: int32[B, max_new_tokens] (PAD_ID past each row's length); lengths: int32[B]."""
+    """tokens: int32[B, max_new_tokens] (PAD_ID past each row's length); lengths: int32[B];
+    logits: float32[B, max_new_tokens, V] that each token was chosen from (zeros past each
+    row's length), or None unless GenerationConfig.return_logits."""
 
     tokens: Array
     lengths: Array
+    logits: Array | None = None
 
     def to_lists(self) -> list[list[int]]:
         toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -115,8 +133,23 @@ def cache_capacity(prompt_len: int, extra: int, group_size: int) -> int:
     return int(math.ceil((prompt_len + extra) / group_size) * group_size)
 
 
+def decode_cache_len(prompt_len: int, max_new_tokens: int, width: int, group_size: int) -> int:
+    """The cache length autoregressive and speculative generation both use: the padded prompt,
+    every new token, and one pass of `width` columns past them. Both use this one formula
+    (and the same ring size) so that, at the same width, their caches have the same geometry
+    and the attention's reductions the same shapes."""
+    return cache_capacity(prompt_len, max_new_tokens + width, group_size)
+
+
 def eos_array(eos_ids: tuple[int, ...]) -> Array:
     return jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+
+def ring_gamma_max(width: int) -> int:
+    """The hierarchical cache's gamma_max for passes of `width` columns (its ring holds 2G +
+    gamma_max slots); speculative decoding uses width = gamma_max + 1, so at equal width both
+    get the same ring."""
+    return max(1, width - 1)
 
 
 def new_cache(cfg: M.ModelConfig, kind: str, batch: int, max_len: int, group_size: int,
@@ -153,26 +186,42 @@ class _ARState:
     cache: Any
     key: Array
     step: Array  # int32[]
+    logits: Array | None  # float32[B, N, V] with return_logits
+
+
+def record_logits(buf: Array | None, cols: Array, rows: Array) -> Array | None:
+    """Writes rows [B, n, V] into buf [B, N, V] at columns cols int32[B, n] (>= N are dropped)."""
+    if buf is None:
+        return None
+    return buf.at[jnp.arange(buf.shape[0])[:, None], cols].set(rows, mode="drop")
+
+
+def initial_logits(logits: Array, n: int, wanted: bool) -> Array | None:
+    """The logits buffer [B, n, V] with the prefill logits [B, V] (token 0's) in column 0."""
+    if not wanted:
+        return None
+    return jnp.zeros((logits.shape[0], n, logits.shape[-1]), jnp.float32).at[:, 0].set(logits)
 
 
 def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, *, gen: GenerationConfig,
-                        eos_ids: tuple[int, ...]) -> GenerationResult:
+                        eos_ids: tuple[int, ...], first_logits: Array | None = None) -> GenerationResult:
     """Decodes from a cache that holds the prompts; `first` int32[B] is the token sampled from
-    the prefill logits (emitted as token 0, its K/V not yet computed)."""
+    the prefill logits `first_logits` (emitted as token 0, its K/V not yet computed)."""
     n, b = gen.max_new_tokens, first.shape[0]
     eos = eos_array(eos_ids)
     state = _ARState(
         tokens=jnp.full((b, n), PAD_ID, jnp.int32).at[:, 0].set(first),
         num_emitted=jnp.ones((b,), jnp.int32),
         done=jnp.isin(first, eos) | (n == 1),
-        cache=cache.flush(), key=key, step=jnp.int32(0))
+        cache=cache.flush(), key=key, step=jnp.int32(0),
+        logits=initial_logits(first_logits, n, gen.return_logits) if first_logits is not None else None)
 
     def cond(s: _ARState) -> Array:
         return ~jnp.all(s.done)
 
     def body(s: _ARState) -> _ARState:
         last = jnp.take_along_axis(s.tokens, (s.num_emitted - 1)[:, None], axis=1)
-        logits, cache = M.decode(params, last, s.cache)
+        logits, cache = M.decode(params, last, s.cache, width=gen.width)
         tok = sample(jax.random.fold_in(s.key, s.step), logits[:, 0], gen.sampling)
         live = ~s.done
         col = jnp.where(live, s.num_emitted, n)  # n: out of range, dropped
@@ -180,20 +229,21 @@ def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, 
         num = s.num_emitted + live
         done = s.done | (live & jnp.isin(tok, eos)) | (num >= n)
         return _ARState(tokens=tokens, num_emitted=num, done=done, cache=cache.flush(),
-                        key=s.key, step=s.step + 1)
+                        key=s.key, step=s.step + 1, logits=record_logits(s.logits, col[:, None], logits))
 
     s = jax.lax.while_loop(cond, body, state)
-    return GenerationResult(tokens=s.tokens, lengths=s.num_emitted)
+    return GenerationResult(tokens=s.tokens, lengths=s.num_emitted, logits=s.logits)
 
 
 @functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
 def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
                     gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
-    cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size, mesh=params.mesh)
+    cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size,
+                      gamma_max=ring_gamma_max(gen.width), mesh=params.mesh)
     logits, cache = M.prefill(params, tokens, lengths, cache)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, gen.sampling)
-    return autoregressive_loop(params, cache, first, key, gen=gen, eos_ids=eos_ids)
+    return autoregressive_loop(params, cache, first, key, gen=gen, eos_ids=eos_ids, first_logits=logits)
 
 
 def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray,
@@ -206,12 +256,12 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     rows hold each prompt's generated tokens (EOS included when emitted). Pass a dict as
     `timings` to get compile and run seconds measured separately.
     """
-    params: M.Params = model.params
+    params: M.Params = M.for_device(model.params)  # a no-op for models from `load`
     cfg = params.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
     check_fits(cfg, lengths, config.max_new_tokens)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
-    max_len = cache_capacity(tokens.shape[1], config.max_new_tokens, config.group_size)
+    max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size)
     key = jax.random.PRNGKey(0) if key is None else key
     return run_jitted(_autoregressive, (params, jnp.asarray(tokens), jnp.asarray(lengths), key),
                       dict(gen=config, eos_ids=tuple(eos), max_len=max_len), timings)

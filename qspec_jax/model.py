@@ -22,28 +22,37 @@ from flax import struct
 from qspec_jax.attention import cache_attention, prefill_attention
 from qspec_jax.cache import DenseKVCache, QuantSpecCache
 from qspec_jax.config import ModelConfig
-from qspec_jax.weight_quant import QuantizedWeight, StackedLayerWeight
+from qspec_jax.linear import StackedLayer, keep_stacked, kernel_layout_wanted, linear, to_kernel_layout
+from qspec_jax.weight_quant import QuantizedWeight
 
 Array = jax.Array
 Cache = DenseKVCache | QuantSpecCache
-# A linear weight is a dense [Din, Dout] array, a QuantizedWeight, or (inside the layer scan) a
-# StackedLayerWeight; the last two have `.apply(x, out_dtype, impl)`.
+# A linear weight (qspec_jax.linear): a dense [Din, Dout] array or an INT4 weight (QuantizedWeight,
+# or the Hopper kernel's W4A16Packed); inside the layer scan, a StackedLayer.
 Weight = Any
 
 
 @struct.dataclass
 class LayerParams:
-    """Weights of all layers, stacked on a leading L axis. Linear weights are [L, Din, Dout]."""
+    """Weights of all layers, stacked on a leading L axis. Linear weights are [L, Din, Dout].
+
+    The checkpoint layout has separate projections. `fuse_projections` (used by
+    `linear.for_device` on a single GPU) concatenates q|k|v into `wqkv` and gate|up into
+    `w_gate_up`, leaving the separate fields None: one launch per group instead of three / two,
+    and wider outputs for the skinny GEMMs.
+    """
 
     attn_norm: Array  # [L, D]
-    wq: Weight  # [L, D, Hq*Dh]
-    wk: Weight  # [L, D, Hkv*Dh]
-    wv: Weight  # [L, D, Hkv*Dh]
+    wq: Weight  # [L, D, Hq*Dh]; None when fused
+    wk: Weight  # [L, D, Hkv*Dh]; None when fused
+    wv: Weight  # [L, D, Hkv*Dh]; None when fused
     wo: Weight  # [L, Hq*Dh, D]
     mlp_norm: Array  # [L, D]
-    w_gate: Weight  # [L, D, F]
-    w_up: Weight  # [L, D, F]
+    w_gate: Weight  # [L, D, F]; None when fused
+    w_up: Weight  # [L, D, F]; None when fused
     w_down: Weight  # [L, F, D]
+    wqkv: Weight = None  # [L, D, (Hq + 2 Hkv)*Dh]: columns q, then k, then v
+    w_gate_up: Weight = None  # [L, D, 2F]: columns gate, then up
 
 
 @struct.dataclass
@@ -83,6 +92,66 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def fuse_projections(params: Params) -> Params:
+    """Params with q|k|v and gate|up concatenated along the output dim (dense arrays or INT4
+    QuantizedWeight, whose packed/scale/zero are per output column, so concatenation is exact).
+    Idempotent. Not for tensor-parallel layouts (a column split would mix q, k and v)."""
+    layers = params.layers
+    if layers.wqkv is not None:
+        return params
+
+    def cat(ws: list[Any]) -> Any:
+        if all(isinstance(w, QuantizedWeight) for w in ws):
+            return jax.tree.map(lambda *a: jnp.concatenate(a, axis=-1), *ws)
+        if all(isinstance(w, jax.Array) for w in ws):
+            return jnp.concatenate(ws, axis=-1)
+        raise TypeError(f"cannot fuse weights of types {[type(w).__name__ for w in ws]}")
+
+    fused = {name: cat([getattr(layers, p) for p in parts]) for name, parts in FUSED.items()}
+    cleared = {p: None for parts in FUSED.values() for p in parts}
+    return params.replace(layers=layers.replace(**fused, **cleared))
+
+
+def unfuse_projections(params: Params) -> Params:
+    """The inverse of `fuse_projections` (the checkpoint's layout: what `make_draft_params` and
+    the sharding layout take); params already separate come back unchanged."""
+    layers, cfg = params.layers, params.config
+    if layers.wqkv is None:
+        return params
+    if not isinstance(layers.wqkv, (jax.Array, QuantizedWeight)):
+        raise TypeError(f"cannot unfuse a {type(layers.wqkv).__name__} (a kernel layout): unfuse before packing")
+    nq, nkv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+
+    def cols(w: Any, lo: int, hi: int) -> Any:
+        return jax.tree.map(lambda a: a[..., lo:hi], w)
+
+    return params.replace(layers=layers.replace(
+        wq=cols(layers.wqkv, 0, nq), wk=cols(layers.wqkv, nq, nq + nkv), wv=cols(layers.wqkv, nq + nkv, nq + 2 * nkv),
+        w_gate=cols(layers.w_gate_up, 0, f), w_up=cols(layers.w_gate_up, f, 2 * f), wqkv=None, w_gate_up=None))
+
+
+def for_device(params: Params) -> Params:
+    """`params` laid out for this device, exactly (same products): on a single GPU, or wherever
+    the INT4 kernels are requested, q|k|v and gate|up are fused (`fuse_projections`: 4 linears
+    per layer instead of 7), and INT4 weights go into the Hopper layout (`W4A16Packed`) where
+    the Mosaic kernel runs (`linear.kernel_layout_wanted`). Elsewhere (the CPU with "auto",
+    tensor-parallel meshes) `params` come back unchanged. The conversion reads the weights once:
+    call it when params are loaded or made, not per step; it is idempotent."""
+    if params.mesh is not None and params.mesh.size > 1:
+        return params
+    pack = kernel_layout_wanted(params.config)
+    if not (pack or jax.default_backend() == "gpu"):
+        return params
+    params = fuse_projections(params)
+    if not pack:
+        return params
+    layers = params.layers.replace(**{n: to_kernel_layout(w) for n, w in vars(params.layers).items()})
+    return params.replace(layers=layers, lm_head=to_kernel_layout(params.lm_head))
+
+
 def params_from_flat(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
     """Builds `Params` from {"layers/wq": array, ...} (the checkpoint's flat layout)."""
     layers = LayerParams(**{k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("layers/")})
@@ -92,7 +161,7 @@ def params_from_flat(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
 
 def params_to_flat(params: Params) -> dict[str, Any]:
     flat = {"embed": params.embed, "final_norm": params.final_norm}
-    flat.update({f"layers/{k}": v for k, v in vars(params.layers).items()})
+    flat.update({f"layers/{k}": v for k, v in vars(params.layers).items() if v is not None})
     if params.lm_head is not None:
         flat["lm_head"] = params.lm_head
     return flat
@@ -119,41 +188,10 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     return weight * y.astype(x.dtype)
 
 
-def linear(x: Array, w: Weight, int4_impl: str = "auto", out_dtype: Any = None, *, mesh: Any = None,
-           row_parallel: bool = False) -> Array:
-    """x [..., Din] @ w [Din, Dout]; output in `out_dtype` (x's by default).
-
-    Dense dots produce x's dtype and are cast afterwards: the GEMM accumulates in float32
-    internally (cuBLAS, XLA CPU) either way, but asking XLA for a float32 result of a bf16 dot
-    at M = 1 moves it off cuBLAS onto a GEMV 3.7x slower on an H100 (docs/BENCHMARKS.md). Logits
-    are therefore rounded to the model dtype before the float32 cast, as in HF transformers.
-    With a tensor-parallel `mesh` every matmul runs per device on its local weight slice
-    (`row_parallel` ones all-reduce their partial products): see `sharding.sharded_matmul`.
-    """
-    if isinstance(w, (QuantizedWeight, StackedLayerWeight)):
-        return w.apply(x, out_dtype, int4_impl, mesh=mesh, row_parallel=row_parallel)
-    if mesh is not None and mesh.size > 1:
-        from qspec_jax.sharding import sharded_matmul  # lazily: sharding imports this module
-
-        return sharded_matmul(lambda x, w, _: _dense_matmul(x, w, pad_single_row=True), mesh, x, w, None,
-                              row_parallel).astype(out_dtype or x.dtype)
-    return _dense_matmul(x, w, pad_single_row=False).astype(out_dtype or x.dtype)
-
-
-def _dense_matmul(x: Array, w: Array, *, pad_single_row: bool) -> Array:
-    """x [..., Din] @ w [Din, Dout] in x's dtype.
-
-    `pad_single_row` (used per device under tensor parallelism): a single row (decode at batch 1)
-    is padded to two. On the halved per-device shapes XLA's GPU compiler rewrites most
-    vector-matrix dots as a broadcast-multiply written to memory plus a reduction; a two-row
-    product stays a cuBLAS GEMM (2 H200s: +10% tokens/s at 128k). On one device the pad measured
-    4-6% slower on an H100, so it is not used there.
-    """
-    lead = x.shape[:-1]
-    if not pad_single_row or int(np.prod(lead)) != 1:
-        return jnp.einsum("...i,io->...o", x, w)
-    x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-    return (x2 @ w)[:1].reshape(*lead, w.shape[-1])
+def _matmul(cfg: ModelConfig, mesh: Any, **kw: Any) -> Callable[[Array, Weight], Array]:
+    """`linear` with the config's implementation choices bound."""
+    return functools.partial(linear, dense_impl=cfg.dense_matmul_impl, int4_impl=cfg.int4_matmul_impl,
+                             mesh=mesh, **kw)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -185,42 +223,70 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, mesh: Any) -> tuple[Array, Array, Array]:
-    """x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k."""
-    b, t, _ = x.shape
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: Any) -> tuple[Array, Array, Array]:
+    """Normed x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k."""
+    b, t, _ = h.shape
     inv_freq = rope_inv_freq(cfg)
-    mm = lambda w: linear(h, w, cfg.int4_matmul_impl, mesh=mesh)  # noqa: E731
-    q = apply_rope(mm(lp.wq).reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-    k = apply_rope(mm(lp.wk).reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-    v = mm(lp.wv).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    mm = _matmul(cfg, mesh)
+    if lp.wqkv is not None:
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(mm(h, lp.wqkv), [nq, nq + nkv], axis=-1)
+    else:
+        q, k, v = mm(h, lp.wq), mm(h, lp.wk), mm(h, lp.wv)
+    q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+    k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array, mesh: Any) -> Array:
-    """Residual adds of the attention output projection and the SwiGLU MLP."""
-    b, t = x.shape[:2]
-    col = functools.partial(linear, int4_impl=cfg.int4_matmul_impl, mesh=mesh)
-    row = functools.partial(col, row_parallel=True)
-    x = x + row(attn.reshape(b, t, -1), lp.wo)
+def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
+                      mesh: Any) -> tuple[Array, Array, Array]:
+    """Residual adds of the attention output projection and the SwiGLU MLP.
+
+    attn: [B, T, Hq*Dh]. Returns (x [B, T, D], the MLP's normed input [B, T, D], its down
+    projection's input [B, T, F]); the last two are what calibration measures.
+    """
+    col = _matmul(cfg, mesh)
+    row = _matmul(cfg, mesh, row_parallel=True)
+    x = x + row(attn, lp.wo)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    return x + row(jax.nn.silu(col(h, lp.w_gate)) * col(h, lp.w_up), lp.w_down)
+    if lp.w_gate_up is not None:
+        gate, up = jnp.split(col(h, lp.w_gate_up), 2, axis=-1)
+    else:
+        gate, up = col(h, lp.w_gate), col(h, lp.w_up)
+    act = jax.nn.silu(gate) * up
+    return x + row(act, lp.w_down), h, act
+
+
+def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, *,
+                  mesh: Any = None) -> tuple[Array, tuple[Array, Array], dict[str, Array]]:
+    """One decoder layer over x [B, T, D] with causal attention among its own T tokens (the
+    prefill's math, no cache). Returns (output [B, T, D], (k, v) [B, Hkv, T, Dh] for the cache,
+    the inputs of the four linear groups: {"attn_in", "attn_out", "mlp_in", "mlp_out"})."""
+    b, t, _ = x.shape
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q, k, v = _qkv(cfg, lp, h, positions, mesh)
+    attn = prefill_attention(q, k, v, positions, cfg.sliding_window).reshape(b, t, -1)
+    out, h2, act = _attn_out_and_mlp(cfg, lp, x, attn, mesh)
+    return out, (k, v), {"attn_in": h, "attn_out": attn, "mlp_in": h2, "mlp_out": act}
 
 
 def _scan_layers(params: Params, x: Array, cache: Cache,
                  layer_fn: Callable[[LayerParams, Array, Cache, Array], tuple[Array, Cache]]) -> tuple[Array, Cache]:
     """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers.
 
-    INT4 weights stay stacked (outside the scan's slicing) and reach the matmul as
-    StackedLayerWeight, so a kernel reads its layer in place instead of a per-step copy.
+    Weights a kernel reads (INT4 ones, dense ones under dense_matmul_impl "mosaic") stay stacked
+    outside the scan's slicing and reach `linear` as StackedLayer, so the kernel reads its layer
+    in place instead of a per-step copy.
     """
-    stacked = {n: w for n, w in vars(params.layers).items() if isinstance(w, QuantizedWeight)}
+    impl = params.config.dense_matmul_impl
+    stacked = {n: w for n, w in vars(params.layers).items() if keep_stacked(w, impl)}
     scanned = params.layers.replace(**{n: None for n in stacked})
 
     def body(carry, xs):
         x, cache = carry
         lp, i = xs
-        lp = lp.replace(**{n: StackedLayerWeight(w, i) for n, w in stacked.items()})
+        lp = lp.replace(**{n: StackedLayer(w, i) for n, w in stacked.items()})
         return layer_fn(lp, x, cache, i), None
 
     idx = jnp.arange(params.config.num_layers, dtype=jnp.int32)
@@ -234,7 +300,7 @@ def _logits(params: Params, x: Array) -> Array:
     h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", h, params.embed).astype(jnp.float32)  # see `linear`
-    return linear(h, params.lm_head, cfg.int4_matmul_impl, out_dtype=jnp.float32, mesh=params.mesh)
+    return _matmul(cfg, params.mesh, out_dtype=jnp.float32)(h, params.lm_head)
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -246,16 +312,16 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
     Returns (logits, cache): float32 logits [B, V] at each row's last prompt token, or
     [B, T, V] for every position when `all_logits`; the cache holds `lengths` tokens per row.
     """
+    if tokens.ndim != 2:
+        raise ValueError(f"prefill: tokens must be int32[B, T] (one row per prompt), got shape {tokens.shape}")
     cfg = params.config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = params.embed[tokens]
 
     def layer(lp, x, cache, i):
-        q, k, v = _qkv(cfg, lp, x, positions, params.mesh)
-        attn = prefill_attention(q, k, v, positions, cfg.sliding_window)
-        cache = cache.prefill_layer(i, k, v, lengths)
-        return _attn_out_and_mlp(cfg, lp, x, attn, params.mesh), cache
+        x, (k, v), _ = layer_forward(cfg, lp, x, positions, mesh=params.mesh)
+        return x, cache.prefill_layer(i, k, v, lengths)
 
     x, cache = _scan_layers(params, x, cache, layer)
     cache = cache.finish_prefill(lengths)
@@ -264,24 +330,41 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
     return _logits(params, x), cache
 
 
-def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target") -> tuple[Array, Cache]:
+def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
+           width: int | None = None) -> tuple[Array, Cache]:
     """Appends T tokens per row after each row's committed tokens and returns their logits.
 
     tokens: int32[B, T]. `view` selects what a QuantSpecCache's quantized region looks like:
     "target" (both nibbles) or "draft" (upper nibble only). Returns float32 logits [B, T, V]
     and the cache with the T tokens committed (`cache.rollback` un-commits).
+
+    `width` (>= T): compute the pass over `width` token columns, the T real ones first and
+    padding after (their K/V land in slots past the committed tokens, which is garbage by the
+    cache protocol, and their logits are dropped). Every operation's arithmetic on a row then
+    depends on the pass's shape [B, width] and not on T: XLA's dots and the GPU libraries pick
+    their algorithm (and so the summation order) from the shape, while at one fixed shape a
+    row's result does not depend on its index or on the other rows. Autoregressive decoding
+    with width = gamma_max + 1 therefore computes, bit for bit, what the speculative verify
+    pass computes for the same position (docs/QUALITY.md, "Fidelity").
     """
+    if tokens.ndim != 2:
+        raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
     cfg = params.config
     t = tokens.shape[1]
-    positions = cache.next_positions(t)
+    if width is not None and width != t:
+        if width < t:
+            raise ValueError(f"decode: width={width} is smaller than the {t} tokens to decode")
+        tokens = jnp.pad(tokens, ((0, 0), (0, width - t)))
+    positions = cache.next_positions(tokens.shape[1])
     x = params.embed[tokens]
 
     def layer(lp, x, cache, i):
-        q, k, v = _qkv(cfg, lp, x, positions, params.mesh)
+        q, k, v = _qkv(cfg, lp, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), positions, params.mesh)
         cache = cache.append_layer(i, k, v)
         attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                mesh=params.mesh)
-        return _attn_out_and_mlp(cfg, lp, x, attn, params.mesh), cache
+        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh)[0], cache
 
     x, cache = _scan_layers(params, x, cache, layer)
-    return _logits(params, x), cache.advance(t)
+    # The lm_head runs over all `width` columns too (its shape must not depend on T).
+    return _logits(params, x)[:, :t], cache.advance(t)

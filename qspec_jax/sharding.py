@@ -13,7 +13,8 @@ The collectives are the ones the math needs: an all-reduce after each row-parall
 w_down) and, from XLA's partitioner, for the embedding gather; logits stay vocabulary-sharded until sampling
 reduces over them. The Pallas kernels, which XLA cannot partition, run per device on their local
 heads inside `shard_map` (attention) or `shard_map` + psum (row-parallel matmuls); dense matmuls
-take the same per-device route (see `sharded_matmul`).
+take the same per-device route (`spmd.sharded_matmul`; the per-device primitives live in
+`qspec_jax.spmd`, below the model, so the model never imports this layout module).
 
 Requirements: num_heads, num_kv_heads, intermediate_size and vocab_size divisible by N, and for
 row-parallel INT4 weights each device's input slice a multiple of the draft group size. KV
@@ -23,7 +24,7 @@ heads are not replicated when N > num_kv_heads: that is refused with a clear err
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -31,11 +32,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qspec_jax import model as M
-from qspec_jax.cache import DenseKVCache, QuantSpecCache
 from qspec_jax.config import ModelConfig
+from qspec_jax.spmd import TP, cache_specs, tp_size, weight_spec
 from qspec_jax.weight_quant import QuantizedWeight
 
-TP = "tp"
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
 ROW_PARALLEL = ("wo", "w_down")
 
@@ -51,10 +51,6 @@ def make_mesh(n: int | None = None, devices: Sequence[Any] | None = None) -> Mes
     if n > len(devices):
         raise ShardingError(f"--tp {n}: only {len(devices)} device(s) available")
     return Mesh(np.array(devices[:n]), (TP,))
-
-
-def tp_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape[TP]
 
 
 def check_divisible(cfg: ModelConfig, n: int, draft_group: int | None = None) -> None:
@@ -75,11 +71,10 @@ def check_divisible(cfg: ModelConfig, n: int, draft_group: int | None = None) ->
 
 # ----------------------------------------------------------------------------------- specs
 def _weight_spec(name: str, stacked: bool) -> P:
-    lead = (None,) if stacked else ()
     if name in COLUMN_PARALLEL or name == "lm_head":
-        return P(*lead, None, TP)
+        return weight_spec(row_parallel=False, stacked=stacked)
     if name in ROW_PARALLEL:
-        return P(*lead, TP, None)
+        return weight_spec(row_parallel=True, stacked=stacked)
     return P()
 
 
@@ -96,11 +91,6 @@ def param_specs(params: M.Params) -> M.Params:
                                    attn_norm=P(), mlp_norm=P())
     lm_head = None if params.lm_head is None else spec_for("lm_head", params.lm_head, False)
     return params.replace(embed=P(TP, None), layers=layers, final_norm=P(), lm_head=lm_head)
-
-
-def cache_specs(cache: DenseKVCache | QuantSpecCache) -> Any:
-    """Every [L, B, Hkv, ...] array sharded along KV heads; per-row lengths replicated."""
-    return jax.tree.map(lambda x: P(None, None, TP) if x.ndim >= 3 else P(), cache)
 
 
 def _named(mesh: Mesh, specs: Any) -> Any:
@@ -127,43 +117,3 @@ def shard(model: Any, mesh: Mesh) -> Any:
     params = shard_params(model.params, mesh, group)
     draft = None if model.draft_params is None else shard_params(model.draft_params, mesh, group)
     return dataclasses.replace(model, params=params, draft_params=draft)
-
-
-# ------------------------------------------------------------------------ per-device kernels
-def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
-    """`jax.shard_map` (jax >= 0.7) with replication checks off: kernels are opaque to them."""
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-
-def sharded_cache_attention(attend: Callable, mesh: Mesh, q: jax.Array, q_pos: jax.Array, cache: Any,
-                            layer: jax.Array) -> jax.Array:
-    """Runs `attend(q, q_pos, cache, layer)` per device on its local query and KV heads."""
-    head = P(None, None, TP)
-    return shard_map(attend, mesh, in_specs=(head, P(), cache_specs(cache), P()), out_specs=head)(
-        q, q_pos, cache, layer)
-
-
-def sharded_matmul(matmul: Callable, mesh: Mesh, x: jax.Array, w: Any, layer: jax.Array | None,
-                   row_parallel: bool) -> jax.Array:
-    """`matmul(x, w, layer)` per device on its local slice of `w` (a dense array or a
-    QuantizedWeight, one layer or stacked with `layer`): column-parallel gives output columns
-    sharded; row-parallel consumes x sharded on its last dim and all-reduces the partial products.
-
-    Dense weights go through here too, so each device runs an ordinary local dot whose shape the
-    model controls (`model._dense_matmul` pads M = 1 to two rows to keep it on cuBLAS; left to
-    XLA's partitioner, those dots became broadcast-multiply + reduce fusions, docs/BENCHMARKS.md).
-    """
-    stacked = layer is not None
-    spec = _weight_spec("wo" if row_parallel else "wq", stacked)
-    wspec = jax.tree.map(lambda _: spec, w)
-    last = P(*([None] * (x.ndim - 1)), TP)
-    if not stacked:
-        layer = np.int32(0)  # shard_map needs an array; unused by a one-layer weight
-    if row_parallel:
-        def local(x, w, i):
-            return jax.lax.psum(matmul(x, w, i if stacked else None), TP)
-        return shard_map(local, mesh, in_specs=(last, wspec, P()), out_specs=P())(x, w, layer)
-
-    def column(x, w, i):
-        return matmul(x, w, i if stacked else None)
-    return shard_map(column, mesh, in_specs=(P(), wspec, P()), out_specs=last)(x, w, layer)

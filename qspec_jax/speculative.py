@@ -1,25 +1,38 @@
 """QuantSpec self-speculative generation in one jitted `lax.while_loop` (SPEC §4, §6, §7).
 
-One round, per batch row (every row drafts gamma tokens; each accepts its own number):
+One round, per batch row (every row drafts the round's d tokens; each accepts its own number):
 
-    draft   gamma steps of the draft model (INT4 weights, draft view of the shared cache) on the
-            pending token x_N, then g_1 .. g_{gamma-1}; each writes its K/V into the ring
-    verify  one target pass (bf16 weights, target view) over [x_N, g_1 .. g_gamma], overwriting
-            those gamma+1 ring slots with target K/V
-    accept  greedy: accept while g_i is the target argmax; sampling: accept g_i with probability
-            min(1, p(g_i)/q(g_i)), on rejection sample from norm(max(p - q, 0)); the bonus token
-            comes from p_{gamma+1} when all are accepted
+    draft   d steps of the draft model (INT4 weights, draft view of the shared cache) on the
+            pending token x_N, then g_1 .. g_{d-1}; each writes its K/V into the ring
+    verify  one target pass (bf16 weights, target view) over [x_N, g_1 .. g_d] (padded to the
+            static verify width), overwriting those ring slots with target K/V
+    accept  each row verifies its first k = min(d, flush horizon) drafts. Greedy: accept while
+            g_i is the target argmax; sampling: accept g_i with probability min(1, p(g_i)/q(g_i)),
+            on rejection sample from norm(max(p - q, 0)); the bonus token comes from p_{k+1}
+            when all k are accepted
     commit  the row's committed length moves to old + n + 1 (x_N, g_1 .. g_n); the correction or
             bonus token becomes the new pending token; finished rows commit nothing
     flush   rows whose ring holds >= 2G tokens quantize their oldest G
 
 The draft and the target share one cache, so drafting costs no extra KV memory.
+
+Draft length (SpecConfig.draft_policy). The round's draft length d is a traced scalar, the same
+for every row (BASS: the batch drafts together, each row accepts its own count): "fixed" keeps
+d = gamma; "bass" adapts d after every round from the live rows' accepted counts (BASS,
+Algorithm 1: longer when some row accepted all d drafts, shorter otherwise, never below the
+largest count accepted), within 1..draft_limit; "cycle" steps through every length (tests). The
+draft loop runs d steps and stops (a `lax.while_loop`: skipped steps cost nothing), and no more
+than the largest number of drafts a live row may verify this round. The draft buffer and every
+verify pass keep their static width (gamma_max + 1 columns in the exact mode): slots past d hold
+PAD_ID and lie past each row's verification limit min(d, flush horizon), so they never change
+what is accepted, and the pass computes what it computes at a fixed d.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -29,7 +42,8 @@ from flax import struct
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
-from qspec_jax.generation import PAD_ID, cache_capacity, check_fits, eos_array, new_cache, pad_prompts, run_jitted
+from qspec_jax.generation import (PAD_ID, check_fits, decode_cache_len, eos_array, initial_logits, new_cache,
+                                   pad_prompts, record_logits, run_jitted)
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
@@ -37,6 +51,7 @@ Array = jax.Array
 DRAFT_KV = ("int4", "int8", "bf16")
 TARGET_KV = ("int8", "bf16")
 DRAFT_WEIGHTS = ("int4", "bf16")
+DRAFT_POLICIES = ("fixed", "bass", "cycle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +85,42 @@ class SpecConfig:
     # Benchmarks only: accept each draft with this probability instead of verifying (output is
     # then not the target's). None (the default) verifies.
     forced_acceptance: float | None = None
+    # Also return the float32 target logits each emitted token was chosen from (SpecResult.logits).
+    return_logits: bool = False
+    # True (default): verify passes have the autoregressive step's shape and rounds stop at the
+    # flush horizon, so greedy output is the target's own, bit for bit (docs/QUALITY.md,
+    # "Fidelity"). False: the INEXACT fast mode: gamma + 1 columns per verify pass and no
+    # horizon, as before the fix; its output can differ from autoregressive decoding wherever the
+    # target's top-2 logits are within rounding of each other. Kept to measure what exactness costs.
+    exact: bool = True
+    # Draft length per round (module docstring, "Draft length"): "fixed" drafts gamma tokens every
+    # round; "bass" starts at gamma and adapts within 1..draft_limit (BASS, Algorithm 1, with
+    # l_incre = bass_increment and l_mod = bass_mod); "cycle" runs gamma, gamma+1, .., draft_limit,
+    # 1, 2, .. (a diagnostic schedule that forces every length; tests use it).
+    draft_policy: str = "fixed"
+    draft_limit: int | None = None  # longest draft of "bass"/"cycle"; None: gamma_max
+    # BASS's own values are l_incre 2, l_mod 10 for l_limit 32; these suit limits near 8 (measured:
+    # docs/QUALITY.md, "Draft length").
+    bass_increment: int = 1
+    bass_mod: int = 4
 
     def __post_init__(self) -> None:
+        if isinstance(self.gamma, str):
+            raise ValueError(f"gamma={self.gamma!r}: SpecConfig takes a number of draft tokens; gamma 'auto' is "
+                             "chosen by qspec_jax.planner.plan(model, prompts, SpecConfig(...)) from measured step "
+                             "costs, which returns the SpecConfig to use")
         if not 1 <= self.gamma <= self.gamma_max:
             raise ValueError(f"gamma={self.gamma} must be in 1..gamma_max={self.gamma_max}")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"draft_policy={self.draft_policy!r}; expected one of {DRAFT_POLICIES}")
+        if self.draft_limit is not None and not self.gamma <= self.draft_limit <= self.gamma_max:
+            raise ValueError(f"draft_limit={self.draft_limit} must be in gamma..gamma_max = "
+                             f"{self.gamma}..{self.gamma_max} (or None: gamma_max)")
+        if self.draft_limit is not None and self.draft_policy == "fixed":
+            raise ValueError(f"draft_limit={self.draft_limit} bounds a dynamic draft_policy; with "
+                             "draft_policy='fixed' every round drafts gamma tokens (leave draft_limit None)")
+        if self.bass_increment < 1 or self.bass_mod < 1:
+            raise ValueError(f"bass_increment={self.bass_increment}, bass_mod={self.bass_mod}: both must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         for name, allowed in (("draft_kv", DRAFT_KV), ("target_kv", TARGET_KV), ("draft_weights", DRAFT_WEIGHTS)):
@@ -101,14 +148,38 @@ class SpecConfig:
     def draft_view(self) -> str:
         return "draft" if self.draft_kv == "int4" else "target"
 
+    @property
+    def max_draft(self) -> int:
+        """The longest draft of any round: gamma ("fixed") or the dynamic policy's limit."""
+        if self.draft_policy == "fixed":
+            return self.gamma
+        return self.gamma_max if self.draft_limit is None else self.draft_limit
+
+    @property
+    def verify_width(self) -> int:
+        """Token columns of every verify pass: gamma_max + 1 whatever gamma or the draft length
+        is, the width at which autoregressive decoding (GenerationConfig.width) computes the same
+        logits bit for bit (max_draft + 1 in the inexact mode)."""
+        return self.gamma_max + 1 if self.exact else self.max_draft + 1
+
+    @property
+    def draft_slots(self) -> int:
+        """Draft tokens each verify pass holds (verify_width - 1): the rounds' drafts, PAD_ID past
+        the round's draft length."""
+        return self.verify_width - 1
+
 
 @struct.dataclass
 class SpecResult:
     """Generated tokens plus per-row counters (SPEC §7).
 
     tokens: int32[B, max_new_tokens] (PAD_ID past lengths); lengths: int32[B] (the first token,
-    sampled from the prefill logits, included). drafted/accepted: draft tokens proposed/accepted;
-    rounds: verify passes; emitted: tokens emitted by rounds (lengths minus the prefill token).
+    sampled from the prefill logits, included). drafted/accepted: draft tokens offered to / accepted
+    by verification; rounds: verify passes; emitted: tokens emitted by rounds (lengths minus the
+    prefill token). draft_steps: draft-model steps run in the row's rounds (the round's draft
+    length, cut to the most drafts any live row could verify); rejected: rounds in which the row
+    rejected a draft. logits: float32[B, max_new_tokens, V], the target logits each token was
+    chosen from, with SpecConfig.return_logits (else None).
     """
 
     tokens: Array
@@ -117,6 +188,9 @@ class SpecResult:
     accepted: Array
     rounds: Array
     emitted: Array
+    draft_steps: Array
+    rejected: Array
+    logits: Array | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -127,6 +201,21 @@ class SpecResult:
     def tokens_per_round(self) -> float:
         """Emitted tokens / verify passes (about 1 + gamma * acceptance)."""
         return float(np.sum(self.emitted)) / max(1, float(np.sum(self.rounds)))
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Draft-model steps per round (gamma for the fixed policy, less only in rounds that end
+        at the flush horizon; the policy's mean length for a dynamic one)."""
+        return float(np.sum(self.draft_steps)) / max(1, float(np.sum(self.rounds)))
+
+    @property
+    def alpha_estimate(self) -> float:
+        """Per-position acceptance probability alpha of the i.i.d. model behind E[tokens/round] =
+        (1 - alpha^(gamma+1)) / (1 - alpha): its maximum-likelihood estimate from the rounds, each
+        verified draft a trial until the first rejection: accepted / (accepted + rejected).
+        Unlike acceptance_rate, it does not depend on gamma when the model holds."""
+        acc = float(np.sum(self.accepted))
+        return acc / max(1.0, acc + float(np.sum(self.rejected)))
 
     def to_lists(self) -> list[list[int]]:
         toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
@@ -145,40 +234,97 @@ class _SpecState:
     accepted: Array
     rounds: Array
     emitted: Array
+    draft_steps: Array
+    rejected: Array
+    draft_len: Array  # int32[]: the policy's draft length for the next round, 1..spec.max_draft
+    shrink: Array  # int32[]: BASS's s, 1 after a round that shortened the draft
+    logits: Array | None  # float32[B, N, V] with return_logits
 
 
 # --------------------------------------------------------------------------------- phases
-def draft_tokens(draft_params: M.Params, pending: Array, cache: Any, key: Array, spec: SpecConfig
-                 ) -> tuple[Array, Array | None, Any]:
-    """gamma draft steps from the pending token.
+def draft_tokens(draft_params: M.Params, pending: Array, cache: Any, key: Array, spec: SpecConfig,
+                 steps: Array | int | None = None) -> tuple[Array, Array | None, Any]:
+    """`steps` draft steps (a traced int32 scalar, 0..spec.draft_slots; default gamma) from the
+    pending token, in a `lax.while_loop` that stops after them.
 
-    Returns (g int32[B, gamma], draft logits float32[B, gamma, V] or None when greedy, cache).
+    Returns (g int32[B, draft_slots], draft logits float32[B, draft_slots, V] or None when greedy,
+    cache). Slots past `steps` hold PAD_ID (and zero logits).
     """
+    b, slots, vocab = pending.shape[0], spec.draft_slots, draft_params.config.vocab_size
+    greedy = spec.sampling.greedy
+    steps = jnp.asarray(spec.gamma if steps is None else steps, jnp.int32)
 
-    def step(carry, i):
-        tok, cache = carry
+    def body(carry):
+        i, tok, cache, g, q = carry
         logits, cache = M.decode(draft_params, tok[:, None], cache, view=spec.draft_view)
         logits = logits[:, 0]
         nxt = sample(jax.random.fold_in(key, i), logits, spec.sampling)
-        return (nxt, cache), (nxt, None if spec.sampling.greedy else logits)
+        g = jax.lax.dynamic_update_slice(g, nxt[:, None], (0, i))
+        if not greedy:
+            q = jax.lax.dynamic_update_slice(q, logits[:, None].astype(q.dtype), (0, i, 0))
+        return i + 1, nxt, cache, g, q
 
-    (_, cache), (g, q_logits) = jax.lax.scan(step, (pending, cache), jnp.arange(spec.gamma))
-    return g.T, None if q_logits is None else jnp.swapaxes(q_logits, 0, 1), cache
+    g0 = jnp.full((b, slots), PAD_ID, jnp.int32)
+    q0 = None if greedy else jnp.zeros((b, slots, vocab), jnp.float32)
+    _, _, cache, g, q = jax.lax.while_loop(lambda c: c[0] < steps, body, (jnp.int32(0), pending, cache, g0, q0))
+    return g, q, cache
 
 
-def accept_greedy(p_logits: Array, g: Array) -> tuple[Array, Array]:
-    """p_logits [B, gamma+1, V], g [B, gamma] -> (n accepted int32[B], next token int32[B])."""
+def next_draft_length(spec: SpecConfig, length: Array, shrink: Array, n: Array, limit: Array,
+                      live: Array) -> tuple[Array, Array]:
+    """The draft policy's length for the next round, and BASS's s (SpecConfig.draft_policy).
+
+    length, shrink: int32[] (this round's length d and s); n, limit: int32[B] (drafts each row
+    accepted / could verify this round, n <= limit <= d); live: bool[B] (rows that took part).
+    "bass" (BASS, Algorithm 1, over live rows): if some row accepted all d drafts, d <- min(d +
+    bass_increment, max_draft) and s <- 0; otherwise, if some row rejected a draft, d <- max(1,
+    max_b n_b, d - d // bass_mod - s) and s <- 1. A round in which no live row saw a rejection nor
+    could accept d drafts (rows stopped short by the flush horizon) leaves both unchanged: it says
+    nothing about the draft. "cycle": d <- d % max_draft + 1. "fixed": gamma.
+    """
+    if spec.draft_policy == "fixed":
+        return length, shrink
+    top = spec.max_draft
+    if spec.draft_policy == "cycle":
+        return length % top + 1, shrink
+    full = jnp.any(live & (n >= length))
+    reject = jnp.any(live & (n < limit))
+    longest = jnp.max(jnp.where(live, n, 0))
+    up = jnp.minimum(length + spec.bass_increment, top)
+    down = jnp.maximum(jnp.maximum(1, longest), length - length // spec.bass_mod - shrink)
+    new = jnp.where(full, up, jnp.where(reject, down, length))
+    s = jnp.where(full, 0, jnp.where(reject, 1, shrink))
+    return new.astype(jnp.int32), s.astype(jnp.int32)
+
+
+def _limit(limit: Array | None, g: Array) -> Array:
+    """int32[B]: how many of the gamma drafts each row verifies (all by default)."""
+    gamma = g.shape[1]
+    return jnp.full(g.shape[:1], gamma, jnp.int32) if limit is None else jnp.minimum(limit, gamma)
+
+
+def accept_greedy(p_logits: Array, g: Array, limit: Array | None = None) -> tuple[Array, Array]:
+    """p_logits [B, gamma+1, V], g [B, gamma] -> (n accepted int32[B], next token int32[B]).
+
+    Row b verifies only its first limit[b] drafts (default: all): n <= limit, and the next token
+    is the target's argmax after the n accepted ones.
+    """
     best = jnp.argmax(p_logits, axis=-1).astype(jnp.int32)  # [B, gamma+1]
     n = jnp.sum(jnp.cumprod(g == best[:, :-1], axis=1), axis=1).astype(jnp.int32)
+    n = jnp.minimum(n, _limit(limit, g))
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
 
 
-def accept_sampling(key: Array, p_logits: Array, q_logits: Array, g: Array, cfg: SamplingConfig
-                    ) -> tuple[Array, Array]:
+def accept_sampling(key: Array, p_logits: Array, q_logits: Array, g: Array, cfg: SamplingConfig,
+                    limit: Array | None = None) -> tuple[Array, Array]:
     """Speculative sampling (Leviathan et al.; Chen et al.): reproduces the target distribution.
 
-    p_logits [B, gamma+1, V] (target), q_logits [B, gamma, V] (draft), g [B, gamma].
+    p_logits [B, gamma+1, V] (target), q_logits [B, gamma, V] (draft), g [B, gamma]. Row b verifies
+    only its first k = limit[b] drafts: exactly the algorithm with gamma = k for that row (the
+    later drafts are discarded unseen), so when all k are accepted the next token is the bonus
+    sampled from p at row k, not a residual.
     """
+    k = _limit(limit, g)
     k_u, k_y = jax.random.split(key)
     p = jnp.exp(log_probs(p_logits, cfg))
     q = jnp.exp(log_probs(q_logits, cfg))
@@ -186,10 +332,11 @@ def accept_sampling(key: Array, p_logits: Array, q_logits: Array, g: Array, cfg:
     q_g = jnp.take_along_axis(q, g[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(k_u, g.shape)
     ok = u * q_g < p_g  # u < p/q, i.e. accept with probability min(1, p/q)
-    n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
-    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q_{gamma+1} = 0: bonus ~ p
+    n = jnp.minimum(jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32), k)
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
     at_n = lambda x: jnp.take_along_axis(x, n[:, None, None], axis=1)[:, 0]  # noqa: E731
-    resid = jnp.maximum(at_n(p) - at_n(q_pad), 0.0)
+    q_n = jnp.where((n < k)[:, None], at_n(q_pad), 0.0)  # all k accepted: q = 0, the bonus ~ p
+    resid = jnp.maximum(at_n(p) - q_n, 0.0)
     total = jnp.sum(resid, axis=-1, keepdims=True)
     resid = jnp.where(total > 0, resid, at_n(p))  # p == q exactly: rejection cannot have happened
     y = jax.random.categorical(k_y, jnp.log(resid), axis=-1).astype(jnp.int32)
@@ -216,21 +363,32 @@ def _emit(s: _SpecState, g: Array, n: Array, y: Array, eos: Array, n_max: int) -
     return tokens, count, hit_eos, live
 
 
-def forced_accept(key: Array, p_logits: Array, rate: float, gamma: int) -> tuple[Array, Array]:
+def forced_accept(key: Array, p_logits: Array, rate: float, gamma: int,
+                  limit: Array | None = None) -> tuple[Array, Array]:
     """Benchmark-only acceptance: each draft is accepted i.i.d. with probability `rate`, so
     n ~ the leading successes (E[tokens/round] = (1 - rate^(gamma+1)) / (1 - rate)). The emitted
     tokens are then NOT the target's output; this exists to time rounds at a chosen acceptance."""
     b = p_logits.shape[0]
     ok = jax.random.uniform(key, (b, gamma)) < rate
     n = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    if limit is not None:
+        n = jnp.minimum(n, limit)
     best = jnp.argmax(p_logits, axis=-1).astype(jnp.int32)
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
 
 
 def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array, key: Array, *,
-                     spec: SpecConfig, eos_ids: tuple[int, ...]) -> SpecResult:
+                     spec: SpecConfig, eos_ids: tuple[int, ...], first_logits: Array | None = None) -> SpecResult:
     """Speculative rounds from a cache that holds the prompts; `first` int32[B] is the token
-    sampled from the prefill logits (emitted as token 0 and pending: its K/V is not computed)."""
+    sampled from the prefill logits `first_logits` (emitted as token 0 and pending: its K/V is
+    not computed).
+
+    Exactness (greedy output == autoregressive output at GenerationConfig.width =
+    spec.verify_width, bit for bit in the logits): every verify pass has the autoregressive
+    step's shape [B, gamma_max + 1] (`model.decode`'s width), and a row accepts no token at or
+    past its cache's flush horizon (`tokens_until_flush`), so every committed position is
+    computed over the same quantized/FP split as autoregressive decoding computes it.
+    """
     n_max, b = spec.max_new_tokens, first.shape[0]
     eos = eos_array(eos_ids)
     zeros = jnp.zeros((b,), jnp.int32)
@@ -238,7 +396,9 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
         tokens=jnp.full((b, n_max), PAD_ID, jnp.int32).at[:, 0].set(first),
         num_emitted=jnp.ones((b,), jnp.int32), pending=first,
         done=jnp.isin(first, eos) | (n_max == 1), cache=cache.flush(), key=key,
-        drafted=zeros, accepted=zeros, rounds=zeros, emitted=zeros)
+        drafted=zeros, accepted=zeros, rounds=zeros, emitted=zeros, draft_steps=zeros, rejected=zeros,
+        draft_len=jnp.int32(spec.gamma), shrink=jnp.int32(0),
+        logits=initial_logits(first_logits, n_max, spec.return_logits) if first_logits is not None else None)
 
     def cond(s: _SpecState) -> Array:
         return ~jnp.all(s.done)
@@ -246,28 +406,42 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
     def body(s: _SpecState) -> _SpecState:
         k_draft, k_accept, key = jax.random.split(s.key, 3)
         committed = s.cache.total_lengths()
-        g, q_logits, cache = draft_tokens(draft, s.pending, s.cache, k_draft, spec)
-        verify_in = jnp.concatenate([s.pending[:, None], g], axis=1)  # [B, gamma+1]
-        p_logits, cache = M.decode(target, verify_in, cache.rollback(committed), view="target")
+        live = ~s.done
+        # Drafts each row may verify (0..d): rows past the flush horizon would see the next block
+        # in full precision where autoregressive decoding sees it quantized.
+        d = s.draft_len
+        limit = jnp.clip(s.cache.tokens_until_flush() - 1, 0, d) if spec.exact else jnp.broadcast_to(d, (b,))
+        steps = jnp.max(jnp.where(live, limit, 0))  # drafts past every live row's limit are never verified
+        g, q_logits, cache = draft_tokens(draft, s.pending, s.cache, k_draft, spec, steps)
+        verify_in = jnp.concatenate([s.pending[:, None], g], axis=1)  # [B, draft_slots + 1] = verify_width
+        p_logits, cache = M.decode(target, verify_in, cache.rollback(committed), view="target",
+                                   width=spec.verify_width)
         if spec.forced_acceptance is not None:
-            n, y = forced_accept(k_accept, p_logits, spec.forced_acceptance, spec.gamma)
+            n, y = forced_accept(k_accept, p_logits, spec.forced_acceptance, spec.draft_slots, limit)
         elif spec.sampling.greedy:
-            n, y = accept_greedy(p_logits, g)
+            n, y = accept_greedy(p_logits, g, limit)
         else:
-            n, y = accept_sampling(k_accept, p_logits, q_logits, g, spec.sampling)
-        tokens, count, hit_eos, live = _emit(s, g, n, y, eos, n_max)
+            n, y = accept_sampling(k_accept, p_logits, q_logits, g, spec.sampling, limit)
+        tokens, count, hit_eos, _ = _emit(s, g, n, y, eos, n_max)
         num = s.num_emitted + count
         cache = cache.rollback(committed + jnp.where(live, n + 1, 0)).flush()
         live_i = live.astype(jnp.int32)
+        j = jnp.arange(spec.draft_slots + 1)[None, :]
+        cols = jnp.where(j < count[:, None], s.num_emitted[:, None] + j, n_max)  # token j <- row j
+        draft_len, shrink = next_draft_length(spec, d, s.shrink, n, limit, live)
         return _SpecState(
             tokens=tokens, num_emitted=num, pending=y, done=s.done | hit_eos | (num >= n_max),
             cache=cache, key=key,
-            drafted=s.drafted + live_i * spec.gamma, accepted=s.accepted + live_i * n,
-            rounds=s.rounds + live_i, emitted=s.emitted + count)
+            drafted=s.drafted + live_i * limit, accepted=s.accepted + live_i * n,
+            rounds=s.rounds + live_i, emitted=s.emitted + count,
+            draft_steps=s.draft_steps + live_i * steps, rejected=s.rejected + live_i * (n < limit),
+            draft_len=draft_len, shrink=shrink,
+            logits=record_logits(s.logits, cols, p_logits))
 
     s = jax.lax.while_loop(cond, body, state)
     return SpecResult(tokens=s.tokens, lengths=s.num_emitted, drafted=s.drafted, accepted=s.accepted,
-                      rounds=s.rounds, emitted=s.emitted)
+                      rounds=s.rounds, emitted=s.emitted, draft_steps=s.draft_steps, rejected=s.rejected,
+                      logits=s.logits)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len"))
@@ -278,7 +452,7 @@ def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Arra
     logits, cache = M.prefill(target, tokens, lengths, cache)  # target weights fill the shared cache
     key, sub = jax.random.split(key)
     first = sample(sub, logits, spec.sampling)
-    return speculative_loop(target, draft, cache, first, key, spec=spec, eos_ids=eos_ids)
+    return speculative_loop(target, draft, cache, first, key, spec=spec, eos_ids=eos_ids, first_logits=logits)
 
 
 # ---------------------------------------------------------------------------------- public
@@ -291,12 +465,16 @@ def draft_params_for(model: Any, spec: SpecConfig) -> M.Params:
     have = getattr(model, "draft_params", None)
     if have is not None and getattr(model, "draft_weights_config", None) == want:
         return have
-    draft = make_draft_params(model.params, want)
+    if have is not None:  # the stored draft is not used: say so (the CLIs print their own line)
+        warnings.warn(f"quantizing the INT4 draft again: the checkpoint stores {model.draft_weights_config}, "
+                      f"SpecConfig asks for {want}; set SpecConfig's draft_* fields to the stored format to use "
+                      "it as it is", stacklevel=3)
+    draft = make_draft_params(M.unfuse_projections(model.params), want)
     if model.params.mesh is not None:
         from qspec_jax.sharding import shard_params
 
         draft = shard_params(draft, model.params.mesh, want.group_size)
-    return draft
+    return M.for_device(draft)
 
 
 def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, config: SpecConfig = SpecConfig(),
@@ -309,7 +487,7 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     Greedy output equals the target's own greedy output; sampling follows the target's
     distribution exactly. Pass a dict as `timings` to get compile and run seconds.
     """
-    target: M.Params = model.params
+    target: M.Params = M.for_device(model.params)  # a no-op for models from `load`
     cfg = target.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
     check_fits(cfg, lengths, config.max_new_tokens)
@@ -317,10 +495,10 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     draft = draft_params if draft_params is not None else draft_params_for(model, config)
     if draft.config.replace(attention_impl=cfg.attention_impl) != cfg:
         raise ValueError("draft_params were built for a different model config than the target's")
-    draft = draft.replace(config=cfg)
+    draft = M.for_device(draft.replace(config=cfg))  # a no-op for drafts from load / draft_params_for
     if draft.mesh != target.mesh:
         raise ValueError("the draft params are not on the target's mesh: shard both (qspec_jax.sharding.shard)")
-    max_len = cache_capacity(tokens.shape[1], config.max_new_tokens + config.gamma + 1, config.group_size)
+    max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size)
     key = jax.random.PRNGKey(0) if key is None else key
     return run_jitted(_speculative, (target, draft, jnp.asarray(tokens), jnp.asarray(lengths), key),
                       dict(spec=config, eos_ids=tuple(eos), max_len=max_len), timings)

@@ -4,10 +4,22 @@ For a linear weight W [Din, Dout] and each group n of G_w consecutive input rows
 
     W[n*G_w + j, o] ~= U[n, j, o] * scale[n, o] + zero[n, o],   U in 0..15
 
-`zero` is the (possibly clipped) group minimum. The clipping search tries shrink factors of the
-group's range (min, max) -> (a*min, a*max) and keeps, per group and output column, the factor
-with the lowest squared error; a = 1 (plain min/max) is always a candidate, so the search is
-never worse than min/max.
+Methods (`DRAFT_METHODS`); all produce this one format, so the kernels and their speed do not
+depend on the method:
+
+- "minmax": round-to-nearest on the group's (min, max).
+- "clip": round-to-nearest on a shrunk range (a*min, a*max); per group and output column the
+  factor with the lowest squared error wins, a = 1 among them, so never worse than min/max.
+- "hqq": HQQ (Badri & Shaji 2023), data-free: from the clipping search's (scale, zero), the
+  zero is optimized by half-quadratic splitting of the sparsity-promoting l_p (p = 0.7) error
+  ||W - dequant(quant(W))||_p^p; per group and output column the iterate with the lowest mean
+  |error| is kept, the start among them, so never worse than "clip" in that error.
+- "gptq": GPTQ (Frantar et al. 2023), second order, needs calibration Hessians H = X^T X / n of
+  each linear's inputs (`qspec_jax.calibration`): rows (input channels) are quantized one at a
+  time and each one's error is compensated on the rows not yet quantized, minimizing
+  ||X W - X Q||^2. Groups stay contiguous: group parameters are set (clipping search weighted by
+  diag H) when a group's first row is reached, and with act-order the groups are visited in
+  decreasing diag-H mass and the rows within a group in decreasing diag H.
 
 Packing: byte [n, j, o] holds row j of group n in its low nibble and row j + G_w/2 in its high
 nibble (split halves within each group), stored as uint8 [Din/2, Dout].
@@ -21,7 +33,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from qspec_jax.quant import NIBBLE_MAX
@@ -33,11 +44,23 @@ DRAFT_SCOPES = {
 }
 CLIP_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 WEIGHT_GROUPS = (32, 64, 128)
+# The draft-weight methods (module docstring); all but CALIBRATED_METHODS are data-free.
+DRAFT_METHODS = ("clip", "minmax", "hqq", "gptq")
+CALIBRATED_METHODS = ("gptq",)  # need calibration Hessians: make_draft_params(..., hessians=...)
+# HQQ's published defaults (l_p norm, penalty beta and its growth kappa per iteration, iterations).
+HQQ_LP_NORM, HQQ_BETA, HQQ_KAPPA, HQQ_ITERS = 0.7, 10.0, 1.01, 20
+GPTQ_DAMP = 0.01  # Tikhonov damping of H, relative to its mean diagonal (GPTQ's default)
+GPTQ_DAMP_RETRIES = 6  # x10 damping per retry while the Cholesky factorization fails
+GPTQ_ACT_ORDER = True
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftWeightsConfig:
-    """How the draft's INT4 weights are made. `method` is "clip" (search) or "minmax"."""
+    """How the draft's INT4 weights are made; `method` is one of DRAFT_METHODS (module docstring).
+
+    "gptq" needs calibration Hessians (`qspec_jax.calibration`, or `qspec-convert --draft-method
+    gptq --calibration-text FILE`), so it is made at conversion, not on the fly.
+    """
 
     # g32 by measurement (docs/QUALITY.md): draft/target agreement 0.85 vs 0.77 at g64 on SmolLM2
     # real text, for 5 instead of 4.5 bits per weight.
@@ -52,8 +75,8 @@ class DraftWeightsConfig:
             raise ValueError(f"draft group_size={self.group_size}; expected one of {WEIGHT_GROUPS}")
         if self.scope not in DRAFT_SCOPES:
             raise ValueError(f"draft scope={self.scope!r}; expected one of {tuple(DRAFT_SCOPES)}")
-        if self.method not in ("clip", "minmax"):
-            raise ValueError(f"draft method={self.method!r}; expected 'clip' or 'minmax'")
+        if self.method not in DRAFT_METHODS:
+            raise ValueError(f"draft method={self.method!r}; expected one of {DRAFT_METHODS}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"draft scale_dtype={self.scale_dtype!r}; expected 'float16' or 'float32'")
 
@@ -89,109 +112,249 @@ class QuantizedWeight:
         w = self.codes() * self.scale[..., None, :].astype(jnp.float32) + self.zero[..., None, :].astype(jnp.float32)
         return w.reshape(self.shape)
 
-    def apply(self, x: Array, out_dtype: Any = None, impl: str = "xla", **tp: Any) -> Array:
-        """x [..., Din] @ W -> [..., Dout] (one layer's weight); see `int4_matmul`."""
-        return int4_matmul(x, self, impl=impl, out_dtype=out_dtype, **tp)
+
+def _codes(w: Array, scale: Array, zero: Array) -> Array:
+    """Round-to-nearest codes (float32, 0..15) of w on the grid of the stored (scale, zero)."""
+    s, z = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)  # s = 0: constant group, codes 0
+    return jnp.clip(jnp.round((w - z) * inv), 0, NIBBLE_MAX)
 
 
-@struct.dataclass
-class StackedLayerWeight:
-    """Layer `layer` of a stacked QuantizedWeight [L, ...], left unsliced so a kernel can read
-    that layer in place (a sliced operand of a custom call would be copied every step)."""
-
-    weight: QuantizedWeight
-    layer: Array  # int32[]
-
-    def apply(self, x: Array, out_dtype: Any = None, impl: str = "xla", **tp: Any) -> Array:
-        return int4_matmul(x, self.weight, self.layer, impl=impl, out_dtype=out_dtype, **tp)
-
-
-def int4_matmul(x: Array, w: QuantizedWeight, layer: Array | None = None, *, impl: str = "auto",
-                out_dtype: Any = None, mesh: Any = None, row_parallel: bool = False) -> Array:
-    """x [..., Din] @ W with float32 accumulation; `layer` selects a layer of a stacked `w`.
-
-    impl "pallas": the Pallas W4A16 kernel (dequantizes in registers, reads a stacked layer in
-    place); "xla": dequantize-then-dot, which XLA may fuse into the dot's operand; "auto":
-    Pallas on GPU, XLA elsewhere. With a tensor-parallel `mesh` the kernel runs per device
-    (`row_parallel` weights all-reduce their partial products); XLA partitions its own path.
-    """
-    out_dtype = out_dtype or x.dtype
-    want_pallas = impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
-    tp = 1 if mesh is None else mesh.size
-    local_n = w.shape[-1] if row_parallel else w.shape[-1] // tp  # the kernel sees one device's slice
-    if want_pallas and _kernel_supports(int(np.prod(x.shape[:-1])), local_n, w.group_size):
-        from pallas_kernels.w4a16 import w4a16_apply  # lazily: the CPU path needs no Triton
-
-        if mesh is not None and mesh.size > 1:
-            from qspec_jax.sharding import sharded_matmul
-
-            def local(x, w, layer):
-                return w4a16_apply(x, w, out_dtype, layer=layer)
-
-            return sharded_matmul(local, mesh, x, w, layer, row_parallel)
-        return w4a16_apply(x, w, out_dtype, layer=layer)
-    if layer is not None:
-        w = jax.tree.map(lambda a: a[layer], w)
-    wd = w.dequantize().astype(x.dtype)
-    return jnp.einsum("...i,io->...o", x, wd).astype(out_dtype)  # x's dtype out: see model.linear
-
-
-KERNEL_MAX_M = 128  # the W4A16 kernel is for decode-sized M; larger M (prefill) uses XLA
-KERNEL_N_MULTIPLE = 128
-
-
-def _kernel_supports(m: int, n: int, group_size: int) -> bool:
-    """Shapes the Pallas W4A16 kernel takes; others (e.g. SmolLM2's 192-wide k/v) use XLA."""
-    return m <= KERNEL_MAX_M and n % KERNEL_N_MULTIPLE == 0 and group_size in WEIGHT_GROUPS
+def _dequant(u: Array, scale: Array, zero: Array) -> Array:
+    return u * scale.astype(jnp.float32) + zero.astype(jnp.float32)
 
 
 def _quantize_range(w: Array, lo: Array, hi: Array, scale_dtype: Any) -> tuple[Array, Array, Array]:
     """Codes for w [..., n, G, Dout] within [lo, hi] ([..., n, 1, Dout]); returns (U, scale, zero)."""
     zero = lo.astype(scale_dtype)
-    z = zero.astype(jnp.float32)
-    scale = ((hi - z) / NIBBLE_MAX).astype(scale_dtype)
-    s = scale.astype(jnp.float32)
-    inv = jnp.where(s > 0, 1.0 / jnp.where(s > 0, s, 1.0), 0.0)
-    u = jnp.clip(jnp.round((w - z) * inv), 0, NIBBLE_MAX)
-    return u, scale, zero
+    scale = ((hi - zero.astype(jnp.float32)) / NIBBLE_MAX).astype(scale_dtype)
+    return _codes(w, scale, zero), scale, zero
 
 
-def quantize_weight(w: Array, group_size: int, method: str = "clip", scale_dtype: Any = jnp.float16) -> QuantizedWeight:
-    """Quantizes w [..., Din, Dout] (Din a multiple of group_size) to INT4."""
-    *lead, din, dout = w.shape
-    if din % group_size:
-        raise ValueError(f"input dim {din} is not a multiple of the draft group size {group_size}")
-    n = din // group_size
-    wf = w.astype(jnp.float32).reshape(*lead, n, group_size, dout)
+def _clip_search(wf: Array, factors: tuple[float, ...], scale_dtype: Any,
+                 importance: Array | None = None) -> tuple[Array, Array, Array]:
+    """Per group and output column, the range factor with the lowest (importance-weighted)
+    squared error. wf [..., n, G, Dout]; importance broadcastable to it (GPTQ: diag H per row)."""
     wmin, wmax = jnp.min(wf, axis=-2, keepdims=True), jnp.max(wf, axis=-2, keepdims=True)
-    factors = CLIP_FACTORS if method == "clip" else (1.0,)
     best = None
     for a in factors:
         u, scale, zero = _quantize_range(wf, a * wmin, a * wmax, scale_dtype)
-        err = jnp.sum((u * scale.astype(jnp.float32) + zero.astype(jnp.float32) - wf) ** 2, axis=-2, keepdims=True)
+        sq = (_dequant(u, scale, zero) - wf) ** 2
+        err = jnp.sum(sq if importance is None else sq * importance, axis=-2, keepdims=True)
         if best is None:
             best = (err, u, scale, zero)
         else:
             better = err < best[0]
             best = tuple(jnp.where(better, new, old) for new, old in zip((err, u, scale, zero), best))
-    _, u, scale, zero = best
-    half = group_size // 2
+    return best[1], best[2], best[3]
+
+
+def _shrink_lp(x: Array, beta: float, p: float) -> Array:
+    """Proximal operator of (1/beta)|x|^p (p < 1): HQQ's generalized soft-threshold."""
+    ax = jnp.abs(x)
+    return jnp.sign(x) * jax.nn.relu(ax - jnp.power(jnp.maximum(ax, 1e-30), p - 1.0) / beta)
+
+
+def _hqq(wf: Array, scale: Array, zero: Array, scale_dtype: Any) -> tuple[Array, Array, Array]:
+    """HQQ's zero-point optimization (scale fixed) of wf [..., n, G, Dout] from (scale, zero).
+
+    Half-quadratic splitting of min_z ||wf - dequant(quant(wf))||_p^p: W_e = shrink_p(wf - W_r)
+    is the sparse error estimate and z the mean of (wf - W_e - s U) over the group, the
+    closed-form minimizer of the quadratic term; beta grows by kappa per iteration. The error is
+    evaluated with z rounded to `scale_dtype` (what is stored); per group and output column the
+    lowest mean |error| over the start and the iterates is kept.
+    """
+    def l1(z: Array) -> Array:
+        return jnp.mean(jnp.abs(_dequant(_codes(wf, scale, z), scale, z) - wf), axis=-2, keepdims=True)
+
+    s = scale.astype(jnp.float32)
+    best_z, best_err = zero, l1(zero)
+    z, beta = zero.astype(jnp.float32), HQQ_BETA
+    for _ in range(HQQ_ITERS):  # unrolled: 20 cheap elementwise steps
+        u = _codes(wf, scale, z)
+        w_e = _shrink_lp(wf - (u * s + z), beta, HQQ_LP_NORM)
+        z = jnp.mean(wf - w_e - u * s, axis=-2, keepdims=True)
+        beta *= HQQ_KAPPA
+        zq = z.astype(scale_dtype)
+        err = l1(zq)
+        better = err < best_err
+        best_z, best_err = jnp.where(better, zq, best_z), jnp.where(better, err, best_err)
+    return _codes(wf, scale, best_z), scale, best_z
+
+
+def _group_quant(wf: Array, method: str, scale_dtype: Any, importance: Array | None = None
+                 ) -> tuple[Array, Array, Array]:
+    """(U, scale, zero) of wf [..., n, G, Dout] by a data-free method (scale/zero [..., n, 1, Dout])."""
+    if method == "minmax":
+        return _clip_search(wf, (1.0,), scale_dtype)
+    u, scale, zero = _clip_search(wf, CLIP_FACTORS, scale_dtype, importance)
+    if method == "clip":
+        return u, scale, zero
+    if method == "hqq":
+        return _hqq(wf, scale, zero, scale_dtype)
+    raise ValueError(f"draft method={method!r}; expected one of {tuple(m for m in DRAFT_METHODS if m not in CALIBRATED_METHODS)}"
+                     + (" (gptq needs calibration Hessians: use gptq_quantize / make_draft_params(hessians=...))"
+                        if method in CALIBRATED_METHODS else ""))
+
+
+def _pack(u: Array) -> Array:
+    """Codes [..., n, G, Dout] (any int/float dtype, 0..15) -> split-halves uint8 [..., n*G/2, Dout]."""
+    *lead, n, g, dout = u.shape
     u = u.astype(jnp.int32)
-    packed = (u[..., :half, :] | (u[..., half:, :] << 4)).astype(jnp.uint8)
-    return QuantizedWeight(packed=packed.reshape(*lead, din // 2, dout), scale=scale[..., 0, :], zero=zero[..., 0, :])
+    packed = (u[..., : g // 2, :] | (u[..., g // 2:, :] << 4)).astype(jnp.uint8)
+    return packed.reshape(*lead, n * g // 2, dout)
 
 
-def make_draft_params(params: Any, cfg: DraftWeightsConfig) -> Any:
+def _check_group(din: int, group_size: int) -> None:
+    if din % group_size:
+        raise ValueError(f"input dim {din} is not a multiple of the draft group size {group_size}")
+
+
+def quantize_weight(w: Array, group_size: int, method: str = "clip", scale_dtype: Any = jnp.float16) -> QuantizedWeight:
+    """Quantizes w [..., Din, Dout] (Din a multiple of group_size) to INT4 by a data-free method
+    ("clip", "minmax" or "hqq"; "gptq" is `gptq_quantize`, which needs the inputs' Hessian)."""
+    *lead, din, dout = w.shape
+    _check_group(din, group_size)
+    wf = w.astype(jnp.float32).reshape(*lead, din // group_size, group_size, dout)
+    u, scale, zero = _group_quant(wf, method, scale_dtype)
+    return QuantizedWeight(packed=_pack(u), scale=scale[..., 0, :], zero=zero[..., 0, :])
+
+
+def _inverse_cholesky_upper(h: Array, damp: float) -> Array:
+    """Upper-triangular U with U^T U = (h + d * mean(diag h) * I)^-1, float32 [n, n].
+
+    d starts at `damp` and grows x10 (GPTQ_DAMP_RETRIES times at most) while the factorization
+    fails (non-finite), as happens for a rank-deficient h from too few calibration tokens.
+    """
+    n = h.shape[0]
+    eye = jnp.eye(n, dtype=jnp.float32)
+    mean_diag = jnp.mean(jnp.diagonal(h))
+
+    def attempt(d: Array) -> Array:
+        chol = jnp.linalg.cholesky(h + d * mean_diag * eye)
+        hinv = jax.scipy.linalg.cho_solve((chol, True), eye)
+        return jnp.linalg.cholesky(hinv).T  # hinv = L L^T = U^T U with U = L^T
+
+    def retry(c: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        d, _, i = c
+        return d * 10.0, attempt(d * 10.0), i + 1
+
+    d0 = jnp.float32(damp)
+    _, u, _ = jax.lax.while_loop(lambda c: ~jnp.all(jnp.isfinite(c[1])) & (c[2] < GPTQ_DAMP_RETRIES),
+                                 retry, (d0, attempt(d0), jnp.int32(0)))
+    return u
+
+
+def gptq_quantize(w: Array, hessian: Array, group_size: int, scale_dtype: Any = jnp.float16, *,
+                  damp: float = GPTQ_DAMP, act_order: bool = GPTQ_ACT_ORDER,
+                  group_method: str = "clip") -> QuantizedWeight:
+    """GPTQ of one weight w [Din, Dout] given its inputs' Hessian [Din, Din] (X^T X / n).
+
+    Same format as `quantize_weight`. Rows are processed group by group (contiguous groups, so
+    the packed layout is unchanged); inside a group one row at a time, each row's scaled error
+    (w - q) / U_jj updating the group's later rows, and the whole group's errors then updating
+    every later row in one matmul (GPTQ's lazy batch update). `group_method` ("clip", "minmax"
+    or "hqq") sets each group's (scale, zero) from its error-updated rows; "clip" weights its
+    squared error by diag H. Rows that never see input (diag H = 0) are quantized without
+    passing error on.
+    """
+    din, dout = w.shape
+    _check_group(din, group_size)
+    if hessian.shape != (din, din):
+        raise ValueError(f"GPTQ Hessian shape {tuple(hessian.shape)}; expected ({din}, {din}) for a weight of shape {tuple(w.shape)}")
+    g, n = group_size, din // group_size
+    hp = jax.lax.Precision.HIGHEST
+    h = hessian.astype(jnp.float32)
+    diag = jnp.diagonal(h)
+    h = h + jnp.diag(jnp.where(diag > 0, 0.0, 1.0))  # dead inputs: a unit diagonal, no coupling
+    diag = jnp.diagonal(h)
+    if act_order:
+        group_order = jnp.argsort(-diag.reshape(n, g).sum(axis=1))
+        within = jnp.argsort(-diag.reshape(n, g), axis=1)
+        perm = (group_order[:, None] * g + within[group_order]).reshape(din)
+    else:
+        group_order, perm = jnp.arange(n), jnp.arange(din)
+    wp = w.astype(jnp.float32)[perm]  # [Din, Dout], rows in processing order
+    u_inv = _inverse_cholesky_upper(h[perm][:, perm], damp)
+    importance = diag[perm]
+    rows_idx = jnp.arange(g)
+    cols_idx = jnp.arange(din)
+
+    def group_step(k: Array, carry: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
+        wp, codes, scales, zeros = carry
+        start = k * g
+        rows = jax.lax.dynamic_slice(wp, (start, 0), (g, dout))
+        imp = jax.lax.dynamic_slice(importance, (start,), (g,))[:, None]
+        if group_method in ("minmax", "clip"):
+            _, scale, zero = _clip_search(rows[None], CLIP_FACTORS if group_method == "clip" else (1.0,),
+                                          scale_dtype, imp[None])
+        else:
+            _, scale, zero = _group_quant(rows[None], group_method, scale_dtype)
+        scale, zero = scale[0], zero[0]  # [1, Dout]
+        ublk = jax.lax.dynamic_slice(u_inv, (start, start), (g, g))
+
+        def row_step(j: Array, c: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            rows, q, err = c
+            wj = rows[j][None]  # [1, Dout]
+            qj = _codes(wj, scale, zero)
+            ej = (wj - _dequant(qj, scale, zero)) / ublk[j, j]
+            rows = rows - jnp.where(rows_idx > j, ublk[j], 0.0)[:, None] * ej  # later rows of this group
+            return rows, q.at[j].set(qj[0]), err.at[j].set(ej[0])
+
+        zeros_g = jnp.zeros((g, dout), jnp.float32)
+        _, q, err = jax.lax.fori_loop(0, g, row_step, (rows, zeros_g, zeros_g))
+        u_rows = jax.lax.dynamic_slice(u_inv, (start, 0), (g, din))
+        u_rows = jnp.where(cols_idx >= start + g, u_rows, 0.0)  # only rows after this group
+        wp = wp - jnp.matmul(u_rows.T, err, precision=hp)
+        codes = jax.lax.dynamic_update_slice(codes, q, (start, 0))
+        return wp, codes, scales.at[k].set(scale[0]), zeros.at[k].set(zero[0])
+
+    init = (wp, jnp.zeros((din, dout), jnp.float32), jnp.zeros((n, dout), scale_dtype), jnp.zeros((n, dout), scale_dtype))
+    _, codes, scales, zeros = jax.lax.fori_loop(0, n, group_step, init)
+    codes = codes[jnp.argsort(perm)].reshape(n, g, dout)  # back to the original row order
+    back = jnp.argsort(group_order)
+    return QuantizedWeight(packed=_pack(codes), scale=scales[back], zero=zeros[back])
+
+
+def make_draft_params(params: Any, cfg: DraftWeightsConfig, *, hessians: Any = None,
+                      progress: bool = False) -> Any:
     """Draft params: the target's, with the scoped linears (and lm_head) quantized to INT4.
 
-    The embedding and the norms are shared with the target (not copied).
+    The embedding and the norms are shared with the target (not copied). `hessians` (for the
+    CALIBRATED_METHODS): `qspec_jax.calibration.CalibrationHessians`, which computes one layer's
+    Hessians at a time (`.layer(i)` -> {"layers/wq": [Din, Din], ...}, `.head()` -> [D, D]), or
+    a mapping {"layers/wq": [L, Din, Din], ..., "lm_head": [D, D]}. `progress`: a tqdm bar.
     """
-    one = jax.jit(functools.partial(quantize_weight, group_size=cfg.group_size, method=cfg.method,
-                                    scale_dtype=jnp.dtype(cfg.scale_dtype)))
-    per_layer = jax.jit(lambda w: jax.lax.map(one, w))  # one layer at a time bounds peak memory
-    layers = params.layers.replace(**{name: per_layer(getattr(params.layers, name))
-                                      for name in DRAFT_SCOPES[cfg.scope]})
-    lm_head = params.lm_head
-    if cfg.lm_head:
-        lm_head = one(params.embed.T if params.lm_head is None else params.lm_head)
-    return params.replace(layers=layers, lm_head=lm_head)
+    from tqdm.auto import tqdm  # lazily: only this function reports progress
+
+    names = [f"layers/{n}" for n in DRAFT_SCOPES[cfg.scope]] + (["lm_head"] if cfg.lm_head else [])
+    sd = jnp.dtype(cfg.scale_dtype)
+    desc = f"INT4 draft ({cfg.method}, g{cfg.group_size})"
+    lm_head_w = params.embed.T if params.lm_head is None else params.lm_head
+    out: dict[str, Any] = {}
+    if cfg.method in CALIBRATED_METHODS:
+        missing = [k for k in names if hessians is None or k not in hessians]
+        if missing:
+            raise ValueError(
+                f"draft method {cfg.method!r} needs calibration Hessians (qspec_jax.calibration.CalibrationHessians, "
+                f"or qspec-convert --draft-method {cfg.method} --calibration-text FILE); missing: {', '.join(missing)}")
+        if hasattr(hessians, "layer"):
+            layer_h, head_h = hessians.layer, hessians.head
+        else:
+            layer_h, head_h = (lambda i: {k: hessians[k][i] for k in names if k != "lm_head"}), (lambda: hessians["lm_head"])
+        one = jax.jit(functools.partial(gptq_quantize, group_size=cfg.group_size, scale_dtype=sd))
+        # Layer by layer: a CalibrationHessians holds one layer's Hessians at a time.
+        per_layer = []
+        for i in tqdm(range(params.config.num_layers), desc=desc, unit="layer", disable=not progress):
+            h = layer_h(i)
+            per_layer.append({k: one(getattr(params.layers, k.split("/", 1)[1])[i], h[k]) for k in names if k != "lm_head"})
+        out = {k: jax.tree.map(lambda *xs: jnp.stack(xs), *[d[k] for d in per_layer]) for k in per_layer[0]}
+        if cfg.lm_head:
+            out["lm_head"] = one(lm_head_w, head_h())
+    else:
+        one = jax.jit(functools.partial(quantize_weight, group_size=cfg.group_size, method=cfg.method, scale_dtype=sd))
+        per_stack = jax.jit(lambda w: jax.lax.map(one, w))  # one layer at a time bounds peak memory
+        for k in tqdm(names, desc=desc, unit="weight", disable=not progress):
+            out[k] = one(lm_head_w) if k == "lm_head" else per_stack(getattr(params.layers, k.split("/", 1)[1]))
+    layers = params.layers.replace(**{k.split("/", 1)[1]: v for k, v in out.items() if k != "lm_head"})
+    return params.replace(layers=layers, lm_head=out.get("lm_head", params.lm_head))

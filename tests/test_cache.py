@@ -119,6 +119,33 @@ def np_unpack(packed) -> np.ndarray:
     return np.concatenate([p & 0xF, p >> 4], axis=-1)
 
 
+def np_logical_bytes(plane) -> np.ndarray:
+    """Undoes the cache's byte order (SPEC §3): in each whole 16-byte group of a row, stored byte
+    4j + i is logical byte 2j + i // 2 + 8 (i % 2)."""
+    p = np.asarray(plane)
+    n = p.shape[-1] - p.shape[-1] % 16
+    out = p.copy()
+    for q in range(n):
+        j, i = (q % 16) // 4, q % 4
+        out[..., q - q % 16 + 2 * j + i // 2 + 8 * (i % 2)] = p[..., q]
+    return out
+
+
+def np_key_codes(plane) -> np.ndarray:
+    """Cache key plane [..., S, D/2] -> codes [..., S, D] (split halves per token)."""
+    return np_unpack(np_logical_bytes(plane))
+
+
+def np_value_codes(plane, G: int) -> np.ndarray:
+    """Cache value plane [..., S, D/2] -> codes [..., S, D]: each block of G tokens is a [D, G/2]
+    byte array (channel c, token t low nibble, token t + G/2 high nibble)."""
+    p = np.asarray(plane).astype(np.int64)
+    *lead, s, dh = p.shape
+    blocks = np_logical_bytes(p.reshape(*lead, s // G, 2 * dh, G // 2))
+    tok = np.concatenate([blocks & 0xF, blocks >> 4], axis=-1)  # [..., n, D, G]
+    return np.swapaxes(tok, -1, -2).reshape(*lead, s, 2 * dh)
+
+
 def check_dequant_bounds(x, draft, target, upper, lower_b, s, z, what: str) -> None:
     """SPEC §2 bounds of the cache's dequantized draft/target values against its stored s, z,
     and the views are the formulas of the stored codes (draft: upper plane only)."""
@@ -434,12 +461,13 @@ class QuantSpecCacheMachine(RuleBasedStateMachine):
                 if qb:
                     ks = np.repeat(snap["k_scale"][layer, b][:, : qb // G], G, axis=1)
                     kz = np.repeat(snap["k_zero"][layer, b][:, : qb // G], G, axis=1)
-                    ku, klb = np_unpack(snap["k_hi"][layer, b][:, :qb]), np_unpack(snap["k_lo"][layer, b][:, :qb])
+                    ku, klb = np_key_codes(snap["k_hi"][layer, b][:, :qb]), np_key_codes(snap["k_lo"][layer, b][:, :qb])
                     check_dequant_bounds(k_true[:, :qb], kd[b, :, :qb], kt[b, :, :qb], ku, klb, ks, kz,
                                          "K " + where)
                     vs = np.repeat(snap["v_scale"][layer, b][:, :qb], HEAD_DIM, axis=-1)
                     vz = np.repeat(snap["v_zero"][layer, b][:, :qb], HEAD_DIM, axis=-1)
-                    vu, vlb = np_unpack(snap["v_hi"][layer, b][:, :qb]), np_unpack(snap["v_lo"][layer, b][:, :qb])
+                    vu = np_value_codes(snap["v_hi"][layer, b][:, :qb], G)
+                    vlb = np_value_codes(snap["v_lo"][layer, b][:, :qb], G)
                     check_dequant_bounds(v_true[:, :qb], vd[b, :, :qb], vt[b, :, :qb], vu, vlb, vs, vz,
                                          "V " + where)
                 slots = (start[b] + np.arange(nb - qb)) % R
@@ -468,6 +496,7 @@ QuantSpecCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 TestQuantSpecCacheProtocol = QuantSpecCacheMachine.TestCase
+TestQuantSpecCacheProtocol.pytestmark = [pytest.mark.slow]  # a long hypothesis state machine
 
 
 # ------------------------------------------------------------------------ protocol edge cases

