@@ -155,7 +155,7 @@ def main() -> int:
         # The cache holds the padded prompt, every new token and one verify pass of
         # spec.verify_width (= gamma_max + 1) columns; autoregressive generation sizes its cache
         # by the same formula, so both read caches of the same geometry.
-        max_len = decode_cache_len(tokens.shape[1], spec.max_new_tokens, spec.verify_width, spec.group_size)
+        max_len = decode_cache_len(tokens.shape[1], spec.max_new_tokens, spec.verify_width, spec.group_size, spec.target_kv)
         key = jax.random.PRNGKey(args.seed)
         inputs = (model.params, draft, jnp.asarray(tokens), jnp.asarray(lengths), key)
 

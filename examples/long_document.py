@@ -159,7 +159,7 @@ def main() -> int:
     spec = args.spec
     tokens, lengths = pad_prompts([ids], cfg.vocab_size)  # [1, T] padded to a bucket, [1]
     # Room for the prompt, the answer and one verify pass of gamma_max + 1 columns (a multiple of G).
-    max_len = decode_cache_len(tokens.shape[1], spec.max_new_tokens, spec.verify_width, spec.group_size)
+    max_len = decode_cache_len(tokens.shape[1], spec.max_new_tokens, spec.verify_width, spec.group_size, spec.target_kv)
     k_first, k_loop = jax.random.split(jax.random.PRNGKey(args.seed))
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
 

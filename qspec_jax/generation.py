@@ -133,12 +133,14 @@ def cache_capacity(prompt_len: int, extra: int, group_size: int) -> int:
     return int(math.ceil((prompt_len + extra) / group_size) * group_size)
 
 
-def decode_cache_len(prompt_len: int, max_new_tokens: int, width: int, group_size: int) -> int:
+def decode_cache_len(prompt_len: int, max_new_tokens: int, width: int, group_size: int, kv: str = "int8") -> int:
     """The cache length autoregressive and speculative generation both use: the padded prompt,
-    every new token, and one pass of `width` columns past them. Both use this one formula
+    every new token, and one pass of `width` columns past them, rounded up to the quantization
+    group for the hierarchical cache (`kv` "int8") and to DEFAULT_GROUP_SIZE for a dense one,
+    whose length must not depend on a group size it does not use. Both use this one formula
     (and the same ring size) so that, at the same width, their caches have the same geometry
     and the attention's reductions the same shapes."""
-    return cache_capacity(prompt_len, max_new_tokens + width, group_size)
+    return cache_capacity(prompt_len, max_new_tokens + width, group_size if kv == "int8" else DEFAULT_GROUP_SIZE)
 
 
 def eos_array(eos_ids: tuple[int, ...]) -> Array:
@@ -261,7 +263,7 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
     check_fits(cfg, lengths, config.max_new_tokens)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
-    max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size)
+    max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)
     key = jax.random.PRNGKey(0) if key is None else key
     return run_jitted(_autoregressive, (params, jnp.asarray(tokens), jnp.asarray(lengths), key),
                       dict(gen=config, eos_ids=tuple(eos), max_len=max_len), timings)

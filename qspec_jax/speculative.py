@@ -498,7 +498,8 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     draft = M.for_device(draft.replace(config=cfg))  # a no-op for drafts from load / draft_params_for
     if draft.mesh != target.mesh:
         raise ValueError("the draft params are not on the target's mesh: shard both (qspec_jax.sharding.shard)")
-    max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size)
+    max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size,
+                               config.target_kv)
     key = jax.random.PRNGKey(0) if key is None else key
     return run_jitted(_speculative, (target, draft, jnp.asarray(tokens), jnp.asarray(lengths), key),
                       dict(spec=config, eos_ids=tuple(eos), max_len=max_len), timings)

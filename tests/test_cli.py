@@ -323,7 +323,7 @@ def test_python_api_says_when_it_requantizes(tiny_chat_checkpoint: Path, monkeyp
     model = qspec_jax.load(tiny_chat_checkpoint)
     assert draft_params_for(model, SpecConfig()) is model.draft_params
     monkeypatch.setattr(speculative, "make_draft_params", lambda params, cfg: ("made", cfg))
-    monkeypatch.setattr(speculative, "for_device", lambda params: params)  # the stand-in is no Params
+    monkeypatch.setattr(speculative.M, "for_device", lambda params: params)  # the stand-in is no Params
     with pytest.warns(UserWarning, match="quantizing the INT4 draft again: the checkpoint stores"):
         made = draft_params_for(model, SpecConfig(draft_method="minmax"))
     assert made == ("made", SpecConfig(draft_method="minmax").draft_weights_config)

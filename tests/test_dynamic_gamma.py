@@ -142,6 +142,7 @@ def ar_int8(model, prompts):
     return {b: generate_autoregressive(model, prompts[:b], cfg) for b in (1, 3)}
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 @pytest.mark.parametrize("policy", ["cycle", "bass"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_dynamic_policy_equals_ar_bitwise(model, prompts, ar_int8, policy, batch):
@@ -167,6 +168,7 @@ def _cycle_steps(gamma: int, top: int, rounds: int) -> int:
     return total
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_cycle_runs_every_length_dense(model, prompts):
     """Dense cache (no flush horizon), batch 1: the rounds draft exactly the cycle 1, 2, .., gamma_max, 1, ..
     (every length), every draft made is offered to verification, and the output is AR's."""
@@ -211,6 +213,7 @@ def tiny_models():
 
 @pytest.mark.parametrize("policy,gamma,limit", [("cycle", 1, 3), ("cycle", 3, 3), ("bass", 2, 4)],
                          ids=["cycle-1-2", "cycle-3-1", "bass"])
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_dynamic_sampling_follows_target(tiny_models, policy, gamma, limit):
     """Speculative sampling with rounds of different lengths (cycle 1 then 2; cycle 3 then 1;
     BASS from 2) reproduces the target's distribution of the first three tokens."""

@@ -127,6 +127,7 @@ def check_batch_section(lines: list[str], header: str, n_rows: int, max_new: int
     return spec_ids, ar_ids
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_generate_batch_int8(tiny_chat_checkpoint):
     """Greedy speculative tokens equal the target's own greedy autoregressive tokens on the
     INT8 cache, per row, across flushes; sampled mode reports its numbers. G=16 makes prefill
@@ -153,6 +154,7 @@ def test_generate_batch_int8(tiny_chat_checkpoint):
     assert "(gamma 3, target KV int8, draft KV int4)" in out and "(KV int8, width 8)" in out  # gamma_max + 1
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_generate_batch_dense_cache_greedy_equals_autoregressive(tiny_chat_checkpoint):
     """With the dense cache nothing is quantized: greedy speculative == autoregressive over any length."""
     out = run_example("generate_batch.py", "--checkpoint", tiny_chat_checkpoint, "--kv", "bf16", "--modes", "greedy",
@@ -241,6 +243,7 @@ def check_long_document(out: str, prompt_tokens: int, group_size: int, max_new: 
     assert re.search(r"^answer: ", out, re.M)
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_long_document_tiny(tiny_chat_checkpoint, tmp_path):
     """A context past the model's max positions is clamped with a message, and the memory table
     matches the cache layout. Loaded as bfloat16 (`--dtype`), the deployment dtype: with a float32
@@ -295,6 +298,7 @@ def check_conversion(out: str, tokens: int) -> None:
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}),
                                              pytest.param("mistral", {"sliding_window": 8}, marks=pytest.mark.slow)])
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_convert_and_check_hf_dir(tiny_hf_model, arch, overrides):
     pytest.importorskip("torch")
     hf = tiny_hf_model(arch, seed=5, **overrides)
@@ -337,6 +341,7 @@ def test_convert_and_check_smollm2_gguf(smollm2_gguf_path):
 SHAPE = re.compile(r"^  (\S.*?)\s+(\w+)\[([\d, ]*)\](?:  = .*)?$")
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_lower_level_shapes_and_tokens(tiny_chat_checkpoint):
     """Every printed shape is the one the cache layout (SPEC §3) and the model config give; the
     step-by-step rounds give the target's greedy autoregressive tokens; the run includes flushes."""
@@ -406,6 +411,7 @@ def test_lower_level_shapes_and_tokens(tiny_chat_checkpoint):
 
 
 # ----------------------------------------------------------------------------- tensor_parallel
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_tensor_parallel_two_cpu_devices(tp_chat_checkpoint):
     """Sharded over 2 forced CPU devices: weights split along the documented axes, same tokens
     as one device."""

@@ -155,6 +155,7 @@ def tiny():
     return Model(config=TINY, params=M.init_random_params(TINY, jax.random.PRNGKey(0), scale=0.3))
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_step_cost_cache(tiny, tmp_path, monkeypatch):
     path = tmp_path / "sub" / "costs.json"
     calls = []
@@ -282,6 +283,7 @@ def test_gamma_auto_bad_flags(argv, message, tmp_path, capsys):
     assert line.startswith("qspec-generate: error: ") and message in line, line
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_generate_gamma_auto(tiny_chat_checkpoint, tmp_path, capsys):
     """--gamma auto measures the step costs once (cached), then: at alpha 0 every round emits one
     token for a draft step and a verify pass, slower than an AR step: it decodes autoregressively

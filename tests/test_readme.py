@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_CHECKPOINT = "checkpoints/smollm2-135m-instruct"  # what `make demo` converts
@@ -19,6 +20,7 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_readme_python_blocks_run(tiny_chat_checkpoint: Path, capsys: Any) -> None:
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 2, "the README's Python API and lower-level examples"

@@ -162,6 +162,7 @@ def test_lowers_to_triton(kw):
     assert "triton" in text
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_bench_quick_records():
     from qspec_jax.bench import w4a16 as bench
 
@@ -240,6 +241,7 @@ def test_model_decode_with_int4_kernel_matches_xla():
     assert np.abs(np.asarray(out["triton"]) - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_linear_packs_once_and_reads_a_stacked_layer_with_the_mosaic_kernel():
     """`model.for_device` fuses q|k|v and gate|up and puts INT4 weights in the Hopper layout
     exactly when the configured implementation is the Mosaic kernel, and `linear` on a

@@ -43,6 +43,7 @@ def test_minmax_dequant_error_bound(case):
     assert qw.scale.shape == (din // g, dout) and qw.scale.dtype == sd
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([32, 64, 128]))
 def test_pack_roundtrip(seed, g):
@@ -58,6 +59,7 @@ def test_pack_roundtrip(seed, g):
     np.testing.assert_array_equal(np.asarray(again.packed), packed)
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 @settings(max_examples=25, deadline=None)
 @given(weight_cases)
 def test_clip_search_never_worse_than_minmax(case):
@@ -294,6 +296,7 @@ def test_calibration_forward_matches_model_prefill(tiny_params):
     assert hs["layers/wq"] is hs["layers/wk"] is hs["layers/wv"] and hs["layers/w_gate"] is hs["layers/w_up"]
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_layerwise_hessians_equal_the_whole(tiny_params):
     """CalibrationHessians (one layer in memory) gives collect_hessians' numbers in any access
     order, and make_draft_params makes the same GPTQ draft from either."""
@@ -325,6 +328,7 @@ def test_calibration_batches_accumulate_to_the_whole(tiny_params):
         C.collect_hessians(tiny_params, bad, progress=False)
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_gptq_draft_params_for_stacked_layers(tiny_params):
     """make_draft_params("gptq") quantizes every stacked layer with its own Hessian (the
     lax.map path equals per-layer gptq_quantize) and lowers the model's output error."""

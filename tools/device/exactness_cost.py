@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from qspec_jax import model as M
 from qspec_jax.bench import e2e
