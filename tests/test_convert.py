@@ -625,9 +625,11 @@ def test_interrupt_leaves_nothing(tiny_chat_source: Path, tmp_path: Path, stage:
         worker = int(marker.read_text())
         staging = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".out.partial-")]
         assert len(staging) == 1
-        if stage == "write":  # orbax is committing: its temporary directory is there
-            assert [p.name for p in staging[0].iterdir() if "orbax-checkpoint-tmp" in p.name], \
-                sorted(p.name for p in staging[0].iterdir())
+        if stage == "write":  # orbax's save was called: its temporary directory, or (when its
+            # background commit already finished: a race, the model is tiny) the committed params
+            names = sorted(p.name for p in staging[0].iterdir())
+            assert "model_config.json" in names and \
+                any(n == "params" or "orbax-checkpoint-tmp" in n for n in names), names
         if sig == "SIGINT":
             os.killpg(proc.pid, signum)
         else:
