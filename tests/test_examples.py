@@ -310,6 +310,7 @@ def test_convert_and_check_hf_dir(tiny_hf_model, arch, overrides):
     assert not written.exists()  # the temporary checkpoint is removed at the end
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_convert_and_check_without_torch(tiny_hf_model, tmp_path):
     """Without torch the check is skipped with a note; --out keeps the checkpoint."""
     block = tmp_path / "no_torch"

@@ -208,6 +208,7 @@ def test_gptq_rank_deficient_hessian_stays_finite():
         gptq_quantize(jnp.ones((128, 8)), jnp.eye(64), 32)
 
 
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 @settings(max_examples=15, deadline=None)
 @given(weight_cases)
 def test_hqq_never_worse_than_clip(case):
