@@ -441,3 +441,15 @@ def _free_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def bitwise_logits() -> Callable[[Any, Any], bool]:
+    """check(a, b): whether two generation results (`.logits` [B, N, V], `.lengths` [B]) have
+    bit-identical logits for every emitted token of every row (`a`'s lengths)."""
+
+    def check(a: Any, b: Any) -> bool:
+        la, lb = np.asarray(a.logits), np.asarray(b.logits)
+        return all(np.array_equal(la[r, :n], lb[r, :n]) for r, n in enumerate(np.asarray(a.lengths)))
+
+    return check

@@ -46,11 +46,6 @@ def prompts():
     return [rng.integers(0, BASE.vocab_size, n).tolist() for n in LENGTHS]
 
 
-def _bitwise(a, b) -> bool:
-    la, lb = np.asarray(a.logits), np.asarray(b.logits)
-    return all(np.array_equal(la[r, :n], lb[r, :n]) for r, n in enumerate(np.asarray(a.lengths)))
-
-
 # ---------------------------------------------------------------------------- the update rule
 def bass_reference(length: int, s: int, accepted: list[int], limit: list[int], live: list[bool], *, incre: int,
                    mod: int, top: int) -> tuple[int, int, str]:
@@ -145,7 +140,7 @@ def ar_int8(model, prompts):
 @pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 @pytest.mark.parametrize("policy", ["cycle", "bass"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_dynamic_policy_equals_ar_bitwise(model, prompts, ar_int8, policy, batch):
+def test_dynamic_policy_equals_ar_bitwise(model, prompts, ar_int8, policy, batch, bitwise_logits):
     """The full method (INT4 weights + INT4 KV draft, INT8 target crossing flushes) with a draft
     length that changes every round: tokens and float32 logits equal autoregressive decoding's."""
     spec = SpecConfig(gamma=1, max_new_tokens=NEW, group_size=G, draft_group=32, draft_policy=policy,
@@ -153,7 +148,7 @@ def test_dynamic_policy_equals_ar_bitwise(model, prompts, ar_int8, policy, batch
     res = generate(model, prompts[:batch], spec)
     ref = ar_int8[batch]
     assert res.to_lists() == ref.to_lists()
-    assert _bitwise(ref, res)
+    assert bitwise_logits(ref, res)
     assert res.acceptance_rate < 1.0  # rejections happened
     assert 1.0 < res.mean_draft_length < spec.gamma_max  # the length really moved
     drafted, steps = np.asarray(res.drafted), np.asarray(res.draft_steps)
@@ -169,7 +164,7 @@ def _cycle_steps(gamma: int, top: int, rounds: int) -> int:
 
 
 @pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
-def test_cycle_runs_every_length_dense(model, prompts):
+def test_cycle_runs_every_length_dense(model, prompts, bitwise_logits):
     """Dense cache (no flush horizon), batch 1: the rounds draft exactly the cycle 1, 2, .., gamma_max, 1, ..
     (every length), every draft made is offered to verification, and the output is AR's."""
     ref = generate_autoregressive(model, prompts[:1], GenerationConfig(max_new_tokens=NEW, kv="bf16",
@@ -178,7 +173,7 @@ def test_cycle_runs_every_length_dense(model, prompts):
                       draft_policy="cycle", return_logits=True)
     res = generate(model, prompts[:1], spec)
     assert res.to_lists() == ref.to_lists()
-    assert _bitwise(ref, res)
+    assert bitwise_logits(ref, res)
     rounds = int(res.rounds[0])
     assert rounds >= spec.gamma_max  # the schedule came round to every length
     assert int(res.draft_steps[0]) == _cycle_steps(1, spec.gamma_max, rounds)

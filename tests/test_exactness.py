@@ -52,12 +52,6 @@ def prompts():
     return [rng.integers(0, BASE.vocab_size, n).tolist() for n in LENGTHS]
 
 
-def _bitwise(a, b) -> bool:
-    """Logits of every emitted token of every row identical bit for bit."""
-    la, lb = np.asarray(a.logits), np.asarray(b.logits)
-    return all(np.array_equal(la[r, :n], lb[r, :n]) for r, n in enumerate(np.asarray(a.lengths)))
-
-
 @pytest.fixture(scope="module")
 def ar_ref(model, prompts):
     """Autoregressive reference for batch 3 and batch 1 (first prompt), INT8 and dense caches."""
@@ -71,24 +65,24 @@ def ar_ref(model, prompts):
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 6])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_int8_spec_equals_ar_bitwise(model, prompts, ar_ref, gamma, batch):
+def test_int8_spec_equals_ar_bitwise(model, prompts, ar_ref, gamma, batch, bitwise_logits):
     """The full method (INT4 weights + INT4 KV draft, INT8 target) against AR-int8."""
     spec = SpecConfig(gamma=gamma, max_new_tokens=NEW, group_size=G, draft_group=32, return_logits=True)
     res = generate(model, prompts[:batch], spec)
     ref = ar_ref["int8", batch]
     assert res.to_lists() == ref.to_lists()
-    assert _bitwise(ref, res)
+    assert bitwise_logits(ref, res)
     assert res.acceptance_rate < 1.0  # rejections happened: rollback and the correction path ran
 
 
 @pytest.mark.parametrize("gamma", [2, 6])
-def test_dense_spec_equals_ar_bitwise(model, prompts, ar_ref, gamma):
+def test_dense_spec_equals_ar_bitwise(model, prompts, ar_ref, gamma, bitwise_logits):
     """Dense target cache, INT4-weight draft over the same cache."""
     spec = SpecConfig(gamma=gamma, max_new_tokens=NEW, draft_kv="bf16", target_kv="bf16", draft_group=32,
                       return_logits=True)
     res = generate(model, prompts, spec)
     assert res.to_lists() == ar_ref["bf16", 3].to_lists()
-    assert _bitwise(ar_ref["bf16", 3], res)
+    assert bitwise_logits(ar_ref["bf16", 3], res)
 
 
 def test_runs_cross_flushes(prompts):

@@ -68,12 +68,7 @@ def test_int8_cache_agrees_with_bf16_cache(model, prompt_ids, ar_int8):
         assert row_int8[:16] == row_dense
 
 
-def _bitwise_logits(a, b) -> bool:
-    la, lb = np.asarray(a.logits), np.asarray(b.logits)
-    return all(np.array_equal(la[r, :n], lb[r, :n]) for r, n in enumerate(np.asarray(a.lengths)))
-
-
-def test_full_method_equals_int8_autoregressive(model, prompt_ids):
+def test_full_method_equals_int8_autoregressive(model, prompt_ids, bitwise_logits):
     """Issue 11: INT4-weight, INT4-KV draft against the INT8 target, greedy, batch 2 of
     different lengths, across flushes: every token equal to AR-int8 and the logits of every
     emitted token bit-identical (no tolerance: verify computes what decode computes)."""
@@ -82,7 +77,7 @@ def test_full_method_equals_int8_autoregressive(model, prompt_ids):
     spec = SpecConfig(gamma=4, max_new_tokens=NEW, group_size=GROUP, eos_token_ids=(), return_logits=True)
     res = generate(model, prompt_ids, spec)
     assert res.to_lists() == ar.to_lists()
-    assert _bitwise_logits(ar, res)
+    assert bitwise_logits(ar, res)
     assert 0.3 < res.acceptance_rate < 1.0
     assert res.tokens_per_round > 1.0
 
@@ -103,7 +98,7 @@ def model_bf16(smollm2_checkpoint):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_long_prompt_default_settings_exact(model, model_bf16, dtype):
+def test_long_prompt_default_settings_exact(model, model_bf16, dtype, bitwise_logits):
     """Issue 11's report: SmolLM2 in bf16 (the default conversion's dtype) on a >= 1500-token
     prompt with the default group size 128 and gamma 4 diverged from AR-int8 at token 5. Now
     every token and every logit match, across the flush at the next multiple of 128."""
@@ -116,7 +111,7 @@ def test_long_prompt_default_settings_exact(model, model_bf16, dtype):
                                                             return_logits=True))
     res = generate(m, [ids], SpecConfig(gamma=4, max_new_tokens=new, eos_token_ids=(), return_logits=True))
     assert res.to_lists() == ar.to_lists()
-    assert _bitwise_logits(ar, res)
+    assert bitwise_logits(ar, res)
 
 
 def test_generate_cli_json(smollm2_checkpoint, capsys):
