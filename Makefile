@@ -27,7 +27,7 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 	touch $@
 
 # Converted once, then cached: INT4 draft weights are stored next to the bf16 target weights.
-$(CKPT)/qspec_checkpoint.json: $(VENV)/.installed
+$(CKPT)/qspec_checkpoint.json: | $(VENV)/.installed
 	$(BIN)/qspec-convert "$$($(BIN)/python -m qspec_jax.default_model)" $(CKPT)
 
 demo: $(CKPT)/qspec_checkpoint.json
