@@ -81,8 +81,9 @@ def median_seconds(call: Callable[[], Any], trials: int) -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("n", "view"), donate_argnums=(1,))
-def _steps(params: M.Params, cache: Any, toks: jax.Array, *, n: int, view: str) -> tuple[jax.Array, Any]:
-    """n decode passes over toks [B, T] at a fixed context (rolled back after each pass)."""
+def decode_steps(params: M.Params, cache: Any, toks: jax.Array, *, n: int, view: str) -> tuple[jax.Array, Any]:
+    """n decode passes over toks [B, T] at a fixed context (rolled back after each pass); donates
+    the cache. The step program every benchmark times and `qspec-bench profile` traces."""
     committed = cache.total_lengths()
 
     def body(_, carry):
@@ -96,7 +97,7 @@ def _steps(params: M.Params, cache: Any, toks: jax.Array, *, n: int, view: str) 
 
 def time_steps(params: M.Params, cache: Any, t: int, view: str, n: int, trials: int) -> tuple[float, Any]:
     """Median seconds per decode pass of t tokens per row (compiles on first use)."""
-    return run_steps(lambda p, c, tk: _steps(p, c, tk, n=n, view=view), params, cache, t, n, trials)
+    return run_steps(lambda p, c, tk: decode_steps(p, c, tk, n=n, view=view), params, cache, t, n, trials)
 
 
 def random_dense_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array) -> DenseKVCache:
@@ -150,7 +151,7 @@ def compile_all(programs: dict[Any, tuple[Any, tuple, dict]], workers: int = 8) 
 
 
 def run_steps(exe: Any, params: Any, cache: Any, t: int, n: int, trials: int) -> tuple[float, Any]:
-    """Median seconds per pass of a compiled `_steps` program. Returns (seconds, cache)."""
+    """Median seconds per pass of a compiled `decode_steps` program. Returns (seconds, cache)."""
     toks = jnp.full((cache.total_lengths().shape[0], t), 7, jnp.int32)
     toks, cache = exe(params, cache, toks)  # warm-up
     jax.block_until_ready(toks)
@@ -205,15 +206,15 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
         dense = jax.eval_shape(lambda k: random_dense_cache(cfg, 1, c, k), key)
         quant = jax.eval_shape(lambda k: random_quant_cache(cfg, 1, c, k), key)
         steps = dict(n=args.steps)
-        programs[("ar_bf16", c)] = (_steps, (p_abs, dense, toks(1)), dict(view="target", **steps))
+        programs[("ar_bf16", c)] = (decode_steps, (p_abs, dense, toks(1)), dict(view="target", **steps))
         if args.dense_mosaic:  # the target's bf16 linears through the Mosaic GPU kernel instead of cuBLAS
-            programs[("ar_bf16_mosaic", c)] = (_steps, (p_mosaic_abs, dense, toks(1)), dict(view="target", **steps))
-        programs[("ar_int8", c)] = (_steps, (p_abs, quant, toks(1)), dict(view="target", **steps))
-        programs[("draft", c)] = (_steps, (d_abs, quant, toks(1)), dict(view="draft", **steps))
+            programs[("ar_bf16_mosaic", c)] = (decode_steps, (p_mosaic_abs, dense, toks(1)), dict(view="target", **steps))
+        programs[("ar_int8", c)] = (decode_steps, (p_abs, quant, toks(1)), dict(view="target", **steps))
+        programs[("draft", c)] = (decode_steps, (d_abs, quant, toks(1)), dict(view="draft", **steps))
         if c in (min(args.contexts), max(args.contexts)):  # the XLA INT4 path, for comparison
-            programs[("draft_xla", c)] = (_steps, (d_xla_abs, quant, toks(1)), dict(view="draft", **steps))
+            programs[("draft_xla", c)] = (decode_steps, (d_xla_abs, quant, toks(1)), dict(view="draft", **steps))
         for g in args.gammas:
-            programs[("verify", g, c)] = (_steps, (p_abs, quant, toks(g + 1)), dict(view="target", **steps))
+            programs[("verify", g, c)] = (decode_steps, (p_abs, quant, toks(g + 1)), dict(view="target", **steps))
         if c in args.loop_contexts:
             programs[("ar_bf16_loop", c)] = (ar_loop, (p_abs, dense, first, key), dict(
                 gen=GenerationConfig(max_new_tokens=loop_new, kv="bf16"), eos_ids=()))

@@ -21,6 +21,10 @@ BENCHMARKS = {
     "e2e": ("qspec_jax.bench.e2e",
             "whole decode steps: per-phase step times, projected and measured speedups, peak memory, longest "
             "context, tensor parallelism; GPU (--quick: tiny sizes)"),
+    "profile": ("qspec_jax.bench.profile",
+                "where a decode step's time goes: GPU kernel time of the AR, draft and verify steps and of the "
+                "generation loops, by category (each linear, attention, glue, copies) against its byte floor; GPU "
+                "(--quick: tiny sizes on a CPU, no kernel events)"),
     "quality": ("qspec_jax.bench.quality",
                 "perplexity and acceptance rate of SmolLM2 on Shakespeare for each KV / draft variant "
                 "(docs/QUALITY.md); CPU or GPU"),

@@ -1,0 +1,329 @@
+"""qspec-bench profile: where a decode step's time goes, kernel by kernel, on the GPU.
+
+Runs the project's own step programs (AR-bf16 over a dense cache, the draft step over the INT4
+view, the verify pass over the INT8 view at the verify width) and real generation loops (AR and
+speculative at forced acceptance) under `jax.profiler`, reads the GPU kernel events of the trace
+and reports per step (per token for the loops):
+
+    wall         median time of the program per step (timed apart from the trace)
+    kernels      GPU kernel time summed, and the number of kernel launches
+    categories   linear (each INT4 / bf16 Mosaic shape, cuBLAS), attention, glue (every other
+                 XLA fusion), copies; each against its byte floor at the read ceiling
+
+The byte floor of a category is the fewest bytes it must read over `READ_CEILING` bytes/s: the
+weights of each linear (INT4 codes + f16 scale/zero per group, from the Mosaic kernel's name),
+the cache bytes of the attention's view, none for glue (activations are a few KB per layer).
+
+Caches hold random data at the target context (synthetic.py); weights are random with the
+Llama-3.1-8B shape (`--quick`: tiny sizes, runs on a CPU where the trace has no GPU kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qspec_jax import model as M
+from qspec_jax.bench import e2e, report
+from qspec_jax.bench.kernel import dense_bytes, quant_bytes
+from qspec_jax.cache import DEFAULT_GAMMA_MAX
+from qspec_jax.generation import GenerationConfig, autoregressive_loop
+from qspec_jax.planner import tree_bytes
+from qspec_jax.speculative import SpecConfig, speculative_loop
+from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
+
+READ_CEILING = 4.35e12  # bytes/s: the H200's measured bf16 GEMV read rate (SPEC §8)
+PROGRAMS = ("ar_bf16", "draft", "verify", "ar_loop", "spec_loop")
+CATEGORIES = ("linear", "attention", "glue", "copy")
+_MOSAIC_LINEAR = re.compile(r"(int4|bf16)_(mma|wgmma|smem)_skinny_k(\d+)_n(\d+)_g(\w+?)_s(\d+)")
+_CUBLAS = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas", re.I)
+_ATTENTION = re.compile(r"quantspec_(draft|target)_mgpu|decode_attention|dense_decode|quantized_decode|attn", re.I)
+_COPY = re.compile(r"^(memcpy|memset)|^copy[._-]|^Memcpy|^Memset", re.I)
+
+
+def log(msg: str) -> None:
+    print(f"[profile {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------- the trace
+def kernel_events(trace_dir: Path) -> list[dict[str, Any]]:
+    """GPU kernel events {name, dur_us} of the newest trace under `trace_dir` (the Perfetto JSON
+    that `jax.profiler.trace(..., create_perfetto_trace=True)` writes); [] when it has none (a
+    CPU run)."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return []
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    return gpu_events(data["traceEvents"] if isinstance(data, dict) else data)
+
+
+def gpu_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The complete ("X") events of GPU processes (their process_name names a GPU)."""
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    return [{"name": e["name"], "dur_us": float(e["dur"])} for e in events
+            if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+
+
+def classify(name: str) -> tuple[str, str, int | None]:
+    """(category, label, floor bytes or None) of a kernel name. Mosaic linears carry their shape
+    in the name, so each gets its own label and byte floor; cuBLAS kernels share one label."""
+    m = _MOSAIC_LINEAR.search(name)
+    if m:
+        kind, _, k, n, g, _ = m.groups()
+        k, n = int(k), int(n)
+        nbytes = 2 * k * n if kind == "bf16" else int(k * n * (0.5 + 4 / int(g)))
+        return "linear", f"{kind} k{k} n{n}" + (f" g{g}" if kind == "int4" else ""), nbytes
+    if _CUBLAS.search(name):
+        return "linear", "cuBLAS", None
+    if _ATTENTION.search(name):
+        return "attention", name, None
+    if _COPY.search(name):
+        return "copy", name, None
+    return "glue", name, None
+
+
+def summarize(events: list[dict[str, Any]], per: int) -> dict[str, Any]:
+    """Per-step totals of `events` (a trace of `per` steps): busy time, launches, time by
+    category and by label, each label's launches per step and (Mosaic linears) byte floor."""
+    by_label: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
+    for e in events:
+        cat, label, nbytes = classify(e["name"])
+        a = by_label[(cat, label)]
+        a[0] += e["dur_us"]
+        a[1] += 1
+        a[2] = nbytes or 0
+    labels = [{"category": cat, "label": label, "us": a[0] / per, "launches": a[1] / per,
+               "floor_us": a[2] * (a[1] / per) / READ_CEILING * 1e6 if a[2] else None}
+              for (cat, label), a in by_label.items()]
+    labels.sort(key=lambda r: -r["us"])
+    cats = {c: {"us": sum(r["us"] for r in labels if r["category"] == c),
+                "launches": sum(r["launches"] for r in labels if r["category"] == c)} for c in CATEGORIES}
+    return {"busy_us": sum(e["dur_us"] for e in events) / per, "launches": len(events) / per,
+            "categories": cats, "labels": labels}
+
+
+# ------------------------------------------------------------------------------ the floors
+def linear_floor_bytes(params: M.Params) -> int:
+    """Bytes a step's linears must read: every layer weight and the lm_head (tied: embed)."""
+    ws = [getattr(params.layers, n) for n in (*M.LINEAR_NAMES, *M.FUSED)]
+    head = params.lm_head if params.lm_head is not None else params.embed
+    return tree_bytes([w for w in ws if w is not None]) + tree_bytes(head)
+
+
+def attention_floor_bytes(cfg: Any, cache: Any, context: int, t: int, view: str) -> int:
+    """Bytes all layers' attention must move at this context (kernel.py's per-call counts)."""
+    if hasattr(cache, "k_hi"):
+        per_layer = quant_bytes(cache, context, t, cfg.num_heads, view == "target")
+    else:
+        per_layer = dense_bytes(cache.k.shape[1], cfg.num_kv_heads, context, cfg.head_dim, t, cfg.num_heads)
+    return cfg.num_layers * per_layer
+
+
+# --------------------------------------------------------------------------- the programs
+def _profile(call: Any, trace_dir: Path, per: int, trials: int) -> dict[str, Any]:
+    """Wall per step (median of `trials` timed calls) and the trace summary of one more call.
+    (For the fusions' contents, run with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text".)"""
+    jax.block_until_ready(call())  # compile + warm-up
+    walls = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        walls.append((time.perf_counter() - t0) / per)
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        jax.block_until_ready(call())
+    out = summarize(kernel_events(trace_dir), per)
+    out["wall_us"] = statistics.median(walls) * 1e6
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = (e2e.QUICK if args.quick else e2e.LLAMA31_8B)
+    key = jax.random.PRNGKey(0)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
+    draft = jax.block_until_ready(M.for_device(make_draft_params(params, dcfg)))
+    params = jax.block_until_ready(M.for_device(params))
+    floors = {"target": linear_floor_bytes(params), "draft": linear_floor_bytes(draft)}
+    first = jnp.array([7], jnp.int32)
+    ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
+    spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
+    trace_root = args.out / "traces"
+    results = []
+    for c in args.contexts:
+        dense = e2e.random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
+        quant = e2e.random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
+        steps = {  # name: (params, cache kind, T, view, linear floor)
+            "ar_bf16": (params, "dense", 1, "target", floors["target"]),
+            "draft": (draft, "quant", 1, "draft", floors["draft"]),
+            "verify": (params, "quant", args.verify_t, "target", floors["target"]),
+        }
+        caches = {"dense": dense, "quant": quant}
+        for name, (p, ck, t, view, lin_floor) in steps.items():
+            if name not in args.programs:
+                continue
+            toks = jnp.full((1, t), 7, jnp.int32)
+            state = {"cache": caches[ck]}
+
+            def call(p=p, toks=toks, view=view, state=state):
+                out, state["cache"] = e2e.decode_steps(p, state["cache"], toks, n=args.steps, view=view)
+                return out
+
+            log(f"{name} at context {c}")
+            r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
+            caches[ck] = state["cache"]
+            r.update(program=name, context=c, t=t, unit="step",
+                     floor_us={"linear": lin_floor / READ_CEILING * 1e6,
+                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / READ_CEILING * 1e6,
+                               "glue": 0.0, "copy": 0.0})
+            results.append(r)
+            show(r, args.top, cfg.num_layers)
+        loops = {
+            "ar_loop": (lambda c=caches["dense"]: ar_loop(params, c, first, key, eos_ids=(), gen=GenerationConfig(
+                max_new_tokens=args.loop_tokens, kv="bf16", width=1))),
+            "spec_loop": (lambda c=caches["quant"]: spec_loop(params, draft, c, first, key, eos_ids=(), spec=SpecConfig(
+                gamma=args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha, eos_token_ids=()))),
+        }
+        for name, call in loops.items():
+            if name not in args.programs:
+                continue
+            log(f"{name} at context {c}")
+            r = _profile(call, trace_root / f"{name}_{c}", args.loop_tokens, args.trials)
+            r.update(program=name, context=c, unit="token", floor_us={})
+            results.append(r)
+            show(r, args.top, cfg.num_layers)
+        del dense, quant, caches, loops
+    return {"config": "Llama-3.1-8B shape" if not args.quick else "tiny (--quick)", "batch": 1,
+            "draft": dcfg.to_dict(), "gamma": args.gamma, "alpha": args.alpha, "verify_t": args.verify_t,
+            "read_ceiling_bytes_per_s": READ_CEILING, "rows": results}
+
+
+# ---------------------------------------------------------------------------------- output
+def show(r: dict[str, Any], top: int, layers: int) -> None:
+    unit = r["unit"]
+    if not r["launches"]:
+        print(f"\n== {r['program']} at {r['context']}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}; the trace has no GPU "
+              "kernel events (not a GPU run)")
+        return
+    print(f"\n== {r['program']} at {r['context']}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}, kernels "
+          f"{r['busy_us'] / 1e3:.3f} ms in {r['launches']:.0f} launches/{unit} ({r['launches'] / layers:.1f} per layer)")
+    for c in CATEGORIES:
+        v = r["categories"][c]
+        fl = r["floor_us"].get(c)
+        frac = f", floor {fl / 1e3:.3f} ms ({fl / v['us']:.0%})" if fl and v["us"] else ""
+        print(f"   {c:<9} {v['us'] / 1e3:8.3f} ms  {v['launches']:6.1f} launches{frac}")
+    for lab in r["labels"][:top]:
+        fl = f"  floor {lab['floor_us']:.1f} us ({lab['floor_us'] / lab['us']:.0%})" if lab["floor_us"] else ""
+        print(f"   {lab['us']:9.1f} us  x{lab['launches']:6.1f}  [{lab['category']}] {lab['label'][:80]}{fl}")
+    sys.stdout.flush()
+
+
+def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: int) -> str:
+    parts = [f"## Profile: where a step's time goes\n\n{report.env_line(env, command)}\n",
+             f"{results['config']}, batch 1; kernel times from the GPU trace of one call, per step (per token for "
+             f"the loops); floors at {READ_CEILING / 1e12:.2f} TB/s. Draft: INT4 g{results['draft']['group_size']}; "
+             f"verify at T = {results['verify_t']}; loops: AR width 1 over a bf16 cache, QuantSpec γ = "
+             f"{results['gamma']} at forced α = {results['alpha']}.\n"]
+    rows = []
+    for r in results["rows"]:
+        cells = [r["program"], r["context"], r["wall_us"] / 1e3, r["busy_us"] / 1e3, round(r["launches"])]
+        for c in CATEGORIES:
+            v, fl = r["categories"][c], r["floor_us"].get(c)
+            cells.append(f"{v['us'] / 1e3:.3f}" + (f" ({fl / v['us']:.0%})" if fl and v["us"] else ""))
+        rows.append(cells)
+    parts.append(report.table(["program", "context", "wall ms", "kernels ms", "launches"]
+                              + [f"{c} ms (% of floor)" for c in CATEGORIES], rows))
+    for r in results["rows"]:
+        if r["program"] != "draft":
+            continue
+        parts.append(f"\nTop kernels of the draft step at {r['context']} (per step):\n")
+        parts.append(report.table(["us", "launches", "category", "kernel", "floor us"],
+                                  [[lab["us"], lab["launches"], lab["category"], lab["label"][:70],
+                                    lab["floor_us"] if lab["floor_us"] else float("nan")]
+                                   for lab in r["labels"][:top]]))
+    return "\n".join(parts)
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def _programs(s: str) -> tuple[str, ...]:
+    names = tuple(x for x in s.split(",") if x)
+    bad = [n for n in names if n not in PROGRAMS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown program(s) {bad or s!r}; choose from {','.join(PROGRAMS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qspec-bench profile", description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", type=_ints, default=(4096, 131072), help="contexts (tokens); default: 4096,131072")
+    p.add_argument("--programs", type=_programs, default=PROGRAMS, help=f"any of {','.join(PROGRAMS)} (default: all)")
+    p.add_argument("--steps", type=int, default=8, help="steps per profiled call (default: 8)")
+    p.add_argument("--trials", type=int, default=3, help="timed calls for the wall time; median (default: 3)")
+    p.add_argument("--loop-tokens", type=int, default=128, help="tokens per profiled loop (default: 128)")
+    p.add_argument("--gamma", type=int, default=4, help="draft length of the speculative loop (default: 4)")
+    p.add_argument("--alpha", type=float, default=0.9, help="forced acceptance of the speculative loop (default: 0.9)")
+    p.add_argument("--verify-t", type=int, default=DEFAULT_GAMMA_MAX + 1,
+                   help=f"tokens of the verify pass (default: {DEFAULT_GAMMA_MAX + 1}, the exact verify width)")
+    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size,
+                   help=f"INT4 draft group size (default: {DraftWeightsConfig.group_size})")
+    p.add_argument("--top", type=int, default=24, help="kernels listed per program (default: 24)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for profile.json and the traces (default: a new temporary directory)")
+    p.add_argument("--doc", type=Path, default=None, help="also rewrite the 'profile' section of this Markdown file")
+    p.add_argument("--quick", action="store_true", help="tiny model and contexts (runs on a CPU: no GPU kernels)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("steps", "trials", "loop_tokens", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 1 <= args.gamma <= DEFAULT_GAMMA_MAX:
+        parser.error(f"--gamma must be in 1..{DEFAULT_GAMMA_MAX}, got {args.gamma}")
+    if not 0.0 <= args.alpha <= 1.0:
+        parser.error(f"--alpha must be in [0, 1], got {args.alpha}")
+    if not 1 <= args.verify_t <= DEFAULT_GAMMA_MAX + 1:
+        parser.error(f"--verify-t must be in 1..{DEFAULT_GAMMA_MAX + 1}, got {args.verify_t}")
+    if args.quick:
+        args.contexts, args.steps, args.trials, args.loop_tokens = (512,), 2, 1, 16
+        args.draft_group = 64
+    args.out = args.out or Path(tempfile.mkdtemp(prefix="qspec-profile-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = report.environment()
+    command = "qspec-bench profile " + " ".join(argv)
+    results = {"environment": env, "command": command, **run(args)}
+    (args.out / "profile.json").write_text(json.dumps(results, indent=1))
+    log(f"wrote {args.out / 'profile.json'}")
+    if args.doc is not None:
+        report.update_section("profile", markdown(results, command, env, args.top), args.doc)
+        log(f"wrote the 'profile' section of {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`qspec-bench profile`: trace parsing, kernel categories and byte floors, argument checks.
+
+The GPU run itself needs a GPU (docs/BENCHMARKS.md, "Profile"); here the trace reader runs on
+a synthetic Perfetto trace with the kernel names the H200 runs produced, and the CLI on the CPU.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from qspec_jax.bench import profile as P
+from qspec_jax.cli import bench as cli
+
+NAMES = {  # real kernel names from the H200 traces (docs/bench/profile_h200.json)
+    "int4_mma_skinny_k4096_n6144_g32_s1_mosaic_gpu_kernel": ("linear", "int4 k4096 n6144 g32"),
+    "bf16_wgmma_skinny_k4096_n4096_gNone_s2": ("linear", "bf16 k4096 n4096"),
+    "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": ("linear", "cuBLAS"),
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": ("linear", "cuBLAS"),
+    "quantspec_draft_mgpu_mosaic_gpu_kernel": ("attention", None),
+    "dense_decode": ("attention", None),
+    "loop_convert_fusion": ("glue", None),
+    "input_scatter_fusion_1": ("glue", None),
+    "memcpy32_post": ("copy", None),
+    "MemcpyD2H": ("copy", None),
+}
+
+
+def test_classify_names_categories_and_floors():
+    for name, (cat, label) in NAMES.items():
+        got_cat, got_label, nbytes = P.classify(name)
+        assert got_cat == cat, name
+        if label is not None:
+            assert got_label == label, name
+    assert P.classify(next(iter(NAMES)))[2] == int(4096 * 6144 * (0.5 + 4 / 32))  # codes + f16 scale/zero
+    assert P.classify("bf16_wgmma_skinny_k4096_n4096_gNone_s2")[2] == 2 * 4096 * 4096
+    assert P.classify("loop_convert_fusion")[2] is None
+
+
+def _trace(tmp_path: Path, events: list[dict]) -> Path:
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    return tmp_path
+
+
+def test_trace_summary_per_step(tmp_path):
+    """Two steps' kernels: only GPU events count, totals and launches are per step, and a Mosaic
+    linear's floor is its bytes over the read ceiling."""
+    lin = "int4_mma_skinny_k4096_n4096_g32_s2"
+    ev = []
+    for _ in range(2):
+        ev += [{"ph": "X", "pid": 1, "tid": 1, "name": lin, "ts": 0, "dur": 8.0},
+               {"ph": "X", "pid": 1, "tid": 1, "name": "loop_add_fusion", "ts": 9, "dur": 1.5},
+               {"ph": "X", "pid": 1, "tid": 1, "name": "quantspec_target_mgpu", "ts": 11, "dur": 20.0}]
+    ev.append({"ph": "X", "pid": 2, "tid": 1, "name": "host work", "ts": 0, "dur": 500.0})  # not a kernel
+    events = P.kernel_events(_trace(tmp_path, ev))
+    assert len(events) == 6
+    s = P.summarize(events, per=2)
+    assert s["busy_us"] == pytest.approx(29.5) and s["launches"] == 3
+    assert s["categories"]["linear"] == {"us": 8.0, "launches": 1.0}
+    assert s["categories"]["glue"]["us"] == pytest.approx(1.5)
+    assert s["categories"]["attention"]["us"] == pytest.approx(20.0)
+    top = s["labels"][0]
+    assert top["category"] == "attention" and top["us"] == pytest.approx(20.0)
+    lin_row = next(r for r in s["labels"] if r["category"] == "linear")
+    assert lin_row["floor_us"] == pytest.approx(4096 * 4096 * (0.5 + 4 / 32) / P.READ_CEILING * 1e6)
+    assert P.kernel_events(tmp_path / "nothing-here") == []
+
+
+def test_floor_bytes_of_a_model():
+    """The linear floor counts every layer weight and the lm_head, not the norms."""
+    from qspec_jax import model as M
+    from qspec_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, dtype="bfloat16", tie_word_embeddings=False)
+    params = M.init_random_params(cfg, jax.random.PRNGKey(0))
+    per_layer = 32 * (32 + 2 * 16) + 32 * 32 + 3 * 32 * 48  # q|k|v, o, gate, up, down
+    assert P.linear_floor_bytes(params) == 2 * (2 * per_layer + 32 * 64)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--programs", "draft,nonsense"], "unknown program"),
+    (["--contexts", "4k"], "comma-separated integers"),
+    (["--gamma", "0"], "--gamma must be in 1.."),
+    (["--alpha", "1.5"], "--alpha must be in [0, 1]"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["profile", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # compiles a tiny model's step programs (~20 CPU-s)
+def test_quick_run_on_the_cpu(tmp_path, capsys):
+    """On a CPU the trace has no GPU kernels: the run still times the programs, says so, writes
+    its JSON where told and touches no document unless --doc is given."""
+    out = tmp_path / "prof"
+    assert cli.main(["profile", "--quick", "--programs", "draft,ar_loop", "--out", str(out)]) == 0
+    res = json.loads((out / "profile.json").read_text())
+    assert [r["program"] for r in res["rows"]] == ["draft", "ar_loop"]
+    assert all(r["wall_us"] > 0 and r["launches"] == 0 for r in res["rows"])
+    assert "no GPU kernel events" in capsys.readouterr().out
+    doc = tmp_path / "B.md"
+    assert cli.main(["profile", "--quick", "--programs", "draft", "--out", str(out), "--doc", str(doc)]) == 0
+    assert "<!-- profile:begin -->" in doc.read_text() and "| draft |" in doc.read_text()
