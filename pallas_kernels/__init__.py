@@ -1,7 +1,8 @@
 """Pallas GPU kernels for qspec-jax.
 
 `cache_attention(q, q_pos, cache, layer, *, view, sliding_window=None, interpret=None, impl="auto")`
-is the entry `qspec_jax.attention.cache_attention` dispatches to: the Mosaic GPU kernels
+is the entry `qspec_jax.attention.cache_attention` dispatches to (with `attention_inputs(q, q_pos,
+cache, view=...)`, the per-pass inputs a model computes once outside its layer loop): the Mosaic GPU kernels
 (`decode_attention_mgpu`) on Hopper, the Triton kernels (`decode_attention`) elsewhere.
 `interpret=None` runs Pallas' interpreter unless `jax.default_backend() == "gpu"`.
 """
@@ -9,6 +10,7 @@ is the entry `qspec_jax.attention.cache_attention` dispatches to: the Mosaic GPU
 from pallas_kernels.decode_attention import (
     IMPLS,
     KernelConfig,
+    attention_inputs,
     cache_attention,
     choose_impl,
     dense_decode_attention,
@@ -23,6 +25,7 @@ __all__ = [
     "IMPLS",
     "KernelConfig",
     "MgpuConfig",
+    "attention_inputs",
     "cache_attention",
     "choose_impl",
     "dense_decode_attention",

@@ -136,20 +136,46 @@ def _online_update(s_parts: list, m: Array, l: Array, vis_parts: list | None = N
     return p_parts, alpha, m_new, l
 
 
-def _group_queries(q: Array, q_pos: Array, hkv: int):
-    """q [B, T, Hq, D] -> float32 [B, Hkv, M, D] pre-scaled by 1/sqrt(D), and positions [B, M]
-    (M = rows_for(n_rep, T)): the n_rep * T real rows t-major (row = t * n_rep + j), then padding
-    rows (q = 0, position BIG_POS)."""
+def _group_queries(q: Array, hkv: int) -> Array:
+    """q [B, T, Hq, D] -> float32 [B, Hkv, M, D] pre-scaled by 1/sqrt(D) (M = rows_for(n_rep, T)):
+    the n_rep * T real rows t-major (row = t * n_rep + j), then zero padding rows."""
     b, t, hq, d = q.shape
     n_rep = hq // hkv
-    m_rows = rows_for(n_rep, t)
     qg = q.reshape(b, t, hkv, n_rep, d).astype(jnp.float32) * (d ** -0.5)
     qg = jnp.transpose(qg, (0, 2, 1, 3, 4)).reshape(b, hkv, t * n_rep, d)
-    pad = m_rows - t * n_rep
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows_for(n_rep, t) - t * n_rep), (0, 0)))
+
+
+def kernel_inputs(q_pos: Array, cache: Any, n_rep: int) -> dict[str, Array]:
+    """The kernel inputs every layer of a decode pass shares (a model computes them once per
+    pass, outside its layer loop, and passes them as `inputs=`):
+
+        meta  int32 [B, 3] (QuantSpecCache: q_len, fp_start, max query position) or [B, 1]
+              (dense cache: max query position) per row
+        pos   int32 [B, M]  position of query row t * n_rep + j; padding rows BIG_POS
+
+    q_pos: int32 [B, T]; M = rows_for(n_rep, T)."""
+    t = q_pos.shape[1]
     pos = jnp.repeat(q_pos.astype(jnp.int32), n_rep, axis=1)
-    pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=BIG_POS)
-    return qg, pos
+    pos = jnp.pad(pos, ((0, 0), (0, rows_for(n_rep, t) - t * n_rep)), constant_values=BIG_POS)
+    max_pos = jnp.max(q_pos, axis=1).astype(jnp.int32)
+    if hasattr(cache, "q_len"):
+        meta = jnp.stack([cache.q_len.astype(jnp.int32), cache.fp_start.astype(jnp.int32), max_pos], axis=1)
+    else:
+        meta = max_pos[:, None]
+    return {"meta": meta, "pos": pos}
+
+
+def _checked_inputs(inputs: dict[str, Array] | None, q_pos: Array, cache: Any, n_rep: int) -> tuple[Array, Array]:
+    if inputs is None:
+        inputs = kernel_inputs(q_pos, cache, n_rep)
+    b, t = q_pos.shape
+    expect = {"meta": (b, 3 if hasattr(cache, "q_len") else 1), "pos": (b, rows_for(n_rep, t))}
+    for name, shape in expect.items():
+        if inputs[name].shape != shape:
+            raise ValueError(f"inputs[{name!r}] has shape {inputs[name].shape}; this call needs "
+                             f"{shape} (kernel_inputs(q_pos, cache, n_rep={n_rep}))")
+    return inputs["meta"], inputs["pos"]
 
 
 def merge_partials(o: Array, m: Array, l: Array, t: int, n_rep: int, dtype: Any) -> Array:
@@ -206,7 +232,7 @@ def _logical_bytes(x: Array) -> Array:
     return jnp.transpose(y, (0, 1, 4, 2, 3)).reshape(n, w)  # (u, j, a)
 
 
-def _quant_kernel(meta_ref, pos_ref, q_ref, *refs, target: bool, fast: bool, G: int, NS: int, NR: int, R: int,
+def _quant_kernel(layer_ref, meta_ref, pos_ref, q_ref, *refs, target: bool, fast: bool, G: int, NS: int, NR: int, R: int,
                   D: int, RT: int, window: int | None, tf32: bool):
     if target:
         (khi_ref, klo_ref, vhi_ref, vlo_ref, ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref,
@@ -217,8 +243,8 @@ def _quant_kernel(meta_ref, pos_ref, q_ref, *refs, target: bool, fast: bool, G: 
     Dh, Gh = D // 2, G // 2
     dot = functools.partial(_dot, tf32=tf32)
     b, g, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = meta_ref[b, 0]
-    q_len = meta_ref[b, 1]
+    layer = layer_ref[0]
+    q_len = meta_ref[b, 0]
     f32 = jnp.float32
     cdt = jnp.float16 if fast else f32
     M = ROW_TILE
@@ -322,8 +348,8 @@ def _quant_kernel(meta_ref, pos_ref, q_ref, *refs, target: bool, fast: bool, G: 
         return tuple((acc - off * ws[:, None] + zs[:, None], m, l) for acc, m, l, zs, ws in res)
 
     def ring_part():
-        fp_start = meta_ref[b, 2]
-        max_pos = meta_ref[b, 3]
+        fp_start = meta_ref[b, 1]
+        max_pos = meta_ref[b, 2]
         n_vis = jnp.clip(max_pos - q_len + 1, 0, R)  # logical ring entries any row can see
         tiles_per = -(-(R // RING_TILE) // NR)
         t0 = (p - NS) * tiles_per
@@ -411,11 +437,12 @@ def _partials_call(kernel: Any, args: list, grid: tuple[int, int, int], m_rows: 
 def quantized_decode_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str,
                                sliding_window: int | None = None, interpret: bool | None = None,
                                config: KernelConfig | None = None, fast: bool | None = None,
-                               return_partials: bool = False):
+                               return_partials: bool = False, inputs: dict[str, Array] | None = None):
     """Attention of T query tokens over one layer of a QuantSpecCache (quantized region + ring),
     Triton kernel.
 
-    q: [B, T, Hq, D] (roped); q_pos: int32[B, T]; layer: int or traced int32 scalar.
+    q: [B, T, Hq, D] (roped); q_pos: int32[B, T]; layer: int or traced int32 scalar;
+    inputs: `kernel_inputs(q_pos, cache, n_rep)` computed once per pass (default: here).
     Returns [B, T, Hq, D] in q's dtype, or the raw partials (o, m, l) with return_partials.
     `fast` (default: q is not float32) selects float16 magic-number operands.
     """
@@ -445,15 +472,14 @@ def quantized_decode_attention(q: Array, q_pos: Array, cache: Any, layer: Array 
         fast = cfg_codes != "f32" and q.dtype != jnp.float32
     tf32 = q.dtype != jnp.float32
     ns, nr, warps, stages = _quant_config(config, batch=B, hkv=hkv, max_len=S, G=G, R=R, D=D, target=target)
-    qg, pos = _group_queries(q, q_pos, hkv)
+    qg = _group_queries(q, hkv)
     m_rows = qg.shape[2]
-    layer = jnp.asarray(layer, jnp.int32)
-    meta = jnp.stack([jnp.broadcast_to(layer, (B,)), cache.q_len.astype(jnp.int32),
-                      cache.fp_start.astype(jnp.int32), jnp.max(q_pos, axis=1).astype(jnp.int32)], axis=1)
+    meta, pos = _checked_inputs(inputs, q_pos, cache, n_rep)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     vblocks = lambda x: x.reshape(L, B, hkv, (S // G) * D, G // 2)  # noqa: E731  (free reshape)
     planes = ([cache.k_hi, cache.k_lo, vblocks(cache.v_hi), vblocks(cache.v_lo)] if target
               else [cache.k_hi, vblocks(cache.v_hi)])
-    args = [meta, pos, qg, *planes, cache.k_scale, cache.k_zero, cache.v_scale.reshape(L, B, hkv, S),
+    args = [layer, meta, pos, qg, *planes, cache.k_scale, cache.k_zero, cache.v_scale.reshape(L, B, hkv, S),
             cache.v_zero.reshape(L, B, hkv, S), cache.k_fp, cache.v_fp]
     kernel = functools.partial(_quant_kernel, target=target, fast=fast, G=G, NS=ns, NR=nr, R=R, D=D,
                                RT=m_rows // ROW_TILE, window=window, tf32=tf32)
@@ -465,11 +491,11 @@ def quantized_decode_attention(q: Array, q_pos: Array, cache: Any, layer: Array 
 
 
 # ============================================================================ dense kernel
-def _dense_kernel(meta_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, BS: int, NS: int,
+def _dense_kernel(layer_ref, meta_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, BS: int, NS: int,
                   S: int, RT: int, window: int | None, exact: bool):
     b, g, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = meta_ref[b, 0]
-    kv_len = jnp.minimum(meta_ref[b, 1] + 1, S)  # max query position + 1
+    layer = layer_ref[0]
+    kv_len = jnp.minimum(meta_ref[b, 0] + 1, S)  # max query position + 1
     M = ROW_TILE
     cdt = jnp.float32 if exact else k_ref.dtype
     pos = [pos_ref[b, pl.ds(r * M, M)] for r in range(RT)]
@@ -509,10 +535,12 @@ def _dense_kernel(meta_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
 
 def dense_decode_attention(q: Array, q_pos: Array, k: Array, v: Array, layer: Array | int, *,
                            sliding_window: int | None = None, interpret: bool | None = None,
-                           config: KernelConfig | None = None, return_partials: bool = False):
+                           config: KernelConfig | None = None, return_partials: bool = False,
+                           inputs: dict[str, Array] | None = None):
     """Causal GQA decode attention over one layer of a stacked dense cache.
 
-    q: [B, T, Hq, D]; q_pos: int32[B, T]; k, v: [L, B, Hkv, S, D] (the whole stacked cache).
+    q: [B, T, Hq, D]; q_pos: int32[B, T]; k, v: [L, B, Hkv, S, D] (the whole stacked cache);
+    inputs: `kernel_inputs(q_pos, None, n_rep)` computed once per pass (default: here).
     A query at position p sees cached positions <= p (the new tokens must already be written).
     """
     if k.shape != v.shape or k.ndim != 5:
@@ -539,13 +567,13 @@ def dense_decode_attention(q: Array, q_pos: Array, k: Array, v: Array, layer: Ar
     ns = max(1, min(ns, n_tiles))
     warps = cfg.num_warps or NUM_WARPS
     stages = cfg.num_stages or 3
-    qg, pos = _group_queries(q, q_pos, hkv)
+    qg = _group_queries(q, hkv)
     m_rows = qg.shape[2]
-    layer = jnp.asarray(layer, jnp.int32)
-    meta = jnp.stack([jnp.broadcast_to(layer, (B,)), jnp.max(q_pos, axis=1).astype(jnp.int32)], axis=1)
+    meta, pos = _checked_inputs(inputs, q_pos, None, n_rep)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_dense_kernel, BS=bs, NS=ns, S=S, RT=m_rows // ROW_TILE, window=window,
                                exact=q.dtype == jnp.float32)
-    o, m, l = _partials_call(kernel, [meta, pos, qg, k, v], (B, hkv, ns), m_rows, D, warps, stages, interpret,
+    o, m, l = _partials_call(kernel, [layer, meta, pos, qg, k, v], (B, hkv, ns), m_rows, D, warps, stages, interpret,
                              "dense_decode")
     if return_partials:
         return o, m, l
@@ -576,9 +604,26 @@ def choose_impl(impl: str, q: Array, cache: Any, view: str) -> str:
     return "mosaic" if ok else "triton"
 
 
+def attention_inputs(q: Any, q_pos: Array, cache: Any, *, view: str = "target", impl: str = "auto") -> dict[str, Array]:
+    """The per-pass inputs of the kernel `cache_attention` picks for this call (positions per
+    query row, per-row lengths), for a caller that attends every layer of a pass with the same
+    positions: computed once, outside the layer loop, and passed to each call as `inputs=`.
+    `q` may be a jax.ShapeDtypeStruct of the queries [B, T, Hq, D]."""
+    from qspec_jax.cache import QuantSpecCache  # lazy: keeps this module light
+
+    if isinstance(cache, QuantSpecCache):
+        hkv = cache.k_hi.shape[2]
+        if choose_impl(impl, q, cache, view) == "mosaic":
+            from pallas_kernels import decode_attention_mgpu as mg
+
+            return mg.kernel_inputs(q_pos, cache, q.shape[2] // hkv)
+        return kernel_inputs(q_pos, cache, q.shape[2] // hkv)
+    return kernel_inputs(q_pos, None, q.shape[2] // cache.k.shape[2])
+
+
 def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str = "target",
                     sliding_window: int | None = None, interpret: bool | None = None,
-                    config: Any = None, impl: str = "auto") -> Array:
+                    config: Any = None, impl: str = "auto", inputs: dict[str, Array] | None = None) -> Array:
     """Same semantics as `qspec_jax.attention.cache_attention` for both cache types.
 
     QuantSpecCache: `view` "draft" reads the upper planes only (INT4), "target" both (INT8);
@@ -586,6 +631,7 @@ def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, v
     elsewhere), "mosaic" or "triton"; `config` is that kernel's MgpuConfig / KernelConfig.
     `interpret=None` interprets unless the default backend is a GPU (the Mosaic kernel then
     runs its SMEM-operand twin). DenseKVCache: `view` is ignored (Triton dense kernel).
+    `inputs`: `attention_inputs(q, q_pos, cache, view=view, impl=impl)` of this pass, or None.
     """
     from qspec_jax.cache import DenseKVCache, QuantSpecCache  # lazy: keeps this module light
 
@@ -596,10 +642,11 @@ def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, v
             from pallas_kernels import decode_attention_mgpu as mg
 
             return mg.quantized_decode_attention_mgpu(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
-                                                      interpret=interpret_default(interpret), config=config)
+                                                      interpret=interpret_default(interpret), config=config,
+                                                      inputs=inputs)
         return quantized_decode_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
-                                          interpret=interpret, config=config)
+                                          interpret=interpret, config=config, inputs=inputs)
     if isinstance(cache, DenseKVCache):
         return dense_decode_attention(q, q_pos, cache.k, cache.v, layer, sliding_window=sliding_window,
-                                      interpret=interpret, config=config)
+                                      interpret=interpret, config=config, inputs=inputs)
     raise TypeError(f"unsupported cache type {type(cache).__name__}")

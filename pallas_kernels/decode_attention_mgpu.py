@@ -311,7 +311,7 @@ def _build(st: _Static):
         l_acc = l_acc * _bcast_col(alpha, shape) + functools.reduce(jnp.add, p)
         return p, m_new, alpha, l_acc
 
-    def kernel(meta_ref, pos_ref, q_ref, *refs, q_s, pos_s, qbar):
+    def kernel(layer_ref, meta_ref, pos_ref, q_ref, *refs, q_s, pos_s, qbar):
         planes = refs[: 2 * n_planes]
         ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref, o_ref, ml_ref = refs[2 * n_planes:]
         kp_refs = planes[:n_planes]  # k_hi (, k_lo): [LBH, S, Dh]
@@ -319,10 +319,10 @@ def _build(st: _Static):
         p = lax.axis_index("p")
         h = lax.axis_index("h")
         b = lax.axis_index("b")
-        layer = meta_ref[b, 0]
-        q_len = meta_ref[b, 1]
-        fp_start = meta_ref[b, 2]
-        min_pos = meta_ref[b, 3]
+        layer = layer_ref[0]
+        q_len = meta_ref[b, 0]
+        fp_start = meta_ref[b, 1]
+        min_pos = meta_ref[b, 2]
         lbh = (layer * st.B + b) * st.H + h
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, qbar.at[0])
         plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_s, qbar.at[0])
@@ -670,9 +670,37 @@ def column_tiles(n_rep: int, t: int) -> int:
     return -(-(n_rep * t) // NT)
 
 
+def kernel_inputs(q_pos: Array, cache: Any, n_rep: int) -> dict[str, Array]:
+    """The kernel inputs every layer of a decode pass shares, so a model computes them once per
+    pass, outside its layer loop (`inputs=` below):
+
+        meta  int32 [B, 3]  q_len, fp_start and the smallest query position of each row
+        pos   int32 [B, W]  the position of query column n = t * n_rep + r; padding columns BIG_POS
+
+    q_pos: int32 [B, T]. W covers the column tiles of n_rep * T columns (a multiple of 32)."""
+    b, t = q_pos.shape
+    cn = column_tiles(n_rep, t) * NT
+    pos = jnp.repeat(q_pos.astype(jnp.int32), n_rep, axis=1)
+    pos = jnp.pad(pos, ((0, 0), (0, _pos_width(cn) - t * n_rep)), constant_values=BIG_POS)
+    meta = jnp.stack([cache.q_len.astype(jnp.int32), cache.fp_start.astype(jnp.int32),
+                      jnp.min(q_pos, axis=1).astype(jnp.int32)], axis=1)
+    return {"meta": meta, "pos": pos}
+
+
+def _tree(xs: list, op: Any) -> Any:
+    """op-reduction of xs as a balanced binary tree in a fixed order: ((x0 . x1) . (x2 . x3)) ...
+    It depends on len(xs) only, so every output element is the same expression whatever the
+    other shapes; its depth is log2(P) where a left-to-right chain is P (the merge kernel is
+    latency-bound: each output element's operations run one after another)."""
+    while len(xs) > 1:
+        xs = [op(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
+    return xs[0]
+
+
 def merge_partials(o: Array, ml: Array, n_rows: int) -> Array:
-    """Log-sum-exp merge of the programs' partials, in program order (an unrolled chain of
-    elementwise operations, so every output element is the same expression whatever the shape).
+    """Log-sum-exp merge of the programs' partials: unrolled elementwise operations summed as a
+    fixed binary tree over the programs (`_tree`), so every output element is the same
+    expression whatever the shape (T never changes it).
 
     o: float32 [B, H, P, D, CN] unnormalized O^T; ml: [B, H, P, 64, CN] with m (log2 units) in
     row 0 and l in row 32. Returns float32 [B, H, D, n_rows]."""
@@ -680,26 +708,25 @@ def merge_partials(o: Array, ml: Array, n_rows: int) -> Array:
     m = ml[:, :, :, 0, :n_rows]
     l = ml[:, :, :, MT // 2, :n_rows]
     o = o[..., :n_rows]
-    m_max = m[:, :, 0]
-    for i in range(1, n_p):
-        m_max = jnp.maximum(m_max, m[:, :, i])
-    l_tot = jnp.zeros_like(m_max)
-    o_tot = jnp.zeros(o.shape[:2] + o.shape[3:], o.dtype)
-    for i in range(n_p):
-        w = jnp.exp2(m[:, :, i] - m_max)  # neutral partials (m = NEG, l = 0, o = 0) weigh 0
-        l_tot = l_tot + w * l[:, :, i]
-        o_tot = o_tot + w[:, :, None, :] * o[:, :, i]
+    m_max = _tree([m[:, :, i] for i in range(n_p)], jnp.maximum)
+    w = [jnp.exp2(m[:, :, i] - m_max) for i in range(n_p)]  # neutral partials (m = NEG, l = 0, o = 0) weigh 0
+    l_tot = _tree([w[i] * l[:, :, i] for i in range(n_p)], jnp.add)
+    o_tot = _tree([w[i][:, :, None, :] * o[:, :, i] for i in range(n_p)], jnp.add)
     return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[:, :, None, :]
 
 
 def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str,
                                     sliding_window: int | None = None, interpret: bool = False,
-                                    config: MgpuConfig | None = None, return_partials: bool = False):
+                                    config: MgpuConfig | None = None, return_partials: bool = False,
+                                    inputs: dict[str, Array] | None = None):
     """Attention of T query tokens over one layer of a QuantSpecCache (quantized region + ring),
     with the Mosaic GPU kernel. Same semantics as `qspec_jax.attention.quantized_cache_attention`.
 
     q: [B, T, Hq, D] (roped); q_pos: int32[B, T]; layer: int or traced int32 scalar.
     interpret: run the kernel in GPU interpret mode (CPU); it then uses the SMEM-operand twin.
+    inputs: `kernel_inputs(q_pos, cache, n_rep)` of this call's q_pos and cache, computed once per
+    pass by a caller that attends every layer with the same positions (default: computed here);
+    their shapes are checked, their values cannot be.
     Returns [B, T, Hq, D] in q's dtype, or the raw partials (o, ml) with return_partials.
     """
     reason = unsupported_reason(q.shape, cache, view)
@@ -733,16 +760,17 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     qg = q.astype(jnp.float32).reshape(b, t, hkv, n_rep, D) * (LOG2E / math.sqrt(D))
     qg = jnp.transpose(qg, (0, 2, 4, 1, 3)).reshape(b, hkv, D, t * n_rep)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, CN - t * n_rep)))
-    pos = jnp.repeat(q_pos.astype(jnp.int32), n_rep, axis=1)
-    pos = jnp.pad(pos, ((0, 0), (0, _pos_width(CN) - t * n_rep)), constant_values=BIG_POS)
-    layer = jnp.asarray(layer, jnp.int32)
-    meta = jnp.stack([jnp.broadcast_to(layer, (B,)), cache.q_len.astype(jnp.int32),
-                      cache.fp_start.astype(jnp.int32), jnp.min(q_pos, axis=1).astype(jnp.int32)], axis=1)
+    inputs = inputs if inputs is not None else kernel_inputs(q_pos, cache, n_rep)
+    meta, pos = inputs["meta"], inputs["pos"]
+    if meta.shape != (B, 3) or pos.shape != (B, _pos_width(CN)):
+        raise ValueError(f"inputs do not match this call: meta {meta.shape}, pos {pos.shape}; expected "
+                         f"{(B, 3)} and {(B, _pos_width(CN))} (kernel_inputs(q_pos, cache, n_rep={n_rep}))")
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     lbh = L * B * hkv
     flat = lambda x: x.reshape(lbh, *x.shape[3:])  # noqa: E731  (free: row-major reshapes)
     kplanes = [cache.k_hi, cache.k_lo] if view == "target" else [cache.k_hi]
     vplanes = [cache.v_hi, cache.v_lo] if view == "target" else [cache.v_hi]
-    args = [meta, pos, qg,
+    args = [layer, meta, pos, qg,
             *[flat(x) for x in kplanes],
             *[x.reshape(lbh, (S // G) * D, G // 2) for x in vplanes],
             flat(cache.k_scale), flat(cache.k_zero),

@@ -87,6 +87,15 @@ class MgpuConfig:
     reduce: str = "gmem"  # split-K partial sum: "gmem" (XLA, fixed order) | "cluster" (in-kernel)
     tma_view: str = "thread"  # TMA view of the code words: "thread" [128, 4] | "wide" [2, 256]
     diag: str = ""  # timing experiments on the "mma" kernel only (see _mma_stage); "" in real use
+    # Programmatic dependent launch (jax >= 0.11 launches a kernel that waits on its grid
+    # dependency with the PDL attribute): the producer streams the first `stages` weight tiles,
+    # which no earlier kernel writes, before `griddepcontrol.wait`, and only then the activation
+    # tiles, so the weight fetch can overlap the previous kernel's tail. Off by default: on the
+    # H200 it sped up back-to-back Mosaic kernels (lm_head 128.5 -> 116.4 us) but in the model,
+    # where XLA fusions (which never trigger their dependents early) sit between the linears, the
+    # draft step measured 3.25 ms with it and 3.17 ms without (docs/kernel_notes.md). Never in
+    # interpret mode.
+    pdl: bool = False
 
     def replace(self, **kw: Any) -> "MgpuConfig":
         return dataclasses.replace(self, **kw)
@@ -146,6 +155,7 @@ def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | Non
     tma_view = os.environ.get("QSPEC_W4A16_TMA_VIEW", "wide")
     if tma_view not in TMA_VIEWS:
         raise ValueError(f"QSPEC_W4A16_TMA_VIEW={tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
+    pdl = os.environ.get("QSPEC_W4A16_PDL", "0") == "1"  # QSPEC_W4A16_PDL=1: programmatic launch (A/B)
     c = lay.KB if group_size is None else lay.chunk_cols(group_size)
     tiles_k = (256, 128, 64) if kind == "int4" else (128, 64)
     best, best_key = None, None
@@ -160,7 +170,7 @@ def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | Non
                 if steps % s or (s > 1 and (steps // s < 2 or k // s < 512)):
                     continue
                 cfg = MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce,
-                                 stages=4 if kind == "int4" else 6, tma_view=tma_view)
+                                 stages=4 if kind == "int4" else 6, tma_view=tma_view, pdl=pdl)
                 key = (round(predicted_us(k, n, group_size, cfg, sms), 1), s, -wgs, -kt)
                 if best_key is None or key < best_key:
                     best, best_key = cfg, key
@@ -500,7 +510,7 @@ def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
 # ----------------------------------------------------------------------------------- kernels
 def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int, wgs: int,
             steps: int, stages: int, splits: int, g: int | None, stacked: bool, n_layers: int,
-            reduce: str, diag: str = ""):
+            reduce: str, diag: str = "", pdl: bool = False):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring."""
     it = iter(refs)
     x_gmem = next(it)
@@ -524,15 +534,12 @@ def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt
 
     @pl.when(wg == wgs)
     def _producer():
-        def step(i, carry):
-            slot = lax.rem(i, stages)
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(empty.at[slot])
-
+        def issue_x(i, slot):
             k0 = ks * k_split + i * kt
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], full.at[slot])
+
+        def issue_w(i, slot):
+            k0 = ks * k_split + i * kt
             if kind == "int4":
                 c = lay.chunk_cols(g)
                 plgpu.copy_gmem_to_smem(
@@ -546,12 +553,32 @@ def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt
                     plgpu.copy_gmem_to_smem(
                         w_gmem.at[(*lead, pl.ds(k0, kt), pl.ds((nt * wgs + cw) * lay.ROWS, lay.ROWS))],
                         w_smem.at[slot, cw], full.at[slot])
+
+        def step(i, carry):
+            slot = lax.rem(i, stages)
+
+            @pl.when(i >= stages)
+            def _():
+                plgpu.barrier_wait(empty.at[slot])
+
+            issue_w(i, slot)
+            issue_x(i, slot)
             return carry
 
-        lax.fori_loop(0, steps, step, 0)
+        first = min(stages, steps) if pdl else 0  # static: the prologue's weight tiles
+        for i in range(first):
+            issue_w(i, i)
+        if pdl:
+            plgpu.griddepcontrol_wait()  # x, written by the previous kernel, is visible after this
+        for i in range(first):
+            issue_x(i, i)
+        lax.fori_loop(first, steps, step, 0)
 
     @pl.when(wg < wgs)
     def _compute():
+        if pdl:  # every thread that stores the output waits for the earlier grid too
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
         if kind == "int4" and variant == "mma":  # register A, warp-level MMAs, no async state
             def mma_step(i, acc):
                 slot = lax.rem(i, stages)
@@ -699,7 +726,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     kernel = functools.partial(
         _kernel, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, stacked=stacked, n_layers=n_layers, reduce=reduce,
-        diag=cfg.diag)
+        diag=cfg.diag, pdl=cfg.pdl and not interpret)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()

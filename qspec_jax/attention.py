@@ -149,25 +149,39 @@ def _kernel_impl(impl: str) -> str:
     return impl if impl in ("mosaic", "triton") else "auto"
 
 
+def attention_inputs(q: Any, q_pos: Array, cache: DenseKVCache | QuantSpecCache, view: str,
+                     impl: str) -> dict[str, Array] | None:
+    """What every layer's `cache_attention` of one decode pass shares (the kernels' per-row
+    lengths and per-column positions), computed once per pass outside the layer loop; None where
+    `impl` resolves to the jnp code. `q`: the queries [B, T, Hq, D] or their ShapeDtypeStruct."""
+    if not _use_pallas(impl):
+        return None
+    import pallas_kernels
+
+    return pallas_kernels.attention_inputs(q, q_pos, cache, view=view, impl=_kernel_impl(impl))
+
+
 def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache, layer: Array,
-                    view: str, impl: str, sliding_window: int | None, mesh: Any = None) -> Array:
+                    view: str, impl: str, sliding_window: int | None, mesh: Any = None,
+                    inputs: dict[str, Array] | None = None) -> Array:
     """Attention of new queries over one layer of `cache` (which already holds their K/V).
 
     `impl` is ModelConfig.attention_impl: "pallas" uses `pallas_kernels` (Mosaic GPU kernels on
     Hopper, Triton elsewhere), "mosaic" / "triton" force one of them, "reference" the jnp code
     above, "auto" picks the kernels on GPU and the jnp code elsewhere. With a tensor-parallel
     `mesh` the kernel runs per device on its local heads; the jnp code is partitioned by XLA.
+    `inputs`: `attention_inputs(...)` of this pass (None: the kernels compute them per call).
     """
     if _use_pallas(impl):
         import pallas_kernels  # imported lazily: the CPU path needs no Triton
 
-        def attend(q, q_pos, cache, layer):
+        def attend(q, q_pos, cache, layer, inputs):
             return pallas_kernels.cache_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
-                                                  impl=_kernel_impl(impl))
+                                                  impl=_kernel_impl(impl), inputs=inputs)
 
         if mesh is not None and mesh.size > 1:
-            return spmd.sharded_cache_attention(attend, mesh, q, q_pos, cache, layer)
-        return attend(q, q_pos, cache, layer)
+            return spmd.sharded_cache_attention(attend, mesh, q, q_pos, cache, layer, inputs)
+        return attend(q, q_pos, cache, layer, inputs)
     if isinstance(cache, QuantSpecCache):
         return quantized_cache_attention(q, q_pos, cache, layer, view, sliding_window)
     k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (q.shape[0], cache.max_len))

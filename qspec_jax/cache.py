@@ -50,16 +50,28 @@ def _nbytes(x: Any) -> int:
     return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
 
 
-def _scatter_rows(buf: Array, layer: Array, slots: Array, new: Array) -> Array:
+def _scatter_rows(buf: Array, layer: Array, slots: Array, new: Array, *, contiguous: bool) -> Array:
     """Writes new[b, :, t] into buf[layer, b, :, slots[b, t]].
 
-    buf: [L, B, H, S, X]; slots: int32[B, T] (out-of-range slots are dropped);
-    new: [B, H, T, X].
+    buf: [L, B, H, S, X]; slots: int32[B, T], each in [0, S) (the caller's invariant: ring slots
+    are taken mod R, and generation sizes dense caches for every column it writes,
+    `generation.decode_cache_len`); new: [B, H, T, X].
+
+    The indices are clamped, not dropped: a dropping scatter reads the old value and selects
+    (two more kernels per layer on a GPU), a clamped one is a plain dynamic-update-slice at
+    B = T = 1. Clamping keeps a broken invariant memory-safe; it never triggers in generation.
+    `contiguous`: slots[b] are consecutive (slots[b, t] = slots[b, 0] + t); with one row the
+    write is then a dynamic-update-slice: XLA cannot prove a clamped scatter index in bounds
+    and still emits the read-and-select of a dropping scatter for it.
     """
+    if contiguous and buf.shape[1] == 1:
+        # One row of consecutive slots: a dynamic-update-slice (its start is clamped like "clip").
+        start = (jnp.asarray(layer, jnp.int32), 0, 0, slots[0, 0], 0)
+        return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), start)
     b = jnp.arange(buf.shape[1])[:, None]
     # Advanced indices on axes 0, 1, 3 are separated by a slice, so numpy rules put the
     # broadcast index dims [B, T] first: the update is [B, T, H, X].
-    return buf.at[layer, b, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="drop")
+    return buf.at[layer, b, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="clip")
 
 
 # ------------------------------------------------------------------------------------ dense
@@ -97,7 +109,8 @@ class DenseKVCache:
     def append_layer(self, layer: Array, k: Array, v: Array) -> "DenseKVCache":
         """Writes K/V [B, Hkv, T, D] of T new tokens after each row's committed tokens."""
         slots = self.next_positions(k.shape[2])
-        return self.replace(k=_scatter_rows(self.k, layer, slots, k), v=_scatter_rows(self.v, layer, slots, v))
+        return self.replace(k=_scatter_rows(self.k, layer, slots, k, contiguous=True),
+                            v=_scatter_rows(self.v, layer, slots, v, contiguous=True))
 
     def finish_prefill(self, lengths: Array) -> "DenseKVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
@@ -263,8 +276,9 @@ class QuantSpecCache:
         t = k.shape[2]
         j = self.fp_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         slots = (self.fp_start[:, None] + j) % self.ring_size
-        return self.replace(k_fp=_scatter_rows(self.k_fp, layer, slots, k),
-                            v_fp=_scatter_rows(self.v_fp, layer, slots, v))
+        one = t == 1  # a single slot never wraps around the ring
+        return self.replace(k_fp=_scatter_rows(self.k_fp, layer, slots, k, contiguous=one),
+                            v_fp=_scatter_rows(self.v_fp, layer, slots, v, contiguous=one))
 
     def advance(self, t: int | Array) -> "QuantSpecCache":
         """Commits the t most recently appended tokens of every row."""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qspec_jax.attention import cache_attention, prefill_attention
+from qspec_jax.attention import attention_inputs, cache_attention, prefill_attention
 from qspec_jax.cache import DenseKVCache, QuantSpecCache
 from qspec_jax.config import ModelConfig
 from qspec_jax.linear import StackedLayer, keep_stacked, kernel_layout_wanted, linear, to_kernel_layout
@@ -276,21 +276,26 @@ def _scan_layers(params: Params, x: Array, cache: Cache,
     """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers.
 
     Weights a kernel reads (INT4 ones, dense ones under dense_matmul_impl "mosaic") stay stacked
-    outside the scan's slicing and reach `linear` as StackedLayer, so the kernel reads its layer
+    outside the loop's slicing and reach `linear` as StackedLayer, so the kernel reads its layer
     in place instead of a per-step copy.
+
+    A `while_loop` over the layer index (XLA sees a known trip count, as for a scan) rather than a
+    scan over `arange(L)`: the kernels then take the loop's own induction variable as their layer
+    operand, where a scanned index costs a dynamic-slice kernel per layer on a GPU.
     """
     impl = params.config.dense_matmul_impl
     stacked = {n: w for n, w in vars(params.layers).items() if keep_stacked(w, impl)}
-    scanned = params.layers.replace(**{n: None for n in stacked})
+    sliced = params.layers.replace(**{n: None for n in stacked})
 
-    def body(carry, xs):
-        x, cache = carry
-        lp, i = xs
+    def body(carry):
+        i, x, cache = carry
+        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), sliced)
         lp = lp.replace(**{n: StackedLayer(w, i) for n, w in stacked.items()})
-        return layer_fn(lp, x, cache, i), None
+        x, cache = layer_fn(lp, x, cache, i)
+        return i + 1, x, cache
 
-    idx = jnp.arange(params.config.num_layers, dtype=jnp.int32)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (scanned, idx))
+    n_layers = params.config.num_layers
+    _, x, cache = jax.lax.while_loop(lambda c: c[0] < n_layers, body, (jnp.int32(0), x, cache))
     return x, cache
 
 
@@ -357,12 +362,15 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
         tokens = jnp.pad(tokens, ((0, 0), (0, width - t)))
     positions = cache.next_positions(tokens.shape[1])
     x = params.embed[tokens]
+    b, w = tokens.shape
+    q_struct = jax.ShapeDtypeStruct((b, w, cfg.num_heads, cfg.head_dim), x.dtype)
+    inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
 
     def layer(lp, x, cache, i):
         q, k, v = _qkv(cfg, lp, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), positions, params.mesh)
         cache = cache.append_layer(i, k, v)
         attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
-                               mesh=params.mesh)
+                               mesh=params.mesh, inputs=inputs)
         return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh)[0], cache
 
     x, cache = _scan_layers(params, x, cache, layer)

@@ -244,15 +244,18 @@ class _SpecState:
 # --------------------------------------------------------------------------------- phases
 def draft_tokens(draft_params: M.Params, pending: Array, cache: Any, key: Array, spec: SpecConfig,
                  steps: Array | int | None = None) -> tuple[Array, Array | None, Any]:
-    """`steps` draft steps (a traced int32 scalar, 0..spec.draft_slots; default gamma) from the
-    pending token, in a `lax.while_loop` that stops after them.
+    """`steps` draft steps from the pending token (default gamma): a Python int runs a loop of
+    that static trip count; a traced int32 scalar (0..spec.draft_slots) a `lax.while_loop` that
+    stops after them. On a GPU a loop of unknown trip count copies its predicate to the host
+    every iteration and the device idles while the host launches the next one, so the fixed
+    draft length uses the static loop.
 
     Returns (g int32[B, draft_slots], draft logits float32[B, draft_slots, V] or None when greedy,
     cache). Slots past `steps` hold PAD_ID (and zero logits).
     """
     b, slots, vocab = pending.shape[0], spec.draft_slots, draft_params.config.vocab_size
     greedy = spec.sampling.greedy
-    steps = jnp.asarray(spec.gamma if steps is None else steps, jnp.int32)
+    steps = spec.gamma if steps is None else steps
 
     def body(carry):
         i, tok, cache, g, q = carry
@@ -266,7 +269,11 @@ def draft_tokens(draft_params: M.Params, pending: Array, cache: Any, key: Array,
 
     g0 = jnp.full((b, slots), PAD_ID, jnp.int32)
     q0 = None if greedy else jnp.zeros((b, slots, vocab), jnp.float32)
-    _, _, cache, g, q = jax.lax.while_loop(lambda c: c[0] < steps, body, (jnp.int32(0), pending, cache, g0, q0))
+    init = (jnp.int32(0), pending, cache, g0, q0)
+    if isinstance(steps, int):
+        _, _, cache, g, q = jax.lax.fori_loop(0, steps, lambda _, c: body(c), init)
+    else:
+        _, _, cache, g, q = jax.lax.while_loop(lambda c: c[0] < steps, body, init)
     return g, q, cache
 
 
@@ -411,7 +418,10 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
         # in full precision where autoregressive decoding sees it quantized.
         d = s.draft_len
         limit = jnp.clip(s.cache.tokens_until_flush() - 1, 0, d) if spec.exact else jnp.broadcast_to(d, (b,))
-        steps = jnp.max(jnp.where(live, limit, 0))  # drafts past every live row's limit are never verified
+        if spec.draft_policy == "fixed":  # a static trip count (draft_tokens); drafts past a row's limit are
+            steps = spec.gamma            # never verified (rounds at a flush horizon draft a few for nothing)
+        else:  # drafts past every live row's limit are never verified
+            steps = jnp.max(jnp.where(live, limit, 0))
         g, q_logits, cache = draft_tokens(draft, s.pending, s.cache, k_draft, spec, steps)
         verify_in = jnp.concatenate([s.pending[:, None], g], axis=1)  # [B, draft_slots + 1] = verify_width
         p_logits, cache = M.decode(target, verify_in, cache.rollback(committed), view="target",

@@ -41,11 +41,12 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callab
 
 
 def sharded_cache_attention(attend: Callable, mesh: Mesh, q: jax.Array, q_pos: jax.Array, cache: Any,
-                            layer: jax.Array) -> jax.Array:
-    """Runs `attend(q, q_pos, cache, layer)` per device on its local query and KV heads."""
+                            layer: jax.Array, inputs: Any = None) -> jax.Array:
+    """Runs `attend(q, q_pos, cache, layer, inputs)` per device on its local query and KV heads
+    (`inputs`, the kernels' per-row arrays, are replicated)."""
     head = P(None, None, TP)
-    return shard_map(attend, mesh, in_specs=(head, P(), cache_specs(cache), P()), out_specs=head)(
-        q, q_pos, cache, layer)
+    specs = (head, P(), cache_specs(cache), P(), jax.tree.map(lambda _: P(), inputs))
+    return shard_map(attend, mesh, in_specs=specs, out_specs=head)(q, q_pos, cache, layer, inputs)
 
 
 def sharded_matmul(matmul: Callable, mesh: Mesh, x: jax.Array, w: Any, layer: jax.Array | None,

@@ -288,6 +288,34 @@ def test_dispatch():
     np.testing.assert_array_equal(np.asarray(via_model, np.float32), np.asarray(direct, np.float32))
 
 
+@pytest.mark.slow  # interpret-mode kernels: full suite only
+def test_per_pass_inputs_match_per_call_ones():
+    """`attention_inputs` computed once per pass (what `model.decode` does outside its layer
+    loop) gives the kernels exactly what they compute per call: the same bits from the Mosaic
+    twin and the Triton kernel, for both views and every layer; inputs of another shape (here
+    made for one row of two) are refused with the shapes named."""
+    cache = shared_cache(64, 64, 3)
+    q, q_pos = _queries(jax.random.PRNGKey(21), cache, 3, 6, 64)
+    for impl in ("mosaic", "triton"):
+        for view in ("draft", "target"):
+            inputs = pk.attention_inputs(jax.ShapeDtypeStruct(q.shape, q.dtype), q_pos, cache, view=view, impl=impl)
+            assert inputs["meta"].shape == (2, 3)
+            for layer in (0, 1):
+                f = jax.jit(lambda q, p, c, i, l=layer, v=view, im=impl: pk.cache_attention(
+                    q, p, c, jnp.int32(l), view=v, impl=im, interpret=True, inputs=i))
+                np.testing.assert_array_equal(np.asarray(f(q, q_pos, cache, inputs), np.float32),
+                                              np.asarray(f(q, q_pos, cache, None), np.float32))
+    one_row = cache.replace(q_len=cache.q_len[:1], fp_len=cache.fp_len[:1], fp_start=cache.fp_start[:1])
+    other = pk.attention_inputs(q[:1], q_pos[:1], one_row, view="draft", impl="mosaic")
+    with pytest.raises(ValueError, match="inputs do not match"):
+        pk.cache_attention(q, q_pos, cache, jnp.int32(0), view="draft", impl="mosaic", interpret=True,
+                           inputs=other)
+    other = pk.attention_inputs(q[:1], q_pos[:1], one_row, view="draft", impl="triton")
+    with pytest.raises(ValueError, match=r"inputs\['meta'\] has shape"):
+        pk.cache_attention(q, q_pos, cache, jnp.int32(0), view="draft", impl="triton", interpret=True,
+                           inputs=other)
+
+
 # ----------------------------------------------------------------------------- CUDA lowering
 LOWER_SCRIPT = textwrap.dedent("""
     import sys

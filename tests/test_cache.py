@@ -615,3 +615,27 @@ def test_cache_bytes_int8_smaller_than_bf16():
         assert sum(int8.values()) < 0.6 * sum(bf16.values())  # SPEC §8: INT8 ~0.53x of bf16 KV
     with pytest.raises(ValueError):
         cache_bytes("fp8", cfg, 1, 1024)
+
+
+def test_single_row_writes_match_the_batched_scatter():
+    """One row's appends take a dynamic-update-slice path (dense cache: any T; ring: T = 1); they
+    place K/V exactly where the batched scatter places the same row's."""
+    rng = np.random.default_rng(5)
+    cfg = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=NUM_LAYERS, num_heads=HKV,
+                      num_kv_heads=HKV, head_dim=HEAD_DIM, dtype="float32")
+    for t in (1, 3):
+        k = jnp.asarray(rng.standard_normal((2, HKV, t, HEAD_DIM)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((2, HKV, t, HEAD_DIM)), jnp.float32)
+        dense = DenseKVCache.init(cfg, 2, 32).rollback(jnp.array([5, 9], jnp.int32))
+        both = dense.append_layer(1, k, v)
+        one = DenseKVCache.init(cfg, 1, 32).rollback(jnp.array([9], jnp.int32)).append_layer(1, k[1:], v[1:])
+        np.testing.assert_array_equal(np.asarray(one.k[:, 0]), np.asarray(both.k[:, 1]))
+        np.testing.assert_array_equal(np.asarray(one.v[1, 0, :, 9:9 + t]), np.asarray(v[1]))
+        ring = QuantSpecCache.init(cfg, 2, 256, group_size=32, gamma_max=4).replace(
+            fp_len=jnp.array([3, 35], jnp.int32), fp_start=jnp.array([7, 60], jnp.int32))
+        rb = ring.append_layer(0, k, v)
+        r1 = QuantSpecCache.init(cfg, 1, 256, group_size=32, gamma_max=4).replace(
+            fp_len=jnp.array([35], jnp.int32), fp_start=jnp.array([60], jnp.int32)).append_layer(0, k[1:], v[1:])
+        np.testing.assert_array_equal(np.asarray(r1.k_fp[:, 0]), np.asarray(rb.k_fp[:, 1]))
+        slots = [(60 + 35 + j) % ring.ring_size for j in range(t)]  # slot 95 of 96, then 0, 1: T = 3 wraps
+        np.testing.assert_array_equal(np.asarray(r1.v_fp[0, 0][:, slots]), np.asarray(v[1]))

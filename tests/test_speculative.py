@@ -138,3 +138,27 @@ def test_bad_inputs(tiny):
 def test_spec_config_is_static_and_hashable():
     a, b = SpecConfig(gamma=3), dataclasses.replace(SpecConfig(), gamma=3)
     assert a == b and hash(a) == hash(b)
+
+
+def test_fixed_draft_length_runs_a_static_loop(tiny):
+    """A fixed draft length drafts in a loop of static trip count (on a GPU a loop of unknown trip
+    count syncs with the host every iteration); a traced length keeps the while loop. Both give
+    the same drafts."""
+    from qspec_jax.cache import DenseKVCache
+    from qspec_jax.speculative import draft_tokens
+
+    spec = SpecConfig(gamma=3, max_new_tokens=8, **EXACT)
+    cache = DenseKVCache.init(TINY, 2, 64)
+    _, cache = M.prefill(tiny.params, np.array([[3, 5, 7, 9], [2, 4, 6, 8]], np.int32),
+                         np.array([4, 3], np.int32), cache)
+    pending = np.array([11, 13], np.int32)
+    key = jax.random.PRNGKey(3)
+    static = jax.make_jaxpr(lambda c: draft_tokens(tiny.params, pending, c, key, spec, steps=3))(cache)
+    traced = jax.make_jaxpr(lambda c, n: draft_tokens(tiny.params, pending, c, key, spec, steps=n))(cache, 3)
+    outer = lambda jaxpr: {e.primitive.name for e in jaxpr.jaxpr.eqns}  # noqa: E731
+    assert "while" not in outer(static) and "scan" in outer(static)
+    assert "while" in outer(traced)
+    g_static, _, _ = draft_tokens(tiny.params, pending, cache, key, spec, steps=3)
+    g_traced, _, _ = jax.jit(lambda c, n: draft_tokens(tiny.params, pending, c, key, spec, steps=n))(cache, 3)
+    np.testing.assert_array_equal(np.asarray(g_static), np.asarray(g_traced))
+    assert (np.asarray(g_static)[:, :3] != PAD_ID).any()

@@ -540,3 +540,23 @@ def test_bench_quick_runs_the_mosaic_twins():
     assert len(summary) == 1 and summary[0][:4] == ["tiny", "128x64", 32, 3]
     with pytest.raises(ValueError, match="unknown impls"):
         bench.run(quick=True, impls=("cublas",), log=lambda s: None)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_programmatic_dependent_launch_is_opt_in(pdl):
+    """MgpuConfig(pdl=True) puts a grid-dependency wait (and the early trigger) into the kernel
+    (jax >= 0.11 then launches it with the PDL attribute); the default kernel has neither. The
+    interpret-mode twin never waits (the interpreter has no grid dependencies)."""
+    k, n, g = 512, 128, 32
+    w = lay.W4A16Packed(qw=jax.ShapeDtypeStruct((n // 64, k // 64, 128, 4), jnp.uint32),
+                        sz=jax.ShapeDtypeStruct((n // 64, k // 64, 64 * 64 // g), jnp.uint32), group_size=g)
+    cfg = mg.MgpuConfig(wgs=1, k_tile=128, splits=1, pdl=pdl)
+    text = _lower(lambda x, w: mg.int4_matmul_mgpu(x, w, config=cfg, interpret=False),
+                  jax.ShapeDtypeStruct((1, k), jnp.bfloat16), w)
+    assert ("griddepcontrol.wait" in text) == pdl
+    assert ("griddepcontrol.launch_dependents" in text) == pdl
+    assert mg.default_config(k, n, g).pdl is False
+    p = lay.pack_quantized(_qweight(51, (), k, n, g))
+    x = _x(52, 3, k)
+    twin = mg.int4_matmul_mgpu(x, p, config=cfg.replace(reduce="gmem"), variant="smem", interpret=True)
+    assert _rel(twin, _oracle(x, p)) < 2e-2

@@ -1,0 +1,153 @@
+"""Launch-shape sweep of the Mosaic GPU INT4 skinny GEMM (pallas_kernels/w4a16_mgpu.py) on the
+8B draft's shapes, to replace `default_config`'s cost model by measured choices. Not in CI.
+
+    PYTHONPATH=. python3 tools/device/w4a16_config_sweep.py [--m 1] [--group 32] [--budget 240] > sweep.log
+
+For each shape and each valid MgpuConfig (warpgroups, k tile, splits, reduction, pipeline depth)
+it times the kernel in an in-device loop over enough weight copies to defeat the 60 MB L2 (each
+call chained after the previous one by an optimization barrier, as in `qspec-bench w4a16`),
+checks the output of the fastest config against the default config's (same K order in both:
+every split-K sum is p[0] + p[1] + ..., so equal configs of equal splits agree bitwise and
+others within float32 rounding), and prints one table per shape plus a JSON line of the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+import qspec_jax  # noqa: E402,F401  (XLA flags)
+from pallas_kernels import w4a16_layout as lay  # noqa: E402
+from pallas_kernels import w4a16_mgpu as mg  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+          "lm_head": (4096, 128256)}
+L2_DEFEAT = 240 << 20
+
+
+def weights(key, k, n, g, copies):
+    out = []
+    for c in range(copies):
+        kc = jax.random.fold_in(key, c)
+        packed = jax.random.bits(kc, (k // 2, n), jnp.uint8)
+        scale = jax.random.uniform(jax.random.fold_in(kc, 1), (k // g, n), jnp.float32, 0.005, 0.02).astype(jnp.float16)
+        zero = jax.random.uniform(jax.random.fold_in(kc, 2), (k // g, n), jnp.float32, -0.1, 0.0).astype(jnp.float16)
+        out.append(lay.pack_fields(packed, scale, zero))
+    return out
+
+
+def time_config(cfg, x, ws, iters, trials=5):
+    def op(xi, w):
+        return mg.int4_matmul_mgpu(xi, w, config=cfg)
+
+    def f(x, ws):
+        def body(i, carry):
+            xc, ys = carry
+            ws_i, _ = lax.optimization_barrier((ws, i))
+            prev, out = None, []
+            for w in ws_i:
+                xi = xc
+                if prev is not None:
+                    xi, _ = lax.optimization_barrier((xc, prev))
+                prev = op(xi, w)
+                out.append(prev)
+            return lax.optimization_barrier((xc, tuple(out)))
+        y0 = tuple(jnp.zeros((x.shape[0], w.n), jnp.bfloat16) for w in ws)
+        return lax.fori_loop(0, iters, body, (x, y0))[1]
+
+    exe = jax.jit(f).lower(x, ws).compile()
+    ys = exe(x, ws)
+    jax.block_until_ready(ys)
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(x, ws))
+        ts.append((time.perf_counter() - t0) / (iters * len(ws)))
+    return statistics.median(ts), ys[0]
+
+
+def configs(k, n, g):
+    c = lay.chunk_cols(g)
+    for wgs in (2, 1):
+        if n % (lay.ROWS * wgs):
+            continue
+        for kt in (256, 128):
+            if kt % c or k % kt:
+                continue
+            steps = k // kt
+            for s in (1, 2, 4, 8, 16):
+                if steps % s or (s > 1 and steps // s < 2):
+                    continue
+                for reduce in (("cluster", "gmem") if 1 < s <= mg.MAX_CLUSTER else ("gmem",)):
+                    for stages in (4, 6):
+                        yield mg.MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce, stages=stages,
+                                            tma_view="wide")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole sweep")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="time only the default config, with and without programmatic dependent launch")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    key = jax.random.PRNGKey(0)
+    best_all = {}
+    for name in args.shapes.split(","):
+        k, n = SHAPES[name]
+        g = args.group
+        nbytes = int(k * n * (0.5 + 4 / g))
+        copies = max(1, min(8, -(-L2_DEFEAT // nbytes)))
+        ws = weights(key, k, n, g, copies)
+        x = jax.random.normal(jax.random.fold_in(key, 99), (args.m, k), jnp.float32).astype(jnp.bfloat16)
+        iters = max(2, int(2e-3 / (nbytes / 3e12) / copies))
+        default = mg.default_config(k, n, g, reduce=mg._reduce_mode(args.m, False))
+        rows = []
+        ref = None
+        candidates = ([default, default.replace(pdl=not default.pdl)] if args.pdl_ab
+                      else [default, *[c for c in configs(k, n, g) if c != default]])
+        for cfg in candidates:
+            if time.perf_counter() - t_start > args.budget:
+                print(f"  budget reached; {name} partially swept", flush=True)
+                break
+            try:
+                sec, y = time_config(cfg, x, ws, iters)
+            except Exception as e:  # noqa: BLE001 - an invalid launch is a result of the sweep
+                print(f"  {name} {cfg} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            if ref is None:
+                ref = y.astype(jnp.float32)
+            err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+            rows.append((sec * 1e6, cfg, err))
+            print(f"  {name:8s} {sec * 1e6:8.2f} us {nbytes / sec / 1e12:5.2f} TB/s  rel {err:.1e}  "
+                  f"wgs{cfg.wgs} kt{cfg.k_tile} S{cfg.splits} {cfg.reduce} st{cfg.stages} pdl={cfg.pdl}"
+                  f"{'  (default)' if cfg == default else ''}", flush=True)
+        if not rows:
+            continue
+        rows.sort(key=lambda r: r[0])
+        us, cfg, err = rows[0]
+        d_us = next(r[0] for r in rows if r[1] == default) if any(r[1] == default for r in rows) else float("nan")
+        best_all[name] = {"k": k, "n": n, "g": g, "m": args.m, "best_us": us, "default_us": d_us,
+                          "floor_us": nbytes / 4.35e12 * 1e6, "rel_err_vs_default": err,
+                          "best": {"wgs": cfg.wgs, "k_tile": cfg.k_tile, "splits": cfg.splits,
+                                   "reduce": cfg.reduce, "stages": cfg.stages, "pdl": cfg.pdl}}
+        print(f"== {name}: best {us:.2f} us (default {d_us:.2f}, floor {nbytes / 4.35e12 * 1e6:.2f}) {cfg}", flush=True)
+    print("BEST " + json.dumps(best_all), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
