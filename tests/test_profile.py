@@ -114,3 +114,21 @@ def test_quick_run_on_the_cpu(tmp_path, capsys):
     doc = tmp_path / "B.md"
     assert cli.main(["profile", "--quick", "--programs", "draft", "--out", str(out), "--doc", str(doc)]) == 0
     assert "<!-- profile:begin -->" in doc.read_text() and "| draft |" in doc.read_text()
+
+
+def test_torch_decode_peer_step_runs_on_the_cpu():
+    """The PyTorch peer's decode step (bf16 weights) on a tiny shape on the CPU: it writes the new
+    K/V at the current position, attends over the cache up to it, and returns a token; without
+    CUDA the CLI records a skip instead of failing."""
+    torch = pytest.importorskip("torch")
+    from qspec_jax.bench import torch_decode as T
+
+    shape = dict(hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=50, rope_theta=1e4, eps=1e-5)
+    m = T.build("bf16", 7, 32, shape=shape, device="cpu")
+    before = m["k"].clone()
+    tok = T.step_fn(m)(torch.tensor([3]))
+    assert tok.shape == (1,) and 0 <= int(tok) < 50
+    assert not torch.equal(m["k"][:, :, :, 7], before[:, :, :, 7])  # slot 7 (the position) written
+    assert torch.equal(m["k"][:, :, :, :7], before[:, :, :, :7])
+    if not torch.cuda.is_available():
+        assert T.main(["--contexts", "64", "--weights", "bf16"]) == 0

@@ -14,6 +14,10 @@ Parts (select with --parts):
 Caches for the 8B parts are filled with random data at the target context (a 128k prefill
 would only add minutes of setup); step times do not depend on the values.
 
+The autoregressive baselines are the fastest AR loops (one token column per pass, width 1): the
+speedup's denominator. (AR at the verify width, GenerationConfig's default, computes bit for
+bit what speculative decoding's target computes, at some cost; it is not the baseline.)
+
 Timing (SPEC §7): each measurement runs n steps inside one jitted loop and is repeated; the
 median is reported. Loop tokens/s use the difference of two loop lengths, which cancels the
 fixed cost of a call.
@@ -217,9 +221,9 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
             programs[("verify", g, c)] = (decode_steps, (p_abs, quant, toks(g + 1)), dict(view="target", **steps))
         if c in args.loop_contexts:
             programs[("ar_bf16_loop", c)] = (ar_loop, (p_abs, dense, first, key), dict(
-                gen=GenerationConfig(max_new_tokens=loop_new, kv="bf16"), eos_ids=()))
+                gen=GenerationConfig(max_new_tokens=loop_new, kv="bf16", width=1), eos_ids=()))
             programs[("ar_int8_loop", c)] = (ar_loop, (p_abs, quant, first, key), dict(
-                gen=GenerationConfig(max_new_tokens=loop_new, kv="int8"), eos_ids=()))
+                gen=GenerationConfig(max_new_tokens=loop_new, kv="int8", width=1), eos_ids=()))
             for a in args.alphas:
                 programs[("spec_loop", args.loop_gamma, a, c)] = (spec_loop, (p_abs, d_abs, quant, first, key), dict(
                     spec=SpecConfig(gamma=args.loop_gamma, max_new_tokens=loop_new, forced_acceptance=a,
@@ -358,6 +362,52 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": str(args.smollm_checkpoint), "gamma": args.smollm_gamma, "rows": rows}
 
 
+# ------------------------------------------------------------------------------ part: batch
+def batch_lengths(batch: int, context: int) -> np.ndarray:
+    """Rows of different prompt lengths, evenly from context/2 to context (BASS's setting)."""
+    return np.linspace(context // 2, context, batch).astype(np.int32)
+
+
+def part_batch(args: argparse.Namespace) -> dict[str, Any]:
+    """AR-bf16 (width 1, dense cache) and QuantSpec (forced per-row acceptance, INT8 cache)
+    generation loops of the 8B shape at batch `--batch-size`, rows of different lengths. Tokens/s
+    counts every row's emitted tokens once (SPEC §7)."""
+    cfg = bench_config(args)
+    key = jax.random.PRNGKey(0)
+    b = args.batch_size
+    params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
+    draft = jax.block_until_ready(M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=args.draft_group))))
+    params = jax.block_until_ready(M.for_device(params))
+    first = jnp.full((b,), 7, jnp.int32)
+    gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1)
+    ar = jax.jit(functools.partial(autoregressive_loop, gen=gen, eos_ids=()))
+    rows = []
+    for c in args.batch_contexts:
+        lengths = batch_lengths(b, c)
+        row: dict[str, Any] = {"batch": b, "context": c, "lengths": lengths.tolist()}
+        dense = synthetic.random_dense_cache(cfg, b, c, jax.random.fold_in(key, c), extra_slots=EXTRA_SLOTS,
+                                             lengths=lengths)
+        res = ar(params, dense, first, key)
+        row["ar_bf16_tok_s"] = float(np.sum(np.asarray(res.lengths))) / median_seconds(
+            functools.partial(ar, params, dense, first, key), args.trials)
+        del dense
+        quant = synthetic.random_quant_cache(cfg, b, c, jax.random.fold_in(key, c + 1), extra_slots=EXTRA_SLOTS,
+                                             lengths=lengths)
+        for a in args.alphas:
+            spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens, forced_acceptance=a,
+                              eos_token_ids=())
+            sp = jax.jit(functools.partial(speculative_loop, spec=spec, eos_ids=()))
+            res = sp(params, draft, quant, first, key)
+            secs = median_seconds(functools.partial(sp, params, draft, quant, first, key), args.trials)
+            row[f"spec_a{a}_tok_s"] = float(np.sum(np.asarray(res.lengths))) / secs
+            row[f"spec_a{a}_tokens_per_round"] = res.tokens_per_round
+            row[f"spec_a{a}_vs_ar"] = row[f"spec_a{a}_tok_s"] / row["ar_bf16_tok_s"]
+        del quant
+        log(json.dumps(row))
+        rows.append(row)
+    return {"gamma": args.loop_gamma, "tokens": args.loop_tokens, "rows": rows}
+
+
 # ----------------------------------------------------------------------------- part: memory
 def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config(args)
@@ -475,6 +525,25 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ main
+def torch_peer(contexts: Sequence[int], group: int, out: Path) -> dict[str, Any]:
+    """The PyTorch CUDA-graph decode step (`torch_decode`) at each context, bf16 and int4
+    tinygemm weights, in a child process started before this one touches the GPU (both
+    frameworks take most of its memory). Records of a machine without torch say "skipped"."""
+    import subprocess
+
+    path = out / "torch_decode.json"
+    cmd = [sys.executable, "-m", "qspec_jax.bench.torch_decode", "--contexts", ",".join(map(str, contexts)),
+           "--group", str(group), "--out", str(path)]
+    log(f"PyTorch CUDA-graph decode peer: {' '.join(cmd[1:])}")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 or not path.exists():
+        return {"error": f"exit {r.returncode}: {r.stderr.strip()[-600:]}"}
+    records = json.loads(path.read_text())
+    for rec in records:
+        log(json.dumps(rec))
+    return {"group": group, "records": records}
+
+
 def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x)
 
@@ -486,7 +555,7 @@ def _floats(s: str) -> tuple[float, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qspec-bench e2e", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--parts", default="8b,smollm,memory", help="any of 8b,smollm,memory,tp")
+    p.add_argument("--parts", default="8b,batch,smollm,memory", help="any of 8b,batch,smollm,memory,tp")
     p.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for e2e.json and the plots")
     p.add_argument("--contexts", type=_ints, default=CONTEXTS, help="part 8b: contexts of the per-phase step times")
     p.add_argument("--loop-contexts", type=_ints, default=(32768, 131072),
@@ -516,8 +585,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="part memory: contexts whose peak memory is measured")
     p.add_argument("--confirm-max-context", action="store_true",
                    help="part memory: also run the planner's longest context to confirm it fits")
+    p.add_argument("--batch-size", type=int, default=8, help="part batch: rows (prompt lengths context/2..context)")
+    p.add_argument("--batch-contexts", type=_ints, default=(4096, 32768), help="part batch: contexts")
     p.add_argument("--tp-sizes", type=_ints, default=(1, 2), help="part tp: device counts compared")
     p.add_argument("--tp-contexts", type=_ints, default=(131072, 262144), help="part tp: contexts")
+    p.add_argument("--torch-group", type=int, default=128,
+                   help="part 8b: int4 group of the PyTorch (tinygemm) decode peer; 0 skips the peer")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test of the harness)")
     return p
 
@@ -528,16 +601,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.contexts, args.loop_contexts, args.memory_contexts = (512, 1024), (1024,), (1024,)
         args.gammas, args.steps, args.trials, args.loop_tokens, args.smollm_batches = (2, 4), 2, 1, 16, (1, 2)
         args.smollm_context, args.smollm_new_tokens, args.draft_group = 256, 16, 64
-        args.tp_contexts = (1024,)
+        args.tp_contexts, args.batch_contexts, args.batch_size = (1024,), (512,), 2
     parts = [x for x in args.parts.split(",") if x]
     args.out.mkdir(parents=True, exist_ok=True)
     env = report.environment()
     log(json.dumps(env))
     results: dict[str, Any] = {"environment": env, "command": "qspec-bench e2e " + " ".join(argv or sys.argv[1:])}
+    if "8b" in parts and args.torch_group and not args.quick:  # before JAX allocates the GPU's memory
+        results["torch_decode"] = torch_peer(args.contexts, args.torch_group, args.out)
     bw = copy_bandwidth(256 << 20 if args.quick else 2 << 30, args.trials)
     results["copy_bandwidth_bytes_per_s"] = bw
     log(f"device-to-device copy: {bw / 1e12:.3f} TB/s")
-    for part, fn in (("8b", lambda: part_8b(args, bw)), ("smollm", lambda: part_smollm(args)),
+    for part, fn in (("8b", lambda: part_8b(args, bw)), ("batch", lambda: part_batch(args)),
+                     ("smollm", lambda: part_smollm(args)),
                      ("memory", lambda: part_memory(args)), ("tp", lambda: part_tp(args))):
         if part not in parts:
             continue

@@ -104,6 +104,18 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
              + [r["ar_int8_ms"], 100 * r["ar_int8_bw_frac"], r["draft_ms"], 100 * r["draft_bw_frac"],
                 r.get("draft_xla_int4_ms", float("nan"))]
              + [r[f"verify_g{g}_ms"] for g in gammas] for r in rows]))
+        peer = {(r["weights"], r["context"]): r for r in results.get("torch_decode", {}).get("records", [])}
+        if peer:
+            g = results["torch_decode"].get("group")
+            parts.append(f"\nPyTorch peer, same run: one decode step of the same shape in PyTorch "
+                         f"({next(iter(peer.values())).get('torch', '?')}; fused q|k|v and gate|up, SDPA over a "
+                         f"static cache, CUDA graph), bf16 weights and int4 tinygemm weights (group {g}), ms per "
+                         "step; against our AR-bf16 step and our draft step:\n")
+            parts.append(table(
+                ["context", "PyTorch bf16 ms", "PyTorch int4 ms", "our AR-bf16 ms", "our draft ms"],
+                [[r["context"], peer.get(("bf16", r["context"]), {}).get("ms", float("nan")),
+                  peer.get(("int4", r["context"]), {}).get("ms", float("nan")), r["ar_bf16_ms"], r["draft_ms"]]
+                 for r in rows]))
         parts.append(f"\nCompile time of `generate` (prefill + speculative loop) for this {p8.get('layers', 32)}-layer "
                      f"model: {p8.get('compile_generate_s', float('nan')):.1f} s.")
         for a in alphas:
@@ -131,6 +143,19 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
             parts.append(f"\n![speedup vs context]({_rel(out / 'e2e_speedup.png')})")
     elif p8:
         parts.append(f"### 8B shape\n\nFailed: `{p8.get('error')}`")
+    bt = results.get("batch")
+    if bt and "rows" in bt:
+        alphas = sorted({k.split("_a")[1].split("_")[0] for r in bt["rows"] for k in r if k.startswith("spec_a")})
+        parts.append(f"\n### Batch {bt['rows'][0]['batch']} (8B shape, rows of different prompt lengths, "
+                     f"γ={bt['gamma']}, forced per-row acceptance, {bt['tokens']}-token loops)\n")
+        parts.append(table(
+            ["context", "row lengths", "AR-bf16 tok/s"] + [f"QuantSpec α={a} tok/s" for a in alphas]
+            + [f"speedup α={a}" for a in alphas],
+            [[r["context"], f"{min(r['lengths'])}..{max(r['lengths'])}", r["ar_bf16_tok_s"]]
+             + [r[f"spec_a{a}_tok_s"] for a in alphas] + [r[f"spec_a{a}_vs_ar"] for a in alphas]
+             for r in bt["rows"]]))
+    elif bt:
+        parts.append(f"\n### Batch\n\nFailed: `{bt.get('error')}`")
     sm = results.get("smollm")
     if sm and "rows" in sm:
         parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, γ={sm['gamma']})\n")
@@ -159,7 +184,7 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
                             if c["ok"] else f"FAILED: {c['error']}"))
     elif mem:
         parts.append(f"\n### Memory\n\nFailed: `{mem.get('error')}`")
-    if any(k in results for k in ("8b", "smollm", "memory")):
+    if any(k in results for k in ("8b", "batch", "smollm", "memory")):
         update_section("e2e", "\n".join(parts))
     tp = results.get("tp")
     if tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest

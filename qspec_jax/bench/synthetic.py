@@ -11,21 +11,32 @@ from qspec_jax.config import ModelConfig
 
 
 def random_dense_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array, *, extra_slots: int = 0,
-                       layers: int | None = None) -> DenseKVCache:
-    """A dense cache holding `context` random tokens per row, with `extra_slots` free slots."""
+                       layers: int | None = None, lengths: jax.Array | None = None) -> DenseKVCache:
+    """A dense cache holding `context` random tokens per row (or `lengths` int32[B] <= context,
+    rows of different lengths), with `extra_slots` free slots past `context`."""
     shape = (layers or cfg.num_layers, batch, cfg.num_kv_heads, context + extra_slots, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
     fill = jax.jit(lambda k: (jax.random.normal(k, shape, dtype), jax.random.normal(jax.random.fold_in(k, 1), shape, dtype)))
     k, v = fill(key)
-    return DenseKVCache(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+    return DenseKVCache(k=k, v=v, lengths=_lengths(batch, context, lengths))
+
+
+def _lengths(batch: int, context: int, lengths: jax.Array | None) -> jax.Array:
+    if lengths is None:
+        return jnp.full((batch,), context, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must be int32[{batch}], got shape {lengths.shape}")
+    return lengths
 
 
 def random_quant_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array, *, extra_slots: int = 0,
                        layers: int | None = None, group: int = 128, gamma_max: int = 8,
-                       fp_start: int = 0) -> QuantSpecCache:
-    """A hierarchical cache laid out as after a prefill of `context` random tokens per row:
-    q_len = G*(context//G - 1) quantized, the rest in the ring starting at slot `fp_start`.
-    `layers` overrides the layer count (kernel benchmarks rotate through a few copies)."""
+                       fp_start: int = 0, lengths: jax.Array | None = None) -> QuantSpecCache:
+    """A hierarchical cache laid out as after a prefill of `context` random tokens per row (or
+    `lengths` int32[B] <= context): q_len = G*(length//G - 1) quantized, the rest in the ring
+    starting at slot `fp_start`. `layers` overrides the layer count (kernel benchmarks rotate
+    through a few copies)."""
     cfg = cfg.replace(num_layers=layers or cfg.num_layers)
     max_len = -(-(context + extra_slots) // group) * group
     empty = jax.eval_shape(lambda: QuantSpecCache.init(cfg, batch, max_len, group, gamma_max))
@@ -45,6 +56,6 @@ def random_quant_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Arra
         return jax.tree.unflatten(treedef, out)
 
     cache = fill(key)
-    lengths = jnp.full((batch,), context, jnp.int32)
+    lengths = _lengths(batch, context, lengths)
     q = prefill_quantized_len(lengths, group)
     return cache.replace(q_len=q, fp_len=lengths - q, fp_start=jnp.full_like(q, fp_start % cache.ring_size))

@@ -1,0 +1,195 @@
+"""The PyTorch peer of the end-to-end benchmark: one decode step of the Llama-3.1-8B shape in
+PyTorch, captured in a CUDA graph, with bf16 weights or int4 tinygemm weights.
+
+What a user would write without our library (gpt-fast's structure without torch.compile): fused
+q|k|v and gate|up projections, RoPE, the new K/V copied into a static bf16 cache, SDPA (flash,
+GQA) over the cache up to the current position, RMSNorm and SwiGLU as eager ops, the lm_head and
+the greedy token, all replayed from one CUDA graph so launch overhead does not count. Every step
+decodes at the same position (as `e2e.decode_steps` rolls back), so the shapes are static.
+
+    python -m qspec_jax.bench.torch_decode --contexts 4096,131072 --weights bf16,int4 --out FILE.json
+
+Runs in its own process (e2e starts it with subprocess): JAX and PyTorch each want the GPU's
+memory. Prints one JSON line per (weights, context); exits 0 with a "skipped" record where torch
+or CUDA is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+# Llama-3.1-8B (e2e.LLAMA31_8B); kept literal so this process never imports JAX.
+SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256,
+             rope_theta=500000.0, eps=1e-5)
+
+
+def _status() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "skipped: torch is not installed"
+    if not torch.cuda.is_available():
+        return "skipped: torch has no CUDA device here"
+    return None
+
+
+def build(weights: str, context: int, group: int, seed: int = 0, shape: dict[str, Any] = SHAPE,
+          device: str = "cuda") -> dict[str, Any]:
+    """Random weights (never zeros) and a random static cache of `context` + 1 slots. (`device`
+    "cpu" with bf16 weights: the CPU smoke test of the step's code; tinygemm needs CUDA.)"""
+    import torch
+
+    torch.manual_seed(seed)
+    dev, bf = device, torch.bfloat16
+    h, f, nl = shape["hidden"], shape["inter"], shape["layers"]
+    hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    dims = {"qkv": (h, (hq + 2 * hkv) * d), "o": (hq * d, h), "gate_up": (h, 2 * f), "down": (f, h)}
+
+    def linear(k: int, n: int):
+        if weights == "bf16":
+            return (torch.randn(n, k, device=dev, dtype=bf) * 0.02,)  # [N, K]: x @ W.T (nn.Linear)
+        codes = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
+        packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
+        w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        scale = torch.rand(k // group, n, device=dev) * 0.01 + 0.005
+        zero = (torch.rand(k // group, n, device=dev) - 0.5) * 0.01
+        return w, torch.stack([scale, zero + 8 * scale], dim=-1).to(bf).contiguous()  # tinygemm: (s, z + 8 s)
+
+    layers = [{name: linear(*kn) for name, kn in dims.items()} for _ in range(nl)]
+    cache_shape = (nl, 1, hkv, context + 1, d)
+    return {
+        "layers": layers, "lm_head": linear(h, shape["vocab"]),
+        "norms": torch.ones(nl, 2, h, device=dev, dtype=bf), "final_norm": torch.ones(h, device=dev, dtype=bf),
+        "embed": torch.randn(shape["vocab"], h, device=dev, dtype=bf) * 0.02,
+        "k": torch.randn(cache_shape, device=dev, dtype=bf), "v": torch.randn(cache_shape, device=dev, dtype=bf),
+        "weights": weights, "group": group, "context": context, "shape": shape, "device": dev,
+    }
+
+
+def step_fn(m: dict[str, Any]):
+    """The decode step at position `context` (the cache holds positions 0..context - 1): token
+    int64[1] -> next token int64[1]. Static shapes throughout (capturable)."""
+    import torch
+    import torch.nn.functional as F
+
+    s = m["shape"]
+    hq, hkv, d, eps = s["heads"], s["kv_heads"], s["head_dim"], s["eps"]
+    pos = m["context"]
+    inv = 1.0 / (s["rope_theta"] ** (torch.arange(0, d, 2, device=m["device"], dtype=torch.float32) / d))
+    ang = pos * inv
+    cos, sin = torch.cos(ang).to(torch.bfloat16), torch.sin(ang).to(torch.bfloat16)
+    group = m["group"]
+
+    def mm(x, w):
+        if m["weights"] == "bf16":
+            return x @ w[0].T
+        return torch.ops.aten._weight_int4pack_mm(x, w[0], group, w[1])
+
+    def norm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    def rope(x):  # [1, H, 1, D], rotate-half
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def step(tok):
+        x = m["embed"][tok]  # [1, hidden]
+        for i, lw in enumerate(m["layers"]):
+            qkv = mm(norm(x, m["norms"][i, 0]), lw["qkv"])
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = rope(q.view(1, 1, hq, d).transpose(1, 2))
+            k = rope(k.view(1, 1, hkv, d).transpose(1, 2))
+            m["k"][i, :, :, pos:pos + 1] = k
+            m["v"][i, :, :, pos:pos + 1] = v.view(1, 1, hkv, d).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, m["k"][i, :, :, :pos + 1], m["v"][i, :, :, :pos + 1],
+                                               enable_gqa=True)
+            x = x + mm(a.transpose(1, 2).reshape(1, hq * d), lw["o"])
+            gate, up = mm(norm(x, m["norms"][i, 1]), lw["gate_up"]).chunk(2, dim=-1)
+            x = x + mm(F.silu(gate) * up, lw["down"])
+        logits = mm(norm(x, m["final_norm"]), m["lm_head"])
+        return torch.argmax(logits, dim=-1)
+
+    return step
+
+
+def time_step(weights: str, context: int, group: int = 128, steps: int = 32, trials: int = 5) -> dict[str, Any]:
+    """Median milliseconds per decode step, replaying a CUDA graph of `steps` chained steps."""
+    import torch
+
+    m = build(weights, context, group)
+    step = step_fn(m)
+    tok = torch.zeros(1, dtype=torch.long, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (cuBLAS handles, SDPA backend choice) outside the graph
+        for _ in range(3):
+            step(tok)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        t = tok
+        for _ in range(steps):  # each step feeds the next: nothing can run ahead
+            t = step(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(trials):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    times.sort()
+    out = {"weights": weights, "context": context, "ms": times[len(times) // 2], "trials": trials,
+           "steps": steps, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    if weights == "int4":
+        out["group"] = group
+    del graph, m
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qspec_jax.bench.torch_decode", description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", default="4096,131072", help="comma-separated contexts (default: 4096,131072)")
+    p.add_argument("--weights", default="bf16,int4", help="bf16, int4 or both (default: bf16,int4)")
+    p.add_argument("--group", type=int, default=128, help="int4 group size, a tinygemm size (default: 128)")
+    p.add_argument("--out", default=None, help="also write the records to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c]
+    except ValueError:
+        p.error(f"--contexts: expected comma-separated integers, got {args.contexts!r}")
+    kinds = [w for w in args.weights.split(",") if w]
+    if not kinds or any(w not in ("bf16", "int4") for w in kinds):
+        p.error(f"--weights: expected bf16 and/or int4, got {args.weights!r}")
+    if args.group not in (32, 64, 128, 256):
+        p.error(f"--group: tinygemm takes 32, 64, 128 or 256, got {args.group}")
+    status = _status()
+    records = []
+    for w in kinds:
+        for c in contexts:
+            if status:
+                rec = {"weights": w, "context": c, "status": status}
+            else:
+                t0 = time.perf_counter()
+                try:
+                    rec = {**time_step(w, c, args.group), "status": "ok", "wall_s": time.perf_counter() - t0}
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory at a long context: a result
+                    rec = {"weights": w, "context": c, "status": f"failed: {type(e).__name__}: {e}"[:300]}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
