@@ -11,6 +11,7 @@ The steps, each usable alone (`qspec-convert` runs them in a child process, `con
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -132,6 +133,9 @@ def convert_into(dst: str | Path, src: str | Path, dtype: str = "bfloat16", *, d
             flat.update(_make_draft(source.cfg, flat, draft_weights, source, calibration_text, progress, on_stage))
             extra["draft_weights"] = draft_weights.to_dict()
         manifest_source = str(Path(src).resolve())
+        if progress:  # orbax's write takes seconds with no bar of its own
+            print(f"writing the checkpoint ({estimate_bytes(source.cfg, draft_weights) / 1e6:,.0f} MB)",
+                  file=sys.stderr, flush=True)
         write_checkpoint_into(dst, source.cfg, flat, source=manifest_source, write_tokenizer=source.write_tokenizer,
                               extra=extra, on_stage=on_stage)
     finally:

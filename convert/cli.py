@@ -41,7 +41,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from convert.errors import ConversionError
-from convert.output import MANIFEST_NAME, Staging, commit, create_staging, discard
+from convert.output import (MANIFEST_NAME, Staging, check_output, commit, create_staging, discard,
+                            remove_stale_partials)
+from qspec_jax.cli import HelpFormatter, Parser, format_default
 
 PROG = "qspec-convert"
 EXIT_BAD_INPUT = 2
@@ -64,10 +66,10 @@ def _draft_facts() -> dict[str, str]:
             "calibrated": ", ".join(CALIBRATED_METHODS) or "none", "lm_head": "yes" if D.lm_head else "no"}
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(HelpFormatter):
     """Every option's help ends with its default (on/off flags: off; a None default is stated in
     the help); the draft format's defaults and choices ({group}, {methods}, ...) are filled in
-    from DraftWeightsConfig."""
+    from DraftWeightsConfig. Lines wrap at spaces only (qspec_jax.cli.HelpFormatter)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -76,11 +78,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if ("default" in text or action.required or action.default in (None, False, argparse.SUPPRESS)
                 or not action.option_strings):
             return text
-        return text + " (default: %(default)s)"
+        return text + " (default: " + format_default(action.default).replace("%", "%%") + ")"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=PROG, formatter_class=_HelpFormatter,
         description="Convert a Hugging Face Llama/Mistral model directory (config.json + *.safetensors) or a "
                     "Llama-architecture .gguf file into a qspec-jax checkpoint directory: the target weights, "
@@ -201,10 +203,21 @@ def _relay(proc: subprocess.Popen, out_fd: int, signals: _Signals) -> tuple[int 
 
 def _convert(args: argparse.Namespace, signals: _Signals, t0: float) -> int:
     try:
+        check_output(args.out)  # OUT first, as always; then the cheap check of SRC, before any progress line
+        if not os.path.exists(args.src):
+            raise ConversionError(f"{args.src}: no such file or directory")
+        removed, unknown = remove_stale_partials(args.out)
         staging = create_staging(args.out)  # before anything is read: fails in milliseconds
     except ConversionError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    for path in removed:
+        print(f"{PROG}: removed {path}, left by an earlier conversion to this OUT that was killed", file=sys.stderr)
+    for path in unknown:
+        print(f"{PROG}: note: {path} looks left by an earlier, killed conversion; remove it unless one is running",
+              file=sys.stderr)
+    if not args.no_progress:  # the child's first bar appears after seconds of imports and metadata
+        print(f"{PROG}: converting {args.src} into {staging.out}", file=sys.stderr, flush=True)
     committed = False
     proc = None
     try:

@@ -244,7 +244,10 @@ def _gguf_tokenizer(path: Path) -> Any:
 def _byte_level_tokenizer(path: Path) -> Any:
     """transformers' byte-level BPE tokenizer for a "gpt2"-model GGUF, or None for other kinds."""
     import gguf
-    from transformers import PreTrainedTokenizerFast
+
+    from qspec_jax.tokenizer import import_transformers
+
+    PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast
 
     reader = gguf.GGUFReader(str(path))
 
@@ -276,9 +279,9 @@ def _byte_level_tokenizer(path: Path) -> Any:
 
 def _transformers_gguf_tokenizer(path: Path) -> Any:
     try:
-        from transformers import AutoTokenizer
+        from qspec_jax.tokenizer import import_transformers
 
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return import_transformers().AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except ImportError as e:
         raise ConversionError(f"{path}: building this GGUF's tokenizer needs transformers' GGUF support with torch "
                               f"({e}); pip install torch") from None

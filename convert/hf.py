@@ -144,9 +144,9 @@ def open_hf_dir(src: Path, dtype: str) -> Source:
         src, "no tokenizer files (tokenizer.json, tokenizer.model, ...)")]
 
     def load_tokenizer() -> Any:
-        from transformers import AutoTokenizer
+        from qspec_jax.tokenizer import import_transformers
 
-        return AutoTokenizer.from_pretrained(src)
+        return import_transformers().AutoTokenizer.from_pretrained(src)
 
     def close() -> None:
         for s in shards:

@@ -1,10 +1,12 @@
 """Where a conversion writes: checks on OUT, a hidden staging directory next to it, the commit.
 
-A checkpoint is written into `.<OUT name>.partial-XXXXXXXX`, a sibling of OUT on the same
+A checkpoint is written into `.<OUT name>.partial-<pid>-XXXXXXXX`, a sibling of OUT on the same
 filesystem, and appears under its name only through one `os.replace` at the end (`commit`),
 so OUT either does not exist or is complete. `discard` removes the staging directory with
 everything in it (orbax's own `*.orbax-checkpoint-tmp*` directories included) and any parent
-directories `create_staging` made.
+directories `create_staging` made. A conversion killed with SIGKILL cannot clean up; the pid in
+the name lets the next conversion to the same OUT find its leftover and remove it
+(`remove_stale_partials`).
 
 Nothing here imports jax or numpy: `qspec-convert` runs these checks first and refuses an
 unusable OUT in milliseconds, before any weights are read.
@@ -21,7 +23,7 @@ from pathlib import Path
 from convert.errors import ConversionError
 
 __all__ = ["FREE_SPACE_MARGIN", "MANIFEST_NAME", "Staging", "check_free_space", "check_output", "commit",
-           "create_staging", "discard", "format_bytes"]
+           "create_staging", "discard", "format_bytes", "remove_stale_partials"]
 
 MANIFEST_NAME = "qspec_checkpoint.json"  # = qspec_jax.checkpoint.MANIFEST, written last (tests check they agree)
 # The estimate counts tensor bytes; orbax's metadata and the tokenizer files come on top.
@@ -56,7 +58,10 @@ def _nearest_existing(path: Path) -> Path:
 
 def check_output(out: str | Path) -> Path:
     """Absolute OUT if a checkpoint directory can be created there; else ConversionError naming
-    the path and the problem (OUT exists; an existing parent is not a directory or not writable)."""
+    the path and the problem (OUT is empty or exists; an existing parent is not a directory or
+    not writable)."""
+    if not str(out).strip():
+        raise ConversionError(f"OUT is empty ({str(out)!r}): give the checkpoint directory to create")
     out = Path(os.path.abspath(out))
     if os.path.lexists(out):
         kind = "a directory" if out.is_dir() else "a file" if out.is_file() else "a link or special file"
@@ -81,13 +86,49 @@ def create_staging(out: str | Path) -> Staging:
             if not os.path.lexists(parent):
                 parent.mkdir()
                 created.insert(0, parent)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         _remove_empty(created)
         where = e.filename or out.parent
         raise ConversionError(f"{out}: cannot create the output directory: {where}: "
                               f"{e.strerror or e}") from None
     return Staging(out=out, dir=tmp, created=tuple(created))
+
+
+def remove_stale_partials(out: str | Path) -> tuple[list[Path], list[Path]]:
+    """Leftovers of earlier conversions to `out` that were killed (SIGKILL, a power cut): the
+    staging directories `.OUT.partial-<pid>-*` whose process no longer exists are removed.
+
+    Returns (removed, unknown): `unknown` are `.OUT.partial-*` directories without a pid in
+    their name (made by an older qspec-convert), left alone since their owner cannot be told."""
+    out = Path(os.path.abspath(out))
+    removed: list[Path] = []
+    unknown: list[Path] = []
+    if not out.parent.is_dir():
+        return removed, unknown
+    for path in sorted(out.parent.glob(f".{out.name}.partial-*")):
+        if not path.is_dir() or path.is_symlink():
+            continue
+        pid_text = path.name[len(f".{out.name}.partial-"):].split("-", 1)[0]
+        if not pid_text.isdigit() or "-" not in path.name[len(f".{out.name}.partial-"):]:
+            unknown.append(path)
+            continue
+        if _alive(int(pid_text)):
+            continue  # a conversion to the same OUT is running
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed, unknown
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def check_free_space(staging: Staging, need_bytes: int) -> None:

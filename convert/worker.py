@@ -74,10 +74,19 @@ def draft_config(fields: dict[str, Any] | None, calibration_text: list[str]) -> 
     if calibration_text and cfg.method not in CALIBRATED_METHODS:
         fail(PROG, f"--calibration-text is used by --draft-method {', '.join(CALIBRATED_METHODS)} only, "
                    f"not {cfg.method}")
+    from qspec_jax.evaluation import read_text_file
+
+    for path in calibration_text:  # a missing or binary file: now, not after minutes of reading weights
+        try:
+            read_text_file(path, "--calibration-text")
+        except ValueError as e:
+            fail(PROG, str(e))
     return cfg
 
 
 def run(job: dict[str, Any]) -> int:
+    if job["progress"]:  # before the imports below (jax, transformers: seconds)
+        print("loading the libraries, then the model's metadata and tokenizer", file=sys.stderr, flush=True)
     from convert.api import convert_into
     from convert.errors import ConversionError
     from convert.output import Staging

@@ -180,7 +180,13 @@ class QuantSpecCache:
         scale_dtype: Any = jnp.float16,
         fp_dtype: Any = None,
     ) -> "QuantSpecCache":
-        """An empty cache for `batch` rows of up to `max_len` tokens (a multiple of group_size)."""
+        """An empty cache for `batch` rows of up to `max_len` tokens (a multiple of group_size).
+
+        group_size: tokens per quantized key block, a power of two (the decode kernels tile the
+        sequence by it and take 16..256; smaller powers serve the jnp reference path's tests)."""
+        if not isinstance(group_size, (int, np.integer)) or group_size < 1 or group_size & (group_size - 1):
+            raise ValueError(f"group_size={group_size!r} must be a power of two (16, 32, 64, 128 or 256 for the "
+                             f"decode kernels; default {DEFAULT_GROUP_SIZE})")
         if max_len % group_size:
             raise ValueError(f"max_len={max_len} must be a multiple of group_size={group_size}")
         if not 1 <= gamma_max < group_size:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -136,6 +137,13 @@ def write_checkpoint_into(dst: str | Path, cfg: ModelConfig, flat_params: dict[s
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if path.suffix.lower() == ".gguf" or magic == b"GGUF":
+            raise CheckpointError(f"{path}: a .gguf file, not a converted checkpoint; convert it once with "
+                                  f"`qspec-convert {path} OUT` and pass the directory OUT")
+        raise CheckpointError(f"{path}: a file, not a checkpoint directory (qspec-convert writes a directory)")
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     mf = path / MANIFEST
@@ -202,8 +210,21 @@ class Model:
             return list(tok.encode(text, add_special_tokens=False))
         return list(tok.encode(text))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.require_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        """The text of token ids (a flat list or 1-D array); ValueError for an id outside the
+        model's vocabulary [0, vocab_size), which the tokenizer would decode to nothing or fail on."""
+        tok = self.require_tokenizer()
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            return ""
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"decode: expected a flat list of integer token ids, got "
+                             f"{'shape ' + str(arr.shape) if arr.ndim != 1 else 'dtype ' + str(arr.dtype)}")
+        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"decode: token id {int(bad[0])} is outside the model's vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        return tok.decode(arr.tolist(), skip_special_tokens=skip_special_tokens)
 
 
 def _cast(x: np.ndarray, dtype: Any) -> jax.Array:
@@ -213,20 +234,48 @@ def _cast(x: np.ndarray, dtype: Any) -> jax.Array:
     return jnp.asarray(x)
 
 
+def device_dtype() -> str:
+    """The compute dtype `dtype="auto"` picks: "float32" on a CPU, "bfloat16" on a GPU or TPU.
+
+    A CPU has no bfloat16 arithmetic to gain from, and bfloat16 rounding decides near-tied
+    greedy choices (SmolLM2's first answer token to "What is the capital of France?": float32
+    logits 25.325 for "The" and 25.243 for "L", less than one bfloat16 step apart); on a GPU,
+    bfloat16 halves the bytes every decode step reads, which is what decoding is bound by there.
+    """
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | None = None,
          tokenizer: bool = True, mesh: Any = None) -> Model:
     """Loads a converted checkpoint.
 
-    dtype: "bfloat16" or "float32" to override the stored dtype (e.g. float32 for tests);
+    dtype: None keeps the stored dtype; "bfloat16" or "float32" computes in that dtype (e.g.
+    float32 for tests); "auto" is `device_dtype()`: float32 on a CPU, bfloat16 on a GPU.
     attention_impl: "auto" | "reference" | "pallas" (see ModelConfig); mesh: a tensor-parallel
     mesh (`qspec_jax.sharding.make_mesh`) to lay the weights out on.
     """
     import orbax.checkpoint as ocp
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load: path must be a checkpoint directory (str or os.PathLike), got "
+                        f"{type(path).__name__} {path!r}")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"load: mesh must be a jax.sharding.Mesh (qspec_jax.sharding.make_mesh(n)) or None, got "
+                        f"{type(mesh).__name__}")
+    if dtype not in (None, "auto", "bfloat16", "float32"):
+        raise ValueError(f"load: dtype={dtype!r}; expected None (the stored dtype), 'auto', 'bfloat16' or 'float32'")
+    dtype = device_dtype() if dtype == "auto" else dtype
     path = Path(path).absolute()
     manifest = read_manifest(path)
     overrides = {k: v for k, v in (("dtype", dtype), ("attention_impl", attention_impl)) if v}
-    cfg = ModelConfig.from_dict(json.loads((path / MODEL_CONFIG).read_text()), source=str(path / MODEL_CONFIG))
+    for name in (MODEL_CONFIG, PARAMS_DIR):
+        if not (path / name).exists():
+            raise CheckpointError(f"{path / name}: missing; the checkpoint is incomplete: re-run qspec-convert")
+    try:
+        config_dict = json.loads((path / MODEL_CONFIG).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path / MODEL_CONFIG}: not valid JSON ({e}); re-run qspec-convert") from None
+    cfg = ModelConfig.from_dict(config_dict, source=str(path / MODEL_CONFIG))
     cfg = cfg.replace(**overrides)
     flat = flatten(ocp.StandardCheckpointer().restore(path / PARAMS_DIR))
     expected = M.param_shapes(cfg)
@@ -245,9 +294,12 @@ def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | No
         draft = draft_from_flat(params, flat)
     tok = None
     if tokenizer and (path / TOKENIZER_DIR).is_dir():
-        from transformers import AutoTokenizer
+        from qspec_jax.tokenizer import TokenizerError, load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(path / TOKENIZER_DIR)
+        try:
+            tok = load_tokenizer(path / TOKENIZER_DIR)
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
     model = Model(config=cfg, params=params, tokenizer=tok, draft_params=draft, draft_weights_config=draft_cfg,
                   path=path)
     if mesh is not None:

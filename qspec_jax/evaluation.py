@@ -120,19 +120,30 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
     cache = new_cache(cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype)
     toks = jnp.asarray(tokens)
     lengths = jnp.full((b,), context, jnp.int32)
-    logits, cache = jax.jit(M.prefill)(target, toks[:, :context], lengths, cache)
-    cache = cache.flush()
-    d_top = jnp.zeros((b,), jnp.int32)
-    if draft is not None:
-        d_logits, _ = jax.jit(M.prefill)(draft, toks[:, :context], lengths, new_cache(cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype))
-        d_top = jnp.argmax(d_logits, -1).astype(jnp.int32)
-    out: list[_Predictions] = []
-    starts = range(context, total, STEP_CHUNK)
-    for s in tqdm(starts, desc=f"teacher-forced ({kv})", unit="chunk", disable=not progress):
-        chunk = toks[:, s: min(s + STEP_CHUNK, total)]
-        pred, cache, logits, d_top = _steps(target, draft, cache, logits, chunk, d_top, view=view,
-                                            draft_view=draft_view)
-        out.append(pred)
+    # The bar counts positions (the prefilled context, then the evaluated tokens) and advances
+    # only when a step's results are ready, so it ends when the work ends: compilation and
+    # the device's queue included (JAX dispatches asynchronously; without the waits the bar
+    # reached 100% at dispatch and minutes of computing followed it).
+    with tqdm(total=total, desc=f"teacher-forced ({kv})", unit="tok", disable=not progress) as bar:
+        bar.set_postfix_str("prefill (compiling)")
+        logits, cache = jax.jit(M.prefill)(target, toks[:, :context], lengths, cache)
+        cache = cache.flush()
+        d_top = jnp.zeros((b,), jnp.int32)
+        if draft is not None:
+            d_logits, _ = jax.jit(M.prefill)(draft, toks[:, :context], lengths,
+                                             new_cache(cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype))
+            d_top = jnp.argmax(d_logits, -1).astype(jnp.int32)
+        jax.block_until_ready((logits, cache, d_top))
+        bar.update(context)
+        out: list[_Predictions] = []
+        for i, s in enumerate(range(context, total, STEP_CHUNK)):
+            bar.set_postfix_str("compiling" if i == 0 else "")
+            chunk = toks[:, s: min(s + STEP_CHUNK, total)]
+            pred, cache, logits, d_top = _steps(target, draft, cache, logits, chunk, d_top, view=view,
+                                                draft_view=draft_view)
+            jax.block_until_ready(pred)
+            out.append(pred)
+            bar.update(chunk.shape[1])
     return {k: np.concatenate([np.asarray(getattr(p, k)) for p in out], axis=1)
             for k in ("nll", "target_top", "draft_top")}
 

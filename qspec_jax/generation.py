@@ -166,6 +166,21 @@ def new_cache(cfg: M.ModelConfig, kind: str, batch: int, max_len: int, group_siz
     return constrain_cache(cache, mesh)
 
 
+def prng_key(key: Any, fn: str) -> Array:
+    """`key` checked to be a JAX PRNG key (jax.random.PRNGKey(seed), uint32[2], or a typed
+    jax.random.key(seed)); jax.random.PRNGKey(0) for None. A TypeError naming `fn` otherwise:
+    an int seed would otherwise fail deep inside the jitted program."""
+    if key is None:
+        return jax.random.PRNGKey(0)
+    if isinstance(key, (jax.Array, np.ndarray)):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return key
+        if key.shape == (2,) and key.dtype == jnp.uint32:
+            return jnp.asarray(key)
+    what = f"{type(key).__name__} {key!r}" if not hasattr(key, "shape") else f"{key.dtype}{list(key.shape)}"
+    raise TypeError(f"{fn}: key must be a JAX PRNG key such as jax.random.PRNGKey(0), got {what}")
+
+
 def run_jitted(fn: Any, args: tuple, static: dict[str, Any], timings: dict[str, float] | None) -> Any:
     """Calls jitted `fn(*args, **static)`. With a `timings` dict, compiles ahead of time and
     records "compile_s" and "run_s" (the run alone, on device-ready outputs)."""
@@ -258,12 +273,15 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     rows hold each prompt's generated tokens (EOS included when emitted). Pass a dict as
     `timings` to get compile and run seconds measured separately.
     """
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(f"generate_autoregressive: config must be a GenerationConfig, got {type(config).__name__}"
+                        + (" (SpecConfig is for speculative.generate)" if type(config).__name__ == "SpecConfig" else ""))
+    key = prng_key(key, "generate_autoregressive")
     params: M.Params = M.for_device(model.params)  # a no-op for models from `load`
     cfg = params.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
     check_fits(cfg, lengths, config.max_new_tokens)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)
-    key = jax.random.PRNGKey(0) if key is None else key
     return run_jitted(_autoregressive, (params, jnp.asarray(tokens), jnp.asarray(lengths), key),
                       dict(gen=config, eos_ids=tuple(eos), max_len=max_len), timings)

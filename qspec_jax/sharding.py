@@ -49,7 +49,9 @@ def make_mesh(n: int | None = None, devices: Sequence[Any] | None = None) -> Mes
     devices = list(devices if devices is not None else jax.local_devices())
     n = n or len(devices)
     if n > len(devices):
-        raise ShardingError(f"--tp {n}: only {len(devices)} device(s) available")
+        hint = (f" (a CPU is split into {n} devices by XLA_FLAGS=--xla_force_host_platform_device_count={n}, set "
+                "before jax is imported)" if devices and devices[0].platform == "cpu" else "")
+        raise ShardingError(f"make_mesh({n}): only {len(devices)} device(s) available{hint}")
     return Mesh(np.array(devices[:n]), (TP,))
 
 

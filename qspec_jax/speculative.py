@@ -43,7 +43,7 @@ from flax import struct
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
 from qspec_jax.generation import (PAD_ID, check_fits, decode_cache_len, eos_array, initial_logits, new_cache,
-                                   pad_prompts, record_logits, run_jitted)
+                                   pad_prompts, prng_key, record_logits, run_jitted)
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
@@ -497,6 +497,11 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     Greedy output equals the target's own greedy output; sampling follows the target's
     distribution exactly. Pass a dict as `timings` to get compile and run seconds.
     """
+    if not isinstance(config, SpecConfig):
+        raise TypeError(f"generate: config must be a SpecConfig, got {type(config).__name__}"
+                        + (" (GenerationConfig is for generate_autoregressive)"
+                           if type(config).__name__ == "GenerationConfig" else ""))
+    key = prng_key(key, "generate")
     target: M.Params = M.for_device(model.params)  # a no-op for models from `load`
     cfg = target.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
@@ -510,6 +515,5 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
         raise ValueError("the draft params are not on the target's mesh: shard both (qspec_jax.sharding.shard)")
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size,
                                config.target_kv)
-    key = jax.random.PRNGKey(0) if key is None else key
     return run_jitted(_speculative, (target, draft, jnp.asarray(tokens), jnp.asarray(lengths), key),
                       dict(spec=config, eos_ids=tuple(eos), max_len=max_len), timings)

