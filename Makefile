@@ -59,6 +59,7 @@ $(TEXTS): | $(BIN)/python
 bench: $(VENV)/.installed-dev $(CKPT)/qspec_checkpoint.json $(TEXTS)
 	$(BIN)/qspec-bench kernel --out docs/bench --doc docs/BENCHMARKS.md
 	$(BIN)/qspec-bench w4a16 --m 1,8,32 --out docs/bench/w4a16.json --doc docs/BENCHMARKS.md
+	$(BIN)/qspec-bench profile --out docs/bench/profile --doc docs/BENCHMARKS.md
 	$(BIN)/qspec-bench e2e --alphas 0.9,0.75 --smollm-checkpoint $(CKPT) --text-dir $(TEXTS) --confirm-max-context \
 		--out docs/bench --doc docs/BENCHMARKS.md
 

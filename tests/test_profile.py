@@ -88,23 +88,29 @@ def test_floor_bytes_of_a_model():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--programs", "draft,nonsense"], "unknown program"),
-    (["--contexts", "4k"], "comma-separated integers"),
-    (["--gamma", "0"], "--gamma must be in 1.."),
-    (["--alpha", "1.5"], "--alpha must be in [0, 1]"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--programs", "draft,nonsense"], "comma-separated subset of ar_bf16,draft"),
+    (["--contexts", "4k"], "expected comma-separated integers, got '4k'"),
+    (["--gamma", "0"], "--gamma must be in 1..7, got 0"),
+    (["--alpha", "1.5"], "--alpha must be in [0, 1], got 1.5"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--draft-group", "48"], "--draft-group must be one of 32, 64, 128, got 48"),
+    (["--quick", "--doc"], "--doc with --quick"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
+    """Every bad argument is refused before anything is measured: one line, exit status 2."""
     with pytest.raises(SystemExit) as e:
         cli.main(["profile", *argv])
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("qspec-bench profile: error:")
 
 
 @pytest.mark.slow  # compiles a tiny model's step programs (~20 CPU-s)
 def test_quick_run_on_the_cpu(tmp_path, capsys):
-    """On a CPU the trace has no GPU kernels: the run still times the programs, says so, writes
-    its JSON where told and touches no document unless --doc is given."""
+    """On a CPU the trace has no GPU kernels: the run still times the programs, says so and
+    writes its JSON where told; its report section renders from that JSON."""
+    from qspec_jax.bench import report
+
     out = tmp_path / "prof"
     assert cli.main(["profile", "--quick", "--programs", "draft,ar_loop", "--out", str(out)]) == 0
     res = json.loads((out / "profile.json").read_text())
@@ -112,8 +118,9 @@ def test_quick_run_on_the_cpu(tmp_path, capsys):
     assert all(r["wall_us"] > 0 and r["launches"] == 0 for r in res["rows"])
     assert "no GPU kernel events" in capsys.readouterr().out
     doc = tmp_path / "B.md"
-    assert cli.main(["profile", "--quick", "--programs", "draft", "--out", str(out), "--doc", str(doc)]) == 0
-    assert "<!-- profile:begin -->" in doc.read_text() and "| draft |" in doc.read_text()
+    report.update_section("profile", P.markdown(res, res["command"], res["environment"], 5), doc)
+    text = doc.read_text()
+    assert "<!-- profile:begin -->" in text and "| draft | 512 |" in text and res["command"] in text
 
 
 def test_torch_decode_peer_step_runs_on_the_cpu():

@@ -27,7 +27,6 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from qspec_jax import model as M
-from qspec_jax.bench import e2e, report
+from qspec_jax.bench import e2e, options, report
 from qspec_jax.bench.kernel import dense_bytes, quant_bytes
 from qspec_jax.cache import DEFAULT_GAMMA_MAX
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
@@ -257,65 +256,59 @@ def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: in
     return "\n".join(parts)
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in s.split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return vals
-
-
-def _programs(s: str) -> tuple[str, ...]:
-    names = tuple(x for x in s.split(",") if x)
-    bad = [n for n in names if n not in PROGRAMS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown program(s) {bad or s!r}; choose from {','.join(PROGRAMS)}")
-    return names
+PROG = "qspec-bench profile"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qspec-bench profile", description=__doc__.split("\n")[0])
-    p.add_argument("--contexts", type=_ints, default=(4096, 131072), help="contexts (tokens); default: 4096,131072")
-    p.add_argument("--programs", type=_programs, default=PROGRAMS, help=f"any of {','.join(PROGRAMS)} (default: all)")
-    p.add_argument("--steps", type=int, default=8, help="steps per profiled call (default: 8)")
-    p.add_argument("--trials", type=int, default=3, help="timed calls for the wall time; median (default: 3)")
-    p.add_argument("--loop-tokens", type=int, default=128, help="tokens per profiled loop (default: 128)")
-    p.add_argument("--gamma", type=int, default=4, help="draft length of the speculative loop (default: 4)")
-    p.add_argument("--alpha", type=float, default=0.9, help="forced acceptance of the speculative loop (default: 0.9)")
+    from qspec_jax.cli import Parser, comma_choices, comma_list
+
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--contexts", type=comma_list(int), default="4096,131072", help="contexts (tokens)")
+    p.add_argument("--programs", type=comma_choices(PROGRAMS), default=",".join(PROGRAMS),
+                   help="comma-separated programs to profile")
+    p.add_argument("--steps", type=int, default=8, help="steps per profiled call")
+    p.add_argument("--trials", type=int, default=3, help="timed calls for the wall time (the median is reported)")
+    p.add_argument("--loop-tokens", type=int, default=128, help="tokens per profiled loop")
+    p.add_argument("--gamma", type=int, default=4, help="draft length of the speculative loop")
+    p.add_argument("--alpha", type=float, default=0.9, help="forced acceptance of the speculative loop")
     p.add_argument("--verify-t", type=int, default=DEFAULT_GAMMA_MAX + 1,
-                   help=f"tokens of the verify pass (default: {DEFAULT_GAMMA_MAX + 1}, the exact verify width)")
-    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size,
-                   help=f"INT4 draft group size (default: {DraftWeightsConfig.group_size})")
-    p.add_argument("--top", type=int, default=24, help="kernels listed per program (default: 24)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="directory for profile.json and the traces (default: a new temporary directory)")
-    p.add_argument("--doc", type=Path, default=None, help="also rewrite the 'profile' section of this Markdown file")
-    p.add_argument("--quick", action="store_true", help="tiny model and contexts (runs on a CPU: no GPU kernels)")
+                   help="tokens of the verify pass (the exact verify width)")
+    p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size, help="INT4 draft group size")
+    p.add_argument("--top", type=int, default=24, help="kernels listed per program")
+    options.add_output_args(p, "profile", "BENCHMARKS.md")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model and contexts (runs on a CPU, where the trace has no GPU kernels); writes no report")
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every argument before anything runs: one line, exit status 2."""
+    from qspec_jax.cli import require
+    from qspec_jax.weight_quant import WEIGHT_GROUPS
+
+    options.positive(PROG, args, "--contexts", "--steps", "--trials", "--loop-tokens", "--top")
+    require(PROG, 1 <= args.gamma <= DEFAULT_GAMMA_MAX, "--gamma", args.gamma, f"in 1..{DEFAULT_GAMMA_MAX}")
+    require(PROG, 0.0 <= args.alpha <= 1.0, "--alpha", args.alpha, "in [0, 1]")
+    require(PROG, 1 <= args.verify_t <= DEFAULT_GAMMA_MAX + 1, "--verify-t", args.verify_t,
+            f"in 1..{DEFAULT_GAMMA_MAX + 1}")
+    require(PROG, args.draft_group in WEIGHT_GROUPS, "--draft-group", args.draft_group,
+            f"one of {', '.join(map(str, WEIGHT_GROUPS))}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    for name in ("steps", "trials", "loop_tokens", "top"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 1 <= args.gamma <= DEFAULT_GAMMA_MAX:
-        parser.error(f"--gamma must be in 1..{DEFAULT_GAMMA_MAX}, got {args.gamma}")
-    if not 0.0 <= args.alpha <= 1.0:
-        parser.error(f"--alpha must be in [0, 1], got {args.alpha}")
-    if not 1 <= args.verify_t <= DEFAULT_GAMMA_MAX + 1:
-        parser.error(f"--verify-t must be in 1..{DEFAULT_GAMMA_MAX + 1}, got {args.verify_t}")
+    return options.run_bench(PROG, _main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    options.resolve_outputs(PROG, args, "profile", "BENCHMARKS.md", quick=args.quick)
+    check_args(args)
     if args.quick:
         args.contexts, args.steps, args.trials, args.loop_tokens = (512,), 2, 1, 16
         args.draft_group = 64
-    args.out = args.out or Path(tempfile.mkdtemp(prefix="qspec-profile-"))
     args.out.mkdir(parents=True, exist_ok=True)
     env = report.environment()
-    command = "qspec-bench profile " + " ".join(argv)
+    command = options.command_line(PROG, argv)
     results = {"environment": env, "command": command, **run(args)}
     (args.out / "profile.json").write_text(json.dumps(results, indent=1))
     log(f"wrote {args.out / 'profile.json'}")
