@@ -62,7 +62,7 @@ BAD_ARGS = [
     ("w4a16", ["--groups", "48"], "--groups must each be one of 32, 64, 128, got 48"),
     ("w4a16", ["--doc"], "--doc: no GPU (cpu backend), so this would be the --quick smoke test"),
     ("w4a16", ["--quick", "--time-budget", "0"], "--time-budget must be > 0 seconds, got 0.0"),
-    ("e2e", ["--parts", "nonsense"], "argument --parts: expected a comma-separated subset of 8b,smollm,memory,tp, "
+    ("e2e", ["--parts", "nonsense"], "argument --parts: expected a comma-separated subset of 8b,batch,smollm,memory,tp, "
                                      "got 'nonsense'"),
     ("e2e", ["--quick", "--doc"], "--doc with --quick"),
     ("e2e", ["--parts", "8b", "--alphas", "1.5"], "--alphas must be in (0, 1], got 1.5"),
