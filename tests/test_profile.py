@@ -95,6 +95,7 @@ def test_floor_bytes_of_a_model():
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--draft-group", "48"], "--draft-group must be one of 32, 64, 128, got 48"),
     (["--quick", "--doc"], "--doc with --quick"),
+    (["--doc"], "--doc: no GPU (cpu backend)"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     """Every bad argument is refused before anything is measured: one line, exit status 2."""

@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every argument before anything runs: one line, exit status 2."""
-    from qspec_jax.cli import require
+    from qspec_jax.cli import fail, require
     from qspec_jax.weight_quant import WEIGHT_GROUPS
 
     options.positive(PROG, args, "--contexts", "--steps", "--trials", "--loop-tokens", "--top")
@@ -293,6 +293,8 @@ def check_args(args: argparse.Namespace) -> None:
             f"in 1..{DEFAULT_GAMMA_MAX + 1}")
     require(PROG, args.draft_group in WEIGHT_GROUPS, "--draft-group", args.draft_group,
             f"one of {', '.join(map(str, WEIGHT_GROUPS))}")
+    if args.doc is not None and jax.default_backend() != "gpu":
+        fail(PROG, f"--doc: no GPU ({jax.default_backend()} backend): the trace would have no kernels to report")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
