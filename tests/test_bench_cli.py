@@ -65,6 +65,9 @@ BAD_ARGS = [
     ("e2e", ["--parts", "nonsense"], "argument --parts: expected a comma-separated subset of 8b,batch,smollm,memory,tp, "
                                      "got 'nonsense'"),
     ("e2e", ["--quick", "--doc"], "--doc with --quick"),
+    ("profile", ["--programs", "draft,nonsense"], "argument --programs: expected a comma-separated subset of "
+                                                  "ar_bf16,draft,verify,ar_loop,spec_loop, got 'draft,nonsense'"),
+    ("profile", ["--gamma", "0"], "--gamma must be in 1..7, got 0"),
     ("e2e", ["--parts", "8b", "--alphas", "1.5"], "--alphas must be in (0, 1], got 1.5"),
     ("e2e", ["--parts", "8b", "--draft-group", "48"], "--draft-group must be one of 32, 64, 128, got 48"),
     ("e2e", ["--parts", "8b", "--loop-gamma", "9"], "--loop-gamma must be in 1..7 (gamma_max), got 9"),

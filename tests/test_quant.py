@@ -306,8 +306,14 @@ def test_constant_groups_exact(sd, group, seed, const):
         assert np.array_equal(v[0, 1, 5], x[0, 1, 5])
 
 
+# The near-constant row c (1 + 1e-6) must be a float32 normal: XLA flushes subnormal inputs to
+# zero, so at c = -FLT_MIN (which hypothesis tries) that row is quantized as the constant 0.
+NORMAL_F32 = st.floats(-100, 100, width=32, allow_subnormal=False).filter(
+    lambda c: c == 0 or abs(c) >= 2 * float(np.finfo(np.float32).tiny))
+
+
 @settings(max_examples=30, deadline=None)
-@given(seed=seeds, c=st.floats(-100, 100, width=32, allow_subnormal=False))
+@given(seed=seeds, c=NORMAL_F32)
 def test_constant_group_not_representable_in_float16(seed, c):
     """A float32 constant that float16 cannot hold: finite, and still within s/32 of the constant.
 
