@@ -299,10 +299,10 @@ def test_draft_weights_int4(synthetic_hf_dir: Callable[..., Path], tmp_path: Pat
 
     out = tmp_path / "out"
     rc, err = run_cli(capsys, synthetic_hf_dir(), out, "--draft-weights", "int4", "--draft-group", "32",
-                      "--draft-scope", "ffn")
+                      "--draft-scope", "ffn", "--draft-method", "clip")
     assert rc == 0, err
     model = load(out, tokenizer=False)
-    want = DraftWeightsConfig(group_size=32, scope="ffn")
+    want = DraftWeightsConfig(group_size=32, scope="ffn", method="clip")
     assert model.draft_weights_config == want and model.draft_params is not None
     ref = make_draft_params(model.params, want)
     for name in ("w_gate", "w_up", "w_down"):
@@ -323,8 +323,8 @@ def test_draft_group_must_divide(synthetic_hf_dir: Callable[..., Path], tmp_path
 @pytest.mark.parametrize("args, message", [
     (["--draft-group", "7"], "--draft-group must be one of 32, 64, 128, got 7"),
     (["--draft-scope", "mlp"], "--draft-scope must be one of all, ffn, got mlp"),
-    (["--draft-method", "gptq"], "--draft-method gptq needs --calibration-text FILE"),
-    (["--calibration-text", "x.txt"], "--calibration-text is used by --draft-method gptq only, not clip"),
+    (["--draft-method", "clip", "--calibration-text", "x.txt"],
+     "--calibration-text is used by --draft-method gptq only, not clip"),
 ])
 def test_draft_flags_are_checked_by_name(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any,
                                          args: list[str], message: str) -> None:
@@ -561,9 +561,11 @@ def test_manifest_name_agrees() -> None:
 
 # ------------------------------------------------------------------- default draft, tokenizer
 def test_default_conversion_stores_the_default_draft(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
-    """`qspec-convert SRC OUT` stores DraftWeightsConfig()'s draft, which SpecConfig() asks for,
-    so generation uses the stored draft object as it is; a model without tokenizer files converts
-    with one warning line that says what will not work."""
+    """`qspec-convert SRC OUT` stores DraftWeightsConfig()'s draft (GPTQ), which SpecConfig() asks
+    for, so generation uses the stored draft object as it is; it is `calibration.make_draft` of
+    the stored target (here without a tokenizer: on random token ids, which the last line says); a
+    model without tokenizer files converts with one warning line that says what will not work."""
+    from qspec_jax import calibration as C
     from qspec_jax.speculative import SpecConfig, draft_params_for
     from qspec_jax.weight_quant import DraftWeightsConfig
 
@@ -573,10 +575,19 @@ def test_default_conversion_stores_the_default_draft(synthetic_hf_dir: Callable[
     lines = proc.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("qspec-convert: warning: ") and "no tokenizer files" in lines[0]
     assert "qspec-generate" in lines[0] and "token ids" in lines[0]
-    assert lines[1].startswith(f"qspec-convert: wrote {out} (bfloat16 + INT4 draft weights (clip, group 32, ")
+    assert lines[1].startswith(f"qspec-convert: wrote {out} (bfloat16 + INT4 draft weights (gptq, group 32, "
+                               "all linears + lm_head; calibrated on ")
+    assert "tokens of random token ids (the model has no tokenizer))" in lines[1]
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["draft_weights"] == DraftWeightsConfig().to_dict()
+    assert manifest["draft_weights"] == DraftWeightsConfig().to_dict() and DraftWeightsConfig().method == "gptq"
+    assert manifest["draft_calibration"]["text"] == "random token ids (the model has no tokenizer)"
     model = load(out)
+    ref, info = C.make_draft(M.unfuse_projections(model.params), DraftWeightsConfig())
+    assert info == manifest["draft_calibration"]
+    stored = M.unfuse_projections(model.draft_params).layers
+    for name in ("wq", "wk", "w_up", "w_down"):
+        np.testing.assert_array_equal(np.asarray(getattr(ref.layers, name).packed),
+                                      np.asarray(getattr(stored, name).packed))
     assert model.draft_weights_config == SpecConfig().draft_weights_config
     assert draft_params_for(model, SpecConfig()) is model.draft_params
     assert model.with_draft_weights() is model  # nothing to re-quantize
@@ -612,7 +623,8 @@ def test_interrupt_leaves_nothing(tiny_chat_source: Path, tmp_path: Path, stage:
     out, marker = tmp_path / "ckpt" / "out", tmp_path / "paused"
     (tmp_path / "ckpt").mkdir()
     # The draft is smaller where it is not the point: fewer XLA compilations before the pause.
-    draft = ["--draft-scope", "ffn", "--no-draft-lm-head"] if stage == "quantize" else ["--draft-weights", "none"]
+    draft = (["--draft-scope", "ffn", "--no-draft-lm-head", "--draft-method", "clip"] if stage == "quantize"
+             else ["--draft-weights", "none"])
     proc = subprocess.Popen([sys.executable, "-m", "convert", str(tiny_chat_source), str(out), "--no-progress",
                              *draft], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True,
@@ -654,7 +666,9 @@ def test_interrupt_real_model_while_orbax_writes(smollm2_gguf_path: Path, tmp_pa
     pytest.importorskip("gguf")
     for when in ("orbax-tmp", 2.0, 6.0):
         out = tmp_path / f"out-{when}"
-        proc = subprocess.Popen([sys.executable, "-m", "convert", str(smollm2_gguf_path), str(out)],
+        # clip: the fast draft (the default GPTQ calibration would add minutes before the write)
+        proc = subprocess.Popen([sys.executable, "-m", "convert", str(smollm2_gguf_path), str(out), "--draft-method",
+                                 "clip"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                 start_new_session=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         try:
