@@ -37,6 +37,7 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.evaluation import read_text_file
+from qspec_jax.weight_quant import CALIBRATED_METHODS, DraftWeightsConfig, make_draft_params
 
 Array = jax.Array
 CALIBRATION_FLAG = "--calibration-text"
@@ -81,7 +82,8 @@ def read_calibration_tokens(paths: str | Path | Sequence[str | Path], tokenizer:
 
 
 def calibration_tokens(tokenizer: Any, paths: Sequence[str | Path] | None = None, *, vocab_size: int,
-                       max_tokens: int = CALIBRATION_MAX_TOKENS, flag: str = CALIBRATION_FLAG) -> tuple[np.ndarray, str]:
+                       max_tokens: int = CALIBRATION_MAX_TOKENS,
+                       flag: str = CALIBRATION_FLAG) -> tuple[np.ndarray, str]:
     """(token ids int32 [N], what they are, for messages) to calibrate on.
 
     `paths` given: those files through `tokenizer` (`read_calibration_tokens`; CalibrationError
@@ -225,8 +227,8 @@ def collect_hessians(params: M.Params, windows: np.ndarray, *, batch_tokens: int
     return out
 
 
-def make_draft(params: M.Params, cfg: Any, *, tokenizer: Any = None, calibration_text: Sequence[str | Path] | None = None,
-               max_tokens: int = CALIBRATION_MAX_TOKENS, seq_len: int = CALIBRATION_SEQ_LEN,
+def make_draft(params: M.Params, cfg: DraftWeightsConfig, *, tokenizer: Any = None,
+               calibration_text: Sequence[str | Path] | None = None, max_tokens: int = CALIBRATION_MAX_TOKENS, seq_len: int = CALIBRATION_SEQ_LEN,
                progress: bool = False) -> tuple[M.Params, dict[str, Any] | None]:
     """The draft params of DraftWeightsConfig `cfg` for the dense, unfused target `params`, and
     for a calibrated method what it was calibrated on ({"text", "tokens"}; None otherwise).
@@ -236,8 +238,6 @@ def make_draft(params: M.Params, cfg: Any, *, tokenizer: Any = None, calibration
     at most `max_tokens` of them spread evenly over the text, collected one layer at a time
     while the layers are quantized. Raises CalibrationError for unusable text.
     """
-    from qspec_jax.weight_quant import CALIBRATED_METHODS, make_draft_params
-
     if cfg.method not in CALIBRATED_METHODS:
         if calibration_text:
             raise CalibrationError(f"{CALIBRATION_FLAG} is for the calibrated draft methods "

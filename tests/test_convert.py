@@ -407,8 +407,15 @@ def test_smollm2_gguf_roundtrip(smollm2_checkpoint: Path) -> None:
     from qspec_jax.checkpoint import MODEL_CONFIG
     from qspec_jax.config import ModelConfig
 
+    from qspec_jax.calibration import CALIBRATION_MAX_TOKENS
+    from qspec_jax.weight_quant import DraftWeightsConfig
+
     manifest = json.loads((smollm2_checkpoint / MANIFEST).read_text())
     assert manifest["source_format"] == "gguf"
+    # the default draft, calibrated on the built-in text through the GGUF's tokenizer
+    assert manifest["draft_weights"] == DraftWeightsConfig().to_dict()
+    assert manifest["draft_calibration"] == {"text": "the built-in text (botchan.txt)",
+                                             "tokens": CALIBRATION_MAX_TOKENS}
     assert manifest["source_tensor_types"] == ["F32", "Q4_1", "Q8_0"]
     cfg = ModelConfig.from_dict(json.loads((smollm2_checkpoint / MODEL_CONFIG).read_text()))
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)

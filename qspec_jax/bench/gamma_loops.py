@@ -153,9 +153,11 @@ def section(data: dict[str, Any], device: str, bass_labels: Sequence[str]) -> st
     body = []
     for r in rows:
         c = r["costs_ms"]
-        bass = [f"{r['measured'][b]['tokens_per_s']:.1f} ({r['measured'][b]['tokens_per_s'] / r['best_fixed_tokens_per_s'] - 1:+.1%})"
+        best = r["best_fixed_tokens_per_s"]
+        bass = [f"{r['measured'][b]['tokens_per_s']:.1f} ({r['measured'][b]['tokens_per_s'] / best - 1:+.1%})"
                 if b in r["measured"] else "–" for b in bass_labels]
-        body.append([r["context"], r["batch"], r["alpha"], f"{c['draft_s']:.3g} / {c['verify_s']:.3g} / {c['ar_s']:.3g}",
+        body.append([r["context"], r["batch"], r["alpha"],
+                     f"{c['draft_s']:.3g} / {c['verify_s']:.3g} / {c['ar_s']:.3g}",
                      r["choice"], f"{r['choice_tokens_per_s']:.1f}", r["fastest"], f"{r['fastest_tokens_per_s']:.1f}",
                      f"{r['choice_vs_fastest']:.3f}", f"{r['best_fixed']} ({r['best_fixed_tokens_per_s']:.1f})",
                      f"{max(r['ar_tokens_per_s'].values()):.1f}"] + bass)
