@@ -712,7 +712,8 @@ def test_calibrated_draft_through_the_command(tiny_chat_source: Path, tmp_path: 
     out = tmp_path / "out"
     proc = run_command(tiny_chat_source, out, "--no-progress", "--draft-method", "gptq", "--calibration-text", text)
     assert proc.returncode == 0, proc.stderr
-    assert "INT4 draft weights (gptq, group 32, all linears + lm_head)" in proc.stderr
+    assert f"INT4 draft weights (gptq, group 32, all linears + lm_head; calibrated on 5120 tokens of {text})" \
+        in proc.stderr  # 5400 byte tokens: 10 windows of 512 (the model's positions)
     model = load(out)
     assert model.draft_weights_config == DraftWeightsConfig(method="gptq")
     short = tmp_path / "short.txt"

@@ -416,7 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     loop_contexts = [int(x) for x in args.loop_contexts.split(",")]
     if args.quick:
         contexts, batches, args.prompts, args.new_tokens, args.tf_tokens = [256], [1, 2], 2, 16, 24
-        loop_contexts, args.loop_tokens, args.loop_trials = list(gamma_loops.QUICK_CONTEXTS), 16, 1
+        args.loop_tokens, args.loop_trials = 16, 1
+        if args.loop_contexts == build_parser().get_default("loop_contexts"):  # not given: tiny contexts
+            loop_contexts = list(gamma_loops.QUICK_CONTEXTS)
     parts = [x for x in args.parts.split(",") if x]
     bad_parts = sorted(set(parts) - {"free", "tf", "loops"})
     if bad_parts:
