@@ -569,9 +569,10 @@ def test_manifest_name_agrees() -> None:
 # ------------------------------------------------------------------- default draft, tokenizer
 def test_default_conversion_stores_the_default_draft(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
     """`qspec-convert SRC OUT` stores DraftWeightsConfig()'s draft (GPTQ), which SpecConfig() asks
-    for, so generation uses the stored draft object as it is; it is `calibration.make_draft` of
-    the stored target (here without a tokenizer: on random token ids, which the last line says); a
-    model without tokenizer files converts with one warning line that says what will not work."""
+    for, so generation uses the stored draft object as it is; calibrated (`calibration.make_draft`,
+    tested in test_weight_quant) here without a tokenizer: on random token ids, which the last
+    line says; a model without tokenizer files converts with one warning line that says what will
+    not work."""
     from qspec_jax import calibration as C
     from qspec_jax.speculative import SpecConfig, draft_params_for
     from qspec_jax.weight_quant import DraftWeightsConfig
@@ -588,13 +589,8 @@ def test_default_conversion_stores_the_default_draft(synthetic_hf_dir: Callable[
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["draft_weights"] == DraftWeightsConfig().to_dict() and DraftWeightsConfig().method == "gptq"
     assert manifest["draft_calibration"]["text"] == "random token ids (the model has no tokenizer)"
+    assert manifest["draft_calibration"]["tokens"] == C.CALIBRATION_MAX_TOKENS
     model = load(out)
-    ref, info = C.make_draft(M.unfuse_projections(model.params), DraftWeightsConfig())
-    assert info == manifest["draft_calibration"]
-    stored = M.unfuse_projections(model.draft_params).layers
-    for name in ("wq", "wk", "w_up", "w_down"):
-        np.testing.assert_array_equal(np.asarray(getattr(ref.layers, name).packed),
-                                      np.asarray(getattr(stored, name).packed))
     assert model.draft_weights_config == SpecConfig().draft_weights_config
     assert draft_params_for(model, SpecConfig()) is model.draft_params
     assert model.with_draft_weights() is model  # nothing to re-quantize
