@@ -26,7 +26,8 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e '.[dev,gguf,bench]'
 	touch $@
 
-# Converted once, then cached: INT4 draft weights are stored next to the bf16 target weights.
+# Converted once, then cached: the INT4 draft weights (GPTQ, calibrated on the library's built-in text: a few
+# minutes on a 2-core CPU, once) are stored next to the bf16 target weights.
 $(CKPT)/qspec_checkpoint.json: | $(VENV)/.installed
 	$(BIN)/qspec-convert "$$($(BIN)/python -m qspec_jax.default_model)" $(CKPT)
 

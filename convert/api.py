@@ -77,33 +77,26 @@ def estimate_bytes(cfg: ModelConfig, draft: Any = None) -> int:
 
 def _make_draft(cfg: ModelConfig, flat: dict[str, np.ndarray], draft: Any, source: Source,
                 calibration_text: Sequence[str | Path] | None, progress: bool,
-                on_stage: Callable[[str], None] | None) -> dict[str, np.ndarray]:
-    """The INT4 draft weights ("draft/..." keys) made from the stored target weights."""
+                on_stage: Callable[[str], None] | None) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+    """The INT4 draft weights ("draft/..." keys) made from the stored target weights, and what a
+    calibrated method calibrated on (`qspec_jax.calibration.make_draft`: --calibration-text, else
+    the built-in text, else random token ids when the source has no tokenizer)."""
     import jax.numpy as jnp
 
+    from qspec_jax.calibration import CalibrationError, make_draft
     from qspec_jax.checkpoint import draft_to_flat
     from qspec_jax.model import params_from_flat
-    from qspec_jax.weight_quant import CALIBRATED_METHODS, make_draft_params
 
     params = params_from_flat(cfg, {k: jnp.asarray(v) for k, v in flat.items()})
-    hessians = None
-    if draft.method in CALIBRATED_METHODS:
-        from qspec_jax.calibration import (CALIBRATION_SEQ_LEN, CalibrationError, CalibrationHessians,
-                                           calibration_windows, read_calibration_tokens)
-
-        if source.tokenizer is None:
-            raise ConversionError(f"--draft-method {draft.method} tokenizes --calibration-text, but the source "
-                                  "has no tokenizer")
-        try:
-            ids = read_calibration_tokens(list(calibration_text or []), source.tokenizer())
-            windows = calibration_windows(ids, min(CALIBRATION_SEQ_LEN, cfg.max_position_embeddings))
-        except CalibrationError as e:
-            raise ConversionError(str(e)) from None
-        hessians = CalibrationHessians(params, windows)  # one layer at a time, inside make_draft_params
-    draft_params = make_draft_params(params, draft, hessians=hessians, progress=progress)
+    try:
+        tokenizer = source.tokenizer() if source.tokenizer is not None else None
+        draft_params, calibration = make_draft(params, draft, tokenizer=tokenizer,
+                                               calibration_text=list(calibration_text or []), progress=progress)
+    except CalibrationError as e:
+        raise ConversionError(str(e)) from None
     if on_stage is not None:
         on_stage("quantize")  # the quantization may still be running on XLA's threads here
-    return draft_to_flat(draft_params)
+    return draft_to_flat(draft_params), calibration
 
 
 def convert_into(dst: str | Path, src: str | Path, dtype: str = "bfloat16", *, draft_weights: Any = None,
@@ -130,8 +123,12 @@ def convert_into(dst: str | Path, src: str | Path, dtype: str = "bfloat16", *, d
         flat = fill(source, progress=progress, desc=f"reading {Path(src).name}", on_read=on_read)
         extra = dict(source.extra)
         if draft_weights is not None:
-            flat.update(_make_draft(source.cfg, flat, draft_weights, source, calibration_text, progress, on_stage))
+            weights, calibration = _make_draft(source.cfg, flat, draft_weights, source, calibration_text, progress,
+                                               on_stage)
+            flat.update(weights)
             extra["draft_weights"] = draft_weights.to_dict()
+            if calibration is not None:
+                extra["draft_calibration"] = calibration
         manifest_source = str(Path(src).resolve())
         if progress:  # orbax's write takes seconds with no bar of its own
             print(f"writing the checkpoint ({estimate_bytes(source.cfg, draft_weights) / 1e6:,.0f} MB)",
@@ -154,7 +151,8 @@ def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16", *, progre
     dtype: the stored parameter dtype, "bfloat16" (default) or "float32".
     draft_weights: a `qspec_jax.weight_quant.DraftWeightsConfig` to also store INT4 draft
     weights (made from the stored target weights; `load` returns them as `draft_params`);
-    calibration_text: text file(s) for the calibrated methods (`CALIBRATED_METHODS`).
+    calibration_text: text file(s) for the calibrated methods (`CALIBRATED_METHODS`, the default
+    GPTQ among them); default: the library's built-in text (`qspec_jax.calibration.BUILTIN_TEXT`).
     OUT is checked before anything is read (`convert.output`); the checkpoint is written next to
     it and renamed into place, so after a failure `out` does not exist. Raises ConversionError
     for bad input and warns (ConversionWarning) about what will not work. Returns `out`.

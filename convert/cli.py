@@ -106,13 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-scope", default=None, metavar="SCOPE",
                    help="which linear layers are quantized: {scopes} (default: {scope})")
     g.add_argument("--draft-method", default=None, metavar="METHOD",
-                   help="how the INT4 codes are chosen: {methods}; {calibrated} need --calibration-text "
-                        "(default: {method})")
+                   help="how the INT4 codes are chosen: {methods}; {calibrated} calibrate on text (--calibration-text, "
+                        "else the built-in text), clip is the fast data-free one (default: {method})")
     g.add_argument("--draft-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="quantize the lm_head to INT4 as well (default: {lm_head})")
     g.add_argument("--calibration-text", action="append", type=Path, metavar="FILE", default=None,
                    help="UTF-8 text the calibrated methods ({calibrated}) collect input statistics on; "
-                        "repeat for several files (default: none)")
+                        "repeat for several files (default: the built-in text, qspec_jax/data/botchan.txt, a public "
+                        "domain novel; random token ids for a source without a tokenizer)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
@@ -258,9 +259,11 @@ def _convert(args: argparse.Namespace, signals: _Signals, t0: float) -> int:
             proc.wait()
         if not committed:
             discard(staging)
-    draft = manifest.get("draft_weights")
+    draft, calibration = manifest.get("draft_weights"), manifest.get("draft_calibration")
     what = args.dtype + (f" + INT4 draft weights ({draft['method']}, group {draft['group_size']}, "
-                         f"{draft['scope']} linears{' + lm_head' if draft['lm_head'] else ''})" if draft else "")
+                         f"{draft['scope']} linears{' + lm_head' if draft['lm_head'] else ''}"
+                         + (f"; calibrated on {calibration['tokens']} tokens of {calibration['text']}" if calibration
+                            else "") + ")" if draft else "")
     print(f"{PROG}: wrote {staging.out} ({what}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return 0
 

@@ -68,9 +68,6 @@ def draft_config(fields: dict[str, Any] | None, calibration_text: list[str]) -> 
     if fields is None:
         return None
     cfg = from_flags(PROG, fields, DraftWeightsConfig())
-    if cfg.method in CALIBRATED_METHODS and not calibration_text:
-        fail(PROG, f"--draft-method {cfg.method} needs --calibration-text FILE (text to collect the layers' input "
-                   "statistics on)")
     if calibration_text and cfg.method not in CALIBRATED_METHODS:
         fail(PROG, f"--calibration-text is used by --draft-method {', '.join(CALIBRATED_METHODS)} only, "
                    f"not {cfg.method}")

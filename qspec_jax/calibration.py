@@ -10,7 +10,10 @@ lm_head one more:
     mlp_out  = silu(h wg) * (h wu)      input of w_down           [F, F]
     head     = final rms_norm(x)        input of lm_head          [D, D]
 
-`CalibrationHessians` computes them one layer at a time: it keeps the residual stream of all
+`make_draft` is the entry point: the calibration tokens (`calibration_tokens`: the user's text,
+else the library's built-in text `BUILTIN_TEXT`, else random token ids for a model without a
+tokenizer), their Hessians and `weight_quant.make_draft_params`. `CalibrationHessians` computes
+the Hessians one layer at a time: it keeps the residual stream of all
 calibration tokens at one layer boundary ([N, T, D] in the model dtype) and runs one layer over
 it, a batch of windows per jitted call, summing the Gram matrices. Memory is that stream plus
 one layer's Hessians (an 8B Llama: 0.5 GB of stream for 64k tokens and 1 GB of Hessians, where
@@ -34,13 +37,18 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.evaluation import read_text_file
+from qspec_jax.weight_quant import CALIBRATED_METHODS, DraftWeightsConfig, make_draft_params
 
 Array = jax.Array
 CALIBRATION_FLAG = "--calibration-text"
-CALIBRATION_SEQ_LEN = 2048  # tokens per calibration window (capped at the model's positions)
-CALIBRATION_MAX_TOKENS = 65536  # windows beyond this budget are dropped (evenly over the text)
+CALIBRATION_SEQ_LEN = 512  # tokens per calibration window (capped at the model's positions)
+CALIBRATION_MAX_TOKENS = 8192  # windows beyond this budget are dropped (evenly over the text)
 MIN_CALIBRATION_TOKENS = 4096  # fewer leaves H = X^T X badly conditioned for F-wide inputs
 CALIBRATION_BATCH_TOKENS = 8192  # tokens per jitted accumulation step (bounds activation memory)
+# The default calibration text: public domain, not Shakespeare (the evaluation texts);
+# qspec_jax/data/README.md says what it is and where it comes from.
+BUILTIN_TEXT = Path(__file__).resolve().parent / "data" / "botchan.txt"
+RANDOM_TOKENS_SEED = 0  # calibration token ids of a model without a tokenizer
 # Which accumulated input each quantizable weight sees.
 HESSIAN_OF = {"layers/wq": "attn_in", "layers/wk": "attn_in", "layers/wv": "attn_in", "layers/wo": "attn_out",
               "layers/w_gate": "mlp_in", "layers/w_up": "mlp_in", "layers/w_down": "mlp_out", "lm_head": "head"}
@@ -71,6 +79,28 @@ def read_calibration_tokens(paths: str | Path | Sequence[str | Path], tokenizer:
         names = ", ".join(str(p) for p in paths)
         raise CalibrationError(f"{flag} {names}: {len(ids)} tokens, need at least {min_tokens}; pass more text")
     return np.asarray(ids, np.int32)
+
+
+def calibration_tokens(tokenizer: Any, paths: Sequence[str | Path] | None = None, *, vocab_size: int,
+                       max_tokens: int = CALIBRATION_MAX_TOKENS,
+                       flag: str = CALIBRATION_FLAG) -> tuple[np.ndarray, str]:
+    """(token ids int32 [N], what they are, for messages) to calibrate on.
+
+    `paths` given: those files through `tokenizer` (`read_calibration_tokens`; CalibrationError
+    without a tokenizer). Else `BUILTIN_TEXT` through `tokenizer`; else (a model without a
+    tokenizer: token ids only) `max_tokens` uniform random token ids from a fixed seed, which give
+    a valid, exact draft that accepts less than one calibrated on text.
+    """
+    if paths:
+        if tokenizer is None:
+            raise CalibrationError(f"{flag} is tokenized with the model's tokenizer, and this model has none")
+        ids = read_calibration_tokens(paths, tokenizer, flag=flag)
+        return ids, f"{', '.join(str(p) for p in paths)}"
+    if tokenizer is not None:
+        return read_calibration_tokens(BUILTIN_TEXT, tokenizer, flag="built-in calibration text"), \
+            f"the built-in text ({BUILTIN_TEXT.name})"
+    ids = np.random.default_rng(RANDOM_TOKENS_SEED).integers(0, vocab_size, max_tokens).astype(np.int32)
+    return ids, "random token ids (the model has no tokenizer)"
 
 
 def calibration_windows(ids: np.ndarray, seq_len: int, max_tokens: int = CALIBRATION_MAX_TOKENS) -> np.ndarray:
@@ -195,3 +225,27 @@ def collect_hessians(params: M.Params, windows: np.ndarray, *, batch_tokens: int
             out[name] = shared.setdefault(key, out[name])
     out["lm_head"] = hs.head()
     return out
+
+
+def make_draft(params: M.Params, cfg: DraftWeightsConfig, *, tokenizer: Any = None,
+               calibration_text: Sequence[str | Path] | None = None, max_tokens: int = CALIBRATION_MAX_TOKENS, seq_len: int = CALIBRATION_SEQ_LEN,
+               progress: bool = False) -> tuple[M.Params, dict[str, Any] | None]:
+    """The draft params of DraftWeightsConfig `cfg` for the dense, unfused target `params`, and
+    for a calibrated method what it was calibrated on ({"text", "tokens"}; None otherwise).
+
+    Data-free methods: `weight_quant.make_draft_params` as is. Calibrated methods (GPTQ): the
+    Hessians over `calibration_tokens(tokenizer, calibration_text)`, windows of `seq_len` tokens,
+    at most `max_tokens` of them spread evenly over the text, collected one layer at a time
+    while the layers are quantized. Raises CalibrationError for unusable text.
+    """
+    if cfg.method not in CALIBRATED_METHODS:
+        if calibration_text:
+            raise CalibrationError(f"{CALIBRATION_FLAG} is for the calibrated draft methods "
+                                   f"({', '.join(CALIBRATED_METHODS)}), not {cfg.method}")
+        return make_draft_params(params, cfg, progress=progress), None
+    ids, what = calibration_tokens(tokenizer, calibration_text, vocab_size=params.config.vocab_size,
+                                   max_tokens=max_tokens)
+    windows = calibration_windows(ids, min(seq_len, params.config.max_position_embeddings), max_tokens)
+    hessians = CalibrationHessians(params, windows, progress=progress)
+    draft = make_draft_params(params, cfg, hessians=hessians, progress=progress)
+    return draft, {"text": what, "tokens": int(windows.size)}

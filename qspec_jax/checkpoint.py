@@ -26,7 +26,7 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.config import ModelConfig
-from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight, make_draft_params
+from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight
 
 FORMAT_VERSION = 1
 MANIFEST = "qspec_checkpoint.json"
@@ -173,12 +173,18 @@ class Model:
     draft_weights_config: DraftWeightsConfig | None = None
     path: Path | None = None
 
-    def with_draft_weights(self, cfg: DraftWeightsConfig = DraftWeightsConfig()) -> "Model":
+    def with_draft_weights(self, cfg: DraftWeightsConfig = DraftWeightsConfig(), *,
+                           progress: bool = False) -> "Model":
         """This model with INT4 draft weights made by `cfg`: the stored ones (this very object)
-        when they were made with `cfg`, else quantized now (on the target's mesh, if any)."""
+        when they were made with `cfg`, else made now (on the target's mesh, if any) by
+        `calibration.make_draft`: a calibrated method (the default, GPTQ) calibrates on the
+        built-in text through this model's tokenizer (random token ids without one), which
+        takes a while on a CPU (`progress`: tqdm bars)."""
         if self.draft_weights_config == cfg and self.draft_params is not None:
             return self
-        draft = make_draft_params(M.unfuse_projections(self.params), cfg)
+        from qspec_jax.calibration import make_draft
+
+        draft, _ = make_draft(M.unfuse_projections(self.params), cfg, tokenizer=self.tokenizer, progress=progress)
         if self.params.mesh is not None:
             from qspec_jax.sharding import shard_params
 

@@ -59,8 +59,8 @@ def weight_bytes(cfg: ModelConfig, draft: DraftWeightsConfig | None = None) -> d
     """Bytes of the target weights and (when `draft` is given) of the extra INT4 draft weights."""
     target = jax.eval_shape(lambda: M.init_random_params(cfg, jax.random.PRNGKey(0)))
     out = {"target": tree_bytes(target)}
-    if draft is not None:
-        d = jax.eval_shape(lambda p: make_draft_params(p, draft), target)
+    if draft is not None:  # every method makes the same format: shapes from the data-free one
+        d = jax.eval_shape(lambda p: make_draft_params(p, dataclasses.replace(draft, method="clip")), target)
         linears = [getattr(d.layers, n) for n in M.LINEAR_NAMES] + [d.lm_head]
         out["draft"] = tree_bytes([w for w in linears if isinstance(w, QuantizedWeight)])  # the rest is shared
     return out

@@ -45,7 +45,7 @@ from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
 from qspec_jax.generation import (PAD_ID, check_fits, decode_cache_len, eos_array, initial_logits, new_cache,
                                    pad_prompts, prng_key, record_logits, run_jitted)
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
-from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
+from qspec_jax.weight_quant import DraftWeightsConfig
 
 Array = jax.Array
 DRAFT_KV = ("int4", "int8", "bf16")
@@ -468,7 +468,8 @@ def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Arra
 # ---------------------------------------------------------------------------------- public
 def draft_params_for(model: Any, spec: SpecConfig) -> M.Params:
     """The draft's params: the target's for draft_weights="bf16", else INT4 weights, taken from
-    the checkpoint when they match `spec` and made now otherwise."""
+    the checkpoint when they match `spec` and made now otherwise (`Model.with_draft_weights`: a
+    calibrated method calibrates on the built-in text)."""
     if spec.draft_weights == "bf16":
         return model.params
     want = spec.draft_weights_config
@@ -479,12 +480,7 @@ def draft_params_for(model: Any, spec: SpecConfig) -> M.Params:
         warnings.warn(f"quantizing the INT4 draft again: the checkpoint stores {model.draft_weights_config}, "
                       f"SpecConfig asks for {want}; set SpecConfig's draft_* fields to the stored format to use "
                       "it as it is", stacklevel=3)
-    draft = make_draft_params(M.unfuse_projections(model.params), want)
-    if model.params.mesh is not None:
-        from qspec_jax.sharding import shard_params
-
-        draft = shard_params(draft, model.params.mesh, want.group_size)
-    return M.for_device(draft)
+    return model.with_draft_weights(want).draft_params
 
 
 def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, config: SpecConfig = SpecConfig(),

@@ -359,7 +359,9 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_path: Path) -> Path:
-    """SmolLM2 converted once per session from the GGUF; returns the checkpoint directory.
+    """SmolLM2 converted once per session from the GGUF, with the default INT4 draft (GPTQ on the
+    built-in text, as `qspec-convert` stores it: the speculative tests use it as it is instead of
+    quantizing one per test); returns the checkpoint directory.
 
     Stored as float32: the dequantized Q4_1/Q8_0 values are not representable in bfloat16, so a
     bfloat16-stored checkpoint loaded with dtype="float32" would be ~0.2 off HF's float32 logits.
@@ -368,9 +370,10 @@ def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_pa
     """
     pytest.importorskip("gguf")
     from convert import convert
+    from qspec_jax.weight_quant import DraftWeightsConfig
 
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    return convert(smollm2_gguf_path, out, dtype="float32", progress=False)
+    return convert(smollm2_gguf_path, out, dtype="float32", progress=False, draft_weights=DraftWeightsConfig())
 
 
 @pytest.fixture(scope="session")

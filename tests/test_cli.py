@@ -22,7 +22,7 @@ from qspec_jax.cache import DEFAULT_GAMMA_MAX as GMAX
 from qspec_jax.cli import KV_GROUP_SIZES, bench, eval_accept, eval_ppl, generate
 
 CLIS = {"qspec-generate": generate, "qspec-eval-ppl": eval_ppl, "qspec-eval-accept": eval_accept}
-STORED_LINE = "draft: the checkpoint's stored INT4 weights (clip, group 32, all linears + lm_head)"
+STORED_LINE = "draft: the checkpoint's stored INT4 weights (gptq, group 32, all linears + lm_head)"
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
@@ -213,14 +213,14 @@ def test_checkpoint_without_tokenizer(synthetic_hf_dir: Callable[..., Path], tmp
 @pytest.fixture
 def no_quantizing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any INT4 quantization of the draft fails the test: the stored draft must be used."""
-    import qspec_jax.checkpoint as checkpoint
-    import qspec_jax.speculative as speculative
+    import qspec_jax.calibration as calibration
+    import qspec_jax.weight_quant as weight_quant
 
     def refuse(*a: Any, **k: Any) -> None:
         pytest.fail("the draft was quantized again")
 
-    monkeypatch.setattr(checkpoint, "make_draft_params", refuse)
-    monkeypatch.setattr(speculative, "make_draft_params", refuse)
+    monkeypatch.setattr(calibration, "make_draft", refuse)  # what Model.with_draft_weights calls
+    monkeypatch.setattr(weight_quant, "make_draft_params", refuse)
 
 
 def test_generate_uses_the_stored_draft(tiny_chat_checkpoint: Path, no_quantizing: None,
@@ -256,13 +256,13 @@ def test_a_different_format_is_quantized_and_said(tiny_chat_checkpoint: Path,
     from qspec_jax.weight_quant import make_draft_params
 
     model = qspec_jax.load(tiny_chat_checkpoint)
-    assert use_draft("qspec-generate", model, {"method": "clip", "group_size": 32}) is model
+    assert use_draft("qspec-generate", model, {"method": "gptq", "group_size": 32}) is model
     assert capsys.readouterr().err.strip() == f"qspec-generate: {STORED_LINE}"
     other = use_draft("qspec-generate", model, {"method": "minmax", "lm_head": False})
     assert capsys.readouterr().err.strip() == (
         "qspec-generate: draft: quantizing INT4 weights now (minmax, group 32, all linears, lm_head not "
         "quantized): --draft-method minmax, --no-draft-lm-head differ from the checkpoint's stored draft "
-        "(clip, group 32, all linears + lm_head)")
+        "(gptq, group 32, all linears + lm_head)")
     assert other.draft_weights_config.method == "minmax" and not other.draft_weights_config.lm_head
     ref = make_draft_params(model.params, other.draft_weights_config)
     np.testing.assert_array_equal(np.asarray(other.draft_params.layers.wq.packed), np.asarray(ref.layers.wq.packed))
@@ -284,15 +284,27 @@ def test_group_that_does_not_divide_names_the_flag(tiny_chat_checkpoint: Path,
         "layers/wv (input dim 32), lm_head (input dim 32); choose a group size that does"]
 
 
-def test_calibrated_method_needs_conversion(tiny_chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibrated_method_is_made_on_the_builtin_text(tiny_chat_checkpoint: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--draft-method gptq on a checkpoint that stores another draft: calibrated now on the
+    built-in text through the checkpoint's tokenizer, as a default conversion stores it (same
+    codes), and the line says so."""
     import qspec_jax
     from qspec_jax.cli import use_draft
 
-    with pytest.raises(SystemExit) as info:
-        use_draft("qspec-generate", qspec_jax.load(tiny_chat_checkpoint), {"method": "gptq"})
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert "--draft-method gptq needs calibration text" in err and "--calibration-text FILE" in err
+    model = qspec_jax.load(tiny_chat_checkpoint)
+    clip = use_draft("qspec-generate", model, {"method": "clip"})
+    capsys.readouterr()
+    again = use_draft("qspec-generate", clip, {"method": "gptq"})
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == ("qspec-generate: draft: quantizing INT4 weights now (gptq, group 32, all linears + lm_head): "
+                     "--draft-method gptq differs from the checkpoint's stored draft (clip, group 32, all linears + "
+                     "lm_head); calibrating on the built-in text, which takes a while on a CPU (qspec-convert "
+                     "stores it)")
+    assert again.draft_weights_config == model.draft_weights_config
+    for name in ("wq", "w_down"):
+        np.testing.assert_array_equal(np.asarray(getattr(again.draft_params.layers, name).packed),
+                                      np.asarray(getattr(model.draft_params.layers, name).packed))
 
 
 def test_checkpoint_without_draft_says_it_quantizes(tiny_chat_checkpoint: Path, tmp_path: Path,
@@ -306,7 +318,7 @@ def test_checkpoint_without_draft_says_it_quantizes(tiny_chat_checkpoint: Path, 
     manifest = json.loads((ckpt / MANIFEST).read_text())
     del manifest["draft_weights"]
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
-    model = use_draft("qspec-eval-ppl", qspec_jax.load(ckpt), {})
+    model = use_draft("qspec-eval-ppl", qspec_jax.load(ckpt), {"method": "clip"})
     assert model.draft_params is not None
     assert capsys.readouterr().err.strip() == (
         "qspec-eval-ppl: draft: quantizing INT4 weights now (clip, group 32, all linears + lm_head): the checkpoint "
@@ -316,13 +328,14 @@ def test_checkpoint_without_draft_says_it_quantizes(tiny_chat_checkpoint: Path, 
 def test_python_api_says_when_it_requantizes(tiny_chat_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SpecConfig() matches the stored default draft (used as it is); another format warns."""
     import qspec_jax
-    import qspec_jax.speculative as speculative
+    import qspec_jax.calibration as calibration
+    import qspec_jax.checkpoint as checkpoint
     from qspec_jax.speculative import SpecConfig, draft_params_for
 
     model = qspec_jax.load(tiny_chat_checkpoint)
     assert draft_params_for(model, SpecConfig()) is model.draft_params
-    monkeypatch.setattr(speculative, "make_draft_params", lambda params, cfg: ("made", cfg))
-    monkeypatch.setattr(speculative.M, "for_device", lambda params: params)  # the stand-in is no Params
+    monkeypatch.setattr(calibration, "make_draft", lambda params, cfg, **kw: (("made", cfg), None))
+    monkeypatch.setattr(checkpoint.M, "for_device", lambda params: params)  # the stand-in is no Params
     with pytest.warns(UserWarning, match="quantizing the INT4 draft again: the checkpoint stores"):
         made = draft_params_for(model, SpecConfig(draft_method="minmax"))
     assert made == ("made", SpecConfig(draft_method="minmax").draft_weights_config)

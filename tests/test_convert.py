@@ -299,10 +299,10 @@ def test_draft_weights_int4(synthetic_hf_dir: Callable[..., Path], tmp_path: Pat
 
     out = tmp_path / "out"
     rc, err = run_cli(capsys, synthetic_hf_dir(), out, "--draft-weights", "int4", "--draft-group", "32",
-                      "--draft-scope", "ffn")
+                      "--draft-scope", "ffn", "--draft-method", "clip")
     assert rc == 0, err
     model = load(out, tokenizer=False)
-    want = DraftWeightsConfig(group_size=32, scope="ffn")
+    want = DraftWeightsConfig(group_size=32, scope="ffn", method="clip")
     assert model.draft_weights_config == want and model.draft_params is not None
     ref = make_draft_params(model.params, want)
     for name in ("w_gate", "w_up", "w_down"):
@@ -323,8 +323,8 @@ def test_draft_group_must_divide(synthetic_hf_dir: Callable[..., Path], tmp_path
 @pytest.mark.parametrize("args, message", [
     (["--draft-group", "7"], "--draft-group must be one of 32, 64, 128, got 7"),
     (["--draft-scope", "mlp"], "--draft-scope must be one of all, ffn, got mlp"),
-    (["--draft-method", "gptq"], "--draft-method gptq needs --calibration-text FILE"),
-    (["--calibration-text", "x.txt"], "--calibration-text is used by --draft-method gptq only, not clip"),
+    (["--draft-method", "clip", "--calibration-text", "x.txt"],
+     "--calibration-text is used by --draft-method gptq only, not clip"),
 ])
 def test_draft_flags_are_checked_by_name(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any,
                                          args: list[str], message: str) -> None:
@@ -407,8 +407,15 @@ def test_smollm2_gguf_roundtrip(smollm2_checkpoint: Path) -> None:
     from qspec_jax.checkpoint import MODEL_CONFIG
     from qspec_jax.config import ModelConfig
 
+    from qspec_jax.calibration import CALIBRATION_MAX_TOKENS
+    from qspec_jax.weight_quant import DraftWeightsConfig
+
     manifest = json.loads((smollm2_checkpoint / MANIFEST).read_text())
     assert manifest["source_format"] == "gguf"
+    # the default draft, calibrated on the built-in text through the GGUF's tokenizer
+    assert manifest["draft_weights"] == DraftWeightsConfig().to_dict()
+    assert manifest["draft_calibration"] == {"text": "the built-in text (botchan.txt)",
+                                             "tokens": CALIBRATION_MAX_TOKENS}
     assert manifest["source_tensor_types"] == ["F32", "Q4_1", "Q8_0"]
     cfg = ModelConfig.from_dict(json.loads((smollm2_checkpoint / MODEL_CONFIG).read_text()))
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
@@ -561,9 +568,12 @@ def test_manifest_name_agrees() -> None:
 
 # ------------------------------------------------------------------- default draft, tokenizer
 def test_default_conversion_stores_the_default_draft(synthetic_hf_dir: Callable[..., Path], tmp_path: Path) -> None:
-    """`qspec-convert SRC OUT` stores DraftWeightsConfig()'s draft, which SpecConfig() asks for,
-    so generation uses the stored draft object as it is; a model without tokenizer files converts
-    with one warning line that says what will not work."""
+    """`qspec-convert SRC OUT` stores DraftWeightsConfig()'s draft (GPTQ), which SpecConfig() asks
+    for, so generation uses the stored draft object as it is; calibrated (`calibration.make_draft`,
+    tested in test_weight_quant) here without a tokenizer: on random token ids, which the last
+    line says; a model without tokenizer files converts with one warning line that says what will
+    not work."""
+    from qspec_jax import calibration as C
     from qspec_jax.speculative import SpecConfig, draft_params_for
     from qspec_jax.weight_quant import DraftWeightsConfig
 
@@ -573,9 +583,13 @@ def test_default_conversion_stores_the_default_draft(synthetic_hf_dir: Callable[
     lines = proc.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("qspec-convert: warning: ") and "no tokenizer files" in lines[0]
     assert "qspec-generate" in lines[0] and "token ids" in lines[0]
-    assert lines[1].startswith(f"qspec-convert: wrote {out} (bfloat16 + INT4 draft weights (clip, group 32, ")
+    assert lines[1].startswith(f"qspec-convert: wrote {out} (bfloat16 + INT4 draft weights (gptq, group 32, "
+                               "all linears + lm_head; calibrated on ")
+    assert "tokens of random token ids (the model has no tokenizer))" in lines[1]
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["draft_weights"] == DraftWeightsConfig().to_dict()
+    assert manifest["draft_weights"] == DraftWeightsConfig().to_dict() and DraftWeightsConfig().method == "gptq"
+    assert manifest["draft_calibration"]["text"] == "random token ids (the model has no tokenizer)"
+    assert manifest["draft_calibration"]["tokens"] == C.CALIBRATION_MAX_TOKENS
     model = load(out)
     assert model.draft_weights_config == SpecConfig().draft_weights_config
     assert draft_params_for(model, SpecConfig()) is model.draft_params
@@ -612,7 +626,8 @@ def test_interrupt_leaves_nothing(tiny_chat_source: Path, tmp_path: Path, stage:
     out, marker = tmp_path / "ckpt" / "out", tmp_path / "paused"
     (tmp_path / "ckpt").mkdir()
     # The draft is smaller where it is not the point: fewer XLA compilations before the pause.
-    draft = ["--draft-scope", "ffn", "--no-draft-lm-head"] if stage == "quantize" else ["--draft-weights", "none"]
+    draft = (["--draft-scope", "ffn", "--no-draft-lm-head", "--draft-method", "clip"] if stage == "quantize"
+             else ["--draft-weights", "none"])
     proc = subprocess.Popen([sys.executable, "-m", "convert", str(tiny_chat_source), str(out), "--no-progress",
                              *draft], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True,
@@ -654,7 +669,9 @@ def test_interrupt_real_model_while_orbax_writes(smollm2_gguf_path: Path, tmp_pa
     pytest.importorskip("gguf")
     for when in ("orbax-tmp", 2.0, 6.0):
         out = tmp_path / f"out-{when}"
-        proc = subprocess.Popen([sys.executable, "-m", "convert", str(smollm2_gguf_path), str(out)],
+        # clip: the fast draft (the default GPTQ calibration would add minutes before the write)
+        proc = subprocess.Popen([sys.executable, "-m", "convert", str(smollm2_gguf_path), str(out), "--draft-method",
+                                 "clip"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                 start_new_session=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         try:
@@ -691,7 +708,8 @@ def test_calibrated_draft_through_the_command(tiny_chat_source: Path, tmp_path: 
     out = tmp_path / "out"
     proc = run_command(tiny_chat_source, out, "--no-progress", "--draft-method", "gptq", "--calibration-text", text)
     assert proc.returncode == 0, proc.stderr
-    assert "INT4 draft weights (gptq, group 32, all linears + lm_head)" in proc.stderr
+    assert f"INT4 draft weights (gptq, group 32, all linears + lm_head; calibrated on 5120 tokens of {text})" \
+        in proc.stderr  # 5400 byte tokens: 10 windows of 512 (the model's positions)
     model = load(out)
     assert model.draft_weights_config == DraftWeightsConfig(method="gptq")
     short = tmp_path / "short.txt"

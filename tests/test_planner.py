@@ -147,7 +147,7 @@ def test_context_bucket():
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16, dtype="float32", max_position_embeddings=8192, eos_token_ids=(),
                    attention_impl="reference")
-SPEC = SpecConfig(gamma=2, max_new_tokens=16, group_size=32, draft_group=32)
+SPEC = SpecConfig(gamma=2, max_new_tokens=16, group_size=32, draft_group=32, draft_method="clip")  # data-free: fast
 
 
 @pytest.fixture(scope="module")
@@ -308,3 +308,63 @@ def test_generate_gamma_auto(tiny_chat_checkpoint, tmp_path, capsys):
     res = json.loads(out)
     assert res["gamma"] == GM and "acceptance_rate" in res and f"gamma={GM}: predicted" in res["plan"]
     assert "[planner] measuring" not in err  # the cached costs were used
+
+
+# ------------------------------------------------- qspec-bench gamma: this device, measured loops
+def test_gamma_bench_labels_costs_with_this_device(tmp_path):
+    """The cost table is this run's device's, named with it (never "this CPU"); a stored cost
+    JSON is used only when given, and named as stored."""
+    from qspec_jax.bench import gamma as G
+
+    label, slug = G.device_label(), G.device_slug()
+    dev = jax.devices()[0]
+    assert label.startswith("CPU ") if dev.platform == "cpu" else label == dev.device_kind
+    assert slug and all(ch.isalnum() or ch == "_" for ch in slug)
+    assert list(G.cost_scenarios(None, W)) == ["8B floors 4k (SPEC §8)"]
+    stored = tmp_path / "costs.json"
+    stored.write_text(json.dumps({"8b": [{"context": 4096, "draft_t1": 3.0, "int8_t8": 5.0, "int8_t9": 6.0,
+                                          "bf16_t1": 5.5, "int8_t1": 5.2}]}))
+    scen = G.cost_scenarios(stored, W)
+    assert scen["stored costs.json: 8B 4k"] == pytest.approx(dict(draft_s=3e-3, verify_s=5e-3, ar_s=5.2e-3))
+    assert not any("this CPU" in k for k in scen)
+
+
+def test_loops_compare_the_planners_choice_with_the_fastest():
+    """bench.gamma_loops.compare: the planner's choice (from alpha and costs) against measured
+    loop tokens/s of every setting and AR; the fastest includes AR."""
+    from qspec_jax.bench.gamma_loops import compare
+
+    base = SpecConfig(eos_token_ids=())
+    c = costs(1e-3, 10e-3, 10e-3)  # gamma 6 is predicted fastest at alpha 0.8 (test above)
+    plan = P.plan_gamma(c, base, alpha=0.8)
+    measured = {f"gamma={g}": {"tokens_per_s": 100.0 + g, "fields": {"gamma": g}} for g in range(1, GM + 1)}
+    measured["bass 4..7 (+1, /4)"] = {"tokens_per_s": 120.0, "fields": {"gamma": 4, "draft_policy": "bass"}}
+    row = compare(plan, measured, {"bf16": 90.0, "int8": 95.0})
+    assert row["choice"] == "gamma=6" and row["choice_tokens_per_s"] == 106.0
+    assert row["fastest"] == "bass 4..7 (+1, /4)" and row["choice_vs_fastest"] == pytest.approx(106 / 120)
+    assert row["best_fixed"] == f"gamma={GM}" and row["best_fixed_tokens_per_s"] == 100.0 + GM
+    row = compare(plan, measured, {"bf16": 200.0, "int8": 95.0})  # AR measured fastest
+    assert row["fastest"] == "AR" and row["fastest_tokens_per_s"] == 200.0
+    ar_plan = P.plan_gamma(costs(10e-3, 10e-3, 1e-3), base, alpha=0.5)  # a slow draft: AR predicted
+    assert ar_plan.spec is None
+    row = compare(ar_plan, measured, {"bf16": 90.0, "int8": 95.0})
+    assert row["choice"] == "AR" and row["choice_tokens_per_s"] == 95.0
+    with pytest.raises(ValueError, match="the planner chose gamma=6, which was not measured"):
+        compare(plan, {k: v for k, v in measured.items() if k != "gamma=6"}, {"bf16": 1.0, "int8": 1.0})
+
+
+@pytest.mark.slow  # > ~15 CPU-s: full suite only (README, Tests)
+def test_gamma_bench_loops_part_quick(tmp_path):
+    """`qspec-bench gamma --parts loops --quick` end to end on this CPU: this device's costs, the
+    planner's choice for each alpha measured against the loops of every fixed gamma, BASS and AR."""
+    from qspec_jax.bench import gamma as G
+
+    assert G.main(["--parts", "loops", "--quick", "--loop-contexts", "256", "--loop-alphas", "0.9", "--out",
+                   str(tmp_path), "--no-doc", "--text-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / f"gamma_loops_{G.device_slug()}.json").read_text())
+    assert data["device"] == G.device_label() and len(data["rows"]) == 1  # one context, batch 1, one alpha
+    for row in data["rows"]:
+        assert set(row["measured"]) == {f"gamma={g}" for g in range(1, GM + 1)} | {"bass 4..7 (+1, /4)"}
+        assert row["choice"] in set(row["measured"]) | {"AR"} and 0 < row["choice_vs_fastest"] <= 1
+        assert all(v["tokens_per_s"] > 0 for v in row["measured"].values())
+        assert row["measured"]["gamma=4"]["tokens_per_round"] > 1  # alpha 0.9: drafts accepted

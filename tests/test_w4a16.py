@@ -229,7 +229,7 @@ def test_model_decode_with_int4_kernel_matches_xla():
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, dtype="float32", attention_impl="reference")
     params = M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
-    draft = make_draft_params(params, DraftWeightsConfig(group_size=64))
+    draft = make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip"))
     toks = jnp.asarray([[5, 9, 11], [1, 2, 3]], jnp.int32)
     out = {}
     for impl in ("xla", "triton"):
@@ -258,7 +258,7 @@ def test_linear_packs_once_and_reads_a_stacked_layer_with_the_mosaic_kernel():
     cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, dtype="bfloat16", attention_impl="reference")
     draft = make_draft_params(M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1),
-                              DraftWeightsConfig(group_size=64))
+                              DraftWeightsConfig(group_size=64, method="clip"))
     assert for_device(draft) is draft  # "auto" on the CPU: unchanged
     packed = for_device(draft.replace(config=cfg.replace(int4_matmul_impl="interpret")))
     assert packed.layers.w_up is None and packed.layers.wq is None  # fused

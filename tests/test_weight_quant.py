@@ -353,8 +353,84 @@ def test_gptq_draft_params_for_stacked_layers(tiny_params):
 
     ref = logits(tiny_params)
     err = {m: float(jnp.mean((logits(d) - ref) ** 2)) for m, d in
-           (("gptq", draft), ("clip", make_draft_params(tiny_params, DraftWeightsConfig(group_size=32))))}
+           (("gptq", draft), ("clip", make_draft_params(tiny_params, DraftWeightsConfig(group_size=32, method="clip"))))}
     assert err["gptq"] < err["clip"], err
+
+
+def test_gptq_of_weights_sharing_a_hessian_is_each_weights_own():
+    """wq/wk/wv (and w_gate/w_up) share their input: make_draft_params quantizes them in one GPTQ
+    call over their columns side by side, which must give each weight's own GPTQ."""
+    from qspec_jax.weight_quant import _gptq_shared
+
+    rng = np.random.default_rng(11)
+    x = _correlated_inputs(11, 128, 1024)
+    h = jnp.asarray(x.T @ x / len(x))
+    ws = [jnp.asarray(rng.standard_normal((128, n)).astype(np.float32) * 0.05) for n in (64, 32, 32)]
+    for w, q in zip(ws, _gptq_shared(ws, h, 32, jnp.dtype(jnp.float16))):
+        one = gptq_quantize(w, h, 32)
+        for a, b in ((q.packed, one.packed), (q.scale, one.scale), (q.zero, one.zero)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_default_draft_is_gptq_and_spec_config_agrees():
+    """The one draft format: DraftWeightsConfig() (what qspec-convert stores) is GPTQ, and
+    SpecConfig() asks for exactly it, so a default checkpoint's stored draft is used as is."""
+    from qspec_jax.speculative import SpecConfig
+
+    assert DraftWeightsConfig().method == "gptq" and "gptq" in CALIBRATED_METHODS
+    assert SpecConfig().draft_weights_config == DraftWeightsConfig()
+
+
+def test_builtin_calibration_text_is_packaged_and_not_shakespeare():
+    """The default calibration text ships with the package (pyproject's package-data), is long
+    enough for the default budget, and is not one of the evaluation texts (Shakespeare)."""
+    import tomllib
+
+    text = C.BUILTIN_TEXT.read_text(encoding="utf-8")
+    assert C.BUILTIN_TEXT.parent.name == "data" and C.BUILTIN_TEXT.parent.parent.name == "qspec_jax"
+    data = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert f"data/*{C.BUILTIN_TEXT.suffix}" in data["tool"]["setuptools"]["package-data"]["qspec_jax"]
+    words = text.split()
+    assert len(words) > C.CALIBRATION_MAX_TOKENS  # enough text for the default budget at ~1 token per word
+    assert "Gutenberg" not in text and "Shakespeare" not in text  # license header stripped; another author
+    license = (C.BUILTIN_TEXT.parent / "README.md").read_text()
+    assert "public domain" in license and C.BUILTIN_TEXT.name in license
+
+
+def test_calibration_tokens_sources():
+    """--calibration-text files through the tokenizer; else the built-in text; else (no
+    tokenizer) uniform random ids of the vocabulary, the same every time."""
+    tok = _WordTokenizer()
+    ids, what = C.calibration_tokens(tok, vocab_size=64)
+    assert what == "the built-in text (botchan.txt)" and len(ids) == len(C.BUILTIN_TEXT.read_text().split())
+    rnd, what = C.calibration_tokens(None, vocab_size=64, max_tokens=5000)
+    assert what == "random token ids (the model has no tokenizer)" and rnd.shape == (5000,)
+    assert rnd.min() >= 0 and rnd.max() < 64 and len(np.unique(rnd)) == 64
+    np.testing.assert_array_equal(rnd, C.calibration_tokens(None, vocab_size=64, max_tokens=5000)[0])
+    with pytest.raises(C.CalibrationError, match="--calibration-text is tokenized with the model's tokenizer"):
+        C.calibration_tokens(None, [C.BUILTIN_TEXT], vocab_size=64)
+
+
+def test_make_draft(tiny_params):
+    """make_draft: data-free methods as make_draft_params; GPTQ on the calibration tokens'
+    Hessians (windows of seq_len, at most max_tokens), saying what it calibrated on."""
+    clip = DraftWeightsConfig(group_size=32, method="clip")
+    draft, info = C.make_draft(tiny_params, clip)
+    assert info is None
+    np.testing.assert_array_equal(np.asarray(draft.layers.wq.packed),
+                                  np.asarray(make_draft_params(tiny_params, clip).layers.wq.packed))
+    with pytest.raises(C.CalibrationError, match="--calibration-text is for the calibrated draft methods"):
+        C.make_draft(tiny_params, clip, calibration_text=[C.BUILTIN_TEXT])
+    gptq = DraftWeightsConfig(group_size=32)
+    draft, info = C.make_draft(tiny_params, gptq, max_tokens=1024, seq_len=128)
+    assert info == {"text": "random token ids (the model has no tokenizer)", "tokens": 1024}
+    ids, _ = C.calibration_tokens(None, vocab_size=TINY.vocab_size, max_tokens=1024)
+    ref = make_draft_params(tiny_params, gptq, hessians=C.collect_hessians(
+        tiny_params, C.calibration_windows(ids, 128, 1024), progress=False))
+    for name in ("wq", "wv", "w_up", "w_down"):
+        np.testing.assert_array_equal(np.asarray(getattr(draft.layers, name).packed),
+                                      np.asarray(getattr(ref.layers, name).packed))
+    np.testing.assert_array_equal(np.asarray(draft.lm_head.packed), np.asarray(ref.lm_head.packed))
 
 
 class _WordTokenizer:
@@ -441,7 +517,7 @@ def test_fused_projections_compute_the_same_model(tiny_params):
         outs.append((np.asarray(logits), np.asarray(step)))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
-    draft = make_draft_params(p, DraftWeightsConfig(group_size=32))
+    draft = make_draft_params(p, DraftWeightsConfig(group_size=32, method="clip"))
     fd = M.fuse_projections(draft)
     ud = M.unfuse_projections(fd)
     for n in ("wq", "wv", "w_up"):

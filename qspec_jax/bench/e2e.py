@@ -189,7 +189,7 @@ def time_generate_compile(p_abs: Any, d_abs: Any, args: argparse.Namespace) -> f
 def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
     cfg = bench_config(args)
     key = jax.random.PRNGKey(0)
-    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     p_abs = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
     draft_src_abs = p_abs  # the checkpoint layout, which the draft is quantized from
     p_abs = jax.eval_shape(M.for_device, p_abs)  # the target as `load` lays it out here (fused on a GPU)
@@ -411,7 +411,7 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- part: memory
 def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config(args)
-    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     dev = jax.devices()[0]
     device_bytes = int((dev.memory_stats() or {}).get("bytes_limit", 80e9))
     key = jax.random.PRNGKey(0)
@@ -478,7 +478,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = bench_config(args)
     key = jax.random.PRNGKey(0)
-    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     first = jnp.array([7], jnp.int32)
     rows = []
     for n in args.tp_sizes:

@@ -1,7 +1,7 @@
 """qspec-bench gamma: draft length on real text -> docs/QUALITY.md ("Draft length").
 
-    qspec-bench gamma [--text-dir DIR] [--checkpoint DIR] [--contexts 4096,1024] [--batches 1,4]
-                      [--prompts 4] [--new-tokens 128] [--bass 1:4,2:10] [--doc [FILE]] [--quick]
+    qspec-bench gamma --text-dir DIR [--checkpoint DIR] [--contexts 4096,1024] [--batches 1,4]
+                      [--prompts 4] [--new-tokens 128] [--bass 1:4,2:10] [--quick]
 
 Free-running greedy speculative generation of SmolLM2 from windows of the Shakespeare comedies
 (quality.COMEDIES, after quality.TEXT_OFFSET; never the history plays, which are calibration
@@ -13,14 +13,21 @@ benchmark checks across policies). Part tf: the same policies' rounds simulated 
 teacher-forced draft/target agreement of the true text (free-running greedy text of a small
 model drifts into repetition that both models predict easily; the true text does not).
 
+Free-running settings are also timed: tokens/s of each setting and of autoregressive decoding
+(width 1, the faster of bf16 and INT8 KV) on the same prompts, so BASS is compared with the best
+fixed gamma in tokens/s, not only in tokens per round.
+
 Then the expected speed of each setting, combining these measured tokens/round with per-phase
-step costs: the Llama-3.1-8B shape's measured on the H200 (docs/bench/exactness_cost_h200.json:
-draft step, verify at gamma_max + 1 columns or the next wider pass measured, the faster AR step)
-at 4k and 128k, the SPEC §8 roofline floors
-at 4k, and SmolLM2's own costs measured on this machine (planner.measure_step_costs). The
-first three combine CPU-measured acceptance with GPU costs; the last is one machine throughout.
-For each, the planner's choice: from alpha alone (measured by the gamma-4 run, as
-`qspec-generate --gamma auto` calibrates) and from the measured tokens/round of every setting.
+step costs: SmolLM2's own, measured on the device this runs on (planner.measure_step_costs;
+the cost table is written to gamma_step_costs_<device>.json and labelled with the device),
+the SPEC §8 roofline floors of the 8B shape at 4k, and (--costs FILE) a stored per-phase JSON
+of tools/device/exactness_cost.py. For each, the planner's choice: from alpha alone (measured by
+the gamma-4 run, as `qspec-generate --gamma auto` calibrates) and from the measured tokens/round
+of every setting.
+
+Part loops (`bench.gamma_loops`): the 8B shape at forced acceptance on this device: its step
+costs, the planner's choice for each alpha, and the measured loop tokens/s of every fixed gamma,
+BASS and AR, into docs/BENCHMARKS.md ("gamma-loops").
 """
 
 from __future__ import annotations
@@ -37,11 +44,12 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from qspec_jax.bench import options, report
+from qspec_jax.bench import gamma_loops, options, report
 from qspec_jax.bench.quality import CALIBRATION_PLAYS, COMEDIES, QUALITY_HEADER, QUALITY_MD, TEXT_OFFSET, check_disjoint
+from qspec_jax.cache import DEFAULT_GAMMA_MAX
 from qspec_jax.planner import StepCosts, plan_gamma, policy_label
 
-H200_COSTS = options.REPO / "docs" / "bench" / "exactness_cost_h200.json"
+FIRST_BUILD_COSTS = options.REPO / "docs" / "bench" / "exactness_cost_h200.json"  # the first Hopper build's (--costs)
 # SPEC §8 roofline floors, Llama-3.1-8B at 4k on the H200 (ms): draft step, verify (the gamma-4
 # floor: the pass is weight-bound, so 9 columns read the same bytes), AR-bf16 step.
 FLOOR_4K_MS = (1.11, 3.6, 3.57)
@@ -62,6 +70,19 @@ def cpu_model() -> str:
     except OSError:
         names = []
     return f"{names[0]} ({len(names)} logical cores)" if names else (platform.processor() or "unknown CPU")
+
+
+def device_label() -> str:
+    """This machine's accelerator for the report: the GPU's name, or "CPU <model name>"."""
+    dev = jax.devices()[0]
+    return f"CPU {cpu_model()}" if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
+
+
+def device_slug() -> str:
+    """device_label() as a file-name part ("nvidia_h200", "cpu")."""
+    dev = jax.devices()[0]
+    name = "cpu" if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
+    return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
 
 
 def prompt_windows(model: Any, text_dir: Path, n: int, context: int, gap: int) -> np.ndarray:
@@ -87,16 +108,36 @@ def label(fields: dict[str, Any]) -> str:
     return f"bass {fields['bass_increment']}:{fields['bass_mod']} from {fields['gamma']}"
 
 
+def measure_ar(model: Any, prompts: np.ndarray, batch: int, new_tokens: int) -> dict[str, float]:
+    """Tokens/s of autoregressive decoding (width 1: the fastest) over all prompts, `batch` rows
+    at a time, with the dense bf16 and the INT8 cache (compile excluded)."""
+    from qspec_jax.generation import GenerationConfig, generate_autoregressive
+
+    out = {}
+    for kind in ("bf16", "int8"):
+        gen = GenerationConfig(max_new_tokens=new_tokens, kv=kind, width=1, eos_token_ids=())
+        tokens, run_s = 0, 0.0
+        for start in range(0, len(prompts), batch):
+            tm: dict[str, float] = {}
+            res = generate_autoregressive(model, prompts[start:start + batch], gen, jax.random.PRNGKey(0), timings=tm)
+            tokens += int(np.sum(np.asarray(res.lengths)))
+            run_s += tm["run_s"]
+        out[kind] = tokens / run_s
+    log(f"AR tokens/s: bf16 {out['bf16']:.1f}, int8 {out['int8']:.1f}")
+    return out
+
+
 def measure(model: Any, draft: Any, prompts: np.ndarray, batch: int, new_tokens: int,
             settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Runs every setting over all prompts, `batch` rows at a time; counters summed over runs."""
+    """Runs every setting over all prompts, `batch` rows at a time; counters summed over runs;
+    tokens/s = emitted tokens (the prefill's first included) / run seconds (compile excluded)."""
     from qspec_jax.speculative import SpecConfig, generate
 
     rows, reference = [], None
     for fields in settings:
         spec = SpecConfig(max_new_tokens=new_tokens, eos_token_ids=(), **fields)
         sums = dict.fromkeys(("emitted", "rounds", "drafted", "accepted", "draft_steps", "rejected"), 0)
-        tokens, run_s, compile_s = [], 0.0, 0.0
+        tokens, run_s, compile_s, emitted_all = [], 0.0, 0.0, 0
         for start in range(0, len(prompts), batch):
             tm: dict[str, float] = {}
             res = generate(model, prompts[start:start + batch], spec, jax.random.PRNGKey(0), draft_params=draft,
@@ -104,6 +145,7 @@ def measure(model: Any, draft: Any, prompts: np.ndarray, batch: int, new_tokens:
             for k in sums:
                 sums[k] += int(np.sum(np.asarray(getattr(res, k))))
             tokens += res.to_lists()
+            emitted_all += int(np.sum(np.asarray(res.lengths)))
             run_s += tm["run_s"]
             compile_s += tm["compile_s"]
         reference = tokens if reference is None else reference
@@ -112,7 +154,8 @@ def measure(model: Any, draft: Any, prompts: np.ndarray, batch: int, new_tokens:
                "acceptance": sums["accepted"] / max(1, sums["drafted"]),
                "mean_draft_length": sums["draft_steps"] / sums["rounds"],
                "alpha": sums["accepted"] / max(1, sums["accepted"] + sums["rejected"]),
-               "same_tokens": tokens == reference, "cpu_run_s": run_s, "cpu_compile_s": compile_s}
+               "same_tokens": tokens == reference, "run_s": run_s, "compile_s": compile_s,
+               "tokens_per_s": emitted_all / run_s}
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
         rows.append(row)
     return rows
@@ -179,22 +222,24 @@ def simulate(agree: np.ndarray, batch: int, settings: list[dict[str, Any]], base
     return rows
 
 
-def cost_scenarios(path: Path, width: int) -> dict[str, dict[str, float]]:
-    """{name: {draft_s, verify_s, ar_s}} from the H200 JSON (8B shape, batch 1) and the floors.
-    The verify pass has `width` columns; when the JSON has no pass of that width, the narrowest
-    wider one measured stands in (an upper bound) and the name says so."""
+def cost_scenarios(path: Path | None, width: int) -> dict[str, dict[str, float]]:
+    """{name: {draft_s, verify_s, ar_s}} of the SPEC §8 floors and, given `path`, a stored
+    per-phase JSON of tools/device/exactness_cost.py (8B shape, batch 1; named "stored ..." with
+    its device). The verify pass has `width` columns; when the JSON has no pass of that width,
+    the narrowest wider one measured stands in (an upper bound) and the name says so."""
     out = {}
-    if path.exists():
+    if path is not None and path.exists():
         for r in json.loads(path.read_text())["8b"]:
             have = sorted(int(k[len("int8_t"):]) for k in r if k.startswith("int8_t") and int(k[len("int8_t"):]) >= width)
             if not have:
                 log(f"{path}: no verify pass of >= {width} columns at context {r['context']}")
                 continue
-            name = f"H200 8B {r['context'] // 1024}k" + ("" if have[0] == width else f" (verify T={have[0]})")
+            name = (f"stored {path.name}: 8B {r['context'] // 1024}k"
+                    + ("" if have[0] == width else f" (verify T={have[0]})"))
             out[name] = dict(draft_s=r["draft_t1"] * 1e-3, verify_s=r[f"int8_t{have[0]}"] * 1e-3,
                              ar_s=min(r["bf16_t1"], r["int8_t1"]) * 1e-3)
-    else:
-        log(f"{path} not found: no H200 cost scenario")
+    elif path is not None:
+        log(f"{path} not found: no stored cost scenario")
     d, v, a = FLOOR_4K_MS
     out["8B floors 4k (SPEC §8)"] = dict(draft_s=d * 1e-3, verify_s=v * 1e-3, ar_s=a * 1e-3)
     return out
@@ -213,6 +258,10 @@ def analyse(rows: list[dict[str, Any]], scenarios: dict[str, dict[str, float]], 
     for r in rows:  # fixed gammas' tokens/round interpolated at this setting's mean draft length
         r["fixed_tpr_at_same_length"] = float(np.interp(r["mean_draft_length"], xs, ys))
         r["tpr_vs_fixed_at_same_length"] = r["tokens_per_round"] / r["fixed_tpr_at_same_length"]
+    if all("tokens_per_s" in r for r in rows):  # free-running: measured speed against the best fixed gamma
+        best = max(r["tokens_per_s"] for r in fixed)
+        for r in rows:
+            r["tokens_per_s_vs_best_fixed"] = r["tokens_per_s"] / best
     base = SpecConfig(eos_token_ids=())
     cal = next(r for r in fixed if r["fields"]["gamma"] == CALIBRATION_GAMMA)
     plans = {}
@@ -234,6 +283,7 @@ def analyse(rows: list[dict[str, Any]], scenarios: dict[str, dict[str, float]], 
             "alpha_best": policy_label(alpha_plan.best.spec),
             "alpha_predicted_speedup": alpha_plan.speedup,
             "alpha_choice_measured_speedup": chosen["speedup"][name] if chosen else None,
+            "alpha_choice_measured_tokens_per_s": chosen.get("tokens_per_s") if chosen else None,
             "measured_choice": measured_plan.best.label if measured_plan.spec else "AR",
             "measured_best": measured_plan.best.label, "measured_best_speedup": measured_plan.speedup,
             "summary": alpha_plan.summary()}
@@ -253,12 +303,13 @@ def write_section(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
            "tokens/round = emitted / verify passes and acceptance = accepted / drafted (SPEC §7); draft length = draft "
            "steps per round; alpha = accepted / (accepted + rejections), the per-position acceptance of the i.i.d. "
            "model; vs fixed = tokens/round over the fixed gammas' tokens/round interpolated at the same mean draft "
-           "length (equal cost per round). Speedup = tokens/round x c_AR / (draft length x c_draft + c_verify): "
-           "**CPU-measured acceptance combined with per-phase costs** from the H200 (Llama-3.1-8B shape, batch 1, "
-           "docs/bench/exactness_cost_h200.json; '(verify T=9)': that JSON has no pass of gamma_max + 1 columns, "
-           "the next wider one measured stands in, an upper bound), the SPEC §8 floors (8B, 4k) and SmolLM2 on this CPU "
-           "(`planner.measure_step_costs`, at each batch). same tokens: the output equals the first setting's "
-           "(all are the target's own greedy output).\n"]
+           "length (equal cost per round). tokens/s: measured, emitted tokens over the run's seconds (compile "
+           "excluded), and against the best fixed gamma's; AR: autoregressive decoding, width 1, the faster of bf16 "
+           "and INT8 KV, on the same prompts. Speedup = tokens/round x c_AR / (draft length x c_draft + c_verify) "
+           "with the per-phase costs of SmolLM2 measured on this run's device (`planner.measure_step_costs`, at "
+           "each batch; named with the device), the SPEC §8 floors (8B, 4k: this run's acceptance with another "
+           "model's costs) and any stored cost JSON given with --costs (named 'stored'). same tokens: the output "
+           "equals the first setting's (all are the target's own greedy output).\n"]
     for block in results["blocks"]:
         rows, scen = block["rows"], list(block["plans"])
         free = block.get("mode", "free-running") == "free-running"
@@ -266,13 +317,29 @@ def write_section(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
                 f"agreement {block['agreement']:.3f}; rounds simulated over {rows[0]['emitted']} positions")
         out.append(f"\n### {block.get('mode', 'free-running')}, context {block['context']}, batch {block['batch']} "
                    f"({what})\n")
+        timed = free and all("tokens_per_s" in r for r in rows)
         hdr = (["setting", "draft length", "acceptance", "tokens/round", "alpha", "vs fixed"]
+               + (["tokens/s", "tokens/s vs best fixed"] if timed else [])
                + [f"speedup, {s}" for s in scen] + (["same tokens"] if free else []))
         body = [[r["setting"], f"{r['mean_draft_length']:.2f}", f"{r['acceptance']:.3f}", f"{r['tokens_per_round']:.2f}",
                  f"{r['alpha']:.3f}", f"{r['tpr_vs_fixed_at_same_length']:.3f}"]
+                + ([f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_vs_best_fixed'] - 1:+.1%}"] if timed else [])
                 + [f"{r['speedup'][s]:.2f}x" for s in scen] + (["yes" if r["same_tokens"] else "NO"] if free else [])
                 for r in rows]
         out.append(report.table(hdr, body))
+        if timed and block.get("ar_tokens_per_s"):
+            ar = max(block["ar_tokens_per_s"].values())
+            fastest = max(rows, key=lambda r: r["tokens_per_s"])
+            line = (f"\nMeasured: AR {ar:.1f} tokens/s (bf16 KV {block['ar_tokens_per_s']['bf16']:.1f}, INT8 KV "
+                    f"{block['ar_tokens_per_s']['int8']:.1f}); fastest speculative setting {fastest['setting']} "
+                    f"{fastest['tokens_per_s']:.1f} tokens/s ({fastest['tokens_per_s'] / ar:.2f}x AR).")
+            own = [(k, p) for k, p in block["plans"].items() if k.startswith("SmolLM2 ")]
+            for name, p in own:
+                got = ar if p["alpha_choice"] == "AR" else p.get("alpha_choice_measured_tokens_per_s")
+                if got:
+                    line += (f" Planner with {name} costs picks {p['alpha_choice']}: {got:.1f} tokens/s measured, "
+                             f"{got / max(ar, fastest['tokens_per_s']):.3f} of the fastest (AR included).")
+            out.append(line + "\n")
         out.append("\nPlanner (alpha from the gamma=4 run; 'measured': from every setting's measured tokens/round):\n")
         hdr = ["costs", "c_draft / c_verify / c_AR ms", "best fixed", "planner (alpha)", "its measured speedup",
                "planner (measured)"]
@@ -304,7 +371,7 @@ def _pairs(s: str) -> list[tuple[int, int]]:
 
 
 PROG = "qspec-bench gamma"
-PARTS = ("free", "tf")
+PARTS = ("free", "tf", "loops")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,18 +386,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=4, help="prompt windows per context")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     p.add_argument("--parts", type=comma_choices(PARTS), default="free,tf",
-                   help="free: free-running generation; tf: rounds simulated on teacher-forced agreement")
+                   help="free: free-running generation (timed, with AR); tf: rounds simulated on teacher-forced "
+                        "agreement; loops: the 8B shape at forced acceptance, the planner's choice against measured "
+                        "loops (its report section goes to BENCHMARKS.md beside the --doc file; a GPU part: --quick "
+                        "runs it at tiny sizes)")
     p.add_argument("--tf-tokens", type=int, default=512, help="tf part: evaluated tokens per prompt")
     p.add_argument("--bass", type=_pairs, default="1:4,2:10",
                    help="BASS settings measured, as bass_increment:bass_mod pairs (BASS's paper: 2:10)")
-    p.add_argument("--costs", type=Path, default=H200_COSTS,
-                   help="H200 per-phase costs (tools/device/exactness_cost.py) (default: the checkout's "
-                        "docs/bench/exactness_cost_h200.json)")
-    p.add_argument("--no-cpu-costs", action="store_true", help="skip measuring SmolLM2's step costs on this machine")
+    p.add_argument("--costs", type=Path, default=None,
+                   help="also a stored per-phase cost JSON of tools/device/exactness_cost.py (e.g. the checkout's "
+                        "docs/bench/exactness_cost_h200.json, the first Hopper build's), named 'stored' in the report "
+                        "(default: none)")
+    p.add_argument("--no-device-costs", action="store_true",
+                   help="skip measuring SmolLM2's step costs on this run's device")
+    p.add_argument("--loop-contexts", type=comma_list(int), default=",".join(map(str, gamma_loops.LOOP_CONTEXTS)),
+                   help="loops part: contexts of the 8B shape")
+    p.add_argument("--loop-batches", type=comma_list(int), default="1", help="loops part: batch sizes")
+    p.add_argument("--loop-alphas", type=comma_list(float, "numbers"),
+                   default=",".join(map(str, gamma_loops.LOOP_ALPHAS)), help="loops part: forced acceptance rates")
+    p.add_argument("--loop-tokens", type=int, default=128, help="loops part: new tokens per row per loop")
+    p.add_argument("--loop-trials", type=int, default=3, help="loops part: timed repetitions (median)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32",
                    help="compute dtype (the other QUALITY.md CPU tables use float32)")
     p.add_argument("--out", type=Path, default=None,
-                   help="directory for gamma_smollm2_cpu.json (default: ~/.cache/qspec-jax/bench/gamma, or gamma-quick "
+                   help="directory for the JSON results (default: ~/.cache/qspec-jax/bench/gamma, or gamma-quick "
                         "with --quick)")
     options.add_doc_arg(p, "QUALITY.md")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the harness); writes no report")
@@ -349,17 +428,33 @@ def _main(argv: Sequence[str] | None) -> int:
     from qspec_jax.speculative import SpecConfig, draft_params_for
 
     args = build_parser().parse_args(argv)
-    contexts, batches = list(args.contexts), list(args.batches)
+    contexts, batches, loop_contexts = list(args.contexts), list(args.batches), list(args.loop_contexts)
+    loop_default = tuple(gamma_loops.LOOP_CONTEXTS)
     if args.quick:
         contexts, batches, args.prompts, args.new_tokens, args.tf_tokens = [256], [1, 2], 2, 16, 24
+        args.loop_tokens, args.loop_trials = 16, 1
+        if tuple(args.loop_contexts) == loop_default:  # not given: tiny contexts
+            loop_contexts = list(gamma_loops.QUICK_CONTEXTS)
     options.resolve_outputs(PROG, args, "gamma", "QUALITY.md", quick=args.quick)
-    options.positive(PROG, args, "--contexts", "--batches", "--prompts", "--new-tokens", "--tf-tokens")
+    options.positive(PROG, args, "--contexts", "--batches", "--prompts", "--new-tokens", "--tf-tokens",
+                     "--loop-contexts", "--loop-batches", "--loop-tokens", "--loop-trials")
+    parts = list(args.parts)
     bad = [b for b in batches if args.prompts % b]
     if bad:
         fail(PROG, f"--batches {','.join(map(str, bad))}: each must divide --prompts={args.prompts}")
-    if not args.costs.is_file():
+    bad = [a for a in args.loop_alphas if not 0 < a <= 1]
+    if bad:
+        fail(PROG, f"--loop-alphas must be in (0, 1], got {','.join(map(str, bad))}")
+    if args.costs is not None and not args.costs.is_file():
         fail(PROG, f"--costs {args.costs}: no such file (tools/device/exactness_cost.py writes it on a GPU)")
-    options.check_model_inputs(PROG, args)
+    if set(parts) - {"loops"}:
+        options.check_model_inputs(PROG, args)
+    command = options.command_line(PROG, argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if "loops" in parts:
+        part_loops(args, loop_contexts, command)
+        if parts == ["loops"]:
+            return 0
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
     base = SpecConfig(eos_token_ids=())
     with warnings.catch_warnings():  # the checkpoint's stored draft may have another format: say it once
@@ -370,10 +465,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.quick:  # the harness end to end, on few compiles
         settings = [f for f in settings if f["gamma"] in (1, CALIBRATION_GAMMA)][:2] + settings[-1:]
     scenarios = cost_scenarios(args.costs, base.verify_width)
-    parts = list(args.parts)
-    command = options.command_line(PROG, argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    store = args.out / "gamma_smollm2_cpu.json"
+    store = args.out / f"gamma_smollm2_{device_slug()}.json"
     same = {"dtype": model.config.dtype, "draft": json.dumps(base.draft_weights_config.to_dict()),
             "new_tokens": args.new_tokens, "prompts": args.prompts, "gamma_max": base.gamma_max}
     results: dict[str, Any] = {"blocks": [], "commands": []}
@@ -406,10 +498,12 @@ def _main(argv: Sequence[str] | None) -> int:
             log(f"agreement {agree.mean():.4f}")
         for batch in batches:
             scen = dict(scenarios)
-            if not args.no_cpu_costs:
+            if not args.no_device_costs:  # this device's cost table, labelled with its name
                 c = measure_step_costs(model, base, context=context + args.new_tokens // 2, batch=batch,
-                                       draft_params=draft, path=args.out / "gamma_step_costs_cpu.json")
-                scen[f"SmolLM2 this CPU, batch {batch}"] = dict(draft_s=c.draft_s, verify_s=c.verify_s, ar_s=c.ar_s)
+                                       draft_params=draft, path=args.out / f"gamma_step_costs_{device_slug()}.json")
+                scen[f"SmolLM2 {device_label()}, batch {batch}"] = dict(draft_s=c.draft_s, verify_s=c.verify_s,
+                                                                        ar_s=c.ar_s)
+            ar_speed = measure_ar(model, prompts, batch, args.new_tokens) if "free" in parts else None
             for mode in [m for m in ("free", "tf") if m in parts]:
                 log(f"{MODES[mode]}, context {context}, batch {batch}: {len(settings)} settings")
                 if mode == "free":
@@ -420,10 +514,33 @@ def _main(argv: Sequence[str] | None) -> int:
                 for name, pl in plans.items():
                     log(f"{name}: {pl['summary']}")
                 block = {"mode": MODES[mode], "context": context, "batch": batch, "rows": rows, "plans": plans}
+                if mode == "free":
+                    block["ar_tokens_per_s"] = ar_speed
                 if mode == "tf":
                     block["agreement"] = float(agree.mean())
                 save(block)
     return 0
+
+
+def part_loops(args: argparse.Namespace, contexts: Sequence[int], command: str) -> None:
+    """The 8B shape's loops on this device (`bench.gamma_loops`) -> JSON and, with --doc, the
+    "gamma-loops" section of BENCHMARKS.md beside the --doc file (docs/BENCHMARKS.md)."""
+    bass = [(i, m) for i, m in args.bass]
+    settings = policies(DEFAULT_GAMMA_MAX, bass)  # SpecConfig's default gamma_max
+    if args.quick:  # every fixed gamma (the planner may pick any), one BASS setting
+        settings = settings[:DEFAULT_GAMMA_MAX + 1]
+    data = gamma_loops.measure_loops(quick=args.quick, contexts=contexts, batches=list(args.loop_batches),
+                                     alphas=list(args.loop_alphas), settings=settings,
+                                     new_tokens=args.loop_tokens, steps=8, trials=args.loop_trials, log=log)
+    data.update(environment=report.environment(), command=command, device=device_label())
+    (args.out / f"gamma_loops_{device_slug()}.json").write_text(json.dumps(data, indent=1))
+    if args.doc:
+        from qspec_jax.speculative import SpecConfig
+
+        labels = [policy_label(SpecConfig(**f)) for f in settings if f.get("draft_policy") == "bass"]
+        text = (f"## Gamma planner and dynamic draft length: measured loops\n\n"
+                f"{report.env_line(data['environment'], command)}\n\n" + gamma_loops.section(data, device_label(), labels))
+        report.update_section("gamma-loops", text, args.doc.parent / "BENCHMARKS.md")
 
 
 if __name__ == "__main__":

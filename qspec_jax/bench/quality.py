@@ -107,7 +107,7 @@ def part_ppl(model: Any, text_dir: Path, context: int, n_eval: int) -> list[dict
     from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
     rows = []
-    dcfg = DraftWeightsConfig(group_size=PPL_DRAFT_GROUP)
+    dcfg = DraftWeightsConfig(group_size=PPL_DRAFT_GROUP, method="clip")  # as first measured
     draft = make_draft_params(M.unfuse_projections(model.params), dcfg)
     for play in PPL_PLAYS:
         toks = E.read_text_tokens(model, text_dir / play, context + n_eval, TEXT_OFFSET)[None]

@@ -234,10 +234,9 @@ def add_draft_format_args(p: argparse.ArgumentParser) -> None:
                         f"(default: the checkpoint's, else {D.group_size})")
     g.add_argument("--draft-scope", choices=tuple(DRAFT_SCOPES), default=None,
                    help=f"quantize all linear layers or only the MLP's (default: the checkpoint's, else {D.scope})")
-    on_the_fly = [m for m in DRAFT_METHODS if m not in CALIBRATED_METHODS]
     g.add_argument("--draft-method", choices=DRAFT_METHODS, default=None,
-                   help=f"how the INT4 codes are chosen; {', '.join(on_the_fly)} can be made here, "
-                        f"{', '.join(CALIBRATED_METHODS)} only at conversion (qspec-convert --calibration-text) "
+                   help=f"how the INT4 codes are chosen; {', '.join(CALIBRATED_METHODS)} made here calibrates on the "
+                        f"built-in text (qspec-convert --calibration-text FILE calibrates on yours) "
                         f"(default: the checkpoint's, else {D.method})")
     g.add_argument("--draft-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="quantize the lm_head to INT4 as well (default: the checkpoint's, else "
@@ -279,8 +278,8 @@ def choose_draft(prog: str, model: Any, fields: dict[str, Any]) -> tuple[Any, st
 
     The stored draft when no flag asks for another format; otherwise the flags applied to the
     stored format (or to DraftWeightsConfig's defaults when nothing is stored), to be quantized
-    now, which the line says, with the flags that caused it. Calibrated methods cannot be made
-    here (they need calibration text at conversion).
+    now, which the line says, with the flags that caused it. Calibrated methods made here
+    calibrate on the built-in text (`calibration.make_draft`).
     """
     from qspec_jax.checkpoint import draft_group_problems
     from qspec_jax.weight_quant import CALIBRATED_METHODS, DraftWeightsConfig
@@ -289,10 +288,6 @@ def choose_draft(prog: str, model: Any, fields: dict[str, Any]) -> tuple[Any, st
     want = draft_config(prog, fields, stored or DraftWeightsConfig())
     if stored is not None and want == stored:
         return want, f"draft: the checkpoint's stored INT4 weights ({describe_draft(want)})"
-    if want.method in CALIBRATED_METHODS:
-        fail(prog, f"--draft-method {want.method} needs calibration text, so it is made at conversion: "
-                   f"qspec-convert SRC OUT --draft-method {want.method} --calibration-text FILE (this checkpoint "
-                   f"stores {'a ' + describe_draft(stored) + ' draft' if stored else 'no draft'})")
     bad = draft_group_problems(model.config, want)
     if bad:
         fail(prog, f"--draft-group {want.group_size} does not divide the input dimension of {', '.join(bad)}; "
@@ -303,7 +298,9 @@ def choose_draft(prog: str, model: Any, fields: dict[str, Any]) -> tuple[Any, st
         asked = [_as_typed(k, v) for k, v in fields.items() if getattr(stored, k) != v]
         why = (f"{', '.join(asked)} {'differs' if len(asked) == 1 else 'differ'} from the checkpoint's stored "
                f"draft ({describe_draft(stored)})")
-    return want, f"draft: quantizing INT4 weights now ({describe_draft(want)}): {why}"
+    how = ("; calibrating on the built-in text, which takes a while on a CPU (qspec-convert stores it)"
+           if want.method in CALIBRATED_METHODS else "")
+    return want, f"draft: quantizing INT4 weights now ({describe_draft(want)}): {why}{how}"
 
 
 def _as_typed(field: str, value: Any) -> str:
@@ -318,7 +315,9 @@ def use_draft(prog: str, model: Any, fields: dict[str, Any]) -> Any:
     """`model` with the draft `choose_draft` picks as its draft_params (one line on stderr)."""
     cfg, line = choose_draft(prog, model, fields)
     print(f"{prog}: {line}", file=sys.stderr, flush=True)
-    return model.with_draft_weights(cfg)
+    from qspec_jax.weight_quant import CALIBRATED_METHODS
+
+    return model.with_draft_weights(cfg, progress=cfg.method in CALIBRATED_METHODS)  # bars: minutes on a CPU
 
 
 # ------------------------------------------------------------------------------------- run

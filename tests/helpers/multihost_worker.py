@@ -25,19 +25,21 @@ from qspec_jax.sharding import make_mesh, shard  # noqa: E402
 from qspec_jax.speculative import SpecConfig, generate  # noqa: E402
 from qspec_jax.weight_quant import DraftWeightsConfig  # noqa: E402
 
+CLIP32 = DraftWeightsConfig(group_size=32, method="clip")  # random weights: the draft format, data-free
+
 assert jax.process_count() == 2 and jax.device_count() == 2, (jax.process_count(), jax.device_count())
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
                   head_dim=16, dtype="float32", max_position_embeddings=512, eos_token_ids=(), attention_impl="reference")
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]
-SPEC = SpecConfig(gamma=3, max_new_tokens=10, group_size=16, draft_group=32)
+SPEC = SpecConfig(gamma=3, max_new_tokens=10, group_size=16, draft_group=32, draft_method="clip")
 AR = GenerationConfig(max_new_tokens=10)
 
 # Host (numpy) weights, identical in both processes: device_put lays them out on the global mesh.
 params = jax.tree.map(np.asarray, M.init_random_params(CFG, jax.random.PRNGKey(1), scale=0.3))
-local = Model(config=CFG, params=jax.tree.map(jnp.asarray, params)).with_draft_weights(DraftWeightsConfig(group_size=32))
+local = Model(config=CFG, params=jax.tree.map(jnp.asarray, params)).with_draft_weights(CLIP32)
 ref = {"ar": generate_autoregressive(local, PROMPTS, AR).to_lists(), "spec": generate(local, PROMPTS, SPEC).to_lists()}
 
-model = Model(config=CFG, params=params).with_draft_weights(DraftWeightsConfig(group_size=32))
+model = Model(config=CFG, params=params).with_draft_weights(CLIP32)
 sharded = shard(model, make_mesh(2, devices=jax.devices()))
 out = {}
 for name, res in (("ar", generate_autoregressive(sharded, PROMPTS, AR)), ("spec", generate(sharded, PROMPTS, SPEC))):

@@ -15,14 +15,17 @@ from qspec_jax.sharding import ShardingError, make_mesh, shard
 from qspec_jax.speculative import SpecConfig, generate
 from qspec_jax.weight_quant import DraftWeightsConfig
 
+CLIP32 = DraftWeightsConfig(group_size=32, method="clip")  # random weights: the draft format, data-free
+
 assert jax.device_count() == 4, jax.devices()
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
                   head_dim=16, dtype="float32", max_position_embeddings=512, eos_token_ids=(),
                   attention_impl="reference")
 rng = np.random.default_rng(0)
 PROMPTS = [rng.integers(0, 64, n).tolist() for n in (5, 17, 40)]
-SPEC = SpecConfig(gamma=3, max_new_tokens=16, group_size=16, draft_group=32)
-SAMPLE = SpecConfig(gamma=3, max_new_tokens=16, group_size=16, draft_group=32, temperature=1.0, top_k=10)
+SPEC = SpecConfig(gamma=3, max_new_tokens=16, group_size=16, draft_group=32, draft_method="clip")
+SAMPLE = SpecConfig(gamma=3, max_new_tokens=16, group_size=16, draft_group=32, draft_method="clip", temperature=1.0,
+                    top_k=10)
 AR = GenerationConfig(max_new_tokens=16)
 KEY = jax.random.PRNGKey(3)
 
@@ -40,7 +43,7 @@ def spec_of(x):
 
 
 params = M.init_random_params(CFG, jax.random.PRNGKey(1), scale=0.3)
-single = Model(config=CFG, params=params).with_draft_weights(DraftWeightsConfig(group_size=32))
+single = Model(config=CFG, params=params).with_draft_weights(CLIP32)
 ref = run_all(single)
 for n in (2, 4):
     sharded = shard(single, make_mesh(n))
@@ -70,10 +73,10 @@ CFG_P = CFG.replace(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=64, i
                     attention_impl="pallas",
                     int4_matmul_impl="pallas")
 params_p = M.init_random_params(CFG_P, jax.random.PRNGKey(2), scale=0.2)
-pallas = Model(config=CFG_P, params=params_p).with_draft_weights(DraftWeightsConfig(group_size=32))
+pallas = Model(config=CFG_P, params=params_p).with_draft_weights(CLIP32)
 reference = Model(config=CFG_P.replace(attention_impl="reference", int4_matmul_impl="xla"),
                   params=params_p.replace(config=CFG_P.replace(attention_impl="reference", int4_matmul_impl="xla")))
-reference = reference.with_draft_weights(DraftWeightsConfig(group_size=32))
+reference = reference.with_draft_weights(CLIP32)
 SPEC_P = dataclasses.replace(SPEC, group_size=32)  # the Triton attention kernel takes groups of >= 32
 want = generate(reference, PROMPTS, SPEC_P).to_lists()
 assert generate(pallas, PROMPTS, SPEC_P).to_lists() == want, "pallas single-device differs from the reference"

@@ -35,7 +35,7 @@ def part_8b(contexts: list[int], steps: int, trials: int, quick: bool = False) -
     cfg = e2e.QUICK if quick else e2e.LLAMA31_8B
     key = jax.random.PRNGKey(0)
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
-    draft = make_draft_params(params, DraftWeightsConfig())
+    draft = make_draft_params(params, DraftWeightsConfig(method="clip"))
     jax.block_until_ready(draft)
     rows = []
     for c in contexts:
