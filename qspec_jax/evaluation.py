@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GROUP_SIZE
+from qspec_jax.compilation import run_program
 from qspec_jax.generation import new_cache
 
 Array = jax.Array
@@ -120,18 +121,19 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
     cache = new_cache(cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype)
     toks = jnp.asarray(tokens)
     lengths = jnp.full((b,), context, jnp.int32)
-    logits, cache = jax.jit(M.prefill)(target, toks[:, :context], lengths, cache)
+    logits, cache = run_program(M.prefill, (target, toks[:, :context], lengths, cache), {})
     cache = cache.flush()
     d_top = jnp.zeros((b,), jnp.int32)
     if draft is not None:
-        d_logits, _ = jax.jit(M.prefill)(draft, toks[:, :context], lengths, new_cache(cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype))
+        d_logits, _ = run_program(M.prefill, (draft, toks[:, :context], lengths, new_cache(
+            cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype)), {})
         d_top = jnp.argmax(d_logits, -1).astype(jnp.int32)
     out: list[_Predictions] = []
     starts = range(context, total, STEP_CHUNK)
     for s in tqdm(starts, desc=f"teacher-forced ({kv})", unit="chunk", disable=not progress):
         chunk = toks[:, s: min(s + STEP_CHUNK, total)]
-        pred, cache, logits, d_top = _steps(target, draft, cache, logits, chunk, d_top, view=view,
-                                            draft_view=draft_view)
+        pred, cache, logits, d_top = run_program(_steps, (target, draft, cache, logits, chunk, d_top),
+                                                 dict(view=view, draft_view=draft_view))
         out.append(pred)
     return {k: np.concatenate([np.asarray(getattr(p, k)) for p in out], axis=1)
             for k in ("nll", "target_top", "draft_top")}

@@ -5,8 +5,12 @@
                    [--draft-policy fixed|bass] [--kv bf16|int8] [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compare-ar]
                    [--draft-weights int4|bf16] [--draft-group G] [--draft-scope S] [--draft-method M]
+                   [--stream] [--no-compile-cache]
 
-tokens/s is measured on the run alone: the program is compiled ahead of time first. Speculative
+tokens/s is measured on the run alone: the programs are compiled ahead of time first (and kept
+on disk for the next run unless --no-compile-cache). Generation runs in chunks of rounds
+(`generation.stream_chunks`): --stream prints the text as they commit, and Ctrl-C prints (or
+keeps, with --stream) the text generated so far and exits with status 130. Speculative
 mode uses the checkpoint's stored INT4 draft as it is and says so on stderr; a --draft-* flag
 that asks for another format quantizes the draft again, which stderr says too. --gamma auto
 lets the planner (qspec_jax.planner.plan) pick gamma from step costs measured on this device
@@ -24,8 +28,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qspec_jax.cache import DEFAULT_GAMMA_MAX
-from qspec_jax.cli import (HelpFormatter, add_draft_format_args, check_draft_flags, draft_fields, fail, read_text,
-                           require, require_tokenizer, run_cli, tp_mesh, use_draft)
+from qspec_jax.cli import (HelpFormatter, add_compile_cache_arg, add_draft_format_args, check_draft_flags,
+                           compile_cache, draft_fields, fail, read_text, require, require_tokenizer, run_cli, tp_mesh,
+                           use_draft)
 
 PROG = "qspec-generate"
 
@@ -68,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-ar", action="store_true",
                    help="spec mode: also run autoregressive decoding and print both speeds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--stream", action="store_true",
+                   help="print the text as it is generated (every few rounds) instead of at the end")
+    add_compile_cache_arg(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     p.add_argument("--draft-weights", choices=("int4", "bf16"), default="int4",
                    help="spec mode: the draft's weights, INT4 or the target's own bf16 weights (the KV-only "
@@ -108,6 +116,8 @@ def check_args(args: argparse.Namespace) -> None:
     check_draft_flags(PROG, args)
     if args.mode == "ar" and args.compare_ar:
         fail(PROG, "--compare-ar compares against spec mode; drop it or use --mode spec")
+    if args.stream and args.json:
+        fail(PROG, "--stream prints text as it is generated and --json one object at the end; choose one")
 
 
 def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
@@ -139,11 +149,40 @@ def plan_gamma(model: Any, ids: list[int], args: argparse.Namespace) -> str:
     return chosen.summary()
 
 
-def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dict[str, Any]:
+class Partial:
+    """The tokens of the run in progress (what Ctrl-C prints); with `echo` (--stream) its text is
+    printed as the tokens come."""
+
+    def __init__(self, model: Any, echo: bool) -> None:
+        from qspec_jax.streaming import TextDecoder
+
+        self.model = model
+        self.tokens: list[int] = []
+        self.echo = echo
+        self.text = TextDecoder(model.decode)
+
+    def add(self, new: list[int]) -> None:
+        self.tokens += new
+        if self.echo:
+            sys.stdout.write(self.text.push(new))
+            sys.stdout.flush()
+
+    def interrupted(self, as_json: bool) -> None:
+        """Ctrl-C: the text so far on stdout (the rest of it with --stream, then a newline)."""
+        if as_json:
+            print(json.dumps({"text": self.model.decode(self.tokens), "tokens": self.tokens, "interrupted": True}))
+        else:
+            print(self.text.flush() if self.echo else self.model.decode(self.tokens), flush=True)
+
+
+def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str, partial: Partial) -> dict[str, Any]:
+    """One generation (in a background thread, so that Ctrl-C reaches this one at once), its
+    tokens passed to `partial` as they commit."""
     import jax
 
     from qspec_jax.generation import GenerationConfig, generate_autoregressive
     from qspec_jax.speculative import generate
+    from qspec_jax.streaming import TokenStream
 
     key = jax.random.PRNGKey(args.seed)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -152,11 +191,16 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str) -> dic
     out: dict[str, Any] = {"mode": mode}
     kv_kind = args.kv or ("int8" if mode == "spec" else "bf16")
     if mode == "ar":
-        res = generate_autoregressive(model, [ids], GenerationConfig(kv=kv_kind, **sampling), key, timings=timings)
+        stream = TokenStream(generate_autoregressive, model, [ids], GenerationConfig(kv=kv_kind, **sampling), key,
+                             timings=timings)
     else:
         spec = spec_config(model, args, args.gamma)
         draft = model.draft_params if args.draft_weights == "int4" else model.params
-        res = generate(model, [ids], spec, key, draft_params=draft, timings=timings)
+        stream = TokenStream(generate, model, [ids], spec, key, draft_params=draft, timings=timings)
+    for chunk in stream:
+        partial.add(chunk[0])
+    res = stream.result
+    if mode == "spec":
         out.update(acceptance_rate=res.acceptance_rate, tokens_per_round=res.tokens_per_round,
                    mean_draft_length=res.mean_draft_length)
     tokens = res.to_lists()[0]
@@ -172,7 +216,11 @@ def _main(argv: Sequence[str] | None) -> int:
         args.prompt = read_text(args.prompt_file, "--prompt-file")
     if not args.prompt and not args.chat:
         fail(PROG, "--prompt is empty")
+    with compile_cache(args):
+        return _generate(args)
 
+
+def _generate(args: argparse.Namespace) -> int:
     import qspec_jax
 
     model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp))
@@ -190,8 +238,22 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.mode == "spec" and args.gamma == "auto":
         planned = plan_gamma(model, ids, args)
         print(f"{PROG}: --gamma auto: {planned}", file=sys.stderr, flush=True)
-    result = _run(model, ids, args, args.mode)
-    ar = _run(model, ids, args, "ar") if args.compare_ar and args.mode == "spec" else None
+    partial = Partial(model, echo=args.stream)
+    try:
+        result = _run(model, ids, args, args.mode, partial)
+    except KeyboardInterrupt:
+        partial.interrupted(args.json)
+        raise
+    if args.stream:
+        print(partial.text.flush())
+    elif not args.json:
+        print(result["text"], flush=True)
+    try:
+        ar = _run(model, ids, args, "ar", Partial(model, echo=False)) if args.compare_ar and args.mode == "spec" else None
+    except KeyboardInterrupt:
+        if args.json:  # the comparison is cut short; the text is complete
+            print(json.dumps({**{k: result[k] for k in result if k != "mode"}, "interrupted": True}))
+        raise
     if args.json:
         if ar is not None:
             result["ar_tokens_per_s"] = ar["tokens_per_s"]
@@ -199,7 +261,6 @@ def _main(argv: Sequence[str] | None) -> int:
             result.update(gamma=args.gamma if args.mode == "spec" else None, plan=planned)
         print(json.dumps({k: result[k] for k in result if k != "mode"}))
         return 0
-    print(result["text"])
     line = f"{'[' + result['mode'] + ']':7}{len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tokens/s"
     if result["mode"] == "spec":
         policy = f" (bass: mean draft length {result['mean_draft_length']:.2f})" if args.draft_policy == "bass" else ""
