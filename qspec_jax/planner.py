@@ -41,7 +41,7 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, cache_bytes
-from qspec_jax.compilation import programs, run_program
+from qspec_jax.compilation import programs, run_program, user_cache_dir
 from qspec_jax.config import ModelConfig
 from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight, make_draft_params
 
@@ -225,9 +225,8 @@ def plan_gamma(costs: StepCosts, base: Any, alpha: float | None = None, *,
 
 # ------------------------------------------------------------------ measuring the step costs
 def default_cost_cache() -> Path:
-    """~/.cache/qspec-jax/step_costs.json (XDG_CACHE_HOME honoured)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "qspec-jax" / "step_costs.json"
+    """~/.cache/qspec-jax/step_costs.json (XDG_CACHE_HOME honoured: `compilation.user_cache_dir`)."""
+    return user_cache_dir() / "step_costs.json"
 
 
 def context_bucket(context: int) -> int:

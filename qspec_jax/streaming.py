@@ -6,8 +6,8 @@ caller's thread with each row's newly committed tokens (`generation.stream_chunk
 * `TokenStream`: the same as an iterator (like Hugging Face's TextIteratorStreamer): the
   generation runs in a background thread and the iteration yields its chunks.
 * `TextDecoder`: token ids in, text out, one chunk at a time: decodes everything so far and
-  returns what is new, holding text back while it ends in an incomplete character (a token that
-  is half of a UTF-8 sequence decodes to U+FFFD).
+  returns what is new, holding back replacement characters at the end (a token that is half of
+  a UTF-8 sequence decodes to U+FFFD until the next one completes it).
 
     from qspec_jax.streaming import TextDecoder, TokenStream
     stream = TokenStream(generate, model, [ids], SpecConfig(max_new_tokens=64))
@@ -72,8 +72,9 @@ class TextDecoder:
 
     `decode(ids) -> str` is the tokenizer's decode (e.g. `model.decode`). Decoding the whole
     sequence each time (not token by token) keeps the spaces and merged characters that
-    tokenizers produce only in context. Text ending in U+FFFD (an incomplete UTF-8 sequence) is
-    held back until a later token completes it; `flush()` returns whatever is held back.
+    tokenizers produce only in context. Replacement characters (U+FFFD) at the end of the text
+    are held back: they stand for an incomplete UTF-8 sequence until a later token completes
+    it (or shows it invalid, when text follows them); `flush()` returns whatever is held back.
     """
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
@@ -83,10 +84,7 @@ class TextDecoder:
 
     def push(self, ids: list[int]) -> str:
         self._ids.extend(int(i) for i in ids)
-        text = self._decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        return self._take(text)
+        return self._take(self._decode(self._ids).rstrip("\ufffd"))
 
     def flush(self) -> str:
         return self._take(self._decode(self._ids))
