@@ -25,7 +25,7 @@ from qspec_jax.checkpoint import draft_group_problems, draft_weight_shapes, writ
 from qspec_jax.config import ConfigError, ModelConfig
 from qspec_jax.model import param_shapes
 
-__all__ = ["ConversionWarning", "check_draft", "convert", "convert_into", "estimate_bytes", "open_source"]
+__all__ = ["ConversionWarning", "check_draft", "convert", "convert_into", "estimate_bytes", "locate", "open_source"]
 
 SCALE_BYTES = {"float16": 2, "float32": 4}
 
@@ -34,11 +34,23 @@ class ConversionWarning(UserWarning):
     """The conversion succeeds, but part of the checkpoint will be missing (e.g. no tokenizer)."""
 
 
+def locate(src: str | Path, progress: bool = True) -> tuple[Path, str]:
+    """(local path, how the manifest names the source) of `src`: a local path as it is, or a
+    Hugging Face Hub repository id resolved to its cached (or now downloaded) snapshot
+    (`convert.hub`)."""
+    from convert import hub
+
+    if hub.looks_like_repo_id(src):
+        return hub.resolve(str(src), progress=progress)
+    return Path(src), str(Path(src).resolve())
+
+
 def open_source(src: str | Path, dtype: str = "bfloat16", *, tokenizer: bool = True) -> Source:
-    """Parses `src` (metadata only) into a `Source`; raises ConversionError for bad input."""
-    src = Path(src)
+    """Parses `src` (metadata only) into a `Source`; raises ConversionError for bad input.
+    `src` is a local path or a Hugging Face Hub repository id (`locate`)."""
     if dtype not in OUTPUT_DTYPES:
         raise ConversionError(f"dtype={dtype!r}; expected one of {', '.join(OUTPUT_DTYPES)}")
+    src, _ = locate(src)
     if not src.exists():
         raise ConversionError(f"{src}: no such file or directory")
     try:
@@ -110,6 +122,7 @@ def convert_into(dst: str | Path, src: str | Path, dtype: str = "bfloat16", *, d
     receives what will not work (no tokenizer files). `on_stage(name)` is called during
     "read" (after the first tensor), "quantize" and "write" (tests interrupt there).
     """
+    src, manifest_source = locate(src, progress)
     source = open_source(src, dtype)
     try:
         validate(source)
@@ -120,7 +133,7 @@ def convert_into(dst: str | Path, src: str | Path, dtype: str = "bfloat16", *, d
         for message in source.warnings:
             (warn or _warn)(message)
         on_read = None if on_stage is None else (lambda i, n: on_stage("read") if i == 0 else None)
-        flat = fill(source, progress=progress, desc=f"reading {Path(src).name}", on_read=on_read)
+        flat = fill(source, progress=progress, desc=f"reading {Path(manifest_source).name}", on_read=on_read)
         extra = dict(source.extra)
         if draft_weights is not None:
             weights, calibration = _make_draft(source.cfg, flat, draft_weights, source, calibration_text, progress,
@@ -129,7 +142,6 @@ def convert_into(dst: str | Path, src: str | Path, dtype: str = "bfloat16", *, d
             extra["draft_weights"] = draft_weights.to_dict()
             if calibration is not None:
                 extra["draft_calibration"] = calibration
-        manifest_source = str(Path(src).resolve())
         if progress:  # orbax's write takes seconds with no bar of its own
             print(f"writing the checkpoint ({estimate_bytes(source.cfg, draft_weights) / 1e6:,.0f} MB)",
                   file=sys.stderr, flush=True)
@@ -146,7 +158,8 @@ def _warn(message: str) -> None:
 
 def convert(src: str | Path, out: str | Path, dtype: str = "bfloat16", *, progress: bool = True,
             draft_weights: Any = None, calibration_text: Sequence[str | Path] | None = None) -> Path:
-    """Converts a HF model directory or a Llama `.gguf` file into a checkpoint at `out`.
+    """Converts a HF model directory (or Hub repository id, `locate`) or a Llama `.gguf` file
+    into a checkpoint at `out`.
 
     dtype: the stored parameter dtype, "bfloat16" (default) or "float32".
     draft_weights: a `qspec_jax.weight_quant.DraftWeightsConfig` to also store INT4 draft

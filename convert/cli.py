@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                "2 bad input, 130/143 interrupted, 1 otherwise.")
     p.add_argument("src", metavar="SRC",
                    help="Hugging Face model directory (config.json + *.safetensors, single or sharded, plus "
-                        "tokenizer files) or a Llama .gguf file")
+                        "tokenizer files), a Llama .gguf file, or a Hugging Face Hub repository id ORG/NAME[@REVISION] "
+                        "(the local Hugging Face cache first, else only the files conversion reads are downloaded; "
+                        "HF_HUB_OFFLINE=1 never downloads)")
     p.add_argument("out", metavar="OUT",
                    help="checkpoint directory to create; it must not exist (missing parent directories are made)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -123,7 +125,10 @@ def worker_job(args: argparse.Namespace, staging: Staging) -> dict[str, Any]:
     draft = None
     if args.draft_weights == "int4":
         draft = {field: getattr(args, dest) for dest, field in DRAFT_DESTS.items() if getattr(args, dest) is not None}
-    return {"src": str(Path(args.src).absolute()), "out": str(staging.out), "staging": str(staging.dir),
+    from convert.hub import looks_like_repo_id
+
+    src = args.src if looks_like_repo_id(args.src) else str(Path(args.src).absolute())
+    return {"src": src, "out": str(staging.out), "staging": str(staging.dir),
             "created": [str(p) for p in staging.created], "dtype": args.dtype, "draft": draft,
             "calibration_text": [str(p) for p in args.calibration_text or []], "progress": not args.no_progress,
             "parent_pid": os.getpid()}

@@ -137,8 +137,8 @@ def main() -> int:
     print(f"model: {args.checkpoint.name} ({cfg.num_layers} layers, {cfg.dtype}), draft: {model.draft_weights_config}, "
           f"devices: {jax.devices()}")
 
-    # Prompts of different lengths -> one right-padded batch (T is rounded up to a bucket of 64
-    # so that new prompt lengths rarely trigger a recompile).
+    # Prompts of different lengths -> one right-padded batch (T is rounded up to a step of a short
+    # geometric ladder, generation.length_bucket, so that new prompt lengths rarely recompile).
     prompts = [model.encode(p, chat=True) for p in args.prompts]
     tokens, lengths = pad_prompts(prompts, cfg.vocab_size)  # int32[B, T], int32[B]
     eos_ids = tuple(cfg.eos_token_ids)

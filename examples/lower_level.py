@@ -37,14 +37,13 @@ import numpy as np
 
 import qspec_jax
 from qspec_jax import QuantSpecCache, decode, prefill
-from qspec_jax.generation import GenerationConfig, decode_cache_len, generate_autoregressive
+from qspec_jax.generation import GenerationConfig, decode_cache_len, generate_autoregressive, length_bucket
 from qspec_jax.speculative import SpecConfig, accept_greedy
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "smollm2-135m-instruct"
 DEFAULT_PROMPTS = ("What is the capital of France?",
                    "List three rivers of Europe and the seas they flow into, one per line.")
-PAD_TO = 64  # prompts are padded to a multiple of this, as the library's generate() does
 
 
 def parse_args() -> argparse.Namespace:
@@ -114,7 +113,7 @@ def main() -> int:
     # ---- prompts: right-padded into tokens [B, T] with per-row lengths [B]
     prompts = [model.encode(p, chat=True) for p in args.prompts]
     B = len(prompts)
-    T = -(-max(map(len, prompts)) // PAD_TO) * PAD_TO
+    T = length_bucket(max(map(len, prompts)))  # the padded length generate() uses (a short geometric ladder)
     tokens = np.zeros((B, T), np.int32)
     for b, ids in enumerate(prompts):
         tokens[b, : len(ids)] = ids
@@ -123,7 +122,7 @@ def main() -> int:
     # gamma+1 per round) and one verify pass of `width` columns: a multiple of G, sized as
     # generate() and generate_autoregressive() size it.
     max_len = decode_cache_len(T, spec.max_new_tokens, width, G)
-    print(f"\nprompts: tokens/lengths (T padded to a multiple of {PAD_TO}); max_len={max_len}, G={G}, "
+    print(f"\nprompts: tokens/lengths (T padded to length_bucket's ladder); max_len={max_len}, G={G}, "
           f"gamma={gamma}, verify width={width}")
     show("tokens", tokens)
     show("lengths", lengths)

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GROUP_SIZE
+from qspec_jax.compilation import run_program
 from qspec_jax.generation import new_cache
 
 Array = jax.Array
@@ -126,12 +127,12 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
     # reached 100% at dispatch and minutes of computing followed it).
     with tqdm(total=total, desc=f"teacher-forced ({kv})", unit="tok", disable=not progress) as bar:
         bar.set_postfix_str("prefill (compiling)")
-        logits, cache = jax.jit(M.prefill)(target, toks[:, :context], lengths, cache)
+        logits, cache = run_program(M.prefill, (target, toks[:, :context], lengths, cache), {})
         cache = cache.flush()
         d_top = jnp.zeros((b,), jnp.int32)
         if draft is not None:
-            d_logits, _ = jax.jit(M.prefill)(draft, toks[:, :context], lengths,
-                                             new_cache(cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype))
+            d_logits, _ = run_program(M.prefill, (draft, toks[:, :context], lengths, new_cache(
+                cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype)), {})
             d_top = jnp.argmax(d_logits, -1).astype(jnp.int32)
         jax.block_until_ready((logits, cache, d_top))
         bar.update(context)
@@ -139,8 +140,8 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
         for i, s in enumerate(range(context, total, STEP_CHUNK)):
             bar.set_postfix_str("compiling" if i == 0 else "")
             chunk = toks[:, s: min(s + STEP_CHUNK, total)]
-            pred, cache, logits, d_top = _steps(target, draft, cache, logits, chunk, d_top, view=view,
-                                                draft_view=draft_view)
+            pred, cache, logits, d_top = run_program(_steps, (target, draft, cache, logits, chunk, d_top),
+                                                     dict(view=view, draft_view=draft_view))
             jax.block_until_ready(pred)
             out.append(pred)
             bar.update(chunk.shape[1])

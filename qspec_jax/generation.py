@@ -1,8 +1,23 @@
 """Autoregressive generation in one jitted `lax.while_loop`, and the pieces generation shares.
 
-Prompts are right-padded into a bucketed [B, T] batch with per-row lengths; every row stops on
-its own (EOS or max_new_tokens) while shapes stay fixed. Emitted tokens past a row's length are
+Prompts are right-padded into a [B, T] batch with per-row lengths; every row stops on its own
+(EOS or max_new_tokens) while shapes stay fixed. Emitted tokens past a row's length are
 `PAD_ID`.
+
+Length buckets. T is the longest prompt rounded up to `length_bucket`'s ladder (256, 384, 512,
+768, ..., 4096, then steps of 1.25x), and the cache length follows from T, so a process that
+sees many prompt lengths compiles one program per ladder step: the number of programs grows
+with the log of the lengths (9 for any lengths up to 4096). Padding costs prefill compute on
+the padded tokens and cache memory for them (at most 1.5x up to 4096 tokens, 1.25x beyond;
+docs/BENCHMARKS.md, "Length buckets"). The padding never reaches a valid token's attention
+(masks by position), but shapes decide how XLA and the GPU libraries sum (see `model.decode`),
+so a logit may differ in its last bits from a run at other shapes; speculative and
+autoregressive generation bucket alike, so greedy speculative output stays the target's own,
+bit for bit.
+
+Streaming. `on_tokens` runs the same loop in chunks of rounds (`stream_chunks`): one program
+prefills and returns the loop's state, another runs at most k rounds from a state, and the
+driver hands each chunk's new tokens to the caller while the next chunk runs.
 """
 
 from __future__ import annotations
@@ -11,7 +26,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +35,16 @@ from flax import struct
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
+from qspec_jax.compilation import programs, run_program
 from qspec_jax.sampling import SamplingConfig, sample
 from qspec_jax.sharding import constrain_cache
 
 Array = jax.Array
 KV_KINDS = ("bf16", "int8")
-PROMPT_BUCKET = 64  # prompts are padded to a multiple of this to bound recompilation
+# Length buckets (module docstring): prompts are padded to at least MIN_LENGTH_BUCKET tokens, then
+# to 2 ladder steps per octave (x1, x1.5) below FINE_BUCKETS_FROM and 4 (x1, x1.25, x1.5, x1.75) from it.
+MIN_LENGTH_BUCKET = 256
+FINE_BUCKETS_FROM = 4096
 PAD_ID = 0
 
 
@@ -89,11 +108,28 @@ class GenerationResult:
 
 
 # ----------------------------------------------------------------------------------- prompts
-def pad_prompts(prompt_ids: Sequence[Sequence[int]] | np.ndarray, vocab_size: int,
-                bucket: int = PROMPT_BUCKET) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads prompts into (tokens int32[B, T], lengths int32[B]), T a multiple of `bucket`.
+def length_bucket(n: int) -> int:
+    """The padded length of a batch whose longest prompt has `n` tokens: the smallest ladder step
+    >= n. The ladder is MIN_LENGTH_BUCKET (256), then for n in (2^k, 2^(k+1)] the multiples of
+    2^k / 2 (384, 512, 768, 1024, 1536, ...) below FINE_BUCKETS_FROM (4096) and of 2^k / 4 from
+    it on (5120, 6144, 7168, 8192, 10240, ...): padding is at most 1.5x, and 1.25x for long
+    prompts, and lengths 1..4096 fall into 9 buckets."""
+    if n < 1:
+        raise ValueError(f"length_bucket: n={n} must be >= 1")
+    if n <= MIN_LENGTH_BUCKET:
+        return MIN_LENGTH_BUCKET
+    low = 1 << ((n - 1).bit_length() - 1)  # 2^k < n <= 2^(k+1)
+    unit = low // (2 if low < FINE_BUCKETS_FROM else 4)
+    return -(-n // unit) * unit
 
-    Accepts a list of token lists, one token list, or a 2-D array of equal-length prompts.
+
+def pad_prompts(prompt_ids: Sequence[Sequence[int]] | np.ndarray, vocab_size: int,
+                bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts into (tokens int32[B, T], lengths int32[B]).
+
+    T is `length_bucket` of the longest prompt, or with `bucket` the longest prompt rounded up to
+    a multiple of `bucket` (1: no padding past the longest prompt). Accepts a list of token
+    lists, one token list, or a 2-D array of equal-length prompts.
     """
     if isinstance(prompt_ids, np.ndarray | jax.Array):
         arr = np.asarray(prompt_ids)
@@ -107,7 +143,10 @@ def pad_prompts(prompt_ids: Sequence[Sequence[int]] | np.ndarray, vocab_size: in
     lengths = np.array([len(r) for r in rows], np.int32)
     if (lengths == 0).any():
         raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: every prompt needs >= 1 token")
-    t = int(math.ceil(lengths.max() / bucket) * bucket)
+    longest = int(lengths.max())
+    if bucket is not None and bucket < 1:
+        raise ValueError(f"bucket={bucket} must be >= 1 (or None: length_bucket)")
+    t = length_bucket(longest) if bucket is None else int(math.ceil(longest / bucket) * bucket)
     tokens = np.full((len(rows), t), PAD_ID, np.int32)
     for b, r in enumerate(rows):
         ids = np.asarray(r, dtype=np.int64)
@@ -181,17 +220,93 @@ def prng_key(key: Any, fn: str) -> Array:
     raise TypeError(f"{fn}: key must be a JAX PRNG key such as jax.random.PRNGKey(0), got {what}")
 
 
-def run_jitted(fn: Any, args: tuple, static: dict[str, Any], timings: dict[str, float] | None) -> Any:
-    """Calls jitted `fn(*args, **static)`. With a `timings` dict, compiles ahead of time and
-    records "compile_s" and "run_s" (the run alone, on device-ready outputs)."""
-    if timings is None:
-        return fn(*args, **static)
+@struct.dataclass
+class Progress:
+    """What each program of a streamed run hands the host besides the loop state (copies, so the
+    state can be donated to the next chunk): tokens int32[B, N], num_emitted int32[B], done bool[B]."""
+
+    tokens: Array
+    num_emitted: Array
+    done: Array
+
+
+def progress_of(state: Any) -> Progress:
+    return Progress(tokens=state.tokens, num_emitted=state.num_emitted, done=state.done)
+
+
+def loop_rounds(cond: Callable[[Any], Array], body: Callable[[Any], Any], state: Any,
+                max_rounds: Array | None = None) -> Any:
+    """`lax.while_loop(cond, body, state)`, stopped after `max_rounds` iterations (a traced int32
+    scalar) when given: the streamed run's chunks. The body is the same either way."""
+    if max_rounds is None:
+        return jax.lax.while_loop(cond, body, state)
+    _, s = jax.lax.while_loop(lambda c: (c[0] < max_rounds) & cond(c[1]), lambda c: (c[0] + 1, body(c[1])),
+                              (jnp.int32(0), state))
+    return s
+
+
+STREAM_MAX_ROUNDS = 8  # rounds per chunk of a streamed run: 1, 2, 4, then this many
+
+
+def stream_chunks(start_fn: Callable, start_args: tuple, start_static: dict[str, Any], rounds_fn: Callable,
+                  weights: tuple, rounds_static: dict[str, Any],
+                  timings: dict[str, float] | None = None) -> Iterator[list[list[int]]]:
+    """Runs a generation in chunks of rounds and yields each row's new tokens as they commit.
+
+    `start_fn(*start_args, **start_static)` prefills and returns (loop state, Progress);
+    `rounds_fn(*weights, state, max_rounds, **rounds_static)` runs at most max_rounds rounds from
+    a state (which it is donated) and returns the same pair. Chunks run 1, 2, 4, then
+    STREAM_MAX_ROUNDS rounds, and each is dispatched before the previous chunk's tokens are read,
+    so the device never waits for the host. Yields a list per row of the token ids committed
+    since the last yield (the first yield holds the token sampled from the prefill); returns
+    (StopIteration.value) the final loop state. Both programs are compiled before either runs;
+    `timings` gets "compile_s" and "run_s" as `compilation.run_program` records them.
+    """
     t0 = time.perf_counter()
-    compiled = fn.lower(*args, **static).compile()
+    start, _ = programs().compiled(start_fn, start_args, start_static)
+    state_info = start.out_info[0]
+    max_rounds = jnp.int32(1)
+    rounds, _ = programs().compiled(rounds_fn, (*weights, state_info, max_rounds), rounds_static,
+                                    donate_argnums=(len(weights),))
     t1 = time.perf_counter()
-    out = jax.block_until_ready(compiled(*args))
-    timings.update(compile_s=t1 - t0, run_s=time.perf_counter() - t1)
-    return out
+    state, progress = start(*start_args)
+    emitted = None
+    k = 1
+    while True:
+        nxt = rounds(*weights, state, jnp.int32(k))  # queued behind the program that makes `state`
+        tokens, num, done = (np.asarray(x) for x in (progress.tokens, progress.num_emitted, progress.done))
+        if emitted is None:
+            emitted = np.zeros_like(num)
+        chunk = [tokens[b, emitted[b]: num[b]].tolist() for b in range(len(num))]
+        emitted = num
+        state, progress = nxt
+        if any(chunk):
+            yield chunk
+        if done.all():  # `nxt` ran no round: its state is the final one
+            break
+        k = min(2 * k, STREAM_MAX_ROUNDS)
+    if timings is not None:
+        jax.block_until_ready(state)
+        timings.update(compile_s=t1 - t0, run_s=time.perf_counter() - t1)
+    return state
+
+
+def run_generation(whole_fn: Callable, start_fn: Callable, rounds_fn: Callable, weights: tuple, inputs: tuple,
+                   static: dict[str, Any], rounds_static: dict[str, Any], result_of: Callable[[Any], Any],
+                   timings: dict[str, float] | None,
+                   on_tokens: Callable[[list[list[int]]], None] | None) -> Any:
+    """Runs a generation: `whole_fn(*weights, *inputs, **static)` in one program, or, with
+    `on_tokens`, the chunked `stream_chunks(start_fn, ..., rounds_fn, ...)`, calling
+    `on_tokens(new tokens per row)` for each chunk in this thread; returns `result_of(state)` then."""
+    if on_tokens is None:
+        return run_program(whole_fn, (*weights, *inputs), static, timings)
+    chunks = stream_chunks(start_fn, (*weights, *inputs), static, rounds_fn, weights, rounds_static, timings)
+    while True:
+        try:
+            chunk = next(chunks)
+        except StopIteration as stop:
+            return result_of(stop.value)
+        on_tokens(chunk)
 
 
 # ------------------------------------------------------------------------------ AR decoding
@@ -220,18 +335,26 @@ def initial_logits(logits: Array, n: int, wanted: bool) -> Array | None:
     return jnp.zeros((logits.shape[0], n, logits.shape[-1]), jnp.float32).at[:, 0].set(logits)
 
 
-def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, *, gen: GenerationConfig,
-                        eos_ids: tuple[int, ...], first_logits: Array | None = None) -> GenerationResult:
-    """Decodes from a cache that holds the prompts; `first` int32[B] is the token sampled from
-    the prefill logits `first_logits` (emitted as token 0, its K/V not yet computed)."""
+def autoregressive_start(cache: Any, first: Array, key: Array, *, gen: GenerationConfig, eos_ids: tuple[int, ...],
+                         first_logits: Array | None = None) -> _ARState:
+    """The loop state before the first step: `cache` holds the prompts; `first` int32[B] is the
+    token sampled from the prefill logits `first_logits` (emitted as token 0, its K/V not yet
+    computed)."""
     n, b = gen.max_new_tokens, first.shape[0]
     eos = eos_array(eos_ids)
-    state = _ARState(
+    return _ARState(
         tokens=jnp.full((b, n), PAD_ID, jnp.int32).at[:, 0].set(first),
         num_emitted=jnp.ones((b,), jnp.int32),
         done=jnp.isin(first, eos) | (n == 1),
         cache=cache.flush(), key=key, step=jnp.int32(0),
         logits=initial_logits(first_logits, n, gen.return_logits) if first_logits is not None else None)
+
+
+def autoregressive_steps(params: M.Params, state: _ARState, *, gen: GenerationConfig, eos_ids: tuple[int, ...],
+                         max_rounds: Array | None = None) -> _ARState:
+    """Decoding steps from `state` until every row is done (or `max_rounds` steps: `loop_rounds`)."""
+    n, b = gen.max_new_tokens, state.tokens.shape[0]
+    eos = eos_array(eos_ids)
 
     def cond(s: _ARState) -> Array:
         return ~jnp.all(s.done)
@@ -248,30 +371,68 @@ def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, 
         return _ARState(tokens=tokens, num_emitted=num, done=done, cache=cache.flush(),
                         key=s.key, step=s.step + 1, logits=record_logits(s.logits, col[:, None], logits))
 
-    s = jax.lax.while_loop(cond, body, state)
+    return loop_rounds(cond, body, state, max_rounds)
+
+
+def _ar_result(s: _ARState) -> GenerationResult:
     return GenerationResult(tokens=s.tokens, lengths=s.num_emitted, logits=s.logits)
 
 
-@functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
-def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
+def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, *, gen: GenerationConfig,
+                        eos_ids: tuple[int, ...], first_logits: Array | None = None) -> GenerationResult:
+    """Decodes from a cache that holds the prompts; `first` int32[B] is the token sampled from
+    the prefill logits `first_logits` (emitted as token 0, its K/V not yet computed)."""
+    state = autoregressive_start(cache, first, key, gen=gen, eos_ids=eos_ids, first_logits=first_logits)
+    return _ar_result(autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids))
+
+
+def _prefilled(params: M.Params, tokens: Array, lengths: Array, key: Array, *, gen: GenerationConfig,
+               eos_ids: tuple[int, ...], max_len: int) -> _ARState:
     cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size,
                       gamma_max=ring_gamma_max(gen.width), mesh=params.mesh)
     logits, cache = M.prefill(params, tokens, lengths, cache)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, gen.sampling)
-    return autoregressive_loop(params, cache, first, key, gen=gen, eos_ids=eos_ids, first_logits=logits)
+    return autoregressive_start(cache, first, key, gen=gen, eos_ids=eos_ids, first_logits=logits)
+
+
+@functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
+def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
+    state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len)
+    return _ar_result(autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids))
+
+
+def _autoregressive_start(params: M.Params, tokens: Array, lengths: Array, key: Array, *, gen: GenerationConfig,
+                          eos_ids: tuple[int, ...], max_len: int) -> tuple[_ARState, Progress]:
+    state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len)
+    return state, progress_of(state)
+
+
+def _autoregressive_chunk(params: M.Params, state: _ARState, max_rounds: Array, *, gen: GenerationConfig,
+                          eos_ids: tuple[int, ...]) -> tuple[_ARState, Progress]:
+    state = autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids, max_rounds=max_rounds)
+    return state, progress_of(state)
 
 
 def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray,
                             config: GenerationConfig = GenerationConfig(),
                             key: Array | None = None, *,
-                            timings: dict[str, float] | None = None) -> GenerationResult:
+                            timings: dict[str, float] | None = None,
+                            on_tokens: Callable[[list[list[int]]], None] | None = None,
+                            bucket: int | None = None) -> GenerationResult:
     """Generates up to `config.max_new_tokens` tokens per prompt with the target model.
 
     `model` is a `qspec_jax.Model` (or anything with `.params`). Returns a GenerationResult whose
     rows hold each prompt's generated tokens (EOS included when emitted). Pass a dict as
     `timings` to get compile and run seconds measured separately.
+
+    on_tokens: streaming. Called in this thread with a list per prompt of the tokens committed
+    since the previous call (the first call holds the token sampled from the prefill; later ones
+    come every few steps, `stream_chunks`); the result is the same as without it, token for
+    token. `qspec_jax.streaming.TokenStream` turns it into an iterator.
+    bucket: the prompt padding (`pad_prompts`): None pads to `length_bucket`'s ladder, which
+    bounds the compiled programs; an int pads to a multiple of it (1: none).
     """
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"generate_autoregressive: config must be a GenerationConfig, got {type(config).__name__}"
@@ -279,9 +440,11 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     key = prng_key(key, "generate_autoregressive")
     params: M.Params = M.for_device(model.params)  # a no-op for models from `load`
     cfg = params.config
-    tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
+    tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size, bucket)
     check_fits(cfg, lengths, config.max_new_tokens)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)
-    return run_jitted(_autoregressive, (params, jnp.asarray(tokens), jnp.asarray(lengths), key),
-                      dict(gen=config, eos_ids=tuple(eos), max_len=max_len), timings)
+    return run_generation(_autoregressive, _autoregressive_start, _autoregressive_chunk, (params,),
+                          (jnp.asarray(tokens), jnp.asarray(lengths), key),
+                          dict(gen=config, eos_ids=tuple(eos), max_len=max_len), dict(gen=config, eos_ids=tuple(eos)),
+                          _ar_result, timings, on_tokens)

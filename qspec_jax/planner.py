@@ -41,6 +41,7 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, cache_bytes
+from qspec_jax.compilation import programs, run_program, user_cache_dir
 from qspec_jax.config import ModelConfig
 from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight, make_draft_params
 
@@ -224,9 +225,8 @@ def plan_gamma(costs: StepCosts, base: Any, alpha: float | None = None, *,
 
 # ------------------------------------------------------------------ measuring the step costs
 def default_cost_cache() -> Path:
-    """~/.cache/qspec-jax/step_costs.json (XDG_CACHE_HOME honoured)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "qspec-jax" / "step_costs.json"
+    """~/.cache/qspec-jax/step_costs.json (XDG_CACHE_HOME honoured: `compilation.user_cache_dir`)."""
+    return user_cache_dir() / "step_costs.json"
 
 
 def context_bucket(context: int) -> int:
@@ -292,7 +292,7 @@ def time_passes(params: M.Params, cache: Any, t: int, *, view: str, width: int, 
     """Median seconds per decode pass of t tokens per row (SPEC §7: repetitions inside one
     jitted loop, median of trials; the first call compiles and is not timed)."""
     toks = jnp.full((cache.total_lengths().shape[0], t), 7, jnp.int32)
-    run = functools.partial(_passes, n=steps, view=view, width=width)
+    run, _ = programs().compiled(_passes, (params, cache, toks), dict(n=steps, view=view, width=width))
     jax.block_until_ready(run(params, cache, toks))
     times = []
     for _ in range(trials):
@@ -337,11 +337,9 @@ def measure_step_costs(model: Any, spec: Any, *, context: int, batch: int = 1, d
     max_len = -(-(bucket + 2 * width) // spec.group_size) * spec.group_size
     toks = jax.random.randint(jax.random.PRNGKey(0), (batch, bucket), 1, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((batch,), bucket, jnp.int32)
-    prefill = jax.jit(M.prefill)
-
     def filled(kind: str) -> Any:
         cache = new_cache(cfg, kind, batch, max_len, spec.group_size, spec.gamma_max, mesh=model.params.mesh)
-        return prefill(model.params, toks, lengths, cache)[1]
+        return run_program(M.prefill, (model.params, toks, lengths, cache), {})[1]
 
     timed = dict(steps=steps, trials=trials)
     say = (lambda m: print(f"[planner] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)  # noqa: E731

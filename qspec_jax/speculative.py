@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,9 @@ from flax import struct
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
-from qspec_jax.generation import (PAD_ID, check_fits, decode_cache_len, eos_array, initial_logits, new_cache,
-                                   pad_prompts, prng_key, record_logits, run_jitted)
+from qspec_jax.generation import (PAD_ID, Progress, check_fits, decode_cache_len, eos_array, initial_logits,
+                                   loop_rounds, new_cache, pad_prompts, progress_of, prng_key, record_logits,
+                                   run_generation)
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
 from qspec_jax.weight_quant import DraftWeightsConfig
 
@@ -384,11 +385,27 @@ def forced_accept(key: Array, p_logits: Array, rate: float, gamma: int,
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
 
 
-def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array, key: Array, *,
-                     spec: SpecConfig, eos_ids: tuple[int, ...], first_logits: Array | None = None) -> SpecResult:
-    """Speculative rounds from a cache that holds the prompts; `first` int32[B] is the token
-    sampled from the prefill logits `first_logits` (emitted as token 0 and pending: its K/V is
-    not computed).
+def speculative_start(cache: Any, first: Array, key: Array, *, spec: SpecConfig, eos_ids: tuple[int, ...],
+                      first_logits: Array | None = None) -> _SpecState:
+    """The loop state before the first round: `cache` holds the prompts; `first` int32[B] is the
+    token sampled from the prefill logits `first_logits` (emitted as token 0 and pending: its K/V
+    is not computed)."""
+    n_max, b = spec.max_new_tokens, first.shape[0]
+    eos = eos_array(eos_ids)
+    zeros = jnp.zeros((b,), jnp.int32)
+    return _SpecState(
+        tokens=jnp.full((b, n_max), PAD_ID, jnp.int32).at[:, 0].set(first),
+        num_emitted=jnp.ones((b,), jnp.int32), pending=first,
+        done=jnp.isin(first, eos) | (n_max == 1), cache=cache.flush(), key=key,
+        drafted=zeros, accepted=zeros, rounds=zeros, emitted=zeros, draft_steps=zeros, rejected=zeros,
+        draft_len=jnp.int32(spec.gamma), shrink=jnp.int32(0),
+        logits=initial_logits(first_logits, n_max, spec.return_logits) if first_logits is not None else None)
+
+
+def speculative_rounds(target: M.Params, draft: M.Params, state: _SpecState, *, spec: SpecConfig,
+                       eos_ids: tuple[int, ...], max_rounds: Array | None = None) -> _SpecState:
+    """Speculative rounds from `state` until every row is done (or `max_rounds` rounds:
+    `generation.loop_rounds`).
 
     Exactness (greedy output == autoregressive output at GenerationConfig.width =
     spec.verify_width, bit for bit in the logits): every verify pass has the autoregressive
@@ -396,16 +413,8 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
     past its cache's flush horizon (`tokens_until_flush`), so every committed position is
     computed over the same quantized/FP split as autoregressive decoding computes it.
     """
-    n_max, b = spec.max_new_tokens, first.shape[0]
+    n_max, b = spec.max_new_tokens, state.tokens.shape[0]
     eos = eos_array(eos_ids)
-    zeros = jnp.zeros((b,), jnp.int32)
-    state = _SpecState(
-        tokens=jnp.full((b, n_max), PAD_ID, jnp.int32).at[:, 0].set(first),
-        num_emitted=jnp.ones((b,), jnp.int32), pending=first,
-        done=jnp.isin(first, eos) | (n_max == 1), cache=cache.flush(), key=key,
-        drafted=zeros, accepted=zeros, rounds=zeros, emitted=zeros, draft_steps=zeros, rejected=zeros,
-        draft_len=jnp.int32(spec.gamma), shrink=jnp.int32(0),
-        logits=initial_logits(first_logits, n_max, spec.return_logits) if first_logits is not None else None)
 
     def cond(s: _SpecState) -> Array:
         return ~jnp.all(s.done)
@@ -448,21 +457,50 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
             draft_len=draft_len, shrink=shrink,
             logits=record_logits(s.logits, cols, p_logits))
 
-    s = jax.lax.while_loop(cond, body, state)
+    return loop_rounds(cond, body, state, max_rounds)
+
+
+def _spec_result(s: _SpecState) -> SpecResult:
     return SpecResult(tokens=s.tokens, lengths=s.num_emitted, drafted=s.drafted, accepted=s.accepted,
                       rounds=s.rounds, emitted=s.emitted, draft_steps=s.draft_steps, rejected=s.rejected,
                       logits=s.logits)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len"))
-def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                 spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> SpecResult:
+def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array, key: Array, *,
+                     spec: SpecConfig, eos_ids: tuple[int, ...], first_logits: Array | None = None) -> SpecResult:
+    """Speculative rounds from a cache that holds the prompts (`speculative_start`) until every
+    row is done (`speculative_rounds`)."""
+    state = speculative_start(cache, first, key, spec=spec, eos_ids=eos_ids, first_logits=first_logits)
+    return _spec_result(speculative_rounds(target, draft, state, spec=spec, eos_ids=eos_ids))
+
+
+def _prefilled(target: M.Params, tokens: Array, lengths: Array, key: Array, *, spec: SpecConfig,
+               eos_ids: tuple[int, ...], max_len: int) -> _SpecState:
     cache = new_cache(target.config, spec.target_kv, tokens.shape[0], max_len, spec.group_size, spec.gamma_max,
                       mesh=target.mesh)
     logits, cache = M.prefill(target, tokens, lengths, cache)  # target weights fill the shared cache
     key, sub = jax.random.split(key)
     first = sample(sub, logits, spec.sampling)
-    return speculative_loop(target, draft, cache, first, key, spec=spec, eos_ids=eos_ids, first_logits=logits)
+    return speculative_start(cache, first, key, spec=spec, eos_ids=eos_ids, first_logits=logits)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len"))
+def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                 spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> SpecResult:
+    state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len)
+    return _spec_result(speculative_rounds(target, draft, state, spec=spec, eos_ids=eos_ids))
+
+
+def _speculative_start(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                       spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> tuple[_SpecState, Progress]:
+    state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len)
+    return state, progress_of(state)
+
+
+def _speculative_chunk(target: M.Params, draft: M.Params, state: _SpecState, max_rounds: Array, *,
+                       spec: SpecConfig, eos_ids: tuple[int, ...]) -> tuple[_SpecState, Progress]:
+    state = speculative_rounds(target, draft, state, spec=spec, eos_ids=eos_ids, max_rounds=max_rounds)
+    return state, progress_of(state)
 
 
 # ---------------------------------------------------------------------------------- public
@@ -485,13 +523,22 @@ def draft_params_for(model: Any, spec: SpecConfig) -> M.Params:
 
 def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, config: SpecConfig = SpecConfig(),
              key: Array | None = None, draft_params: M.Params | None = None, *,
-             timings: dict[str, float] | None = None) -> SpecResult:
+             timings: dict[str, float] | None = None,
+             on_tokens: Callable[[list[list[int]]], None] | None = None,
+             bucket: int | None = None) -> SpecResult:
     """Speculative generation of up to `config.max_new_tokens` tokens per prompt.
 
     `model` is a `qspec_jax.Model`. `draft_params` overrides the draft (any params with the
     target's config; tests use this to check exactness with a deliberately different draft).
     Greedy output equals the target's own greedy output; sampling follows the target's
     distribution exactly. Pass a dict as `timings` to get compile and run seconds.
+
+    on_tokens: streaming. Called in this thread with a list per prompt of the tokens committed
+    since the previous call (first the token sampled from the prefill, then every few rounds:
+    `generation.stream_chunks`); the result is the same as without it, token for token.
+    `qspec_jax.streaming.TokenStream` turns it into an iterator.
+    bucket: the prompt padding (`generation.pad_prompts`): None pads to the `length_bucket`
+    ladder, which bounds the compiled programs; an int pads to a multiple of it (1: none).
     """
     if not isinstance(config, SpecConfig):
         raise TypeError(f"generate: config must be a SpecConfig, got {type(config).__name__}"
@@ -500,7 +547,7 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     key = prng_key(key, "generate")
     target: M.Params = M.for_device(model.params)  # a no-op for models from `load`
     cfg = target.config
-    tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size)
+    tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size, bucket)
     check_fits(cfg, lengths, config.max_new_tokens)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     draft = draft_params if draft_params is not None else draft_params_for(model, config)
@@ -511,5 +558,7 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
         raise ValueError("the draft params are not on the target's mesh: shard both (qspec_jax.sharding.shard)")
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size,
                                config.target_kv)
-    return run_jitted(_speculative, (target, draft, jnp.asarray(tokens), jnp.asarray(lengths), key),
-                      dict(spec=config, eos_ids=tuple(eos), max_len=max_len), timings)
+    return run_generation(_speculative, _speculative_start, _speculative_chunk, (target, draft),
+                          (jnp.asarray(tokens), jnp.asarray(lengths), key),
+                          dict(spec=config, eos_ids=tuple(eos), max_len=max_len),
+                          dict(spec=config, eos_ids=tuple(eos)), _spec_result, timings, on_tokens)

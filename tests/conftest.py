@@ -31,6 +31,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,6 +52,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # Synthetic models have no tokenizer files; the converter's warning about it is expected
     # (tests that check it use pytest.warns, which sees it regardless).
     config.addinivalue_line("filterwarnings", "ignore:.*the checkpoint will have no tokenizer:UserWarning")
+    # The tools keep state under the user's cache directory (compiled programs, the planner's
+    # step costs): during the tests (and the subprocesses they start) that is a temporary one.
+    config._qspec_cache_home = tempfile.mkdtemp(prefix="qspec-test-cache-")  # type: ignore[attr-defined]
+    os.environ["XDG_CACHE_HOME"] = config._qspec_cache_home  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    home = getattr(config, "_qspec_cache_home", None)
+    if home:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -451,14 +463,42 @@ def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_chat_sou
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop JAX's compiled programs after each test module, so the one pytest process that runs
-    the whole suite does not keep thousands of XLA executables (and their memory mappings) for
-    its lifetime. Added after the whole suite crashed twice with SIGSEGV inside an XLA call in
-    tests/test_smollm2.py, which passes alone; the cause was not pinned down."""
+    """Drop JAX's compiled programs after each test module. On the CPU every XLA executable maps
+    ~3 memory regions per kernel (hundreds per generation program) and JAX keeps what a jitted
+    function compiled for as long as the function lives; the tests' own `jax.jit` calls would
+    otherwise accumulate over the suite until the kernel's vm.max_map_count (the SIGSEGV that
+    split `make test` in two). The library's programs live in `qspec_jax.compilation.programs()`,
+    which is bounded on its own (tests/test_compilation.py)."""
     yield
     import jax
 
     jax.clear_caches()
+
+
+_MAPS = Path("/proc/self/maps")
+_peak_maps: dict[str, Any] = {"count": 0, "test": None}
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Tracks the process's peak number of memory mappings (Linux), reported at the end."""
+    try:
+        with _MAPS.open() as f:
+            count = sum(1 for _ in f)
+    except OSError:
+        return
+    if count > _peak_maps["count"]:
+        _peak_maps.update(count=count, test=item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _peak_maps["test"] is None:
+        return
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except OSError:
+        limit = 65530
+    terminalreporter.write_line(f"memory mappings: peak {_peak_maps['count']} ({100 * _peak_maps['count'] / limit:.0f}% "
+                                f"of vm.max_map_count {limit}), after {_peak_maps['test']}")
 
 
 @pytest.fixture(scope="session")

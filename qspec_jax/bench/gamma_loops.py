@@ -19,6 +19,7 @@ tiny sizes) at each context and batch, over caches filled with random data (benc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -111,7 +112,8 @@ def measure_loops(*, quick: bool, contexts: Sequence[int], batches: Sequence[int
             ar = {}
             for kind, cache in (("bf16", dense), ("int8", quant)):
                 gen = GenerationConfig(max_new_tokens=new_tokens, kv=kind, width=1)
-                ar[kind] = n / _median_s(lambda: ar_loop(params, cache, first, key, gen=gen, eos_ids=()), trials)
+                ar[kind] = n / _median_s(functools.partial(ar_loop, params, cache, first, key, gen=gen, eos_ids=()),
+                                         trials)
             del dense
             log(f"context {c}, batch {b}: AR tokens/s bf16 {ar['bf16']:.1f}, int8 {ar['int8']:.1f}")
             for a in alphas:
@@ -119,7 +121,8 @@ def measure_loops(*, quick: bool, contexts: Sequence[int], batches: Sequence[int
                 measured = {}
                 for fields in settings:
                     spec = SpecConfig(max_new_tokens=new_tokens, forced_acceptance=a, eos_token_ids=(), **fields)
-                    secs = _median_s(lambda: spec_loop(params, draft, quant, first, key, spec=spec, eos_ids=()), trials)
+                    secs = _median_s(functools.partial(spec_loop, params, draft, quant, first, key, spec=spec,
+                                                       eos_ids=()), trials)
                     res = spec_loop(params, draft, quant, first, key, spec=spec, eos_ids=())
                     measured[policy_label(spec)] = {"tokens_per_s": n / secs, "tokens_per_round": res.tokens_per_round,
                                                     "mean_draft_length": res.mean_draft_length, "fields": fields}

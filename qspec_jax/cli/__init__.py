@@ -8,12 +8,13 @@ stored draft as it is, unless a --draft-* flag asks for another format).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 # = qspec_jax.cache.DEFAULT_GAMMA_MAX (a test checks they agree), repeated here so that building
 # the parsers imports no jax: the tools import jax inside run_cli, where an early Ctrl-C is caught.
@@ -195,6 +196,36 @@ def comma_choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
 
     parse.__name__ = "comma-separated choices"
     return parse
+
+
+def add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
+    """--no-compile-cache (the persistent compilation cache is on by default)."""
+    from qspec_jax.compilation import default_compile_cache_dir
+
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help=f"do not keep compiled programs on disk (by default they are kept in "
+                        f"{default_compile_cache_dir()}, so the next run with the same model and settings "
+                        f"compiles in a fraction of the time)")
+
+
+@contextlib.contextmanager
+def compile_cache(args: argparse.Namespace) -> Iterator[None]:
+    """JAX's persistent compilation cache, on unless --no-compile-cache, for the block's duration."""
+    if args.no_compile_cache:
+        yield
+        return
+    from qspec_jax.compilation import disable_persistent_cache, enable_persistent_cache
+
+    try:
+        enable_persistent_cache()
+    except OSError as e:  # an unwritable cache directory costs compile time, nothing else
+        print(f"warning: compiled programs are not kept on disk: {e}", file=sys.stderr, flush=True)
+        yield
+        return
+    try:
+        yield
+    finally:
+        disable_persistent_cache()  # for callers that run a tool in-process (tests)
 
 
 def read_text(path: Path, flag: str) -> str:

@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cli import (DEFAULT_GAMMA_MAX, KV_GROUP_SIZES, HelpFormatter, Parser, add_draft_format_args,
-                           check_draft_flags, draft_fields, fail, read_text, require, require_kv_group,
-                           require_positions, require_tokenizer, run_cli, tp_mesh, use_draft)
+from qspec_jax.cli import (DEFAULT_GAMMA_MAX, KV_GROUP_SIZES, HelpFormatter, Parser, add_compile_cache_arg,
+                           add_draft_format_args, check_draft_flags, compile_cache, draft_fields, fail, read_text,
+                           require, require_kv_group, require_positions, require_tokenizer, run_cli, tp_mesh,
+                           use_draft)
 
 PROG = "qspec-eval-accept"
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     add_draft_format_args(p)
+    add_compile_cache_arg(p)
     return p
 
 
@@ -91,6 +93,11 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     read_text(args.text, "--text")  # a missing or binary file fails before the model loads
+    with compile_cache(args):
+        return _evaluate(args)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     import jax
 
     import qspec_jax

@@ -4,10 +4,13 @@
                    [--mode spec|ar] [--gamma N|auto] [--acceptance A] [--plan-cache F]
                    [--draft-policy fixed|bass] [--kv bf16|int8] [--max-new-tokens N]
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--compare-ar [same|bf16|both]]
-                   [--dtype auto|bfloat16|float32] [--tp N]
+                   [--dtype auto|bfloat16|float32] [--tp N] [--stream] [--no-compile-cache]
                    [--draft-weights int4|bf16] [--draft-group G] [--draft-scope S] [--draft-method M]
 
-tokens/s is measured on the run alone: the program is compiled ahead of time first. Both modes
+tokens/s is measured on the run alone: the programs are compiled ahead of time first (and kept
+on disk for the next run unless --no-compile-cache). Generation runs in chunks of rounds
+(`generation.stream_chunks`): --stream prints the text as they commit, and Ctrl-C prints (or
+keeps, with --stream) the text generated so far and exits with status 130. Both modes
 decode the same target by default (the INT8 cache, in float32 on a CPU and bfloat16 on a GPU),
 so --compare-ar checks the promise of exactness: speculative tokens == autoregressive tokens;
 the speed lines name the device and say why speculation is or is not faster on it. Speculative
@@ -27,9 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cli import (DEFAULT_GAMMA_MAX, HelpFormatter, Parser, add_draft_format_args, check_draft_flags,
-                           check_prompt, draft_fields, fail, read_text, require, require_tokenizer,
-                           require_writable_file, run_cli, tp_mesh, use_draft)
+from qspec_jax.cli import (DEFAULT_GAMMA_MAX, HelpFormatter, Parser, add_compile_cache_arg, add_draft_format_args,
+                           check_draft_flags, check_prompt, compile_cache, draft_fields, fail, read_text, require,
+                           require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft)
 
 PROG = "qspec-generate"
 COMPARE_AR = ("same", "bf16", "both")
@@ -79,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "exactly; bf16: autoregressive decoding over a dense bf16 KV cache, a different target whose "
                         "tokens may differ; both: the two (default: no comparison)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--stream", action="store_true",
+                   help="print the text as it is generated (every few rounds) instead of at the end")
+    add_compile_cache_arg(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     p.add_argument("--draft-weights", choices=("int4", "bf16"), default="int4",
                    help="spec mode: the draft's weights, INT4 or the target's own bf16 weights (the KV-only "
@@ -122,6 +128,8 @@ def check_args(args: argparse.Namespace) -> None:
         fail(PROG, "--compare-ar compares against spec mode; drop it or use --mode spec")
     if args.prompt is not None:
         check_prompt(PROG, args.prompt, "--prompt")
+    if args.stream and args.json:
+        fail(PROG, "--stream prints text as it is generated and --json one object at the end; choose one")
 
 
 def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
@@ -153,13 +161,43 @@ def plan_gamma(model: Any, ids: list[int], args: argparse.Namespace) -> str:
     return chosen.summary()
 
 
-def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str, kv: str | None = None) -> dict[str, Any]:
-    """One generation; `kv` overrides --kv (the labelled bf16-cache comparison)."""
+class Partial:
+    """The tokens of the run in progress (what Ctrl-C prints); with `echo` (--stream) its text is
+    printed as the tokens come."""
+
+    def __init__(self, model: Any, echo: bool) -> None:
+        from qspec_jax.streaming import TextDecoder
+
+        self.model = model
+        self.tokens: list[int] = []
+        self.echo = echo
+        self.text = TextDecoder(model.decode)
+
+    def add(self, new: list[int]) -> None:
+        self.tokens += new
+        if self.echo:
+            sys.stdout.write(self.text.push(new))
+            sys.stdout.flush()
+
+    def interrupted(self, as_json: bool) -> None:
+        """Ctrl-C: the text so far on stdout (the rest of it with --stream, then a newline)."""
+        if as_json:
+            print(json.dumps({"text": self.model.decode(self.tokens), "tokens": self.tokens, "interrupted": True}))
+        else:
+            print(self.text.flush() if self.echo else self.model.decode(self.tokens), flush=True)
+
+
+def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str, partial: Partial,
+         kv: str | None = None) -> dict[str, Any]:
+    """One generation (in a background thread, so that Ctrl-C reaches this one at once), its
+    tokens passed to `partial` as they commit; `kv` overrides --kv (the labelled bf16-cache
+    comparison)."""
     import jax
     import numpy as np
 
     from qspec_jax.generation import GenerationConfig, generate_autoregressive
     from qspec_jax.speculative import generate
+    from qspec_jax.streaming import TokenStream
 
     key = jax.random.PRNGKey(args.seed)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -168,11 +206,16 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str, kv: st
     out: dict[str, Any] = {"mode": mode}
     kv_kind = kv or args.kv
     if mode == "ar":
-        res = generate_autoregressive(model, [ids], GenerationConfig(kv=kv_kind, **sampling), key, timings=timings)
+        stream = TokenStream(generate_autoregressive, model, [ids], GenerationConfig(kv=kv_kind, **sampling), key,
+                             timings=timings)
     else:
         spec = spec_config(model, args, args.gamma)
         draft = model.draft_params if args.draft_weights == "int4" else model.params
-        res = generate(model, [ids], spec, key, draft_params=draft, timings=timings)
+        stream = TokenStream(generate, model, [ids], spec, key, draft_params=draft, timings=timings)
+    for chunk in stream:
+        partial.add(chunk[0])
+    res = stream.result
+    if mode == "spec":
         out.update(acceptance_rate=res.acceptance_rate, tokens_per_round=res.tokens_per_round,
                    mean_draft_length=res.mean_draft_length, rounds=int(np.sum(res.rounds)))
     tokens = res.to_lists()[0]
@@ -227,7 +270,11 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.prompt_file is not None:
         args.prompt = read_text(args.prompt_file, "--prompt-file")
         check_prompt(PROG, args.prompt, f"--prompt-file {args.prompt_file}:")
+    with compile_cache(args):
+        return _generate(args)
 
+
+def _generate(args: argparse.Namespace) -> int:
     import qspec_jax
 
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype, mesh=tp_mesh(args.tp, PROG))
@@ -245,10 +292,25 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.mode == "spec" and args.gamma == "auto":
         planned = plan_gamma(model, ids, args)
         print(f"{PROG}: --gamma auto: {planned}", file=sys.stderr, flush=True)
-    result = _run(model, ids, args, args.mode)
+    partial = Partial(model, echo=args.stream)
+    try:
+        result = _run(model, ids, args, args.mode, partial)
+    except KeyboardInterrupt:
+        partial.interrupted(args.json)
+        raise
+    if args.stream:
+        print(partial.text.flush())
+    elif not args.json:
+        print(result["text"], flush=True)
     compare = [] if args.mode != "spec" or args.compare_ar is None else \
         [args.kv] * (args.compare_ar in ("same", "both")) + ["bf16"] * (args.compare_ar in ("bf16", "both"))
-    ars = [(kv, _run(model, ids, args, "ar", kv=kv)) for kv in dict.fromkeys(compare)]
+    internal = {"mode", "run_s", "rounds"}
+    try:
+        ars = [(kv, _run(model, ids, args, "ar", Partial(model, echo=False), kv=kv)) for kv in dict.fromkeys(compare)]
+    except KeyboardInterrupt:
+        if args.json:  # the comparison is cut short; the text is complete
+            print(json.dumps({**{k: v for k, v in result.items() if k not in internal}, "interrupted": True}))
+        raise
     exact_broken = False
     if args.json:
         for kv, ar in ars:
@@ -258,10 +320,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if planned is not None:
             result.update(gamma=args.gamma if args.mode == "spec" else None, plan=planned)
         result.update(device=device_label(args.tp), dtype=model.config.dtype)
-        internal = {"mode", "run_s", "rounds"}
         print(json.dumps({k: v for k, v in result.items() if k not in internal}))
     else:
-        print(result["text"])
         exact_broken = _print_speed(args, model.config.dtype, result, ars)
     if exact_broken:
         return 1
