@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from convert import hub
 from convert.errors import ConversionError
 from convert.output import (MANIFEST_NAME, Staging, check_output, commit, create_staging, discard,
                             remove_stale_partials)
@@ -210,7 +211,7 @@ def _relay(proc: subprocess.Popen, out_fd: int, signals: _Signals) -> tuple[int 
 def _convert(args: argparse.Namespace, signals: _Signals, t0: float) -> int:
     try:
         check_output(args.out)  # OUT first, as always; then the cheap check of SRC, before any progress line
-        if not os.path.exists(args.src):
+        if not os.path.exists(args.src) and not hub.looks_like_repo_id(args.src):  # ORG/NAME: resolved by the worker
             raise ConversionError(f"{args.src}: no such file or directory")
         removed, unknown = remove_stale_partials(args.out)
         staging = create_staging(args.out)  # before anything is read: fails in milliseconds

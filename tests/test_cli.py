@@ -659,7 +659,7 @@ def test_broken_exactness_is_reported_and_fails(tiny_chat_checkpoint: Path, monk
     results = {"spec": dict(mode="spec", text="a", tokens=[1, 2, 3], tokens_per_s=2.0, compile_s=1.0, run_s=1.5,
                             acceptance_rate=0.5, tokens_per_round=1.5, mean_draft_length=4.0, rounds=2),
                "ar": dict(mode="ar", text="b", tokens=[1, 2, 4], tokens_per_s=4.0, compile_s=1.0, run_s=0.75)}
-    monkeypatch.setattr(generate, "_run", lambda model, ids, args, mode, kv=None: dict(results[mode]))
+    monkeypatch.setattr(generate, "_run", lambda model, ids, args, mode, partial, kv=None: dict(results[mode]))
     assert generate.main(["--checkpoint", str(tiny_chat_checkpoint), "--prompt", "hi", "--compare-ar"]) == 1
     err = capsys.readouterr().err
     assert "the same target: TOKENS DIFFER, which greedy speculative decoding must never do" in err

@@ -376,7 +376,8 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
     key = jax.random.PRNGKey(0)
     b = args.batch_size
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
-    draft = jax.block_until_ready(M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=args.draft_group))))
+    dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
+    draft = jax.block_until_ready(M.for_device(make_draft_params(params, dcfg)))
     params = jax.block_until_ready(M.for_device(params))
     first = jnp.full((b,), 7, jnp.int32)
     gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1)

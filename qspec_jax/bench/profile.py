@@ -152,7 +152,7 @@ def _profile(call: Any, trace_dir: Path, per: int, trials: int) -> dict[str, Any
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = (e2e.QUICK if args.quick else e2e.LLAMA31_8B)
     key = jax.random.PRNGKey(0)
-    dcfg = DraftWeightsConfig(group_size=args.draft_group)
+    dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
     draft = jax.block_until_ready(M.for_device(make_draft_params(params, dcfg)))
     params = jax.block_until_ready(M.for_device(params))

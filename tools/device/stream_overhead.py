@@ -64,7 +64,7 @@ def load_model(args: argparse.Namespace) -> Any:
 
     cfg = LLAMA31_8B if args.shape == "8b" else QUICK
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(jax.random.PRNGKey(0))
-    dcfg = DraftWeightsConfig()
+    dcfg = DraftWeightsConfig(method="clip")  # random weights: the INT4 format, data-free (no calibration)
     draft = jax.block_until_ready(M.for_device(make_draft_params(params, dcfg)))
     return Model(config=cfg, params=jax.block_until_ready(M.for_device(params)), draft_params=draft,
                  draft_weights_config=dcfg)
