@@ -34,7 +34,10 @@ def test_readme_python_blocks_run(tiny_chat_checkpoint: Path, capsys: Any) -> No
         ns: dict[str, Any] = {"__name__": "readme"}
         exec(code, ns)  # noqa: S102 - the point of the test: each block alone, as a user pastes it
         spaces.append(ns)
-    api, low = spaces[0], spaces[1]
+    api = spaces[0]
+    low = next(ns for ns in spaces if "next_tok" in ns)  # the lower-level block
+    streamed = [ns for ns in spaces if "stream" in ns]  # the streaming block: the same tokens as `generate`
+    assert streamed and streamed[0]["stream"].result.to_lists() == api["res"].to_lists()
     # What the blocks promise, on the tiny model: spec and AR results, the decode step's shapes.
     assert api["model"].path == tiny_chat_checkpoint and api["model"].draft_params is not None
     assert api["model"].config.dtype == "float32"  # dtype="auto" on a CPU
