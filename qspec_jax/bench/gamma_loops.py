@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -41,12 +39,7 @@ QUICK_CONTEXTS = (256, 1024)
 
 def _median_s(call: Callable[[], Any], trials: int) -> float:
     jax.block_until_ready(call())  # compiles (or warms up); not timed
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return e2e.median_seconds(call, trials)
 
 
 def compare(plan: Any, measured: dict[str, dict[str, Any]], ar: dict[str, float]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ decodes at the same position (as `e2e.decode_steps` rolls back), so the shapes a
 
 Runs in its own process (e2e starts it with subprocess): JAX and PyTorch each want the GPU's
 memory. Prints one JSON line per (weights, context); exits 0 with a "skipped" record where torch
-or CUDA is missing.
+or CUDA is missing (`torch_status`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, head_dim
              rope_theta=500000.0, eps=1e-5)
 
 
-def _status() -> str | None:
+def torch_status() -> str | None:
+    """None when torch with CUDA is usable here, else why not (the torch peers are then skipped;
+    `qspec-bench w4a16` shares this check)."""
     try:
         import torch
     except ImportError:
-        return "skipped: torch is not installed"
+        return "torch not installed"
     if not torch.cuda.is_available():
-        return "skipped: torch has no CUDA device here"
+        return "torch has no CUDA device here"
     return None
 
 
@@ -171,12 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--weights: expected bf16 and/or int4, got {args.weights!r}")
     if args.group not in (32, 64, 128, 256):
         p.error(f"--group: tinygemm takes 32, 64, 128 or 256, got {args.group}")
-    status = _status()
+    status = torch_status()
     records = []
     for w in kinds:
         for c in contexts:
             if status:
-                rec = {"weights": w, "context": c, "status": status}
+                rec = {"weights": w, "context": c, "status": f"skipped: {status}"}
             else:
                 t0 = time.perf_counter()
                 try:

@@ -263,13 +263,10 @@ def _torch_time(op: Callable[[int], Any], u: int, trials: int, target_s: float) 
 # ------------------------------------------------------------------------------ torch peers
 def _torch_status() -> str | None:
     """None when torch with CUDA is usable here, else the reason the torch peers are skipped."""
-    try:
-        import torch
-    except ImportError:
-        return "SKIPPED (torch not installed)"
-    if not torch.cuda.is_available():
-        return "SKIPPED (torch has no CUDA device here)"
-    return None
+    from qspec_jax.bench.torch_decode import torch_status
+
+    status = torch_status()
+    return None if status is None else f"SKIPPED ({status})"
 
 
 def _gemlite_status() -> str | None:
