@@ -1,8 +1,8 @@
 """Llama/Mistral decoder as pure functions over a parameter pytree and a KV-cache pytree.
 
-Layers are stacked on a leading L axis and run with `lax.scan`, so compile time does not grow
-with depth. The cache rides in the scan carry: each layer writes its new K/V in place and reads
-its own slice.
+Layers are stacked on a leading L axis and run in one loop over the layer index (a
+`lax.while_loop` of known trip count, `_scan_layers`), so compile time does not grow with depth.
+The cache rides in the loop carry: each layer writes its new K/V in place and reads its own slice.
 
 Shapes: B batch, T new tokens, D hidden, Hq/Hkv query/KV heads, Dh head dim, F MLP width,
 V vocabulary, L layers. Activations and parameters are in `config.dtype` (bfloat16 or float32);
