@@ -17,7 +17,12 @@ bit for bit.
 
 Streaming. `on_tokens` runs the same loop in chunks of rounds (`stream_chunks`): one program
 prefills and returns the loop's state, another runs at most k rounds from a state, and the
-driver hands each chunk's new tokens to the caller while the next chunk runs.
+driver hands each chunk's new tokens to the caller while the next chunk runs. Chunks of 1, 2, 4
+rounds first; then as many rounds as keep a chunk's fixed cost under 2% of its time
+(`chunk_rounds`): on a GPU a round or a few, on a CPU with bfloat16 weights ~20 (XLA converts the
+weights to float32 once per program run). Both programs can go to the persistent compilation
+cache (a per-round host callback inside one program would forbid that), and a caller can stop
+between chunks (Ctrl-C in qspec-generate).
 """
 
 from __future__ import annotations
@@ -245,7 +250,29 @@ def loop_rounds(cond: Callable[[Any], Array], body: Callable[[Any], Any], state:
     return s
 
 
-STREAM_MAX_ROUNDS = 8  # rounds per chunk of a streamed run: 1, 2, 4, then this many
+# Streamed runs (stream_chunks): the first chunks run 1, 2 and 4 rounds; from then on each runs as
+# many rounds as keep the fixed cost of a chunk below STREAM_OVERHEAD of its time, at most
+# STREAM_MAX_ROUNDS.
+STREAM_FIRST_ROUNDS = (1, 2, 4)
+STREAM_OVERHEAD = 0.02
+STREAM_MAX_ROUNDS = 1024
+
+
+def chunk_rounds(history: Sequence[tuple[int, float]], previous: int) -> int:
+    """Rounds of the next chunk of a streamed run, from the (rounds asked, seconds taken) of the
+    chunks so far: the least-squares fit seconds = a + b * rounds gives a chunk's fixed cost a
+    (what a program run costs besides its rounds: on a CPU, XLA converts every bf16 weight to
+    float32 once per run, hoisted out of the loop; 0.45 rounds of SmolLM2) and a round's cost b;
+    the next chunk runs the fewest rounds k with a / (a + b k) <= STREAM_OVERHEAD. Before two
+    chunk lengths are known (or when the fit is noise), twice the previous length."""
+    ks = np.asarray([k for k, _ in history], np.float64)
+    if len(np.unique(ks)) < 2:
+        return min(2 * previous, STREAM_MAX_ROUNDS)
+    b, a = np.polyfit(ks, np.asarray([d for _, d in history], np.float64), 1)
+    if not b > 0:
+        return min(2 * previous, STREAM_MAX_ROUNDS)
+    k = math.ceil(max(a, 0.0) * (1 - STREAM_OVERHEAD) / (STREAM_OVERHEAD * b))
+    return int(min(max(k, 1), STREAM_MAX_ROUNDS))
 
 
 def stream_chunks(start_fn: Callable, start_args: tuple, start_static: dict[str, Any], rounds_fn: Callable,
@@ -255,26 +282,34 @@ def stream_chunks(start_fn: Callable, start_args: tuple, start_static: dict[str,
 
     `start_fn(*start_args, **start_static)` prefills and returns (loop state, Progress);
     `rounds_fn(*weights, state, max_rounds, **rounds_static)` runs at most max_rounds rounds from
-    a state (which it is donated) and returns the same pair. Chunks run 1, 2, 4, then
-    STREAM_MAX_ROUNDS rounds, and each is dispatched before the previous chunk's tokens are read,
-    so the device never waits for the host. Yields a list per row of the token ids committed
-    since the last yield (the first yield holds the token sampled from the prefill); returns
-    (StopIteration.value) the final loop state. Both programs are compiled before either runs;
-    `timings` gets "compile_s" and "run_s" as `compilation.run_program` records them.
+    a state (which it is donated) and returns the same pair. Chunks run STREAM_FIRST_ROUNDS, then
+    `chunk_rounds` of the times measured so far; each is dispatched before the previous chunk's
+    tokens are read, so the device does not wait for the host (and a chunk's time is the time
+    between two reads). Yields a list per row of the token ids committed since the last yield
+    (the first yield holds the token sampled from the prefill); returns (StopIteration.value)
+    the final loop state. Both programs are compiled before either runs; `timings` gets
+    "compile_s" and "run_s" as `compilation.run_program` records them.
     """
     t0 = time.perf_counter()
     start, _ = programs().compiled(start_fn, start_args, start_static)
     state_info = start.out_info[0]
-    max_rounds = jnp.int32(1)
-    rounds, _ = programs().compiled(rounds_fn, (*weights, state_info, max_rounds), rounds_static,
+    rounds, _ = programs().compiled(rounds_fn, (*weights, state_info, jnp.int32(1)), rounds_static,
                                     donate_argnums=(len(weights),))
     t1 = time.perf_counter()
     state, progress = start(*start_args)
     emitted = None
-    k = 1
+    asked: list[int] = []  # rounds asked of each chunk dispatched
+    history: list[tuple[int, float]] = []  # (rounds asked, seconds) of each chunk read
+    last_read = None
     while True:
+        k = STREAM_FIRST_ROUNDS[len(asked)] if len(asked) < len(STREAM_FIRST_ROUNDS) else chunk_rounds(history, asked[-1])
         nxt = rounds(*weights, state, jnp.int32(k))  # queued behind the program that makes `state`
+        asked.append(k)
         tokens, num, done = (np.asarray(x) for x in (progress.tokens, progress.num_emitted, progress.done))
+        now = time.perf_counter()
+        if last_read is not None:  # the chunk just read ran between the two reads
+            history.append((asked[len(history)], now - last_read))
+        last_read = now
         if emitted is None:
             emitted = np.zeros_like(num)
         chunk = [tokens[b, emitted[b]: num[b]].tolist() for b in range(len(num))]
@@ -284,7 +319,6 @@ def stream_chunks(start_fn: Callable, start_args: tuple, start_static: dict[str,
             yield chunk
         if done.all():  # `nxt` ran no round: its state is the final one
             break
-        k = min(2 * k, STREAM_MAX_ROUNDS)
     if timings is not None:
         jax.block_until_ready(state)
         timings.update(compile_s=t1 - t0, run_s=time.perf_counter() - t1)
@@ -428,9 +462,9 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     `timings` to get compile and run seconds measured separately.
 
     on_tokens: streaming. Called in this thread with a list per prompt of the tokens committed
-    since the previous call (the first call holds the token sampled from the prefill; later ones
-    come every few steps, `stream_chunks`); the result is the same as without it, token for
-    token. `qspec_jax.streaming.TokenStream` turns it into an iterator.
+    since the previous call (the first call holds the token sampled from the prefill, the next
+    one the first step's; `stream_chunks` says how often later ones come); the result is the same
+    as without it, token for token. `qspec_jax.streaming.TokenStream` turns it into an iterator.
     bucket: the prompt padding (`pad_prompts`): None pads to `length_bucket`'s ladder, which
     bounds the compiled programs; an int pads to a multiple of it (1: none).
     """

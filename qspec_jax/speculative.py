@@ -534,8 +534,9 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     distribution exactly. Pass a dict as `timings` to get compile and run seconds.
 
     on_tokens: streaming. Called in this thread with a list per prompt of the tokens committed
-    since the previous call (first the token sampled from the prefill, then every few rounds:
-    `generation.stream_chunks`); the result is the same as without it, token for token.
+    since the previous call (first the token sampled from the prefill, then the first round's,
+    then every few rounds: `generation.stream_chunks`); the result is the same as without it,
+    token for token.
     `qspec_jax.streaming.TokenStream` turns it into an iterator.
     bucket: the prompt padding (`generation.pad_prompts`): None pads to the `length_bucket`
     ladder, which bounds the compiled programs; an int pads to a multiple of it (1: none).

@@ -22,7 +22,8 @@ import pytest
 from qspec_jax import model as M
 from qspec_jax.checkpoint import Model
 from qspec_jax.config import ModelConfig
-from qspec_jax.generation import STREAM_MAX_ROUNDS, GenerationConfig, generate_autoregressive
+from qspec_jax.generation import (STREAM_FIRST_ROUNDS, STREAM_OVERHEAD, GenerationConfig, chunk_rounds,
+                                  generate_autoregressive)
 from qspec_jax.speculative import SpecConfig, generate
 from qspec_jax.streaming import TextDecoder, TokenStream
 
@@ -53,7 +54,7 @@ def prompts() -> list[list[int]]:
 def test_streamed_chunks_are_the_result(tiny: Model, prompts: list[list[int]], mode: str, bitwise_logits: Any) -> None:
     """Every row's chunks concatenate to its tokens; the streamed result equals the one-program
     result token for token and logit for logit; the first chunk is the prefill's token alone,
-    and chunks grow 1, 2, 4, .. rounds up to STREAM_MAX_ROUNDS."""
+    and the next ones hold STREAM_FIRST_ROUNDS (1, 2, 4) rounds at most."""
     fn, config = CONFIGS[mode]
     plain = fn(tiny, prompts, config)
     chunks: list[list[list[int]]] = []
@@ -63,11 +64,24 @@ def test_streamed_chunks_are_the_result(tiny: Model, prompts: list[list[int]], m
     assert [sum((c[b] for c in chunks), []) for b in range(len(prompts))] == plain.to_lists()
     assert all(len(row) == 1 for row in chunks[0])
     per_round = 1 if mode == "ar" else config.gamma + 1  # most tokens a row commits per round
-    rounds = [1, 2, 4] + [STREAM_MAX_ROUNDS] * len(chunks)
-    for chunk, k in zip(chunks[1:], rounds):
+    for chunk, k in zip(chunks[1:], STREAM_FIRST_ROUNDS):
         assert max(map(len, chunk)) <= k * per_round
     lengths = [len(t) for t in plain.to_lists()]
     assert len(set(lengths)) > 1 and min(lengths) < config.max_new_tokens  # a row stopped at EOS early
+
+
+def test_chunk_length_keeps_the_fixed_cost_small() -> None:
+    """A chunk of k rounds costs a + b k seconds: the next chunk is the shortest with a fixed share
+    <= STREAM_OVERHEAD (a = 0.6 s, b = 1.4 s, a CPU with bf16 weights: 21 rounds); with no fixed
+    cost one round per chunk; before two lengths were timed, or when the times fall with the
+    length (noise), twice the previous length."""
+    def timed(a: float, b: float) -> list[tuple[int, float]]:
+        return [(k, a + b * k) for k in (1, 2, 4)]
+
+    k = chunk_rounds(timed(0.6, 1.4), 4)
+    assert k == 21 and 0.6 / (0.6 + 1.4 * k) <= STREAM_OVERHEAD < 0.6 / (0.6 + 1.4 * (k - 1))
+    assert chunk_rounds(timed(0.0, 0.03), 4) == 1
+    assert chunk_rounds([(1, 1.0)], 1) == 2 and chunk_rounds([(1, 2.0), (2, 1.0)], 2) == 4
 
 
 def test_token_stream_iterates_and_raises(tiny: Model, prompts: list[list[int]]) -> None:

@@ -63,9 +63,13 @@ for n in (2, 4):
             want = (None, None, "tp") if leaf.ndim >= 3 else ()
             assert spec_of(leaf)[:3] == want or (leaf.ndim < 3 and spec_of(leaf) in ((), (None,))), (kind, spec_of(leaf))
     got = run_all(sharded)
+    chunks = []  # streamed: the state (cache included) donated from chunk to chunk across the mesh
+    streamed = generate(sharded, PROMPTS, SPEC, on_tokens=chunks.append).to_lists()
+    got["streamed"] = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]
+    assert streamed == got["streamed"] == ref["spec"], (n, streamed, got["streamed"], ref["spec"])
     for k in ref:
         assert got[k] == ref[k], (n, k, got[k], ref[k])
-    print(f"tp={n}: shardings and tokens (spec, ar, ar_int8, sampling) equal to one device", flush=True)
+    print(f"tp={n}: shardings and tokens (spec, streamed spec, ar, ar_int8, sampling) equal to one device", flush=True)
 
 # The Pallas kernels (interpret mode on CPU) per device inside shard_map: attention (head_dim 64)
 # and the INT4 matmuls (output widths multiples of 128).
