@@ -51,7 +51,10 @@ def _pause_hook() -> Any:
 
     def on_stage(name: str) -> None:
         if name == stage:
-            Path(marker).write_text(f"{os.getpid()}\n")
+            # Written whole, then renamed: the test polls for the file and must never read it empty.
+            tmp = Path(f"{marker}.tmp")
+            tmp.write_text(f"{os.getpid()}\n")
+            os.replace(tmp, marker)
             while True:  # until the parent's SIGKILL
                 time.sleep(3600)
 

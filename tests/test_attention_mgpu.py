@@ -340,8 +340,17 @@ LOWER_SCRIPT = textwrap.dedent("""
 
 
 def _jax011_python() -> str | None:
+    """An interpreter whose jax is 0.11.x (QSPEC_JAX011_PYTHON or /tmp/j11), else None: a path that
+    exists but cannot import jax 0.11 (a half-made venv) is no such interpreter."""
     for cand in (os.environ.get("QSPEC_JAX011_PYTHON"), "/tmp/j11/bin/python"):
-        if cand and Path(cand).exists():
+        if not cand or not Path(cand).exists():
+            continue
+        try:
+            r = subprocess.run([cand, "-c", "import jax; print(jax.__version__)"], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0 and r.stdout.strip().startswith("0.11."):
             return cand
     return None
 

@@ -360,7 +360,7 @@ def test_gamma_bench_loops_part_quick(tmp_path):
     from qspec_jax.bench import gamma as G
 
     assert G.main(["--parts", "loops", "--quick", "--loop-contexts", "256", "--loop-alphas", "0.9", "--out",
-                   str(tmp_path), "--no-doc", "--text-dir", str(tmp_path)]) == 0
+                   str(tmp_path), "--text-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / f"gamma_loops_{G.device_slug()}.json").read_text())
     assert data["device"] == G.device_label() and len(data["rows"]) == 1  # one context, batch 1, one alpha
     for row in data["rows"]:
