@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +57,15 @@ def pytest_configure(config: pytest.Config) -> None:
     # step costs): during the tests (and the subprocesses they start) that is a temporary one.
     config._qspec_cache_home = tempfile.mkdtemp(prefix="qspec-test-cache-")  # type: ignore[attr-defined]
     os.environ["XDG_CACHE_HOME"] = config._qspec_cache_home  # type: ignore[attr-defined]
+    # Tests interrupt the CLIs they start (SIGINT as Ctrl-C, SIGTERM, SIGHUP) and check what a user
+    # sees. Run from a non-interactive shell's background job, pytest starts with SIGINT ignored,
+    # every child would inherit that (the CLIs keep an inherited SIG_IGN on purpose: nohup), and
+    # those tests would check nohup's behaviour instead. A handled signal reverts to the default
+    # across exec, so handling them here gives the children a terminal's dispositions.
+    for sig, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL),
+                         (signal.SIGHUP, signal.SIG_DFL)):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
