@@ -213,3 +213,27 @@ def test_quality_writes_its_report_only_with_doc(monkeypatch: pytest.MonkeyPatch
     assert json.loads(store.read_text())["ppl"] == rows
     assert bench.main([*common, "--doc", str(tmp_path / "Q.md")]) == 0
     assert written == [tmp_path / "Q.md"]
+
+
+def test_tp_section_floor_and_collectives() -> None:
+    """The tp report's AR floor is 1 / (bytes per device / bandwidth + layers x 2 x one-row
+    all-reduce) (no all-reduce on one device), and the all-reduce table lists what was timed."""
+    from qspec_jax.bench.collectives import step_floor_s
+    from qspec_jax.bench.report import tp_section
+
+    assert step_floor_s(1e9, 1e12, 2, 1e-5) == pytest.approx(1e-3 + 4e-5)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        step_floor_s(1e9, 0.0, 2, 1e-5)
+    coll = [{"devices": 2, "rows": 1, "hidden": 4096, "bytes": 8192, "allreduce_s": 30e-6, "elementwise_s": 5e-6,
+             "collective_s": 25e-6},
+            {"devices": 2, "rows": 8, "hidden": 4096, "bytes": 65536, "allreduce_s": 40e-6, "elementwise_s": 6e-6,
+             "collective_s": 34e-6}]
+    tp = {"gamma": 4, "alpha": 0.9, "tokens": 128, "layers": 32, "collectives": coll,
+          "rows": [{"devices": 1, "context": 1024, "ar_bf16_bytes_per_device": 2e9, "ar_bf16_tok_s": 400.0},
+                   {"devices": 2, "context": 1024, "ar_bf16_bytes_per_device": 1e9, "ar_bf16_tok_s": 600.0}]}
+    env = {"device": "X", "backend": "gpu", "num_devices": 2, "date": "d", "jax": "j"}
+    text = tp_section(tp, env, "cmd", 4e12)
+    rows = [line for line in text.splitlines() if line.startswith("| 1 | 1024") or line.startswith("| 2 | 1024")]
+    # one device: 4e12 / 2e9 = 2000 tok/s; two: 1 / (1e9 / 4e12 + 64 x 25e-6) = 541 tok/s
+    assert rows[0].split(" | ")[3] == "2e+03" and rows[1].split(" | ")[3] == "541", rows
+    assert "| 2 | 8 | 65.5 | 40 | 6 | 34 |" in text

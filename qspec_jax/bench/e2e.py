@@ -471,9 +471,12 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------- part: tp
 def part_tp(args: argparse.Namespace) -> dict[str, Any]:
-    """AR-bf16 and QuantSpec (forced acceptance) tokens/s of the 8B shape on 1 vs N devices."""
+    """AR-bf16 and QuantSpec (forced acceptance) tokens/s of the 8B shape on 1 vs N devices; on N
+    devices also the per-layer all-reduce alone (`collectives`), at one row and at the verify
+    width, and each row's bytes per device of an AR step, for the TP step floor."""
     from jax.sharding import NamedSharding
 
+    from qspec_jax.bench.collectives import allreduce_latency, tree_bytes
     from qspec_jax.sharding import make_mesh, shard_params
     from qspec_jax.spmd import cache_specs
 
@@ -481,9 +484,13 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
     key = jax.random.PRNGKey(0)
     dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     first = jnp.array([7], jnp.int32)
-    rows = []
+    rows, collectives = [], []
     for n in args.tp_sizes:
         mesh = make_mesh(n) if n > 1 else None
+        if mesh is not None:  # rows: one token (AR, draft) and the verify width
+            for r in sorted({1, SpecConfig(gamma=args.loop_gamma).verify_width}):
+                collectives.append(allreduce_latency(mesh, r, cfg.hidden_size, args.trials))
+                log(json.dumps(collectives[-1]))
         params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
         draft = make_draft_params(params, dcfg)
         if mesh is not None:
@@ -494,6 +501,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {"devices": n, "context": c}
             try:
                 cache = place(random_dense_cache(cfg, 1, c, key))
+                row["ar_bf16_bytes_per_device"] = (tree_bytes(params) + tree_bytes(cache)) / n
                 gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16")
                 ar = jax.jit(functools.partial(autoregressive_loop, gen=gen, eos_ids=())).lower(
                     params, cache, first, key).compile()
@@ -522,7 +530,8 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
         for k in ("ar_bf16_tok_s", "spec_tok_s"):
             if base and k in base and k in r:
                 r[k.replace("tok_s", "scaling_eff")] = r[k] / (r["devices"] * base[k])
-    return {"alpha": args.alphas[0], "gamma": args.loop_gamma, "tokens": args.loop_tokens, "rows": rows}
+    return {"alpha": args.alphas[0], "gamma": args.loop_gamma, "tokens": args.loop_tokens, "layers": cfg.num_layers,
+            "rows": rows, "collectives": collectives}
 
 
 # ------------------------------------------------------------------------------------ main

@@ -192,20 +192,46 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         update_section("e2e", "\n".join(parts), doc)
     tp = results.get("tp")
     if tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest
-        update_section("tp", "\n".join([
-            f"## Tensor parallelism (8B shape, batch 1, γ={tp['gamma']}, forced α={tp['alpha']})\n",
-            f"{env_line(env, results['command'])}\n",
-            f"Tokens/s of {tp.get('tokens', '?')}-token generation loops; scaling efficiency = tokens/s on N devices / (N × tokens/s "
-            "on one). Peak per device from XLA's memory analysis of each compiled loop.\n",
-            table(["devices", "context", "AR-bf16 tok/s", "QuantSpec tok/s", "AR scaling eff.",
-                   "QuantSpec scaling eff.", "AR peak GB/device", "QuantSpec peak GB/device", "note"],
-                  [[r["devices"], r["context"], r.get("ar_bf16_tok_s", float("nan")), r.get("spec_tok_s", float("nan")),
-                    r.get("ar_bf16_scaling_eff", float("nan")), r.get("spec_scaling_eff", float("nan")),
-                    r.get("ar_bf16_peak_bytes_per_device", float("nan")) / 1e9,
-                    r.get("spec_peak_bytes_per_device", float("nan")) / 1e9, r.get("error", "")[:60]]
-                   for r in tp["rows"]])]), doc)
+        update_section("tp", tp_section(tp, env, results["command"], bw), doc)
     elif tp:
         update_section("tp", f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`", doc)
+
+
+def tp_section(tp: dict[str, Any], env: dict[str, Any], command: str, bandwidth: float) -> str:
+    """The "tp" section: tokens/s and scaling on 1 vs N devices, each row's AR-bf16 step floor
+    (`collectives.step_floor_s`: bytes per device at the copy bandwidth plus two all-reduces
+    per layer at one row), and the all-reduce latencies it uses."""
+    from qspec_jax.bench.collectives import step_floor_s
+
+    one_row = {c["devices"]: c["collective_s"] for c in tp.get("collectives", []) if c["rows"] == 1}
+    nan = float("nan")
+
+    def floor_tok_s(r: dict[str, Any]) -> float:
+        latency = 0.0 if r["devices"] == 1 else one_row.get(r["devices"])
+        if latency is None or "ar_bf16_bytes_per_device" not in r or not bandwidth > 0:
+            return nan
+        return 1.0 / step_floor_s(r["ar_bf16_bytes_per_device"], bandwidth, tp["layers"], latency)
+
+    parts = [f"## Tensor parallelism (8B shape, batch 1, γ={tp['gamma']}, forced α={tp['alpha']})\n",
+             f"{env_line(env, command)}\n",
+             f"Tokens/s of {tp.get('tokens', '?')}-token generation loops; scaling efficiency = tokens/s on N devices / "
+             "(N × tokens/s on one). Peak per device from XLA's memory analysis of each compiled loop. AR floor: "
+             "1 / (bytes per device of an AR-bf16 step / copy bandwidth of this run + layers × 2 × the one-row "
+             "all-reduce below).\n",
+             table(["devices", "context", "AR-bf16 tok/s", "AR floor tok/s", "QuantSpec tok/s", "AR scaling eff.",
+                    "QuantSpec scaling eff.", "AR peak GB/device", "QuantSpec peak GB/device", "note"],
+                   [[r["devices"], r["context"], r.get("ar_bf16_tok_s", nan), floor_tok_s(r), r.get("spec_tok_s", nan),
+                     r.get("ar_bf16_scaling_eff", nan), r.get("spec_scaling_eff", nan),
+                     r.get("ar_bf16_peak_bytes_per_device", nan) / 1e9,
+                     r.get("spec_peak_bytes_per_device", nan) / 1e9, r.get("error", "")[:60]]
+                    for r in tp["rows"]])]
+    if tp.get("collectives"):
+        parts.append("\nThe per-layer all-reduce alone (psum of [rows, hidden] bf16, back to back in a device loop; "
+                     "collective = that loop's time per iteration less an elementwise kernel of the same shape):\n")
+        parts.append(table(["devices", "rows", "KB", "psum + kernel µs", "kernel µs", "collective µs"],
+                           [[c["devices"], c["rows"], c["bytes"] / 1e3, c["allreduce_s"] * 1e6,
+                             c["elementwise_s"] * 1e6, c["collective_s"] * 1e6] for c in tp["collectives"]]))
+    return "\n".join(parts)
 
 
 def _rel(p: Path, doc: Path | None) -> str:
