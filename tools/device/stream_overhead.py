@@ -54,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--trials", type=int, default=5, help="timed runs per variant (after one warm-up each)")
     p.add_argument("--variants", default="program,chunks,callback")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="--checkpoint: compute dtype (auto: float32 on a CPU, bfloat16 on a GPU, as qspec-generate)")
     return p
 
 
 def load_model(args: argparse.Namespace) -> Any:
     if args.checkpoint is not None:
-        return qspec_jax.load(args.checkpoint)
+        return qspec_jax.load(args.checkpoint, dtype=args.dtype)
     from qspec_jax import model as M
     from qspec_jax.bench.e2e import LLAMA31_8B, QUICK
     from qspec_jax.checkpoint import Model
