@@ -63,8 +63,3 @@ def step_floor_s(bytes_per_device: float, bandwidth: float, layers: int, allredu
     if bandwidth <= 0:
         raise ValueError(f"step_floor_s: bandwidth must be > 0 bytes/s, got {bandwidth}")
     return bytes_per_device / bandwidth + layers * 2 * allreduce_s
-
-
-def tree_bytes(tree: Any) -> int:
-    """Bytes of every array in a pytree (global sizes, whatever their sharding)."""
-    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))

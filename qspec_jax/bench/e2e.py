@@ -476,7 +476,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
     width, and each row's bytes per device of an AR step, for the TP step floor."""
     from jax.sharding import NamedSharding
 
-    from qspec_jax.bench.collectives import allreduce_latency, tree_bytes
+    from qspec_jax.bench.collectives import allreduce_latency
     from qspec_jax.sharding import make_mesh, shard_params
     from qspec_jax.spmd import cache_specs
 
@@ -501,7 +501,10 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
             row: dict[str, Any] = {"devices": n, "context": c}
             try:
                 cache = place(random_dense_cache(cfg, 1, c, key))
-                row["ar_bf16_bytes_per_device"] = (tree_bytes(params) + tree_bytes(cache)) / n
+                # weights (an embedding row is negligible unless the lm_head is tied to it) and the bf16
+                # KV at the context, split n ways
+                unread = tree_bytes(params.embed) if params.lm_head is not None else 0
+                row["ar_bf16_bytes_per_device"] = step_bytes(cfg, tree_bytes(params) - unread, c, 1, "bf16") / n
                 gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16")
                 ar = jax.jit(functools.partial(autoregressive_loop, gen=gen, eos_ids=())).lower(
                     params, cache, first, key).compile()
