@@ -17,8 +17,8 @@ Why a disk cache. A program compiles in seconds (SmolLM2's speculative loop: ~7 
 the 8B one: 15 s on an H200), and a command-line run compiles the same programs every time.
 `enable_persistent_cache()` turns on JAX's persistent compilation cache (the CLIs do, unless
 `--no-compile-cache`); the second run then only traces and lowers (docs/BENCHMARKS.md,
-"Compile time"). Programs with host callbacks are never written to it (a JAX rule); ours
-have none.
+"Compile time, length buckets, streaming"). Programs with host callbacks are never written to
+it (a JAX rule); ours have none.
 """
 
 from __future__ import annotations

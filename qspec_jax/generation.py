@@ -9,8 +9,8 @@ Length buckets. T is the longest prompt rounded up to `length_bucket`'s ladder (
 sees many prompt lengths compiles one program per ladder step: the number of programs grows
 with the log of the lengths (9 for any lengths up to 4096). Padding costs prefill compute on
 the padded tokens and cache memory for them (at most 1.5x up to 4096 tokens, 1.25x beyond;
-docs/BENCHMARKS.md, "Length buckets"). The padding never reaches a valid token's attention
-(masks by position), but shapes decide how XLA and the GPU libraries sum (see `model.decode`),
+docs/BENCHMARKS.md, "Compile time, length buckets, streaming"). The padding never reaches a
+valid token's attention (masks by position), but shapes decide how XLA and the GPU libraries sum (see `model.decode`),
 so a logit may differ in its last bits from a run at other shapes; speculative and
 autoregressive generation bucket alike, so greedy speculative output stays the target's own,
 bit for bit.

@@ -25,7 +25,6 @@ import collections
 import gzip
 import json
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -137,15 +136,11 @@ def _profile(call: Any, trace_dir: Path, per: int, trials: int) -> dict[str, Any
     """Wall per step (median of `trials` timed calls) and the trace summary of one more call.
     (For the fusions' contents, run with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text".)"""
     jax.block_until_ready(call())  # compile + warm-up
-    walls = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        walls.append((time.perf_counter() - t0) / per)
+    wall = e2e.median_seconds(call, trials) / per
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         jax.block_until_ready(call())
     out = summarize(kernel_events(trace_dir), per)
-    out["wall_us"] = statistics.median(walls) * 1e6
+    out["wall_us"] = wall * 1e6
     return out
 
 
