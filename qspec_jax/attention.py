@@ -60,26 +60,199 @@ def dense_attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     return _ungroup(o, q.dtype)
 
 
+# ------------------------------------------------------------------------------------ prefill
+# Prompt attention has two forms. A whole prompt (or the first chunk of one) attends causally to
+# itself. A later chunk of a chunked prefill (`model.prefill(chunk=C)`) attends to the cache's
+# prefix (every position before the chunk, read as decode will read it) and causally to itself.
+#
+# Implementations (ModelConfig.prefill_attention_impl):
+#   "reference": the jnp code below (the oracle, and the CPU path);
+#   "cudnn":     cuDNN's fused flash attention; a chunk runs one call per prefix span of C keys, one over
+#                the ring and one causal call over itself, merged by log-sum-exp (SGLang's split form:
+#                cuDNN's causal mask is aligned top-left, so a chunk's offset cannot be expressed in one call);
+#   "xla":       the same split-and-merge through jax.nn's XLA attention (runs anywhere: tests check the
+#                split-and-merge against the reference on the CPU);
+#   "auto":      "cudnn" on a GPU where cuDNN takes the case (`cudnn_unsupported_reason`), else "reference".
 PREFILL_QUERY_CHUNK = 512
+_FAR = 2**30  # the logical position of a key no query may see
 
 
-def prefill_attention(q: Array, k: Array, v: Array, positions: Array, sliding_window: int | None = None,
-                      chunk: int = PREFILL_QUERY_CHUNK) -> Array:
-    """Causal self-attention of a prompt, `chunk` queries at a time so the float32 scores stay
-    [B, Hkv, chunk, n_rep, T] rather than T x T. Same math as `dense_attention`.
+def _positional_attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array, sliding_window: int | None,
+                          chunk: int = PREFILL_QUERY_CHUNK) -> Array:
+    """`dense_attention` of T queries, `chunk` queries at a time, so the float32 scores stay
+    [B, Hkv, chunk, n_rep, S] rather than T x S.
 
-    q: [B, T, Hq, D]; k, v: [B, Hkv, T, D]; positions: int32[B, T].
+    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; q_pos: int32[B, T]; k_pos: int32[B, S] (_FAR: never seen).
     """
     b, t = q.shape[:2]
     if t <= chunk:
-        return dense_attention(q, k, v, positions, positions, sliding_window)
+        return dense_attention(q, k, v, q_pos, k_pos, sliding_window)
     n = -(-t // chunk)
     pad = n * chunk - t
     qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, chunk, *q.shape[2:])
-    pc = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=t).reshape(b, n, chunk)
-    out = jax.lax.map(lambda qp: dense_attention(qp[0], k, v, qp[1], positions, sliding_window),
+    pc = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=_FAR - 1).reshape(b, n, chunk)  # padding rows: dropped
+    out = jax.lax.map(lambda qp: dense_attention(qp[0], k, v, qp[1], k_pos, sliding_window),
                       (jnp.swapaxes(qc, 0, 1), jnp.swapaxes(pc, 0, 1)))  # [n, B, chunk, Hq, D]
     return jnp.swapaxes(out, 0, 1).reshape(b, n * chunk, *q.shape[2:])[:, :t]
+
+
+def cudnn_unsupported_reason(head_dim: int, dtype: Any, sliding_window: int | None = None,
+                             chunked: bool = False) -> str | None:
+    """Why cuDNN's flash attention cannot run a prefill of this model here, or None when it can."""
+    if jax.default_backend() != "gpu":
+        return f"no GPU (backend {jax.default_backend()!r})"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (cuDNN flash attention takes bfloat16 or float16)"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim} (cuDNN takes a multiple of 8 up to 256)"
+    if chunked and sliding_window is not None:
+        return "a sliding window over a cached prefix (cuDNN's window is causal and aligned top-left)"
+    return None
+
+
+def prefill_impl(impl: str, head_dim: int, dtype: Any, sliding_window: int | None = None, chunked: bool = False,
+                 mesh: Any = None) -> str:
+    """ModelConfig.prefill_attention_impl resolved for this device: "auto" picks "cudnn" where
+    `cudnn_unsupported_reason` is None and the model is not tensor-parallel (cuDNN's partitioning
+    under a mesh is not measured here), else "reference". A forced "cudnn" that cannot run raises."""
+    if impl == "auto":
+        ok = cudnn_unsupported_reason(head_dim, dtype, sliding_window, chunked) is None
+        return "cudnn" if ok and (mesh is None or mesh.size == 1) else "reference"
+    if impl == "cudnn":
+        why = cudnn_unsupported_reason(head_dim, dtype, sliding_window, chunked)
+        if why is not None:
+            raise ValueError(f"prefill_attention_impl='cudnn' cannot run here: {why}; use 'auto' or 'reference'")
+    if impl == "xla" and chunked and sliding_window is not None:
+        raise ValueError("prefill_attention_impl='xla' takes no sliding window over a cached prefix; use 'reference'")
+    return impl
+
+
+def _to_bsnh(x: Array) -> Array:
+    """[B, H, S, D] -> [B, S, H, D] (the flash kernels' layout)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _flash_part(q: Array, k: Array, v: Array, kv_len: Array | None, *, causal: bool, impl: str,
+                sliding_window: int | None = None) -> tuple[Array, Array]:
+    """Softmax attention of q [B, T, Hq, D] over k, v [B, S, Hkv, D] (scale D^-1/2) through a flash
+    kernel, with its log-sum-exp so that parts over disjoint key sets can be merged.
+
+    kv_len: int32[B] or None: row b sees keys [0, kv_len[b]) only. causal: query i sees keys
+    j <= i (aligned top-left). Returns (o float32 [B, T, Hq, D], lse float32 [B, T, Hq]); a row
+    that sees no key gets o = 0 and lse = _NEG, which `merge_attention` weighs as nothing.
+    """
+    b, t, _, d = q.shape
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    if impl == "cudnn":
+        # jax.nn.dot_product_attention(return_residual=True) rounds the log-sum-exp to the output
+        # dtype (bfloat16: an error of up to ~1/16 at lse ~ 16, ~6% in a merge weight); the cuDNN
+        # primitive underneath returns it in float32.
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+        if kv_len is None:
+            mask, q_len = (cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK), None
+        else:
+            mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+            q_len = jnp.full((b,), t, jnp.int32)
+        o, lse = cudnn.dot_product_attention(
+            q, k, v, None, None, q_len, kv_len, scale=d ** -0.5, mask_type=mask, qkv_layout="BTNH",
+            sliding_window_length=None if window is None else sliding_window, return_residual=True)
+        lse = jnp.swapaxes(lse, 1, 2)  # cuDNN returns [B, N, T]
+    elif impl == "xla":
+        o, lse = jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, key_value_seq_lengths=kv_len, local_window_size=window,
+            implementation="xla", return_residual=True)
+    else:
+        raise ValueError(f"flash attention impl {impl!r}; expected 'cudnn' or 'xla'")
+    o, lse = o.astype(jnp.float32), lse.astype(jnp.float32)
+    if kv_len is not None:
+        seen = (kv_len > 0)[:, None, None]
+        o = jnp.where(seen[..., None], o, 0.0)
+        lse = jnp.where(seen, lse, _NEG)
+    return o, lse
+
+
+def merge_attention(a: tuple[Array, Array], b: tuple[Array, Array]) -> tuple[Array, Array]:
+    """Softmax attention over the union of two disjoint key sets from the parts over each:
+    (o [..., D], lse [...]) float32 pairs, weighed by exp(lse - logaddexp(lse_a, lse_b))."""
+    (oa, la), (ob, lb) = a, b
+    lse = jnp.logaddexp(la, lb)
+    return oa * jnp.exp(la - lse)[..., None] + ob * jnp.exp(lb - lse)[..., None], lse
+
+
+def prefill_attention(q: Array, k: Array, v: Array, positions: Array, sliding_window: int | None = None,
+                      impl: str = "reference") -> Array:
+    """Causal self-attention of a prompt (or of a chunked prefill's first chunk).
+
+    q: [B, T, Hq, D]; k, v: [B, Hkv, T, D]; positions: int32[B, T] (consecutive from 0 in each row;
+    padding columns past a row's length see garbage and are dropped). `impl`: a resolved
+    `prefill_impl`. Returns [B, T, Hq, D] in q's dtype.
+    """
+    if impl == "reference":
+        return _positional_attention(q, k, v, positions, positions, sliding_window)
+    if impl == "cudnn":
+        window = None if sliding_window is None else (sliding_window - 1, 0)
+        return jax.nn.dot_product_attention(q, _to_bsnh(k), _to_bsnh(v), is_causal=True, local_window_size=window,
+                                            implementation="cudnn")
+    o, _ = _flash_part(q, _to_bsnh(k), _to_bsnh(v), None, causal=True, impl=impl, sliding_window=sliding_window)
+    return o.astype(q.dtype)
+
+
+def chunk_attention(q: Array, k: Array, v: Array, positions: Array, cache: DenseKVCache | QuantSpecCache,
+                    layer: Array, start: Array | int, span: int, quantized_len: Array,
+                    sliding_window: int | None = None, impl: str = "reference") -> Array:
+    """Attention of a prompt chunk: its queries see every position before the chunk as the cache
+    holds it and, causally, the chunk itself.
+
+    q: [B, C, Hq, D]; k, v: [B, Hkv, C, D], the chunk's own; positions: int32[B, C] = start + 0..C-1;
+    `cache` holds positions [0, start) of `layer` (`start` a multiple of `span`, the chunk size).
+    A QuantSpecCache is read the way decode reads it (`cache.prefill_chunk_layer` placed it):
+    positions below each row's `quantized_len` (int32[B], SPEC §4's Q) through the target's INT8
+    view, the rest from the bf16 ring (slot j = position Q + j). A dense cache is read as stored.
+    `impl`: a resolved `prefill_impl`. Returns [B, C, Hq, D] in q's dtype.
+    """
+    quant = isinstance(cache, QuantSpecCache)
+    if impl == "reference":
+        ks, vs, ps = [], [], []
+        s = cache.max_len
+        t_pos = jnp.arange(s, dtype=jnp.int32)[None, :]
+        if quant:
+            kq, vq = cache.dequantized_layer(layer, "target")  # float32 [B, Hkv, S, D]
+            limit = jnp.minimum(quantized_len, start)[:, None]
+            ring_pos = quantized_len[:, None] + jnp.arange(cache.ring_size, dtype=jnp.int32)[None, :]
+            ks += [kq, cache.k_fp[layer]]
+            vs += [vq, cache.v_fp[layer]]
+            ps += [jnp.where(t_pos < limit, t_pos, _FAR), jnp.where(ring_pos < start, ring_pos, _FAR)]
+        else:
+            ks.append(cache.k[layer])
+            vs.append(cache.v[layer])
+            ps.append(jnp.where(t_pos < start, t_pos, _FAR))
+        ks, vs, ps = ks + [k], vs + [v], ps + [positions]
+        cat = lambda xs: jnp.concatenate([x.astype(jnp.float32) for x in xs], axis=2)  # noqa: E731
+        k_pos = jnp.concatenate([jnp.broadcast_to(p, (q.shape[0], p.shape[1])) for p in ps], axis=1)
+        return _positional_attention(q, cat(ks), cat(vs), positions, k_pos, sliding_window)
+
+    dtype = q.dtype
+    b = q.shape[0]
+
+    def prefix_span(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
+        j0 = j * span
+        if quant:
+            kp, vp = cache.dequantized_span(layer, j0, span, "target", dtype)
+            kv_len = jnp.clip(jnp.minimum(quantized_len, start) - j0, 0, span)
+        else:
+            kp, vp = cache.span(layer, j0, span)
+            kv_len = None  # whole spans lie below `start`
+        return merge_attention(acc, _flash_part(q, _to_bsnh(kp), _to_bsnh(vp), kv_len, causal=False, impl=impl))
+
+    acc = _flash_part(q, _to_bsnh(k), _to_bsnh(v), None, causal=True, impl=impl, sliding_window=sliding_window)
+    acc = jax.lax.fori_loop(0, start // span, prefix_span, acc)
+    if quant:
+        ring_len = jnp.clip(start - quantized_len, 0, cache.ring_size).astype(jnp.int32)
+        ring = _flash_part(q, _to_bsnh(cache.k_fp[layer].astype(dtype)), _to_bsnh(cache.v_fp[layer].astype(dtype)),
+                           jnp.broadcast_to(ring_len, (b,)), causal=False, impl=impl)
+        acc = merge_attention(acc, ring)
+    return acc[0].astype(dtype)
 
 
 def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, layer: Array | int,

@@ -74,6 +74,14 @@ def _scatter_rows(buf: Array, layer: Array, slots: Array, new: Array, *, contigu
     return buf.at[layer, b, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="clip")
 
 
+def _check_chunk(start: Array | int, length: int, max_len: int) -> None:
+    """A prefill chunk must end inside the cache (a traced start is the caller's invariant:
+    dynamic_update_slice would clamp it and overwrite earlier positions)."""
+    end = length + (start if isinstance(start, (int, np.integer)) else 0)
+    if end > max_len:
+        raise ValueError(f"prompt chunk ending at position {end} does not fit a cache of max_len={max_len}")
+
+
 # ------------------------------------------------------------------------------------ dense
 @struct.dataclass
 class DenseKVCache:
@@ -99,12 +107,25 @@ class DenseKVCache:
 
     def prefill_layer(self, layer: Array, k: Array, v: Array, lengths: Array) -> "DenseKVCache":
         """Stores a right-padded prompt's K/V [B, Hkv, T, D] at positions 0..T-1 of `layer`."""
+        return self.prefill_chunk_layer(layer, k, v, 0, lengths)
+
+    def prefill_chunk_layer(self, layer: Array, k: Array, v: Array, start: Array | int,
+                            lengths: Array) -> "DenseKVCache":
+        """Stores K/V [B, Hkv, C, D] of prompt positions start..start+C-1 (a chunked prefill's
+        chunk; start + C <= max_len) in `layer`."""
         del lengths  # padding positions are masked by position at read time
-        idx = (layer, 0, 0, 0, 0)
+        _check_chunk(start, k.shape[2], self.max_len)
+        idx = (layer, 0, 0, start, 0)
         return self.replace(
             k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), idx),
             v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), idx),
         )
+
+    def span(self, layer: Array, start: Array | int, length: int) -> tuple[Array, Array]:
+        """K, V [B, Hkv, length, D] of positions start..start+length-1 of `layer` (as stored)."""
+        b, h, _, d = self.k.shape[1:]
+        take = lambda x: jax.lax.dynamic_slice(x, (layer, 0, 0, start, 0), (1, b, h, length, d))[0]  # noqa: E731
+        return take(self.k), take(self.v)
 
     def append_layer(self, layer: Array, k: Array, v: Array) -> "DenseKVCache":
         """Writes K/V [B, Hkv, T, D] of T new tokens after each row's committed tokens."""
@@ -246,16 +267,24 @@ class QuantSpecCache:
 
     # ------------------------------------------------------------------------------ writes
     def prefill_layer(self, layer: Array, k: Array, v: Array, lengths: Array) -> "QuantSpecCache":
-        """Places a right-padded prompt's K/V [B, Hkv, T, D] for one layer (SPEC §4 prefill).
+        """Places a right-padded prompt's K/V [B, Hkv, T, D] for one layer (SPEC §4 prefill):
+        `prefill_chunk_layer` of the whole prompt."""
+        return self.prefill_chunk_layer(layer, k, v, 0, lengths)
 
-        Row b quantizes its first Q_b = G*max(0, P_b//G - 1) tokens and puts tokens Q_b..P_b-1
-        into ring slots 0..P_b-Q_b-1. All T//G full blocks are quantized for every row; blocks at
-        or past Q_b are garbage that later flushes overwrite.
+    def prefill_chunk_layer(self, layer: Array, k: Array, v: Array, start: Array | int,
+                            lengths: Array) -> "QuantSpecCache":
+        """Places K/V [B, Hkv, C, D] of prompt positions start..start+C-1 for one layer (a chunk of
+        a chunked prefill, or the whole prompt with start 0), as SPEC §4's prefill places them.
+
+        Every full G-block of the chunk is quantized at its position (`start` is a multiple of G);
+        row b's positions Q_b..Q_b+R-1 that fall in the chunk go to ring slots 0..R-1, where
+        Q_b = G*max(0, P_b//G - 1) (`prefill_quantized_len`), so after the last chunk the ring holds
+        positions Q_b..P_b-1. Blocks at or past Q_b and ring slots past P_b - Q_b hold values that
+        no query sees (later flushes overwrite the blocks). `finish_prefill` sets the lengths.
         """
-        G, t = self.group_size, k.shape[2]
-        if t > self.max_len:
-            raise ValueError(f"prompt of {t} tokens does not fit a cache of max_len={self.max_len}")
-        n_blocks = t // G
+        G, c = self.group_size, k.shape[2]
+        _check_chunk(start, c, self.max_len)
+        n_blocks = c // G
         new = {}
         if n_blocks:
             kb, vb = k[:, :, : n_blocks * G], v[:, :, : n_blocks * G]
@@ -263,13 +292,18 @@ class QuantSpecCache:
             v_hi, v_lo, v_s, v_z = quant.quantize_values_cache(vb, G, self.v_scale.dtype)
             for name, val in dict(k_hi=k_hi, k_lo=k_lo, v_hi=v_hi, v_lo=v_lo, k_scale=k_s, k_zero=k_z,
                                   v_scale=v_s, v_zero=v_z).items():
-                new[name] = jax.lax.dynamic_update_slice(getattr(self, name), val[None], (layer, 0, 0, 0, 0))
-        q = prefill_quantized_len(lengths, G)
-        src = jnp.minimum(q[:, None] + jnp.arange(self.ring_size)[None, :], t - 1)  # [B, R]
-        take = lambda x: jnp.take_along_axis(x, src[:, None, :, None], axis=2)  # noqa: E731
+                at = start // G if name in ("k_scale", "k_zero") else start  # per block / per token
+                new[name] = jax.lax.dynamic_update_slice(getattr(self, name), val[None], (layer, 0, 0, at, 0))
+        src = (prefill_quantized_len(lengths, G)[:, None] + jnp.arange(self.ring_size)[None, :]
+               - start)  # [B, R]: index into the chunk of the position each ring slot holds
+        inside = ((src >= 0) & (src < c))[:, None, :, None]
+        idx = jnp.clip(src, 0, c - 1)[:, None, :, None]
         for name, x in (("k_fp", k), ("v_fp", v)):
-            ring = take(x).astype(getattr(self, name).dtype)
-            new[name] = jax.lax.dynamic_update_slice(getattr(self, name), ring[None], (layer, 0, 0, 0, 0))
+            buf = getattr(self, name)
+            b, h, r, d = buf.shape[1:]
+            old = jax.lax.dynamic_slice(buf, (layer, 0, 0, 0, 0), (1, b, h, r, d))[0]
+            ring = jnp.where(inside, jnp.take_along_axis(x, idx, axis=2).astype(buf.dtype), old)
+            new[name] = jax.lax.dynamic_update_slice(buf, ring[None], (layer, 0, 0, 0, 0))
         return self.replace(**new)
 
     def finish_prefill(self, lengths: Array) -> "QuantSpecCache":
@@ -335,14 +369,30 @@ class QuantSpecCache:
         )
 
     # ------------------------------------------------------------------------------- reads
-    def dequantized_layer(self, layer: int, view: str = "target") -> tuple[Array, Array]:
-        """float32 K, V [B, Hkv, S_max, D] of the quantized planes of one layer (tests, tools)."""
+    def dequantized_layer(self, layer: Array | int, view: str = "target") -> tuple[Array, Array]:
+        """float32 K, V [B, Hkv, S_max, D] of the quantized planes of one layer (tests, tools, the
+        reference chunked prefill)."""
+        return self.dequantized_span(layer, 0, self.max_len, view, jnp.float32)
+
+    def dequantized_span(self, layer: Array | int, start: Array | int, length: int, view: str = "target",
+                         dtype: Any = jnp.float32) -> tuple[Array, Array]:
+        """K, V [B, Hkv, length, D] in `dtype` of quantized positions start..start+length-1 of one
+        layer, through the draft ("draft": upper nibble) or target ("target": both) view. `start`
+        and `length` are multiples of G (values are stored per G-token block)."""
+        G = self.group_size
+        _, b, h, _, _ = self.k_hi.shape
+
+        def take(x: Array, at: Array | int, n: int) -> Array:
+            return jax.lax.dynamic_slice(x, (layer, 0, 0, at, 0), (1, b, h, n, x.shape[-1]))[0]
+
         lo = view == "target"
-        k = quant.dequantize_keys_cache(self.k_hi[layer], self.k_lo[layer] if lo else None,
-                                        self.k_scale[layer], self.k_zero[layer])
-        v = quant.dequantize_values_cache(self.v_hi[layer], self.v_lo[layer] if lo else None,
-                                          self.v_scale[layer], self.v_zero[layer], self.group_size)
-        return k, v
+        tok = lambda x: take(x, start, length)  # noqa: E731
+        k = quant.dequantize_keys_cache(tok(self.k_hi), tok(self.k_lo) if lo else None,
+                                        take(self.k_scale, start // G, length // G),
+                                        take(self.k_zero, start // G, length // G))
+        v = quant.dequantize_values_cache(tok(self.v_hi), tok(self.v_lo) if lo else None,
+                                          tok(self.v_scale), tok(self.v_zero), G)
+        return k.astype(dtype), v.astype(dtype)
 
     def nbytes_by_component(self) -> dict[str, int]:
         """Bytes held by each part of the cache."""

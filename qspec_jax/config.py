@@ -15,6 +15,7 @@ from typing import Any, Mapping
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic", "triton")
+PREFILL_ATTENTION_IMPLS = ("auto", "reference", "cudnn", "xla")  # qspec_jax.attention.prefill_attention
 INT4_MATMUL_IMPLS = ("auto", "xla", "pallas", "mosaic", "triton", "interpret")  # qspec_jax.linear
 DENSE_MATMUL_IMPLS = ("xla", "mosaic", "auto")  # qspec_jax.linear
 DTYPES = ("bfloat16", "float32")
@@ -37,7 +38,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, plus two run-time choices (dtype, attention_impl).
+    """Architecture of a Llama-family decoder, plus run-time choices (dtype, the kernels' implementations).
 
     Sizes: hidden D = `hidden_size`, query heads Hq = `num_heads`, KV heads Hkv = `num_kv_heads`,
     head dim Dh = `head_dim`, MLP width F = `intermediate_size`, L = `num_layers`, V = `vocab_size`.
@@ -64,6 +65,9 @@ class ModelConfig:
     attention_impl: str = "auto"  # "auto": Pallas kernel on GPU (Mosaic on Hopper), jnp reference elsewhere
     int4_matmul_impl: str = "auto"  # INT4 draft linears: "auto" (Mosaic on Hopper, Triton on older GPUs, XLA on CPU)
     dense_matmul_impl: str = "xla"  # bf16 target linears: "xla" (cuBLAS on GPU) | "mosaic" (Hopper kernel) | "auto"
+    # Prompt attention: "auto" (cuDNN flash attention on a GPU where it takes the case, the jnp code elsewhere),
+    # "cudnn", "reference" (jnp), "xla" (the flash path's split-and-merge through jax.nn's XLA attention: tests).
+    prefill_attention_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -81,6 +85,9 @@ class ModelConfig:
             raise ConfigError(f"int4_matmul_impl={self.int4_matmul_impl!r}; expected one of {INT4_MATMUL_IMPLS}")
         if self.dense_matmul_impl not in DENSE_MATMUL_IMPLS:
             raise ConfigError(f"dense_matmul_impl={self.dense_matmul_impl!r}; expected one of {DENSE_MATMUL_IMPLS}")
+        if self.prefill_attention_impl not in PREFILL_ATTENTION_IMPLS:
+            raise ConfigError(f"prefill_attention_impl={self.prefill_attention_impl!r}; expected one of "
+                              f"{PREFILL_ATTENTION_IMPLS}")
 
     @property
     def n_rep(self) -> int:

@@ -100,13 +100,14 @@ def _steps(target: M.Params, draft: M.Params | None, cache: Any, last_logits: Ar
 def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: str = "int8",
                    draft: M.Params | None = None, draft_kv: str = "int4",
                    group_size: int = DEFAULT_GROUP_SIZE, scale_dtype: Any = jnp.float16,
-                   progress: bool = True) -> dict[str, np.ndarray]:
+                   progress: bool = True, prefill_chunk: int | None = None) -> dict[str, np.ndarray]:
     """Evaluates tokens[:, context:] given tokens[:, :context] under teacher forcing.
 
     tokens: int32[B, context + M]. kv: "bf16" | "int8" | "int4" (the target's view of the cache).
     Returns {"nll": [B, M], "target_top": [B, M], "draft_top": [B, M]} (numpy); draft_top is the
     draft's argmax when `draft` is given (viewing the cache as `draft_kv`). `scale_dtype` is the
-    hierarchical cache's scale/zero dtype.
+    hierarchical cache's scale/zero dtype. `prefill_chunk`: prefill the context in chunks of this
+    many tokens (`model.prefill`'s chunk; None: the whole context at once).
     """
     if kv not in KV_EVAL_KINDS:
         raise ValueError(f"kv={kv!r}; expected one of {tuple(KV_EVAL_KINDS)}")
@@ -127,12 +128,12 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
     # reached 100% at dispatch and minutes of computing followed it).
     with tqdm(total=total, desc=f"teacher-forced ({kv})", unit="tok", disable=not progress) as bar:
         bar.set_postfix_str("prefill (compiling)")
-        logits, cache = run_program(M.prefill, (target, toks[:, :context], lengths, cache), {})
+        logits, cache = run_program(M.prefill, (target, toks[:, :context], lengths, cache), dict(chunk=prefill_chunk))
         cache = cache.flush()
         d_top = jnp.zeros((b,), jnp.int32)
         if draft is not None:
             d_logits, _ = run_program(M.prefill, (draft, toks[:, :context], lengths, new_cache(
-                cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype)), {})
+                cfg, cache_kind, b, max_len, group_size, scale_dtype=scale_dtype)), dict(chunk=prefill_chunk))
             d_top = jnp.argmax(d_logits, -1).astype(jnp.int32)
         jax.block_until_ready((logits, cache, d_top))
         bar.update(context)

@@ -39,7 +39,7 @@ import numpy as np
 from flax import struct
 
 from qspec_jax import model as M
-from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
+from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache, cache_bytes
 from qspec_jax.compilation import programs, run_program
 from qspec_jax.sampling import SamplingConfig, sample
 from qspec_jax.sharding import constrain_cache
@@ -69,6 +69,11 @@ class GenerationConfig:
     baseline); its logits can differ from the speculative target's in the last bf16 bit, since
     matmul libraries sum in another order for another shape.
     return_logits: also return the float32 logits each emitted token was chosen from.
+    prefill_chunk: how the prompt is prefilled (`model.prefill_chunk_for`): "auto" (the whole
+    prompt when its temporaries fit in the device's free memory, else chunks of
+    model.DEFAULT_PREFILL_CHUNK tokens), "whole", or a chunk size (a multiple of group_size).
+    prefill_progress: report the prefill's progress on stderr as it runs (`model.prefill`'s
+    progress; the CLIs turn it on for long prompts).
     """
 
     max_new_tokens: int = 128
@@ -80,10 +85,13 @@ class GenerationConfig:
     group_size: int = DEFAULT_GROUP_SIZE
     width: int = DEFAULT_GAMMA_MAX + 1
     return_logits: bool = False
+    prefill_chunk: int | str = "auto"
+    prefill_progress: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        check_prefill_chunk(self.prefill_chunk, self.group_size if self.kv == "int8" else 1)
         if self.kv not in KV_KINDS:
             raise ValueError(f"kv={self.kv!r}; expected one of {KV_KINDS}")
         if self.width < 1:
@@ -185,6 +193,29 @@ def decode_cache_len(prompt_len: int, max_new_tokens: int, width: int, group_siz
     (and the same ring size) so that, at the same width, their caches have the same geometry
     and the attention's reductions the same shapes."""
     return cache_capacity(prompt_len, max_new_tokens + width, group_size if kv == "int8" else DEFAULT_GROUP_SIZE)
+
+
+def check_prefill_chunk(chunk: Any, group_size: int) -> None:
+    """A config's prefill_chunk: "auto", "whole" or a positive multiple of the cache's group size."""
+    if chunk in ("auto", "whole"):
+        return
+    if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1 or chunk % group_size:
+        raise ValueError(f"prefill_chunk={chunk!r}: expected 'auto', 'whole' or a positive multiple of the cache's "
+                         f"group size {group_size}")
+
+
+def prefill_chunk(cfg: M.ModelConfig, requested: int | str, batch: int, prompt_len: int, max_len: int, kv: str,
+                  group_size: int, gamma_max: int = 1) -> int | None:
+    """The chunk a generation prefills its padded prompts with (`model.prefill_chunk_for`), from
+    the device's free memory once the cache of `max_len` tokens is allocated (the weights are
+    already on the device). None: the whole prompt at once."""
+    stats = jax.devices()[0].memory_stats() or {}  # None on a CPU: the whole prompt
+    free = None
+    if "bytes_limit" in stats:
+        cache = sum(cache_bytes(kv, cfg, batch, max_len, **(
+            dict(group_size=group_size, gamma_max=gamma_max) if kv == "int8" else {})).values())
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)) - cache
+    return M.prefill_chunk_for(cfg, batch, prompt_len, requested, free, group_size if kv == "int8" else 1)
 
 
 def eos_array(eos_ids: tuple[int, ...]) -> Array:
@@ -421,25 +452,27 @@ def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, 
 
 
 def _prefilled(params: M.Params, tokens: Array, lengths: Array, key: Array, *, gen: GenerationConfig,
-               eos_ids: tuple[int, ...], max_len: int) -> _ARState:
+               eos_ids: tuple[int, ...], max_len: int, chunk: int | None) -> _ARState:
     cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size,
                       gamma_max=ring_gamma_max(gen.width), mesh=params.mesh)
-    logits, cache = M.prefill(params, tokens, lengths, cache)
+    logits, cache = M.prefill(params, tokens, lengths, cache, chunk=chunk, progress=gen.prefill_progress)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, gen.sampling)
     return autoregressive_start(cache, first, key, gen=gen, eos_ids=eos_ids, first_logits=logits)
 
 
-@functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
+@functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len", "chunk"))
 def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
-    state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len)
+                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int,
+                    chunk: int | None = None) -> GenerationResult:
+    state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len, chunk=chunk)
     return _ar_result(autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids))
 
 
 def _autoregressive_start(params: M.Params, tokens: Array, lengths: Array, key: Array, *, gen: GenerationConfig,
-                          eos_ids: tuple[int, ...], max_len: int) -> tuple[_ARState, Progress]:
-    state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len)
+                          eos_ids: tuple[int, ...], max_len: int,
+                          chunk: int | None = None) -> tuple[_ARState, Progress]:
+    state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len, chunk=chunk)
     return state, progress_of(state)
 
 
@@ -478,7 +511,10 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     check_fits(cfg, lengths, config.max_new_tokens)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)
+    chunk = prefill_chunk(cfg, config.prefill_chunk, tokens.shape[0], tokens.shape[1], max_len, config.kv,
+                          config.group_size, ring_gamma_max(config.width))
     return run_generation(_autoregressive, _autoregressive_start, _autoregressive_chunk, (params,),
                           (jnp.asarray(tokens), jnp.asarray(lengths), key),
-                          dict(gen=config, eos_ids=tuple(eos), max_len=max_len), dict(gen=config, eos_ids=tuple(eos)),
+                          dict(gen=config, eos_ids=tuple(eos), max_len=max_len, chunk=chunk),
+                          dict(gen=config, eos_ids=tuple(eos)),
                           _ar_result, timings, on_tokens)

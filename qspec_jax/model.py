@@ -12,6 +12,7 @@ norms, RoPE angles, softmax and matmul accumulation are float32.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import jax
@@ -19,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qspec_jax.attention import attention_inputs, cache_attention, prefill_attention
-from qspec_jax.cache import DenseKVCache, QuantSpecCache
+from qspec_jax.attention import attention_inputs, cache_attention, chunk_attention, prefill_attention, prefill_impl
+from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
 from qspec_jax.linear import StackedLayer, keep_stacked, kernel_layout_wanted, linear, to_kernel_layout
 from qspec_jax.weight_quant import QuantizedWeight
@@ -258,15 +259,25 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
     return x + row(act, lp.w_down), h, act
 
 
-def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, *,
-                  mesh: Any = None) -> tuple[Array, tuple[Array, Array], dict[str, Array]]:
-    """One decoder layer over x [B, T, D] with causal attention among its own T tokens (the
-    prefill's math, no cache). Returns (output [B, T, D], (k, v) [B, Hkv, T, Dh] for the cache,
-    the inputs of the four linear groups: {"attn_in", "attn_out", "mlp_in", "mlp_out"})."""
+def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, *, mesh: Any = None,
+                  attend: Callable[[Array, Array, Array], Array] | None = None,
+                  ) -> tuple[Array, tuple[Array, Array], dict[str, Array]]:
+    """One decoder layer over x [B, T, D]: the prefill's math. Returns (output [B, T, D], (k, v)
+    [B, Hkv, T, Dh] for the cache, the inputs of the four linear groups: {"attn_in", "attn_out",
+    "mlp_in", "mlp_out"}).
+
+    `attend(q, k, v)` -> [B, T, Hq, Dh] is the attention (q roped [B, T, Hq, Dh], k/v the layer's
+    own [B, Hkv, T, Dh]); None: causal attention among the T tokens (`prefill_attention` through
+    the config's `prefill_attention_impl`). A chunked prefill passes attention over the cache too."""
     b, t, _ = x.shape
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q, k, v = _qkv(cfg, lp, h, positions, mesh)
-    attn = prefill_attention(q, k, v, positions, cfg.sliding_window).reshape(b, t, -1)
+    if attend is None:
+        impl = prefill_impl(cfg.prefill_attention_impl, cfg.head_dim, q.dtype, cfg.sliding_window, mesh=mesh)
+        attn = prefill_attention(q, k, v, positions, cfg.sliding_window, impl)
+    else:
+        attn = attend(q, k, v)
+    attn = attn.reshape(b, t, -1)
     out, h2, act = _attn_out_and_mlp(cfg, lp, x, attn, mesh)
     return out, (k, v), {"attn_in": h, "attn_out": attn, "mlp_in": h2, "mlp_out": act}
 
@@ -310,22 +321,41 @@ def _logits(params: Params, x: Array) -> Array:
 
 # ------------------------------------------------------------------------------ entry points
 def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
-            all_logits: bool = False) -> tuple[Array, Cache]:
+            all_logits: bool = False, chunk: int | None = None, progress: bool = False) -> tuple[Array, Cache]:
     """Runs right-padded prompts through the model and places their K/V in an empty cache.
 
     tokens: int32[B, T] (row b valid up to lengths[b]); lengths: int32[B], each >= 1.
     Returns (logits, cache): float32 logits [B, V] at each row's last prompt token, or
     [B, T, V] for every position when `all_logits`; the cache holds `lengths` tokens per row.
+
+    chunk: None (or >= T) runs the whole prompt at once: every layer's temporaries hold T tokens.
+    An int C (a multiple of a QuantSpecCache's group size) runs it C tokens at a time
+    (`_prefill_chunked`): temporaries hold C tokens, so peak memory is weights + cache + O(C),
+    and each chunk's queries read the earlier chunks from the cache the way decoding will
+    (`attention.chunk_attention`: the quantized prefix through the target's INT8 view), which
+    changes logits by the cache's quantization error (docs/QUALITY.md, "Chunked prefill").
+
+    progress: report each finished layer (of each chunk) on stderr from the device's side
+    (`jax.debug.callback`; the CLIs turn it on for long prompts).
     """
     if tokens.ndim != 2:
         raise ValueError(f"prefill: tokens must be int32[B, T] (one row per prompt), got shape {tokens.shape}")
-    cfg = params.config
     b, t = tokens.shape
+    if chunk is not None:
+        group = cache.group_size if isinstance(cache, QuantSpecCache) else 1
+        if not isinstance(chunk, (int, np.integer)) or chunk < 1 or chunk % group:
+            raise ValueError(f"prefill: chunk={chunk!r} must be a positive multiple of the cache's group size "
+                             f"{group} (or None: the whole prompt at once)")
+        if chunk < t:
+            return _prefill_chunked(params, tokens, lengths, cache, int(chunk), all_logits, progress)
+    cfg = params.config
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = params.embed[tokens]
 
     def layer(lp, x, cache, i):
         x, (k, v), _ = layer_forward(cfg, lp, x, positions, mesh=params.mesh)
+        if progress:
+            _report_progress(x, i + 1, cfg.num_layers, f"{t:,} tokens x {cfg.num_layers} layers")
         return x, cache.prefill_layer(i, k, v, lengths)
 
     x, cache = _scan_layers(params, x, cache, layer)
@@ -333,6 +363,126 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
     if not all_logits:
         x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return _logits(params, x), cache
+
+
+DEFAULT_PREFILL_CHUNK = 8192  # tokens per chunk when a whole prompt's temporaries do not fit (`prefill_chunk_for`)
+
+
+def prefill_workspace_bytes(cfg: ModelConfig, batch: int, prompt_len: int, chunk: int | None = None) -> int:
+    """Bytes of the temporaries `prefill` holds at once beyond its inputs and the cache, estimated:
+    one layer's activations for the tokens in flight (the whole padded prompt, or `chunk`), the
+    attention's own temporaries (the jnp path's float32 score block [B, Hkv, 512, n_rep, S], and for
+    a chunk the whole cache dequantized: the jnp path grows with the prompt; the flash path's
+    prefix span and float32 merge accumulators grow with the chunk only), and the last logits.
+
+    Per token in flight, in the model dtype: x, the normed input, q|k|v, roped q, k and v, the
+    attention output, gate|up, SiLU(gate)*up, the MLP's normed input and output: the tensors one
+    layer of `layer_forward` holds live at its widest point."""
+    item = 2 if cfg.dtype == "bfloat16" else 4
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    t = prompt_len if chunk is None or chunk >= prompt_len else chunk
+    per_token = 4 * d + 2 * (hq + 2 * hkv) * dh + hq * dh + 3 * f
+    total = batch * t * per_token * item
+    impl = prefill_impl(cfg.prefill_attention_impl, dh, jnp.dtype(cfg.dtype), cfg.sliding_window,
+                        chunked=t < prompt_len)
+    keys = prompt_len if t < prompt_len else t  # keys a query block may see
+    if impl == "reference":
+        total += 3 * 4 * batch * hq * min(t, 512) * keys  # scores, mask, probabilities (float32)
+        if t < prompt_len:  # the jnp chunk reads the whole cache, dequantized and concatenated (float32)
+            total += 2 * 2 * batch * hkv * keys * dh * 4
+    elif t < prompt_len:  # the flash path: float32 output / log-sum-exp accumulators, a prefix span
+        total += batch * t * hq * (dh + 1) * 4 * 2 + 2 * batch * hkv * t * dh * item
+    return int(total + batch * cfg.vocab_size * 4)  # the last position's float32 logits
+
+
+def prefill_chunk_for(cfg: ModelConfig, batch: int, prompt_len: int, requested: int | str | None,
+                      free_bytes: int | None, group_size: int = 1) -> int | None:
+    """The `chunk` `prefill` runs a padded prompt with (None: the whole prompt at once).
+
+    requested: "auto" (the whole prompt when its `prefill_workspace_bytes` fit in `free_bytes`, the
+    device memory left after weights and cache; else DEFAULT_PREFILL_CHUNK), "whole" (None), or a
+    chunk size, a positive multiple of `group_size`. `free_bytes` None: unknown, whole prompt."""
+    if requested is None or requested == "whole":
+        return None
+    if requested == "auto":
+        if prompt_len <= DEFAULT_PREFILL_CHUNK or free_bytes is None:
+            return None
+        whole = prefill_workspace_bytes(cfg, batch, prompt_len)
+        return None if whole <= free_bytes else DEFAULT_PREFILL_CHUNK
+    if not isinstance(requested, (int, np.integer)) or isinstance(requested, bool) or requested < 1 \
+            or requested % group_size:
+        raise ValueError(f"prefill_chunk={requested!r}: expected 'auto', 'whole' or a positive multiple of the "
+                         f"cache's group size {group_size}")
+    return int(requested) if requested < prompt_len else None
+
+
+def _report_progress(x: Array, step: Array, steps: int, what: str) -> None:
+    """Reports step `step` (1-based) of `steps` of a prefill once `x`, the step's output, exists:
+    one stderr line rewritten in place, ended when the last step is done. `what` names the work."""
+
+    def show(_: Any, done: Any) -> None:
+        done = int(done)
+        print(f"\rprefill: {100 * done // steps:3d}% of {what}", end="\n" if done >= steps else "",
+              file=sys.stderr, flush=True)
+
+    jax.debug.callback(show, x[0, 0, 0], step)
+
+
+def _prefill_chunked(params: Params, tokens: Array, lengths: Array, cache: Cache, chunk: int,
+                     all_logits: bool, progress: bool = False) -> tuple[Array, Cache]:
+    """`prefill` C = `chunk` tokens at a time: a loop over the T // C full chunks, then the tail.
+
+    Chunk c (positions s = cC .. s+C-1) runs every layer: its K/V go into the cache
+    (`prefill_chunk_layer`: full G-blocks quantized at their positions, ring positions to the
+    ring) and its queries attend to positions < s from the cache and causally to the chunk
+    (`chunk_attention`). The carry keeps each row's hidden state at its last prompt token.
+    """
+    cfg = params.config
+    b, t = tokens.shape
+    n_full, tail = divmod(t, chunk)
+    n_chunks = n_full + (tail > 0)
+    quantized_len = (prefill_quantized_len(lengths, cache.group_size) if isinstance(cache, QuantSpecCache)
+                     else jnp.zeros_like(lengths))
+    impl = prefill_impl(cfg.prefill_attention_impl, cfg.head_dim, params.embed.dtype, cfg.sliding_window,
+                        chunked=True, mesh=params.mesh)
+    last = (lengths - 1).astype(jnp.int32)  # [B]: each row's last prompt position
+    x_last = jnp.zeros((b, cfg.hidden_size), params.embed.dtype)
+    all_x = jnp.zeros((b, t, cfg.hidden_size), params.embed.dtype) if all_logits else None
+
+    def run_chunk(start: Array | int, toks: Array, carry: tuple) -> tuple:
+        cache, x_last, all_x = carry
+        c = toks.shape[1]
+        positions = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (b, c))
+
+        def layer(lp, x, cache, i):
+            attend = functools.partial(chunk_attention, positions=positions, cache=cache, layer=i, start=start,
+                                       span=chunk, quantized_len=quantized_len,
+                                       sliding_window=cfg.sliding_window, impl=impl)
+            x, (k, v), _ = layer_forward(cfg, lp, x, positions, mesh=params.mesh, attend=attend)
+            if progress:
+                _report_progress(x, (start // chunk) * cfg.num_layers + i + 1, n_chunks * cfg.num_layers,
+                                 f"{t:,} tokens x {cfg.num_layers} layers, in {n_chunks} chunks of {chunk:,}")
+            return x, cache.prefill_chunk_layer(i, k, v, start, lengths)
+
+        x, cache = _scan_layers(params, params.embed[toks], cache, layer)
+        at = last - start
+        here = (at >= 0) & (at < c)
+        x_at = jnp.take_along_axis(x, jnp.clip(at, 0, c - 1)[:, None, None], axis=1)[:, 0]
+        x_last = jnp.where(here[:, None], x_at, x_last)
+        if all_x is not None:
+            all_x = jax.lax.dynamic_update_slice(all_x, x, (0, start, 0))
+        return cache, x_last, all_x
+
+    def full_chunk(c: Array, carry: tuple) -> tuple:
+        start = c * chunk
+        return run_chunk(start, jax.lax.dynamic_slice(tokens, (0, start), (b, chunk)), carry)
+
+    carry = jax.lax.fori_loop(0, n_full, full_chunk, (cache, x_last, all_x))
+    if tail:
+        carry = run_chunk(n_full * chunk, tokens[:, n_full * chunk:], carry)
+    cache, x_last, all_x = carry
+    return _logits(params, all_x if all_logits else x_last), cache.finish_prefill(lengths)
 
 
 def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",

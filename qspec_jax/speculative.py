@@ -42,9 +42,9 @@ from flax import struct
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
-from qspec_jax.generation import (PAD_ID, Progress, check_fits, decode_cache_len, eos_array, initial_logits,
-                                   loop_rounds, new_cache, pad_prompts, progress_of, prng_key, record_logits,
-                                   run_generation)
+from qspec_jax.generation import (PAD_ID, Progress, check_fits, check_prefill_chunk, decode_cache_len, eos_array,
+                                   initial_logits, loop_rounds, new_cache, pad_prompts, prefill_chunk, progress_of,
+                                   prng_key, record_logits, run_generation)
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
 from qspec_jax.weight_quant import DraftWeightsConfig
 
@@ -104,6 +104,10 @@ class SpecConfig:
     # docs/QUALITY.md, "Draft length").
     bass_increment: int = 1
     bass_mod: int = 4
+    # How the prompt is prefilled: "auto", "whole" or a chunk size, and whether its progress is reported on
+    # stderr (GenerationConfig.prefill_chunk, prefill_progress).
+    prefill_chunk: int | str = "auto"
+    prefill_progress: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, str):
@@ -133,6 +137,7 @@ class SpecConfig:
             raise ValueError(
                 f"draft_kv={self.draft_kv!r} with target_kv={self.target_kv!r}: the draft reads the target's "
                 "cache, so use draft_kv int4/int8 with target_kv='int8', or bf16 with bf16")
+        check_prefill_chunk(self.prefill_chunk, self.group_size if self.target_kv == "int8" else 1)
         self.sampling  # validates the sampling fields
         self.draft_weights_config  # validates the draft-weight fields
 
@@ -475,25 +480,27 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
 
 
 def _prefilled(target: M.Params, tokens: Array, lengths: Array, key: Array, *, spec: SpecConfig,
-               eos_ids: tuple[int, ...], max_len: int) -> _SpecState:
+               eos_ids: tuple[int, ...], max_len: int, chunk: int | None) -> _SpecState:
     cache = new_cache(target.config, spec.target_kv, tokens.shape[0], max_len, spec.group_size, spec.gamma_max,
                       mesh=target.mesh)
-    logits, cache = M.prefill(target, tokens, lengths, cache)  # target weights fill the shared cache
+    # The target's weights fill the shared cache.
+    logits, cache = M.prefill(target, tokens, lengths, cache, chunk=chunk, progress=spec.prefill_progress)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, spec.sampling)
     return speculative_start(cache, first, key, spec=spec, eos_ids=eos_ids, first_logits=logits)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len"))
+@functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len", "chunk"))
 def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                 spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> SpecResult:
-    state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len)
+                 spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int, chunk: int | None = None) -> SpecResult:
+    state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len, chunk=chunk)
     return _spec_result(speculative_rounds(target, draft, state, spec=spec, eos_ids=eos_ids))
 
 
 def _speculative_start(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                       spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> tuple[_SpecState, Progress]:
-    state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len)
+                       spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int,
+                       chunk: int | None = None) -> tuple[_SpecState, Progress]:
+    state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len, chunk=chunk)
     return state, progress_of(state)
 
 
@@ -559,7 +566,9 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
         raise ValueError("the draft params are not on the target's mesh: shard both (qspec_jax.sharding.shard)")
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size,
                                config.target_kv)
+    chunk = prefill_chunk(cfg, config.prefill_chunk, tokens.shape[0], tokens.shape[1], max_len, config.target_kv,
+                          config.group_size, config.gamma_max)
     return run_generation(_speculative, _speculative_start, _speculative_chunk, (target, draft),
                           (jnp.asarray(tokens), jnp.asarray(lengths), key),
-                          dict(spec=config, eos_ids=tuple(eos), max_len=max_len),
+                          dict(spec=config, eos_ids=tuple(eos), max_len=max_len, chunk=chunk),
                           dict(spec=config, eos_ids=tuple(eos)), _spec_result, timings, on_tokens)

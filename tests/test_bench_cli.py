@@ -62,9 +62,12 @@ BAD_ARGS = [
     ("w4a16", ["--groups", "48"], "--groups must each be one of 32, 64, 128, got 48"),
     ("w4a16", ["--doc"], "--doc: no GPU (cpu backend), so this would be the --quick smoke test"),
     ("w4a16", ["--quick", "--time-budget", "0"], "--time-budget must be > 0 seconds, got 0.0"),
-    ("e2e", ["--parts", "nonsense"], "argument --parts: expected a comma-separated subset of 8b,batch,smollm,memory,tp, "
+    ("e2e", ["--parts", "nonsense"], "argument --parts: expected a comma-separated subset of 8b,batch,smollm,memory,prefill,tp, "
                                      "got 'nonsense'"),
     ("e2e", ["--quick", "--doc"], "--doc with --quick"),
+    ("e2e", ["--parts", "prefill", "--prefill-chunks", "8192,100"],
+     "--prefill-chunks must be multiples of 128 (the cache's group size), got 100"),
+    ("e2e", ["--parts", "prefill", "--request-alpha", "0"], "--request-alpha must be in (0, 1], got 0.0"),
     ("profile", ["--programs", "draft,nonsense"], "argument --programs: expected a comma-separated subset of "
                                                   "ar_bf16,draft,verify,ar_loop,spec_loop, got 'draft,nonsense'"),
     ("profile", ["--gamma", "0"], "--gamma must be in 1..7, got 0"),
@@ -178,6 +181,26 @@ def test_e2e_quick_writes_json_to_the_cache_only(stub_e2e: dict[str, Any], cache
     assert json.loads(out.read_text())["8b"] == {"note": "8b stand-in"}
     assert not any(Path.cwd().iterdir())
     assert {p: p.read_bytes() for p in (REPO / "docs").glob("*.md")} == docs  # the tracked reports untouched
+
+
+@pytest.mark.slow
+def test_e2e_quick_prefill_part_measures_every_row(cache_home: Path, tmp_path: Path) -> None:
+    """`--parts prefill --quick` runs the whole part on the CPU (attention, time to first token whole
+    and chunked, the request, the SmolLM2-shaped batch) with no failed row, and its report section
+    has every table."""
+    from qspec_jax.bench import report
+
+    assert bench.main(["e2e", "--quick", "--parts", "prefill", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    pf = res["prefill"]
+    rows = pf["attention"] + pf["ttft"] + pf["request"] + pf["smollm"]
+    assert not [r for r in rows if any("error" in k for k in r)], rows
+    assert {r["chunk"] for r in pf["ttft"]} == {None, 256}
+    assert all(r["s"] > 0 and r["tok_s"] > 0 for r in pf["ttft"] + pf["smollm"])
+    assert [r["tokens"] for r in pf["request"]] == [8, 8]
+    text = report.prefill_section(pf, res["environment"], res["command"])
+    for heading in ("Prompt attention, one layer", "Time to first token", "One request", "SmolLM2-135M's shape"):
+        assert heading in text
 
 
 def test_e2e_failed_part_exits_1(stub_e2e: dict[str, Any], cache_home: Path, tmp_path: Path,

@@ -508,11 +508,11 @@ def test_help_reads_as_typed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_gamma_max_copy_matches_the_cache() -> None:
-    """qspec_jax.cli repeats DEFAULT_GAMMA_MAX so that building the parsers imports no jax."""
-    from qspec_jax.cache import DEFAULT_GAMMA_MAX
-    from qspec_jax.cli import DEFAULT_GAMMA_MAX as cli_copy
+    """qspec_jax.cli repeats DEFAULT_GAMMA_MAX and DEFAULT_GROUP_SIZE so that building the parsers imports no jax."""
+    from qspec_jax import cli
+    from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
 
-    assert cli_copy == DEFAULT_GAMMA_MAX
+    assert (cli.DEFAULT_GAMMA_MAX, cli.DEFAULT_GROUP_SIZE) == (DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE)
 
 
 def test_tools_start_without_jax() -> None:

@@ -114,6 +114,28 @@ def test_long_prompt_default_settings_exact(model, model_bf16, dtype, bitwise_lo
     assert bitwise_logits(ar, res)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_chunked_prefill_exact_and_close(model, model_bf16, dtype, bitwise_logits):
+    """Issue 30: a real >= 1500-token prompt prefilled in chunks of 256 (6+ chunks, each reading
+    the earlier ones through the INT8 cache): speculative decoding still equals AR-int8 token for
+    token and logit for logit (both share the chunked prefill), and the first token's logits stay
+    close to the whole prompt's (the INT8 prefix moves them by its quantization error)."""
+    m = model_bf16 if dtype == "bfloat16" else model
+    new = 32
+    ids = _long_prompt(m, 1500)[:1500]
+    kw = dict(max_new_tokens=new, eos_token_ids=(), return_logits=True)
+    ar = generate_autoregressive(m, [ids], GenerationConfig(kv="int8", prefill_chunk=256, **kw))
+    res = generate(m, [ids], SpecConfig(gamma=4, prefill_chunk=256, **kw))
+    assert res.to_lists() == ar.to_lists()
+    assert bitwise_logits(ar, res)
+    whole = generate_autoregressive(m, [ids], GenerationConfig(kv="int8", prefill_chunk="whole", **kw))
+    first_chunked, first_whole = np.asarray(ar.logits[0, 0]), np.asarray(whole.logits[0, 0])
+    assert not np.array_equal(first_chunked, first_whole)  # the chunked prefill is what ran
+    err = np.linalg.norm(first_chunked - first_whole) / np.linalg.norm(first_whole)
+    assert err < 2e-2, err
+    assert ar.to_lists()[0][0] == whole.to_lists()[0][0]
+
+
 def test_generate_cli_json(smollm2_checkpoint, capsys):
     from qspec_jax.cli.generate import main
 

@@ -8,6 +8,8 @@ Parts (select with --parts):
   smollm  SmolLM2-135M real model on real text: AR vs speculative tokens/s at batch 1/8/32.
   memory  Peak memory of AR-bf16, AR-int8 and QuantSpec (8B shape) at 32k and 128k, and the
           longest context that fits, from the planner, confirmed by a run.
+  prefill Time to first token: prompt attention per layer, 8B prefill at 8k-128k (whole and chunked),
+          one 128k request end to end with the PyTorch peer, the longest prompt (`bench.prefill`).
   tp      Tensor parallelism: AR-bf16 and QuantSpec tokens/s of the 8B shape at 128k/256k on 1
           vs N devices (--tp-sizes), scaling efficiency and peak memory per device.
 
@@ -41,6 +43,8 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.bench import options, report, synthetic
+from qspec_jax.bench.prefill import part_prefill
+from qspec_jax.bench.prefill import torch_peers as prefill_torch_peers
 from qspec_jax.bench.timing import copy_bandwidth
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig, RopeScaling
@@ -558,7 +562,7 @@ def torch_peer(contexts: Sequence[int], group: int, out: Path) -> dict[str, Any]
 
 
 PROG = "qspec-bench e2e"
-PARTS = ("8b", "batch", "smollm", "memory", "tp")
+PARTS = ("8b", "batch", "smollm", "memory", "prefill", "tp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -601,6 +605,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="part memory: also run the planner's longest context to confirm it fits")
     p.add_argument("--batch-size", type=int, default=8, help="part batch: rows (prompt lengths context/2..context)")
     p.add_argument("--batch-contexts", type=ints, default="4096,32768", help="part batch: contexts")
+    p.add_argument("--prefill-contexts", type=ints, default="8192,32768,131072", help="part prefill: prompt lengths")
+    p.add_argument("--prefill-chunks", type=ints, default="8192",
+                   help="part prefill: chunk sizes of the chunked prefills timed (multiples of 128)")
+    p.add_argument("--request-context", type=int, default=131072, help="part prefill: the request's prompt tokens")
+    p.add_argument("--request-new-tokens", type=int, default=256, help="part prefill: the request's new tokens")
+    p.add_argument("--request-alpha", type=float, default=0.9, help="part prefill: the request's forced acceptance")
+    p.add_argument("--request-gamma", type=int, default=4, help="part prefill: the request's draft tokens per round")
+    p.add_argument("--prefill-smollm-batch", type=int, default=32,
+                   help="part prefill: prompts of the SmolLM2-shaped batch prefill (0 skips it)")
+    p.add_argument("--prefill-smollm-context", type=int, default=8000,
+                   help="part prefill: tokens of each prompt of the SmolLM2-shaped batch")
+    p.add_argument("--prefill-max-context", action="store_true",
+                   help="part prefill: also prefill and decode the planner's longest QuantSpec context (minutes)")
     p.add_argument("--tp-sizes", type=ints, default="1,2", help="part tp: device counts compared")
     p.add_argument("--tp-contexts", type=ints, default="131072,262144", help="part tp: contexts")
     p.add_argument("--torch-group", type=int, default=128, choices=(0, 32, 64, 128, 256),
@@ -617,8 +634,14 @@ def check_args(args: argparse.Namespace) -> None:
 
     options.positive(PROG, args, "--contexts", "--loop-contexts", "--gammas", "--loop-tokens", "--compile-workers",
                      "--steps", "--trials", "--smollm-context", "--smollm-new-tokens", "--smollm-batches",
-                     "--memory-contexts", "--tp-sizes", "--tp-contexts", "--batch-size", "--batch-contexts")
-    for flag in ("--gammas", "--loop-gamma", "--smollm-gamma"):
+                     "--memory-contexts", "--tp-sizes", "--tp-contexts", "--batch-size", "--batch-contexts",
+                     "--prefill-contexts", "--prefill-chunks", "--request-context", "--request-new-tokens",
+                     "--prefill-smollm-context")
+    require(PROG, args.prefill_smollm_batch >= 0, "--prefill-smollm-batch", args.prefill_smollm_batch, ">= 0")
+    bad = [c for c in args.prefill_chunks if c % 128]
+    require(PROG, not bad, "--prefill-chunks", ",".join(map(str, bad)), "multiples of 128 (the cache's group size)")
+    require(PROG, 0 < args.request_alpha <= 1, "--request-alpha", args.request_alpha, "in (0, 1]")
+    for flag in ("--gammas", "--loop-gamma", "--smollm-gamma", "--request-gamma"):
         value = getattr(args, flag[2:].replace("-", "_"))
         bad = [g for g in (value if isinstance(value, tuple) else (value,)) if not 1 <= g <= DEFAULT_GAMMA_MAX]
         require(PROG, not bad, flag, ",".join(map(str, bad)), f"in 1..{DEFAULT_GAMMA_MAX} (gamma_max)")
@@ -646,6 +669,8 @@ def _main(argv: Sequence[str] | None) -> int:
         args.gammas, args.steps, args.trials, args.loop_tokens, args.smollm_batches = (2, 4), 2, 1, 16, (1, 2)
         args.smollm_context, args.smollm_new_tokens, args.draft_group = 256, 16, 64
         args.tp_contexts, args.batch_contexts, args.batch_size = (1024,), (512,), 2
+        args.prefill_contexts, args.prefill_chunks, args.request_context, args.request_new_tokens = (512,), (256,), 512, 8
+        args.prefill_smollm_batch, args.prefill_smollm_context = min(args.prefill_smollm_batch, 2), 300
     options.resolve_outputs(PROG, args, "e2e", "BENCHMARKS.md", quick=args.quick)
     check_args(args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -654,13 +679,17 @@ def _main(argv: Sequence[str] | None) -> int:
     results: dict[str, Any] = {"environment": env, "command": options.command_line(PROG, argv)}
     if "8b" in args.parts and args.torch_group and not args.quick:  # before JAX allocates the GPU's memory
         results["torch_decode"] = torch_peer(args.contexts, args.torch_group, args.out)
+    prefill_peers = None
+    if "prefill" in args.parts and not args.quick and jax.default_backend() == "gpu":  # before JAX allocates
+        prefill_peers = prefill_torch_peers(args)
     bw = copy_bandwidth(256 << 20 if args.quick else 2 << 30, args.trials)
     results["copy_bandwidth_bytes_per_s"] = bw
     log(f"device-to-device copy: {bw / 1e12:.3f} TB/s")
     failed = []
     for part, fn in (("8b", lambda: part_8b(args, bw)), ("batch", lambda: part_batch(args)),
                      ("smollm", lambda: part_smollm(args)),
-                     ("memory", lambda: part_memory(args)), ("tp", lambda: part_tp(args))):
+                     ("memory", lambda: part_memory(args)),
+                     ("prefill", lambda: part_prefill(args, bench_config(args), prefill_peers)), ("tp", lambda: part_tp(args))):
         if part not in args.parts:
             continue
         try:

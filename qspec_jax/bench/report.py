@@ -190,11 +190,96 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         return
     if any(k in results for k in ("8b", "batch", "smollm", "memory")):
         update_section("e2e", "\n".join(parts), doc)
+    pf = results.get("prefill")
+    if pf:  # its own section: `--parts prefill` runs on its own (the longest prompt takes minutes)
+        update_section("prefill", prefill_section(pf, env, results["command"]), doc)
     tp = results.get("tp")
     if tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest
         update_section("tp", tp_section(tp, env, results["command"], bw), doc)
     elif tp:
         update_section("tp", f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`", doc)
+
+
+def _cell(row: dict[str, Any], key: str) -> Any:
+    """row[key], or the row's error (shortened) where the measurement failed."""
+    if key in row:
+        return row[key]
+    err = row.get("error") or next((v for k, v in row.items() if k.endswith("_error") and k.startswith(key[:6])), "")
+    return f"failed: {str(err)[:60]}" if err else float("nan")
+
+
+def prefill_section(pf: dict[str, Any], env: dict[str, Any], command: str) -> str:
+    """The "prefill" section: prompt attention per layer, time to first token, one long request."""
+    if "error" in pf:
+        return f"## Prefill\n\nFailed: `{pf['error']}`"
+    parts = [f"## Prefill (time to first token)\n\n{env_line(env, command)}\n\n{pf['config']}."]
+    sdpa = {r.get("context"): r for r in pf.get("torch_sdpa", [])}
+    att = pf.get("attention", [])
+    if att:
+        chunk_keys = sorted({k[:-3] for r in att for k in r if k.startswith("ours_chunk") and k.endswith("_ms")},
+                            key=lambda k: int(k[len("ours_chunk"):]))
+        parts.append("\n### Prompt attention, one layer (32 q / 8 kv heads, D 128, bf16; ms and causal TFLOP/s)\n\n"
+                     "Ours whole: `attention.prefill_attention` as `model.prefill` runs a whole prompt. Ours chunk C: "
+                     "the attention of a chunked prefill summed over its chunks (each over the hierarchical cache's "
+                     "prefix through the INT8 view, split and merged by log-sum-exp, plus itself). Peers in the same "
+                     "run: cuDNN through `jax.nn.dot_product_attention(implementation='cudnn')` and torch SDPA.\n")
+        heads = ["T", "ours whole ms", "TFLOP/s"]
+        for k in chunk_keys:
+            heads += [f"ours chunk {k[len('ours_chunk'):]} ms", "TFLOP/s"]
+        heads += ["cuDNN (JAX) ms", "TFLOP/s", "torch SDPA ms", "TFLOP/s"]
+        rows = []
+        for r in att:
+            row = [r["context"], _cell(r, "ours_whole_ms"), _cell(r, "ours_whole_tflops")]
+            for k in chunk_keys:
+                row += [_cell(r, f"{k}_ms"), _cell(r, f"{k}_tflops")]
+            peer = sdpa.get(r["context"], {})
+            row += [_cell(r, "cudnn_ms"), _cell(r, "cudnn_tflops"), peer.get("ms", float("nan")),
+                    peer.get("tflops", float("nan"))]
+            rows.append(row)
+        parts.append(table(heads, rows))
+    torch_pre = {r.get("context"): r for r in pf.get("torch_prefill", [])}
+    ttft = pf.get("ttft", [])
+    if ttft:
+        parts.append("\n### Time to first token (`model.prefill` of one prompt into the hierarchical cache)\n\n"
+                     "Compiled once; median of runs. TFLOP/s: 2 x linear weights x T plus the causal attention, "
+                     "over the time. Temporaries: the compiled program's (XLA memory analysis). PyTorch peer: the "
+                     "same prompt's forward in eager PyTorch, bf16 weights, SDPA flash attention.\n")
+        parts.append(table(
+            ["T", "chunk", "seconds", "prompt tok/s", "TFLOP/s", "temporaries GB", "PyTorch s"],
+            [[r["context"], r["chunk"] or "whole", _cell(r, "s"), _cell(r, "tok_s"), _cell(r, "tflops"),
+              (r.get("temp_bytes") or float("nan")) / 1e9 if "temp_bytes" in r else float("nan"),
+              torch_pre.get(r["context"], {}).get("ms", float("nan")) / 1e3] for r in ttft]))
+    sm = pf.get("smollm", [])
+    if sm:
+        r = sm[0]
+        parts.append(f"\nSmolLM2-135M's shape (random weights), {r['batch']} prompts of {r['context']:,} tokens (padded to "
+                     f"{r['padded']:,} as generation pads them), whole: " + (
+                         f"{r['s']:.3f} s to the first token ({r['tok_s']:,.0f} prompt tok/s)." if "s" in r
+                         else f"failed: {r.get('error')}"))
+    req = pf.get("request", [])
+    if req:
+        t = req[0]["context"]
+        peer_pre = torch_pre.get(t, {}).get("ms", float("nan")) / 1e3
+        peer_step = next((r.get("ms", float("nan")) for r in pf.get("torch_decode_int4", [])
+                          if r.get("context") == t), float("nan")) / 1e3
+        n = req[0]["new_tokens"]
+        parts.append(f"\n### One request: {t:,}-token prompt + {n} new tokens\n\n"
+                     "Prefill, then the decode loop on its cache (each program compiled and warmed up first; one "
+                     "timed run). QuantSpec at forced acceptance (random weights); the PyTorch peer is its bf16 "
+                     "prefill plus as many CUDA-graph int4 (tinygemm) decode steps at this context.\n")
+        rows = [[r["mode"], r.get("chunk") or "whole", _cell(r, "prefill_s"), _cell(r, "decode_s"),
+                 _cell(r, "total_s")] for r in req]
+        rows.append(["PyTorch (SDPA + CUDA-graph int4)", "whole", peer_pre, n * peer_step, peer_pre + n * peer_step])
+        parts.append(table(["mode", "prefill chunk", "prefill s", "decode s", "total s"], rows))
+    lg = pf.get("longest")
+    if lg:
+        parts.append(f"\n### The longest prompt\n\nPlanner's QuantSpec maximum context on this device "
+                     f"({lg['device_bytes'] / 2**30:.1f} GiB): {lg['planned_context']:,} tokens; a {lg['prompt']:,}-token "
+                     f"random prompt prefilled in chunks of {lg['chunk']} and decoded for {lg['new_tokens']} tokens: "
+                     + (f"prefill {lg['prefill_s_incl_compile']:.1f} s, decode {lg['decode_s_incl_compile']:.1f} s "
+                        f"(both including compilation), peak memory in use {lg['peak_bytes_in_use'] / 1e9:.1f} GB."
+                        if lg.get("ok") else f"FAILED: {lg.get('error')}"))
+    return "\n".join(parts)
 
 
 def tp_section(tp: dict[str, Any], env: dict[str, Any], command: str, bandwidth: float) -> str:

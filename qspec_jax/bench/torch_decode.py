@@ -1,5 +1,7 @@
 """The PyTorch peer of the end-to-end benchmark: one decode step of the Llama-3.1-8B shape in
-PyTorch, captured in a CUDA graph, with bf16 weights or int4 tinygemm weights.
+PyTorch, captured in a CUDA graph, with bf16 weights or int4 tinygemm weights; and (--mode
+prefill / sdpa) the prompt's side: a whole-prompt forward with bf16 weights and SDPA's causal
+flash attention, or that attention alone for one layer.
 
 What a user would write without our library (gpt-fast's structure without torch.compile): fused
 q|k|v and gate|up projections, RoPE, the new K/V copied into a static bf16 cache, SDPA (flash,
@@ -8,6 +10,8 @@ the greedy token, all replayed from one CUDA graph so launch overhead does not c
 decodes at the same position (as `e2e.decode_steps` rolls back), so the shapes are static.
 
     python -m qspec_jax.bench.torch_decode --contexts 4096,131072 --weights bf16,int4 --out FILE.json
+    python -m qspec_jax.bench.torch_decode --mode prefill --contexts 8192,131072 --out FILE.json
+    python -m qspec_jax.bench.torch_decode --mode sdpa --contexts 8192,32768 --out FILE.json
 
 Runs in its own process (e2e starts it with subprocess): JAX and PyTorch each want the GPU's
 memory. Prints one JSON line per (weights, context); exits 0 with a "skipped" record where torch
@@ -157,10 +161,106 @@ def time_step(weights: str, context: int, group: int = 128, steps: int = 32, tri
     return out
 
 
+def _median_ms(fn: Any, trials: int) -> float:
+    """Median milliseconds of `fn()` over `trials` runs after one warm-up, timed with CUDA events."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def time_sdpa(context: int, trials: int = 5, shape: dict[str, Any] = SHAPE) -> dict[str, Any]:
+    """One layer's causal prompt attention through SDPA (flash, GQA), bf16, batch 1."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    q = torch.randn(1, hq, context, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, context, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, hkv, context, d, device="cuda", dtype=torch.bfloat16)
+    ms = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), trials)
+    flops = 2.0 * context * context * d * hq  # causal: half of 4 T^2 D H
+    return {"mode": "sdpa", "context": context, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "trials": trials,
+            "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+
+
+def prefill_fn(m: dict[str, Any]):
+    """The whole-prompt forward of the model `build` made (bf16 weights): tokens int64[1, T] ->
+    the greedy next token, writing every layer's K/V into the static cache. Eager PyTorch with
+    SDPA's causal flash attention: what a user without a serving engine would run."""
+    import torch
+    import torch.nn.functional as F
+
+    s = m["shape"]
+    hq, hkv, d, eps = s["heads"], s["kv_heads"], s["head_dim"], s["eps"]
+    inv = 1.0 / (s["rope_theta"] ** (torch.arange(0, d, 2, device=m["device"], dtype=torch.float32) / d))
+
+    def norm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+    def forward(tok):
+        t = tok.shape[1]
+        ang = torch.arange(t, device=m["device"], dtype=torch.float32)[:, None] * inv
+        cos, sin = torch.cos(ang).to(torch.bfloat16), torch.sin(ang).to(torch.bfloat16)
+
+        def rope(x):  # [1, H, T, D], rotate-half
+            x1, x2 = x[..., : d // 2], x[..., d // 2:]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+        x = m["embed"][tok]  # [1, T, hidden]
+        for i, lw in enumerate(m["layers"]):
+            qkv = norm(x, m["norms"][i, 0]) @ lw["qkv"][0].T
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = rope(q.view(1, t, hq, d).transpose(1, 2))
+            k = rope(k.view(1, t, hkv, d).transpose(1, 2))
+            v = v.view(1, t, hkv, d).transpose(1, 2)
+            m["k"][i, :, :, :t] = k
+            m["v"][i, :, :, :t] = v
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + a.transpose(1, 2).reshape(1, t, hq * d) @ lw["o"][0].T
+            gate, up = (norm(x, m["norms"][i, 1]) @ lw["gate_up"][0].T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ lw["down"][0].T
+        logits = norm(x[:, -1], m["final_norm"]) @ m["lm_head"][0].T
+        return torch.argmax(logits, dim=-1)
+
+    return forward
+
+
+def time_prefill(context: int, trials: int = 2) -> dict[str, Any]:
+    """Median milliseconds of a `context`-token prompt's forward (bf16 weights, batch 1)."""
+    import torch
+
+    m = build("bf16", context, 128)
+    forward = prefill_fn(m)
+    tok = torch.randint(0, SHAPE["vocab"], (1, context), device="cuda")
+    with torch.no_grad():
+        ms = _median_ms(lambda: forward(tok), trials)
+    out = {"mode": "prefill", "weights": "bf16", "context": context, "ms": ms, "trials": trials,
+           "peak_bytes": int(torch.cuda.max_memory_allocated()), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name()}
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m qspec_jax.bench.torch_decode", description=__doc__.split("\n")[0])
+    p.add_argument("--mode", default="decode", choices=("decode", "prefill", "sdpa"),
+                   help="decode: one CUDA-graph decode step; prefill: a whole prompt's forward (bf16); "
+                        "sdpa: one layer's causal prompt attention (default: decode)")
     p.add_argument("--contexts", default="4096,131072", help="comma-separated contexts (default: 4096,131072)")
-    p.add_argument("--weights", default="bf16,int4", help="bf16, int4 or both (default: bf16,int4)")
+    p.add_argument("--weights", default="bf16,int4", help="bf16, int4 or both (decode; default: bf16,int4)")
     p.add_argument("--group", type=int, default=128, help="int4 group size, a tinygemm size (default: 128)")
     p.add_argument("--out", default=None, help="also write the records to this JSON file")
     args = p.parse_args(argv)
@@ -168,11 +268,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         contexts = [int(c) for c in args.contexts.split(",") if c]
     except ValueError:
         p.error(f"--contexts: expected comma-separated integers, got {args.contexts!r}")
+    if not contexts or min(contexts) < 1:
+        p.error(f"--contexts: expected positive integers, got {args.contexts!r}")
     kinds = [w for w in args.weights.split(",") if w]
     if not kinds or any(w not in ("bf16", "int4") for w in kinds):
         p.error(f"--weights: expected bf16 and/or int4, got {args.weights!r}")
     if args.group not in (32, 64, 128, 256):
         p.error(f"--group: tinygemm takes 32, 64, 128 or 256, got {args.group}")
+    if args.mode != "decode":
+        kinds = [args.mode]
     status = torch_status()
     records = []
     for w in kinds:
@@ -182,7 +286,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 t0 = time.perf_counter()
                 try:
-                    rec = {**time_step(w, c, args.group), "status": "ok", "wall_s": time.perf_counter() - t0}
+                    if w == "sdpa":
+                        rec = time_sdpa(c)
+                    elif w == "prefill":
+                        rec = time_prefill(c)
+                    else:
+                        rec = time_step(w, c, args.group)
+                    rec = {**rec, "status": "ok", "wall_s": time.perf_counter() - t0}
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory at a long context: a result
                     rec = {"weights": w, "context": c, "status": f"failed: {type(e).__name__}: {e}"[:300]}
             print(json.dumps(rec), flush=True)

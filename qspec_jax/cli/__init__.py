@@ -16,9 +16,10 @@ import textwrap
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
-# = qspec_jax.cache.DEFAULT_GAMMA_MAX (a test checks they agree), repeated here so that building
-# the parsers imports no jax: the tools import jax inside run_cli, where an early Ctrl-C is caught.
+# = qspec_jax.cache.DEFAULT_GAMMA_MAX and DEFAULT_GROUP_SIZE (a test checks they agree), repeated here so
+# that building the parsers imports no jax: the tools import jax inside run_cli, where an early Ctrl-C is caught.
 DEFAULT_GAMMA_MAX = 7
+DEFAULT_GROUP_SIZE = 128
 # Hierarchical KV cache group sizes the CLIs accept: powers of two >= 16 (what the Pallas decode
 # kernels take), all larger than gamma_max (the FP ring holds 2G + gamma_max tokens, SPEC §4).
 KV_GROUP_SIZES = (16, 32, 64, 128, 256)

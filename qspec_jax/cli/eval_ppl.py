@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=("target", "draft"), default="target",
                    help="evaluate with the target's weights or the INT4 draft's (the checkpoint's stored draft, or the "
                         "format the --draft-* flags ask for)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill the context in chunks of this many tokens (a multiple of --group-size; each chunk "
+                        "reads the earlier ones from the cache, as `model.prefill(chunk=)` does); default: the "
+                        "whole context at once")
     p.add_argument("--json", action="store_true", help='print one JSON object: ppl and the number of tokens')
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (a 1-D mesh over local devices)")
     add_draft_format_args(p)
@@ -60,6 +64,9 @@ def check_args(args: argparse.Namespace) -> None:
     require(PROG, args.offset >= 0, "--offset", args.offset, ">= 0")
     require(PROG, args.tp >= 1, "--tp", args.tp, ">= 1")
     require_kv_group(PROG, args.group_size)
+    if args.prefill_chunk is not None:
+        require(PROG, args.prefill_chunk >= 1 and args.prefill_chunk % args.group_size == 0, "--prefill-chunk",
+                args.prefill_chunk, f"a positive multiple of --group-size {args.group_size}")
     check_draft_flags(PROG, args)
     if draft_fields(args) and args.weights != "draft":
         fail(PROG, "--draft-group/--draft-scope/--draft-method/--draft-lm-head choose the draft's format; "
@@ -91,7 +98,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                            what="--text")
     tokens = np.stack([ids[b * args.eval_tokens: b * args.eval_tokens + window] for b in range(args.batch)])
     res = teacher_forced(params, tokens, args.context, kv=args.kv, group_size=args.group_size,
-                         progress=not args.json)
+                         progress=not args.json, prefill_chunk=args.prefill_chunk)
     out = {"ppl": perplexity(res["nll"]), "tokens": int(res["nll"].size)}
     if args.json:
         print(json.dumps(out))

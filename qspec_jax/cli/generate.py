@@ -30,12 +30,13 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from qspec_jax.cli import (DEFAULT_GAMMA_MAX, HelpFormatter, Parser, add_compile_cache_arg, add_draft_format_args,
+from qspec_jax.cli import (DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, HelpFormatter, Parser, add_compile_cache_arg, add_draft_format_args,
                            check_draft_flags, check_prompt, compile_cache, draft_fields, fail, read_text, require,
                            require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft)
 
 PROG = "qspec-generate"
 COMPARE_AR = ("same", "bf16", "both")
+PROGRESS_MIN_TOKENS = 4096  # prompts at least this long show the prefill's progress on stderr
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "given): the same target (weights and KV cache), whose tokens speculative decoding must equal "
                         "exactly; bf16: autoregressive decoding over a dense bf16 KV cache, a different target whose "
                         "tokens may differ; both: the two (default: no comparison)")
+    p.add_argument("--prefill-chunk", type=_chunk_arg, default="auto",
+                   help="how the prompt is prefilled: auto (the whole prompt at once when its temporaries fit in the "
+                        "device's free memory, else chunks of 8192 tokens), whole, or a chunk size N (a multiple of "
+                        f"the cache's group size, {DEFAULT_GROUP_SIZE} with --kv int8): each chunk reads the earlier "
+                        "ones from the KV cache, so peak memory grows with N, not with the prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--stream", action="store_true",
                    help="print the text as it is generated (every few rounds) instead of at the end")
@@ -91,6 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "ablation: the draft then differs from the target only in reading the INT4 KV view)")
     add_draft_format_args(p)
     return p
+
+
+def _chunk_arg(text: str) -> int | str:
+    """--prefill-chunk: 'auto', 'whole' or a positive integer."""
+    if text in ("auto", "whole"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'whole' or a positive number of tokens, got {text!r}")
+    return value
 
 
 def _gamma_arg(text: str) -> int | str:
@@ -123,6 +142,9 @@ def check_args(args: argparse.Namespace) -> None:
     require(PROG, args.top_k >= 0, "--top-k", args.top_k, ">= 0 (0 = all tokens)")
     require(PROG, 0.0 < args.top_p <= 1.0, "--top-p", args.top_p, "in (0, 1]")
     require(PROG, args.tp >= 1, "--tp", args.tp, ">= 1")
+    if isinstance(args.prefill_chunk, int) and args.kv == "int8":
+        require(PROG, args.prefill_chunk % DEFAULT_GROUP_SIZE == 0, "--prefill-chunk", args.prefill_chunk,
+                f"a multiple of the INT8 cache's group size {DEFAULT_GROUP_SIZE} (or auto / whole)")
     check_draft_flags(PROG, args)
     if args.mode == "ar" and args.compare_ar:
         fail(PROG, "--compare-ar compares against spec mode; drop it or use --mode spec")
@@ -143,7 +165,14 @@ def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
         draft = dict(draft_group=d.group_size, draft_scope=d.scope, draft_lm_head=d.lm_head, draft_method=d.method)
     return SpecConfig(gamma=gamma, draft_weights=args.draft_weights, draft_policy=args.draft_policy,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, **kv, **draft)
+                      top_p=args.top_p, **kv, **draft, **prefill_options(args))
+
+
+def prefill_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The prefill fields of either config: --prefill-chunk, and a progress line on stderr for a
+    prompt of PROGRESS_MIN_TOKENS or more (not with --json, whose stdout is one object)."""
+    long = getattr(args, "prompt_tokens", 0) >= PROGRESS_MIN_TOKENS
+    return dict(prefill_chunk=args.prefill_chunk, prefill_progress=long and not args.json)
 
 
 def plan_gamma(model: Any, ids: list[int], args: argparse.Namespace) -> str:
@@ -206,8 +235,8 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str, partia
     out: dict[str, Any] = {"mode": mode}
     kv_kind = kv or args.kv
     if mode == "ar":
-        stream = TokenStream(generate_autoregressive, model, [ids], GenerationConfig(kv=kv_kind, **sampling), key,
-                             timings=timings)
+        stream = TokenStream(generate_autoregressive, model, [ids],
+                             GenerationConfig(kv=kv_kind, **sampling, **prefill_options(args)), key, timings=timings)
     else:
         spec = spec_config(model, args, args.gamma)
         draft = model.draft_params if args.draft_weights == "int4" else model.params
@@ -280,6 +309,7 @@ def _generate(args: argparse.Namespace) -> int:
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype, mesh=tp_mesh(args.tp, PROG))
     require_tokenizer(model)
     ids = model.encode(args.prompt, chat=args.chat)
+    args.prompt_tokens = len(ids)
     if args.mode == "spec":
         if args.draft_weights == "int4":
             model = use_draft(PROG, model, draft_fields(args))
