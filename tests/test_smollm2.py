@@ -119,7 +119,9 @@ def test_chunked_prefill_exact_and_close(model, model_bf16, dtype, bitwise_logit
     """Issue 30: a real >= 1500-token prompt prefilled in chunks of 256 (6+ chunks, each reading
     the earlier ones through the INT8 cache): speculative decoding still equals AR-int8 token for
     token and logit for logit (both share the chunked prefill), and the first token's logits stay
-    close to the whole prompt's (the INT8 prefix moves them by its quantization error)."""
+    close to the whole prompt's: the INT8 prefix moves them by its quantization error (2% in
+    float32), and in bfloat16 also by rounding: the whole prompt's jnp attention rounds p to
+    bfloat16 before P·V, the chunked one computes over the float32-dequantized prefix (5%)."""
     m = model_bf16 if dtype == "bfloat16" else model
     new = 32
     ids = _long_prompt(m, 1500)[:1500]
@@ -132,7 +134,7 @@ def test_chunked_prefill_exact_and_close(model, model_bf16, dtype, bitwise_logit
     first_chunked, first_whole = np.asarray(ar.logits[0, 0]), np.asarray(whole.logits[0, 0])
     assert not np.array_equal(first_chunked, first_whole)  # the chunked prefill is what ran
     err = np.linalg.norm(first_chunked - first_whole) / np.linalg.norm(first_whole)
-    assert err < 2e-2, err
+    assert err < (2e-2 if dtype == "float32" else 5e-2), err
     assert ar.to_lists()[0][0] == whole.to_lists()[0][0]
 
 
