@@ -63,6 +63,7 @@ bench: $(VENV)/.installed-dev $(CKPT)/qspec_checkpoint.json $(TEXTS)
 	$(BIN)/qspec-bench profile --out docs/bench/profile --doc docs/BENCHMARKS.md
 	$(BIN)/qspec-bench e2e --alphas 0.9,0.75 --smollm-checkpoint $(CKPT) --text-dir $(TEXTS) --confirm-max-context \
 		--out docs/bench --doc docs/BENCHMARKS.md
+	$(BIN)/qspec-bench e2e --parts prefill --prefill-max-context --out docs/bench/prefill --doc docs/BENCHMARKS.md
 
 # Tensor parallelism on a machine with >= 2 GPUs: rewrite the "tp" section of docs/BENCHMARKS.md.
 bench-tp: $(VENV)/.installed-dev

@@ -225,6 +225,8 @@ def request_rows(params: M.Params, draft: M.Params, t: int, new: int, alpha: flo
     spec = SpecConfig(gamma=gamma, max_new_tokens=new, forced_acceptance=alpha, eos_token_ids=(), group_size=group)
     for name in ("ar_bf16", "quantspec"):
         row: dict[str, Any] = {"mode": name, "context": t, "new_tokens": new}
+        if name == "quantspec":
+            row.update(alpha=alpha, gamma=gamma)
         try:
             if name == "ar_bf16":
                 max_len = decode_cache_len(t, new, ar.width, group, "bf16")

@@ -263,10 +263,14 @@ def prefill_section(pf: dict[str, Any], env: dict[str, Any], command: str) -> st
         peer_step = next((r.get("ms", float("nan")) for r in pf.get("torch_decode_int4", [])
                           if r.get("context") == t), float("nan")) / 1e3
         n = req[0]["new_tokens"]
+        spec = next((r for r in req if r["mode"] == "quantspec"), {})
+        forced = (f"α = {spec['alpha']}, γ = {spec['gamma']}" if "alpha" in spec
+                  else "α = 0.9, γ = 4 (the bench's defaults)")
         parts.append(f"\n### One request: {t:,}-token prompt + {n} new tokens\n\n"
-                     "Prefill, then the decode loop on its cache (each program compiled and warmed up first; one "
-                     "timed run). QuantSpec at forced acceptance (random weights); the PyTorch peer is its bf16 "
-                     "prefill plus as many CUDA-graph int4 (tinygemm) decode steps at this context.\n")
+                     "Prefill (whole or chunked as `generate`'s default `prefill_chunk=\"auto\"` decides on this "
+                     "device), then the decode loop on its cache (each program compiled and warmed up first; one "
+                     f"timed run). QuantSpec at forced acceptance ({forced}; random weights); the PyTorch peer is "
+                     "its bf16 prefill plus as many CUDA-graph int4 (tinygemm) decode steps at this context.\n")
         rows = [[r["mode"], r.get("chunk") or "whole", _cell(r, "prefill_s"), _cell(r, "decode_s"),
                  _cell(r, "total_s")] for r in req]
         rows.append(["PyTorch (SDPA + CUDA-graph int4)", "whole", peer_pre, n * peer_step, peer_pre + n * peer_step])
