@@ -21,6 +21,7 @@ from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GROUP_SIZE
 from qspec_jax.compilation import run_program
 from qspec_jax.generation import new_cache
+from qspec_jax.planner import Request, check_params_fit, out_of_memory, resource_exhausted
 
 Array = jax.Array
 KV_EVAL_KINDS = {"bf16": ("bf16", "target"), "int8": ("int8", "target"), "int4": ("int8", "draft")}
@@ -107,14 +108,34 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
     Returns {"nll": [B, M], "target_top": [B, M], "draft_top": [B, M]} (numpy); draft_top is the
     draft's argmax when `draft` is given (viewing the cache as `draft_kv`). `scale_dtype` is the
     hierarchical cache's scale/zero dtype.
+
+    An evaluation that does not fit this device's memory (the cache, with a draft a second one
+    for its prefill, and the passes' temporaries: `planner.request_bytes`) raises
+    `planner.DoesNotFitError`, a ValueError, before anything is allocated for it; XLA out of
+    memory while running it, `planner.OutOfMemoryError`.
     """
     if kv not in KV_EVAL_KINDS:
         raise ValueError(f"kv={kv!r}; expected one of {tuple(KV_EVAL_KINDS)}")
-    cfg = target.config
     b, total = tokens.shape
     n_eval = total - context
     if context < 1 or n_eval < 1:
         raise ValueError(f"need context >= 1 and >= 1 evaluated token; got context={context}, total={total}")
+    request = Request(b, context, n_eval, kv=KV_EVAL_KINDS[kv][0], width=1, group_size=group_size, gamma_max=1,
+                      caches=1 if draft is None else 2)
+    check_params_fit(target, request, draft=draft)  # before anything is allocated
+    try:
+        return _teacher_forced(target, tokens, context, kv, draft, draft_kv, group_size, scale_dtype, progress)
+    except Exception as e:
+        if resource_exhausted(e):  # the estimate let it through: the same kind of line, from XLA's account
+            raise out_of_memory(target, request, e, draft=draft) from e
+        raise
+
+
+def _teacher_forced(target: M.Params, tokens: np.ndarray, context: int, kv: str, draft: M.Params | None,
+                    draft_kv: str, group_size: int, scale_dtype: Any, progress: bool) -> dict[str, np.ndarray]:
+    """`teacher_forced` of checked arguments."""
+    cfg = target.config
+    b, total = tokens.shape
     cache_kind, view = KV_EVAL_KINDS[kv]
     draft_view = KV_EVAL_KINDS[draft_kv][1]
     max_len = int(np.ceil((total + 1) / group_size) * group_size)

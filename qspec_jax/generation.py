@@ -41,6 +41,7 @@ from flax import struct
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
 from qspec_jax.compilation import programs, run_program
+from qspec_jax.planner import Request, check_params_fit, decode_cache_len, out_of_memory, resource_exhausted
 from qspec_jax.sampling import SamplingConfig, sample
 from qspec_jax.sharding import constrain_cache
 
@@ -95,6 +96,12 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+    def memory_request(self, batch: int, prompt_len: int, longest: int | None = None) -> Request:
+        """What generating with these settings from `batch` prompts padded to `prompt_len` tokens
+        (the longest `longest` before padding) asks of a device (`planner.request_bytes`)."""
+        return Request(batch, prompt_len, self.max_new_tokens, kv=self.kv, width=self.width, group_size=self.group_size,
+                       gamma_max=ring_gamma_max(self.width), longest=longest, return_logits=self.return_logits)
 
 
 @struct.dataclass
@@ -170,21 +177,6 @@ def check_fits(cfg: M.ModelConfig, lengths: np.ndarray, new_tokens: int) -> None
         raise ValueError(
             f"prompt of {int(lengths.max())} tokens + {new_tokens} new tokens = {need} exceeds the "
             f"model's max_position_embeddings={cfg.max_position_embeddings}")
-
-
-def cache_capacity(prompt_len: int, extra: int, group_size: int) -> int:
-    """Cache length covering the padded prompt plus `extra` tokens, a multiple of group_size."""
-    return int(math.ceil((prompt_len + extra) / group_size) * group_size)
-
-
-def decode_cache_len(prompt_len: int, max_new_tokens: int, width: int, group_size: int, kv: str = "int8") -> int:
-    """The cache length autoregressive and speculative generation both use: the padded prompt,
-    every new token, and one pass of `width` columns past them, rounded up to the quantization
-    group for the hierarchical cache (`kv` "int8") and to DEFAULT_GROUP_SIZE for a dense one,
-    whose length must not depend on a group size it does not use. Both use this one formula
-    (and the same ring size) so that, at the same width, their caches have the same geometry
-    and the attention's reductions the same shapes."""
-    return cache_capacity(prompt_len, max_new_tokens + width, group_size if kv == "int8" else DEFAULT_GROUP_SIZE)
 
 
 def eos_array(eos_ids: tuple[int, ...]) -> Array:
@@ -467,6 +459,11 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     as without it, token for token. `qspec_jax.streaming.TokenStream` turns it into an iterator.
     bucket: the prompt padding (`pad_prompts`): None pads to `length_bucket`'s ladder, which
     bounds the compiled programs; an int pads to a multiple of it (1: none).
+
+    A request that does not fit this device's memory (weights + KV cache + temporaries:
+    `planner.request_bytes`) raises `planner.DoesNotFitError`, a ValueError, before anything is
+    compiled; one XLA still finds out of memory while running (and raises before this returns:
+    with `timings` or `on_tokens`) raises its subclass `planner.OutOfMemoryError`.
     """
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"generate_autoregressive: config must be a GenerationConfig, got {type(config).__name__}"
@@ -476,9 +473,16 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     cfg = params.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size, bucket)
     check_fits(cfg, lengths, config.max_new_tokens)
+    request = config.memory_request(*tokens.shape, longest=int(lengths.max()))
+    check_params_fit(params, request)  # DoesNotFitError (a ValueError) before anything is compiled
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)
-    return run_generation(_autoregressive, _autoregressive_start, _autoregressive_chunk, (params,),
-                          (jnp.asarray(tokens), jnp.asarray(lengths), key),
-                          dict(gen=config, eos_ids=tuple(eos), max_len=max_len), dict(gen=config, eos_ids=tuple(eos)),
-                          _ar_result, timings, on_tokens)
+    try:
+        return run_generation(_autoregressive, _autoregressive_start, _autoregressive_chunk, (params,),
+                              (jnp.asarray(tokens), jnp.asarray(lengths), key),
+                              dict(gen=config, eos_ids=tuple(eos), max_len=max_len),
+                              dict(gen=config, eos_ids=tuple(eos)), _ar_result, timings, on_tokens)
+    except Exception as e:
+        if resource_exhausted(e):  # the estimate let it through: the same kind of line, from XLA's account
+            raise out_of_memory(params, request, e) from e
+        raise
