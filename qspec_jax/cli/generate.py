@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from qspec_jax.cli import (DEFAULT_GAMMA_MAX, HelpFormatter, Parser, add_compile_cache_arg, add_draft_format_args,
                            check_draft_flags, check_prompt, compile_cache, draft_fields, fail, read_text, require,
-                           require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft)
+                           require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft, write_failed)
 
 PROG = "qspec-generate"
 COMPARE_AR = ("same", "bf16", "both")
@@ -149,11 +149,17 @@ def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
 def plan_gamma(model: Any, ids: list[int], args: argparse.Namespace) -> str:
     """--gamma auto: sets args.gamma to the planner's choice, or args.mode to "ar" when no gamma
     is predicted faster; returns the planner's one-line summary."""
-    from qspec_jax.planner import plan
+    from qspec_jax.planner import default_cost_cache, plan
 
     draft = model.draft_params if args.draft_weights == "int4" else model.params
-    chosen = plan(model, [ids], spec_config(model, args, 4), alpha=args.acceptance, draft_params=draft,
-                  cost_cache=args.plan_cache)
+    cache = args.plan_cache or default_cost_cache()
+    try:
+        chosen = plan(model, [ids], spec_config(model, args, 4), alpha=args.acceptance, draft_params=draft,
+                      cost_cache=cache)
+    except OSError as e:  # the cache could not be written (checked beforehand, yet a disk may fill up)
+        if e.filename != str(cache):
+            raise
+        write_failed(PROG, "--plan-cache" if args.plan_cache else "the step-cost cache", cache, e)
     if chosen.spec is None:
         args.mode = "ar"
     else:
