@@ -180,18 +180,19 @@ def test_e2e_quick_writes_json_to_the_cache_only(stub_e2e: dict[str, Any], cache
     assert {p: p.read_bytes() for p in (REPO / "docs").glob("*.md")} == docs  # the tracked reports untouched
 
 
-def test_e2e_failed_part_exits_1(stub_e2e: dict[str, Any], cache_home: Path, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_e2e_failed_part_exits_1(stub_e2e: dict[str, Any], cache_home: Path, tmp_path: Path, text_dir: Path,
+                                 tiny_chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A part that raises: its traceback, the other parts still run, and exit status 1 (it was 0)."""
-    stub_e2e["fail"].add("8b")
+    stub_e2e["fail"].add("smollm")
     doc = tmp_path / "B.md"
-    assert bench.main(["e2e", "--parts", "8b,memory", "--out", str(tmp_path / "o"), "--doc", str(doc)]) == 1
+    assert bench.main(["e2e", "--parts", "smollm,memory", "--smollm-checkpoint", str(tiny_chat_checkpoint),
+                       "--text-dir", str(text_dir), "--out", str(tmp_path / "o"), "--doc", str(doc)]) == 1
     err = capsys.readouterr()
-    assert "RuntimeError: 8b broke" in err.err and "qspec-bench e2e: part(s) 8b failed" in err.out
-    assert stub_e2e["ran"] == ["8b", "memory"]
+    assert "RuntimeError: smollm broke" in err.err and "qspec-bench e2e: part(s) smollm failed" in err.out
+    assert stub_e2e["ran"] == ["smollm", "memory"]
     results = json.loads((tmp_path / "o" / "e2e.json").read_text())
-    assert results["8b"]["error"] == "RuntimeError: 8b broke"
-    assert "<!-- e2e:begin -->" in doc.read_text() and "Failed: `RuntimeError: 8b broke`" in doc.read_text()
+    assert results["smollm"]["error"] == "RuntimeError: smollm broke"
+    assert "<!-- e2e:begin -->" in doc.read_text() and "Failed: `RuntimeError: smollm broke`" in doc.read_text()
 
 
 def test_quality_writes_its_report_only_with_doc(monkeypatch: pytest.MonkeyPatch, tiny_chat_checkpoint: Path,
