@@ -137,9 +137,12 @@ def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, lay
     return _ungroup(o, q.dtype)
 
 
-def _use_pallas(impl: str) -> bool:
+def uses_kernels(impl: str, platform: str | None = None) -> bool:
+    """Whether decode attention under ModelConfig.attention_impl `impl` runs the Pallas kernels
+    (rather than the jnp code here): "auto" on a GPU (`platform`, default this process's backend),
+    or a kernel named."""
     if impl == "auto":
-        return jax.default_backend() == "gpu"
+        return (platform or jax.default_backend()) == "gpu"
     return impl in ("pallas", "mosaic", "triton")
 
 
@@ -154,7 +157,7 @@ def attention_inputs(q: Any, q_pos: Array, cache: DenseKVCache | QuantSpecCache,
     """What every layer's `cache_attention` of one decode pass shares (the kernels' per-row
     lengths and per-column positions), computed once per pass outside the layer loop; None where
     `impl` resolves to the jnp code. `q`: the queries [B, T, Hq, D] or their ShapeDtypeStruct."""
-    if not _use_pallas(impl):
+    if not uses_kernels(impl):
         return None
     import pallas_kernels
 
@@ -172,7 +175,7 @@ def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache
     `mesh` the kernel runs per device on its local heads; the jnp code is partitioned by XLA.
     `inputs`: `attention_inputs(...)` of this pass (None: the kernels compute them per call).
     """
-    if _use_pallas(impl):
+    if uses_kernels(impl):
         import pallas_kernels  # imported lazily: the CPU path needs no Triton
 
         def attend(q, q_pos, cache, layer, inputs):

@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -40,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax import model as M
-from qspec_jax.attention import PREFILL_QUERY_CHUNK
-from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, cache_bytes
+from qspec_jax.attention import PREFILL_QUERY_CHUNK, uses_kernels
+from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, cache_bytes, ring_slots
 from qspec_jax.compilation import programs, run_program, user_cache_dir
 from qspec_jax.config import ModelConfig
 from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight, make_draft_params
@@ -142,15 +143,21 @@ def device_memory_bytes(device: Any = None) -> int:
 
 
 def resource_exhausted(error: BaseException) -> bool:
-    """Whether `error` is XLA running out of memory (RESOURCE_EXHAUSTED, raised as a
-    JaxRuntimeError, or by some backends as a MemoryError)."""
-    return isinstance(error, MemoryError) or (
-        isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error))
+    """Whether `error` is XLA running out of memory: a JaxRuntimeError with status
+    RESOURCE_EXHAUSTED, or whose message is XLA's "Out of memory allocating N bytes" under
+    another status (the CPU client reports a failed dispatch as INTERNAL), or a MemoryError."""
+    return isinstance(error, MemoryError) or (isinstance(error, jax.errors.JaxRuntimeError) and (
+        "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)))
 
 
 def xla_reason(error: BaseException) -> str:
-    """The first line of XLA's out-of-memory message, without its status prefix."""
-    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    """XLA's words for running out of memory ("Out of memory allocating N bytes."), or the first
+    line of its message without the status prefix."""
+    text = str(error).strip()
+    found = re.search(r"Out of memory[^\n]*", text)
+    if found:
+        return found.group(0)[:300]
+    line = (text.splitlines() or [type(error).__name__])[0]
     return line.split("RESOURCE_EXHAUSTED:", 1)[-1].strip()[:300]
 
 
@@ -210,20 +217,13 @@ def prefill_workspace_bytes(cfg: ModelConfig, batch: int, prompt_len: int, chunk
     return int(held + max(attention, mlp) + logits + weight_workspace_bytes(cfg, platform))
 
 
-def attention_uses_kernels(cfg: ModelConfig, platform: str | None = None) -> bool:
-    """Whether decode attention runs the Pallas kernels (ModelConfig.attention_impl "auto" on a
-    GPU, or a kernel named) rather than the jnp code of `attention.py`."""
-    impl = cfg.attention_impl
-    return impl in ("pallas", "mosaic", "triton") or (impl == "auto" and _platform(platform) == "gpu")
-
-
 def step_workspace_bytes(cfg: ModelConfig, batch: int, width: int, cache_len: int, *, kv: str = "int8",
                          view: str = "target", group_size: int = DEFAULT_GROUP_SIZE,
                          gamma_max: int = DEFAULT_GAMMA_MAX, platform: str | None = None) -> int:
     """Temporaries of one `model.decode` pass of `width` token columns per row over a cache of
     `cache_len` slots (besides the weights and the cache): the float32 logits [B, width, V], the
     activations, `weight_workspace_bytes` and, where attention runs the jnp code
-    (`attention_uses_kernels` False: the CPU), what one layer of it materializes:
+    (`attention.uses_kernels` False: the CPU), what one layer of it materializes:
       a dense cache ("bf16"): the layer's keys in float32 and its values, [B, Hkv, S, Dh] each,
         and the float32 scores [B, Hkv, width, n_rep, S] (on a CPU with
         bfloat16 and more than one row XLA widens every layer's keys and values to float32 at
@@ -233,13 +233,11 @@ def step_workspace_bytes(cfg: ModelConfig, batch: int, width: int, cache_len: in
         (with head_dim >= 128 the values' int32 codes as well: measured on the CPU), and the
         scores over the quantized slots and the ring.
     The Pallas kernels read the cache in place (their scratch is a few tiles)."""
-    from qspec_jax.cache import ring_slots
-
     a = jnp.dtype(cfg.dtype).itemsize
     d, f, dh, hkv = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_kv_heads
     n = batch * width
     out = n * cfg.vocab_size * 4 + n * (2 * d + 2 * f + 2 * cfg.num_heads * dh) * a + weight_workspace_bytes(cfg, platform)
-    if attention_uses_kernels(cfg, platform):
+    if uses_kernels(cfg.attention_impl, platform):
         return int(out)
     slots = cache_len + (ring_slots(group_size, gamma_max) if kv == "int8" else 0)
     scores = batch * hkv * width * cfg.n_rep * slots * 4
@@ -314,16 +312,20 @@ class Request:
         if self.cache_slots is None:
             return r
         grown = r.prompt_len + r.new_tokens - self.prompt_len - self.new_tokens
-        return dataclasses.replace(r, cache_slots=max(1, self.cache_slots + grown))
+        unit = self.group_size if self.kv == "int8" else 1  # the hierarchical cache holds whole groups
+        return dataclasses.replace(r, cache_slots=max(1, -(-(self.cache_slots + grown) // unit)) * unit)
 
     def describe(self) -> str:
         """'batch 4096 x (prompt 6 tokens, padded to 256, + 4000 new tokens), decoding over a dense
         bf16 KV cache'."""
-        prompt = (f"prompt {self.prompt_len} tokens" if self.longest in (None, self.prompt_len) else
-                  f"prompt {self.longest} tokens, padded to {self.prompt_len},")
+        def count(n: int, what: str) -> str:
+            return f"{n} {what}{'' if n == 1 else 's'}"
+
+        prompt = (f"prompt {count(self.prompt_len, 'token')}" if self.longest in (None, self.prompt_len) else
+                  f"prompt {count(self.longest, 'token')}, padded to {self.prompt_len},")
         kind = "a dense bf16" if self.kv == "bf16" else "an INT8"
         what = "speculative decoding" if self.speculative else "decoding"
-        return f"batch {self.batch} x ({prompt} + {self.new_tokens} new tokens), {what} over {kind} KV cache"
+        return f"batch {self.batch} x ({prompt} + {count(self.new_tokens, 'new token')}), {what} over {kind} KV cache"
 
 
 def request_bytes(cfg: ModelConfig, request: Request, *, weights: int | None = None,
