@@ -288,7 +288,10 @@ def stream_chunks(start_fn: Callable, start_args: tuple, start_static: dict[str,
     rounds, _ = programs().compiled(rounds_fn, (*weights, state_info, jnp.int32(1)), rounds_static,
                                     donate_argnums=(len(weights),))
     t1 = time.perf_counter()
-    state, progress = start(*start_args)
+    # The prefill's outputs are waited for once, before the first chunk is queued behind them: on
+    # a CPU, a prefill that fails (XLA out of memory) with a chunk queued on its donated state
+    # never completes, and reading its tokens would wait forever (jaxlib 0.10.2, measured).
+    state, progress = jax.block_until_ready(start(*start_args))
     emitted = None
     asked: list[int] = []  # rounds asked of each chunk dispatched
     history: list[tuple[int, float]] = []  # (rounds asked, seconds) of each chunk read
