@@ -98,6 +98,15 @@ def _steps(target: M.Params, draft: M.Params | None, cache: Any, last_logits: Ar
     return jax.tree.map(lambda x: x.T, preds), cache, logits, d_top
 
 
+def eval_request(batch: int, context: int, eval_tokens: int, kv: str = "int8", group_size: int = DEFAULT_GROUP_SIZE,
+                 with_draft: bool = False) -> Request:
+    """What `teacher_forced` asks of a device (`planner.request_bytes`): `batch` windows of
+    `context` tokens prefilled and `eval_tokens` fed one at a time through a cache of `kv`'s kind;
+    with a draft, a second cache for its prefill."""
+    return Request(batch, context, eval_tokens, kv=KV_EVAL_KINDS[kv][0], width=1, group_size=group_size,
+                   gamma_max=1, caches=2 if with_draft else 1)
+
+
 def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: str = "int8",
                    draft: M.Params | None = None, draft_kv: str = "int4",
                    group_size: int = DEFAULT_GROUP_SIZE, scale_dtype: Any = jnp.float16,
@@ -120,8 +129,7 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
     n_eval = total - context
     if context < 1 or n_eval < 1:
         raise ValueError(f"need context >= 1 and >= 1 evaluated token; got context={context}, total={total}")
-    request = Request(b, context, n_eval, kv=KV_EVAL_KINDS[kv][0], width=1, group_size=group_size, gamma_max=1,
-                      caches=1 if draft is None else 2)
+    request = eval_request(b, context, n_eval, kv, group_size, with_draft=draft is not None)
     check_params_fit(target, request, draft=draft)  # before anything is allocated
     try:
         return _teacher_forced(target, tokens, context, kv, draft, draft_kv, group_size, scale_dtype, progress)
