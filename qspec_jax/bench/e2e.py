@@ -447,7 +447,7 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
             row["error"] = " | ".join(e for e in errors if e)
         log(json.dumps(row))
         rows.append(row)
-    return {"gamma": args.loop_gamma, "tokens": args.loop_tokens, "rows": rows}
+    return {"gamma": args.loop_gamma, "tokens": args.loop_tokens, "alphas": list(args.alphas), "rows": rows}
 
 
 # ----------------------------------------------------------------------------- part: memory

@@ -150,7 +150,8 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
     bt = results.get("batch")
     if bt and bt.get("rows"):
         nan = float("nan")
-        alphas = sorted({k.split("_a")[1].split("_")[0] for r in bt["rows"] for k in r if k.startswith("spec_a")})
+        alphas = ([str(a) for a in bt["alphas"]] if "alphas" in bt else  # (results of older runs: from the keys)
+                  sorted({k.split("_a")[1].split("_")[0] for r in bt["rows"] for k in r if k.startswith("spec_a")}))
         parts.append(f"\n### Batch {bt['rows'][0]['batch']} (8B shape, rows of different prompt lengths, "
                      f"γ={bt['gamma']}, forced per-row acceptance, {bt['tokens']}-token loops)\n")
         parts.append(table(
