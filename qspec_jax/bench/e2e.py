@@ -48,7 +48,7 @@ from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig, RopeScaling
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.linear import is_int4
-from qspec_jax.planner import Request, max_context, tree_bytes, weight_bytes
+from qspec_jax.planner import Request, device_memory_bytes, max_context, tree_bytes, weight_bytes
 from qspec_jax.speculative import SpecConfig, speculative_loop
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
@@ -455,7 +455,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config(args)
     dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     dev = jax.devices()[0]
-    device_bytes = int((dev.memory_stats() or {}).get("bytes_limit", 80e9))
+    device_bytes = device_memory_bytes(dev)
     key = jax.random.PRNGKey(0)
     params = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
     draft = jax.eval_shape(lambda p: make_draft_params(p, dcfg), params)
@@ -505,7 +505,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
                                  "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", -1))}
                 del cache
             except Exception as e:  # noqa: BLE001 - an OOM here is the measurement
-                confirm[kind] = {"context": context, "ok": False, "error": options.does_not_fit(e) or str(e)[:500]}
+                confirm[kind] = {"context": context, "ok": False, "error": options.case_error(e)}
             log(json.dumps(confirm[kind]))
     return {"rows": rows, "plan": plan, "confirm": confirm}
 
@@ -565,7 +565,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
                 row["spec_peak_bytes_per_device"] = peak_bytes(sp.memory_analysis())
                 del cache, sp
             except Exception as e:  # noqa: BLE001 - e.g. 256k on one device may not fit: that is a result
-                row["error"] = options.does_not_fit(e) or f"{type(e).__name__}: {e}"[:300]
+                row["error"] = options.case_error(e)
             log(json.dumps(row))
             rows.append(row)
         del params, draft

@@ -184,6 +184,12 @@ def does_not_fit(error: BaseException) -> str | None:
     return None
 
 
+def case_error(error: BaseException) -> str:
+    """What a benchmark records as a failed case's "error": `does_not_fit`'s line, or the error's
+    type and message (300 characters)."""
+    return does_not_fit(error) or f"{type(error).__name__}: {error}"[:300]
+
+
 def run_case(measure: Callable[[], Any], cfg: Any = None, request: Any = None, weights: int = 0) -> str | None:
     """Runs one case of a benchmark's list: `measure()`, unless `request` (planner.Request, for
     model `cfg` with `weights` bytes of weights already allocated) does not fit this device.
