@@ -1,7 +1,11 @@
 """Planning: what fits a device (memory) and what runs fastest on it (speed).
 
-Memory: bytes of weights and caches, and the longest context that fits a device. All numbers
-come from array shapes (`jax.eval_shape`), so nothing is allocated.
+Memory: bytes of weights and caches, the longest context that fits a device, and what a
+request needs (`request_bytes`: weights + cache + the larger of the prefill's and a decode
+step's temporaries, modelled on what `model.prefill` / `model.decode` materialise and checked
+against XLA's memory_analysis on the CPU); `check_request_fits` refuses one that does not fit
+(`DoesNotFitError`, one line saying what would). All numbers come from array shapes
+(`jax.eval_shape`), so nothing is allocated.
 
 Speed: the gamma that maximises expected tokens/s, or autoregressive decoding when no gamma
 wins. A round of speculative decoding costs d draft steps and one verify pass, and emits
