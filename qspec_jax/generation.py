@@ -426,8 +426,10 @@ def _prefilled(params: M.Params, tokens: Array, lengths: Array, key: Array, *, g
 
 
 @functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len"))
-def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
+def autoregressive_program(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                           gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int) -> GenerationResult:
+    """The whole of `generate_autoregressive` (without on_tokens) as one jitted program: a cache of
+    max_len slots, the prefill and every decoding step (what `planner.request_bytes` models)."""
     state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len)
     return _ar_result(autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids))
 
@@ -481,7 +483,7 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)
     try:
-        return run_generation(_autoregressive, _autoregressive_start, _autoregressive_chunk, (params,),
+        return run_generation(autoregressive_program, _autoregressive_start, _autoregressive_chunk, (params,),
                               (jnp.asarray(tokens), jnp.asarray(lengths), key),
                               dict(gen=config, eos_ids=tuple(eos), max_len=max_len),
                               dict(gen=config, eos_ids=tuple(eos)), _ar_result, timings, on_tokens)

@@ -240,7 +240,8 @@ def step_workspace_bytes(cfg: ModelConfig, batch: int, width: int, cache_len: in
     a = jnp.dtype(cfg.dtype).itemsize
     d, f, dh, hkv = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_kv_heads
     n = batch * width
-    out = n * cfg.vocab_size * 4 + n * (2 * d + 2 * f + 2 * cfg.num_heads * dh) * a + weight_workspace_bytes(cfg, platform)
+    activations = n * (2 * d + 2 * f + 2 * cfg.num_heads * dh) * a
+    out = n * cfg.vocab_size * 4 + activations + weight_workspace_bytes(cfg, platform)
     if uses_kernels(cfg.attention_impl, platform):
         return int(out)
     slots = cache_len + (ring_slots(group_size, gamma_max) if kv == "int8" else 0)

@@ -493,8 +493,10 @@ def _prefilled(target: M.Params, tokens: Array, lengths: Array, key: Array, *, s
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len"))
-def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                 spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> SpecResult:
+def speculative_program(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                        spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int) -> SpecResult:
+    """The whole of `generate` (without on_tokens) as one jitted program: a cache of max_len
+    slots, the prefill and every round (what `planner.request_bytes` models)."""
     state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len)
     return _spec_result(speculative_rounds(target, draft, state, spec=spec, eos_ids=eos_ids))
 
@@ -598,7 +600,7 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size,
                                config.target_kv)
     try:
-        return run_generation(_speculative, _speculative_start, _speculative_chunk, (target, draft),
+        return run_generation(speculative_program, _speculative_start, _speculative_chunk, (target, draft),
                               (jnp.asarray(tokens), jnp.asarray(lengths), key),
                               dict(spec=config, eos_ids=tuple(eos), max_len=max_len),
                               dict(spec=config, eos_ids=tuple(eos)), _spec_result, timings, on_tokens)

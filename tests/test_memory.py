@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -28,11 +27,12 @@ import pytest
 
 from qspec_jax import model as M
 from qspec_jax import planner as P
+from qspec_jax.bench.e2e import peak_bytes
 from qspec_jax.checkpoint import Model
 from qspec_jax.compilation import programs
 from qspec_jax.config import ModelConfig
-from qspec_jax.generation import GenerationConfig, _autoregressive, generate_autoregressive, new_cache
-from qspec_jax.speculative import SpecConfig, _speculative, generate
+from qspec_jax.generation import GenerationConfig, autoregressive_program, generate_autoregressive, new_cache
+from qspec_jax.speculative import SpecConfig, generate, speculative_program
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
 MARGIN = P.MEMORY_MODEL_MARGIN
@@ -49,11 +49,6 @@ GB = 10**9
 
 def within_margin(estimate: int, measured: int) -> bool:
     return abs(estimate - measured) <= MARGIN * measured
-
-
-def peak(ma: Any) -> int:
-    """Arguments + outputs + temporaries - donated aliases (as bench.e2e.peak_bytes)."""
-    return ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
 
 
 def abstract_params(cfg: ModelConfig) -> M.Params:
@@ -117,17 +112,19 @@ def test_request_matches_the_compiled_generation(mode: str, kv: str, batch: int,
     if mode == "ar":
         gen = GenerationConfig(max_new_tokens=new, kv=kv, eos_token_ids=())
         request = gen.memory_request(batch, prompt)
-        exe = _autoregressive.lower(params, tokens, lengths, key, gen=gen, eos_ids=(), max_len=request.cache_len)
+        exe = autoregressive_program.lower(params, tokens, lengths, key, gen=gen, eos_ids=(),
+                                           max_len=request.cache_len)
         weights = P.tree_bytes(params)
     else:
         spec = SpecConfig(max_new_tokens=new, eos_token_ids=())
         draft = jax.eval_shape(lambda p: make_draft_params(p, DraftWeightsConfig(method="clip")), params)
         request = dataclasses.replace(spec.memory_request(batch, prompt),
                                       draft_weights=P.weight_bytes(cfg, spec.draft_weights_config)["draft"])
-        exe = _speculative.lower(params, draft, tokens, lengths, key, spec=spec, eos_ids=(), max_len=request.cache_len)
+        exe = speculative_program.lower(params, draft, tokens, lengths, key, spec=spec, eos_ids=(),
+                                        max_len=request.cache_len)
         weights = P.tree_bytes(params)
     estimate = P.request_bytes(cfg, request, weights=weights)
-    assert within_margin(estimate["total"], peak(exe.compile().memory_analysis())), estimate
+    assert within_margin(estimate["total"], peak_bytes(exe.compile().memory_analysis())), estimate
 
 
 # ------------------------------------------------------------------------------------- the API
@@ -255,7 +252,8 @@ def test_out_of_memory_in_xla_is_an_out_of_memory_error(wide_model: Model, devic
     asked = int(re.search(r"Out of memory allocating (\d+) bytes", str(err)).group(1))
     assert within_margin(err.needed, asked)
     assert str(err).startswith("does not fit in memory: batch 1 x (prompt 6 tokens, padded to 256, + 30000000 new "
-                               "tokens), decoding over a dense bf16 KV cache ran out of memory (Out of memory allocating")
+                               "tokens), decoding over a dense bf16 KV cache ran out of memory (Out of memory "
+                               "allocating")
 
 
 def test_device_memory_is_the_cpus_available_ram() -> None:
@@ -328,9 +326,9 @@ def test_generate_cli_out_of_memory_in_xla(wide_kv_checkpoint: Path, capsys: pyt
     device_bytes(10**16)
     line = one_error_line(cli.main, ["--checkpoint", wide_kv_checkpoint, "--prompt", "hi", "--mode", "ar", "--kv",
                                      "bf16", "--max-new-tokens", 30_000_000, "--no-compile-cache"], 1, capsys)
-    assert line.startswith("qspec-generate: error: does not fit in memory: batch 1 x (prompt 2 tokens, padded to 256, "
-                           "+ 30000000 new tokens), decoding over a dense bf16 KV cache ran out of memory (Out of "
-                           "memory allocating ")
+    assert line.startswith("qspec-generate: error: does not fit in memory: batch 1 x (prompt 2 tokens, padded to "
+                           "256, + 30000000 new tokens), decoding over a dense bf16 KV cache ran out of memory (Out "
+                           "of memory allocating ")
 
 
 def test_eval_ppl_cli_refuses_what_does_not_fit(wide_kv_checkpoint: Path, tmp_path: Path,

@@ -176,13 +176,13 @@ def bench_config(args: argparse.Namespace) -> ModelConfig:
 
 def time_generate_compile(p_abs: Any, d_abs: Any, args: argparse.Namespace) -> float:
     """Seconds to compile `generate` (prefill + speculative loop) for the model, alone."""
-    from qspec_jax.speculative import _speculative
+    from qspec_jax.speculative import speculative_program
 
     prompt = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
     t0 = time.perf_counter()
-    _speculative.lower(p_abs, d_abs, prompt, lengths, jax.random.PRNGKey(0), spec=SpecConfig(gamma=4, max_new_tokens=128),
-                       eos_ids=(), max_len=4352).compile()
+    speculative_program.lower(p_abs, d_abs, prompt, lengths, jax.random.PRNGKey(0),
+                              spec=SpecConfig(gamma=4, max_new_tokens=128), eos_ids=(), max_len=4352).compile()
     secs = time.perf_counter() - t0
     log(f"compile of generate (prefill + speculative loop, {p_abs.config.num_layers} layers): {secs:.1f} s")
     return secs
@@ -355,10 +355,12 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
         outs = {}
 
         def measure() -> None:  # the generation functions refuse what does not fit (DoesNotFitError)
+            ar = {kv: GenerationConfig(max_new_tokens=new, kv=kv, eos_token_ids=()) for kv in ("bf16", "int8")}
+            spec = SpecConfig(gamma=args.smollm_gamma, max_new_tokens=new, eos_token_ids=())
             for name, fn in (
-                ("ar_bf16", lambda: generate_autoregressive(model, prompts, GenerationConfig(max_new_tokens=new, kv="bf16", eos_token_ids=()), timings=tm)),
-                ("ar_int8", lambda: generate_autoregressive(model, prompts, GenerationConfig(max_new_tokens=new, kv="int8", eos_token_ids=()), timings=tm)),
-                ("spec", lambda: generate(model, prompts, SpecConfig(gamma=args.smollm_gamma, max_new_tokens=new, eos_token_ids=()), timings=tm)),
+                ("ar_bf16", lambda: generate_autoregressive(model, prompts, ar["bf16"], timings=tm)),
+                ("ar_int8", lambda: generate_autoregressive(model, prompts, ar["int8"], timings=tm)),
+                ("spec", lambda: generate(model, prompts, spec, timings=tm)),
             ):
                 log(f"smollm batch {batch}: {name}")
                 runs = []
@@ -438,11 +440,11 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
 
         slots = c + EXTRA_SLOTS
         spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens)
+        quant_slots = -(-slots // spec.group_size) * spec.group_size
         errors = [options.run_case(measure_ar, cfg, Request(b, c, args.loop_tokens, kv="bf16", width=1, prefill=False,
                                                             cache_slots=slots), weights),
-                  options.run_case(measure_spec, cfg, dataclasses.replace(
-                      spec.memory_request(b, c), prefill=False, cache_slots=-(-slots // spec.group_size) * spec.group_size),
-                      weights)]
+                  options.run_case(measure_spec, cfg, dataclasses.replace(spec.memory_request(b, c), prefill=False,
+                                                                          cache_slots=quant_slots), weights)]
         if any(errors):
             row["error"] = " | ".join(e for e in errors if e)
         log(json.dumps(row))
@@ -646,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-contexts", type=ints, default="131072,262144", help="part tp: contexts")
     p.add_argument("--torch-group", type=int, default=128, choices=(0, 32, 64, 128, 256),
                    help="part 8b: int4 group of the PyTorch (tinygemm) CUDA-graph decode peer; 0 skips the peer")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, except those given (CPU smoke test of the harness); writes no report")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, except those given (CPU smoke test of the harness); writes no report")
     return p
 
 

@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --quick)")
     options.add_doc_arg(p, "QUALITY.md")
     p.add_argument("--quick", action="store_true",
-                   help="tiny sizes (batch 1, 256-token prompts, 16 new tokens, gamma 4, int8 cache) except those given: "
-                        "a smoke test of the harness; writes no report")
+                   help="tiny sizes (batch 1, 256-token prompts, 16 new tokens, gamma 4, int8 cache) except those "
+                        "given: a smoke test of the harness; writes no report")
     p.add_argument("--from-json", type=Path, default=None,
                    help="only rewrite the doc section from an earlier run's fidelity.json (e.g. a GPU run's); needs "
                         "--doc (default: measure)")

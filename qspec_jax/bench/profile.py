@@ -286,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=24, help="kernels listed per program")
     options.add_output_args(p, "profile", "BENCHMARKS.md")
     p.add_argument("--quick", action="store_true",
-                   help="tiny model, and tiny contexts unless given (runs on a CPU, where the trace has no GPU kernels); "
-                        "writes no report")
+                   help="tiny model, and tiny contexts unless given (runs on a CPU, where the trace has no GPU "
+                        "kernels); writes no report")
     return p
 
 

@@ -387,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-tokens", type=int, default=1024, help="methods part: evaluated tokens per perplexity play")
     p.add_argument("--calibration-tokens", type=int, default=65536,
                    help="methods part: GPTQ calibration tokens taken from the history plays")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, except those given (a CPU smoke test of the harness); writes no report")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, except those given (a CPU smoke test of the harness); writes no report")
     return p
 
 
