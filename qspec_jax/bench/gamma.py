@@ -418,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the JSON results (default: ~/.cache/qspec-jax/bench/gamma, or gamma-quick "
                         "with --quick)")
     options.add_doc_arg(p, "QUALITY.md")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the harness); writes no report")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, except those given (a smoke test of the harness); writes no report")
     return p
 
 
@@ -434,20 +435,18 @@ def _main(argv: Sequence[str] | None) -> int:
     from qspec_jax.speculative import SpecConfig, draft_params_for
 
     args = build_parser().parse_args(argv)
-    contexts, batches, loop_contexts = list(args.contexts), list(args.batches), list(args.loop_contexts)
-    loop_default = tuple(gamma_loops.LOOP_CONTEXTS)
     options.resolve_outputs(PROG, args, "gamma", "QUALITY.md", quick=args.quick)
     options.positive(PROG, args, "--contexts", "--batches", "--prompts", "--new-tokens", "--tf-tokens",
                      "--loop-contexts", "--loop-batches", "--loop-tokens", "--loop-trials")  # --quick or not
+    if args.quick:  # tiny sizes, except those given
+        options.quick_sizes(args, build_parser(), dict(
+            contexts=(256,), batches=(1, 2), prompts=2, new_tokens=16, tf_tokens=24, loop_tokens=16, loop_trials=1,
+            loop_contexts=tuple(gamma_loops.QUICK_CONTEXTS)))
+    contexts, batches, loop_contexts = list(args.contexts), list(args.batches), list(args.loop_contexts)
     parts = list(args.parts)
     bad = [b for b in batches if args.prompts % b]
     if bad:
         fail(PROG, f"--batches {','.join(map(str, bad))}: each must divide --prompts={args.prompts}")
-    if args.quick:
-        contexts, batches, args.prompts, args.new_tokens, args.tf_tokens = [256], [1, 2], 2, 16, 24
-        args.loop_tokens, args.loop_trials = 16, 1
-        if tuple(args.loop_contexts) == loop_default:  # not given: tiny contexts
-            loop_contexts = list(gamma_loops.QUICK_CONTEXTS)
     bad = [a for a in args.loop_alphas if not 0 < a <= 1]
     if bad:
         fail(PROG, f"--loop-alphas must be in (0, 1], got {','.join(map(str, bad))}")
