@@ -97,10 +97,12 @@ def _positional_attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Arr
 
 
 def cudnn_unsupported_reason(head_dim: int, dtype: Any, sliding_window: int | None = None,
-                             chunked: bool = False) -> str | None:
-    """Why cuDNN's flash attention cannot run a prefill of this model here, or None when it can."""
-    if jax.default_backend() != "gpu":
-        return f"no GPU (backend {jax.default_backend()!r})"
+                             chunked: bool = False, platform: str | None = None) -> str | None:
+    """Why cuDNN's flash attention cannot run a prefill of this model on `platform` (default this
+    process's backend), or None when it can."""
+    platform = platform or jax.default_backend()
+    if platform != "gpu":
+        return f"no GPU (backend {platform!r})"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (cuDNN flash attention takes bfloat16 or float16)"
     if head_dim % 8 or head_dim > 256:
@@ -111,15 +113,16 @@ def cudnn_unsupported_reason(head_dim: int, dtype: Any, sliding_window: int | No
 
 
 def prefill_impl(impl: str, head_dim: int, dtype: Any, sliding_window: int | None = None, chunked: bool = False,
-                 mesh: Any = None) -> str:
-    """ModelConfig.prefill_attention_impl resolved for this device: "auto" picks "cudnn" where
-    `cudnn_unsupported_reason` is None and the model is not tensor-parallel (cuDNN's partitioning
-    under a mesh is not measured here), else "reference". A forced "cudnn" that cannot run raises."""
+                 mesh: Any = None, platform: str | None = None) -> str:
+    """ModelConfig.prefill_attention_impl resolved for `platform` (default this process's
+    backend): "auto" picks "cudnn" where `cudnn_unsupported_reason` is None and the model is not
+    tensor-parallel (cuDNN's partitioning under a mesh is not measured here), else "reference". A
+    forced "cudnn" that cannot run raises."""
     if impl == "auto":
-        ok = cudnn_unsupported_reason(head_dim, dtype, sliding_window, chunked) is None
+        ok = cudnn_unsupported_reason(head_dim, dtype, sliding_window, chunked, platform) is None
         return "cudnn" if ok and (mesh is None or mesh.size == 1) else "reference"
     if impl == "cudnn":
-        why = cudnn_unsupported_reason(head_dim, dtype, sliding_window, chunked)
+        why = cudnn_unsupported_reason(head_dim, dtype, sliding_window, chunked, platform)
         if why is not None:
             raise ValueError(f"prefill_attention_impl='cudnn' cannot run here: {why}; use 'auto' or 'reference'")
     if impl == "xla" and chunked and sliding_window is not None:
@@ -310,9 +313,12 @@ def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, lay
     return _ungroup(o, q.dtype)
 
 
-def _use_pallas(impl: str) -> bool:
+def uses_kernels(impl: str, platform: str | None = None) -> bool:
+    """Whether decode attention under ModelConfig.attention_impl `impl` runs the Pallas kernels
+    (rather than the jnp code here): "auto" on a GPU (`platform`, default this process's backend),
+    or a kernel named."""
     if impl == "auto":
-        return jax.default_backend() == "gpu"
+        return (platform or jax.default_backend()) == "gpu"
     return impl in ("pallas", "mosaic", "triton")
 
 
@@ -327,7 +333,7 @@ def attention_inputs(q: Any, q_pos: Array, cache: DenseKVCache | QuantSpecCache,
     """What every layer's `cache_attention` of one decode pass shares (the kernels' per-row
     lengths and per-column positions), computed once per pass outside the layer loop; None where
     `impl` resolves to the jnp code. `q`: the queries [B, T, Hq, D] or their ShapeDtypeStruct."""
-    if not _use_pallas(impl):
+    if not uses_kernels(impl):
         return None
     import pallas_kernels
 
@@ -345,7 +351,7 @@ def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache
     `mesh` the kernel runs per device on its local heads; the jnp code is partitioned by XLA.
     `inputs`: `attention_inputs(...)` of this pass (None: the kernels compute them per call).
     """
-    if _use_pallas(impl):
+    if uses_kernels(impl):
         import pallas_kernels  # imported lazily: the CPU path needs no Triton
 
         def attend(q, q_pos, cache, layer, inputs):

@@ -21,6 +21,7 @@ from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GROUP_SIZE
 from qspec_jax.compilation import run_program
 from qspec_jax.generation import new_cache
+from qspec_jax.planner import Request, check_params_fit, out_of_memory, resource_exhausted
 
 Array = jax.Array
 KV_EVAL_KINDS = {"bf16": ("bf16", "target"), "int8": ("int8", "target"), "int4": ("int8", "draft")}
@@ -97,6 +98,15 @@ def _steps(target: M.Params, draft: M.Params | None, cache: Any, last_logits: Ar
     return jax.tree.map(lambda x: x.T, preds), cache, logits, d_top
 
 
+def eval_request(batch: int, context: int, eval_tokens: int, kv: str = "int8", group_size: int = DEFAULT_GROUP_SIZE,
+                 with_draft: bool = False, chunk: int | None = None) -> Request:
+    """What `teacher_forced` asks of a device (`planner.request_bytes`): `batch` windows of
+    `context` tokens prefilled (in chunks of `chunk`, or whole) and `eval_tokens` fed one at a
+    time through a cache of `kv`'s kind; with a draft, a second cache for its prefill."""
+    return Request(batch, context, eval_tokens, kv=KV_EVAL_KINDS[kv][0], width=1, group_size=group_size,
+                   gamma_max=1, caches=2 if with_draft else 1, chunk=chunk)
+
+
 def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: str = "int8",
                    draft: M.Params | None = None, draft_kv: str = "int4",
                    group_size: int = DEFAULT_GROUP_SIZE, scale_dtype: Any = jnp.float16,
@@ -108,14 +118,35 @@ def teacher_forced(target: M.Params, tokens: np.ndarray, context: int, *, kv: st
     draft's argmax when `draft` is given (viewing the cache as `draft_kv`). `scale_dtype` is the
     hierarchical cache's scale/zero dtype. `prefill_chunk`: prefill the context in chunks of this
     many tokens (`model.prefill`'s chunk; None: the whole context at once).
+
+    An evaluation that does not fit this device's memory (the cache, with a draft a second one
+    for its prefill, and the passes' temporaries: `planner.request_bytes`) raises
+    `planner.DoesNotFitError`, a ValueError, before anything is allocated for it; XLA out of
+    memory while running it, `planner.OutOfMemoryError`.
     """
     if kv not in KV_EVAL_KINDS:
         raise ValueError(f"kv={kv!r}; expected one of {tuple(KV_EVAL_KINDS)}")
-    cfg = target.config
     b, total = tokens.shape
     n_eval = total - context
     if context < 1 or n_eval < 1:
         raise ValueError(f"need context >= 1 and >= 1 evaluated token; got context={context}, total={total}")
+    request = eval_request(b, context, n_eval, kv, group_size, with_draft=draft is not None, chunk=prefill_chunk)
+    check_params_fit(target, request, draft=draft)  # before anything is allocated
+    try:
+        return _teacher_forced(target, tokens, context, kv, draft, draft_kv, group_size, scale_dtype, progress,
+                               prefill_chunk)
+    except Exception as e:
+        if resource_exhausted(e):  # the estimate let it through: the same kind of line, from XLA's account
+            raise out_of_memory(target, request, e, draft=draft) from e
+        raise
+
+
+def _teacher_forced(target: M.Params, tokens: np.ndarray, context: int, kv: str, draft: M.Params | None,
+                    draft_kv: str, group_size: int, scale_dtype: Any, progress: bool,
+                    prefill_chunk: int | None) -> dict[str, np.ndarray]:
+    """`teacher_forced` of checked arguments."""
+    cfg = target.config
+    b, total = tokens.shape
     cache_kind, view = KV_EVAL_KINDS[kv]
     draft_view = KV_EVAL_KINDS[draft_kv][1]
     max_len = int(np.ceil((total + 1) / group_size) * group_size)

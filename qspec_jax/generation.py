@@ -39,8 +39,10 @@ import numpy as np
 from flax import struct
 
 from qspec_jax import model as M
-from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache, cache_bytes
+from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
 from qspec_jax.compilation import programs, run_program
+from qspec_jax.planner import (Request, check_params_fit, decode_cache_len, out_of_memory, prefill_chunk_for,
+                               resource_exhausted)
 from qspec_jax.sampling import SamplingConfig, sample
 from qspec_jax.sharding import constrain_cache
 
@@ -69,9 +71,9 @@ class GenerationConfig:
     baseline); its logits can differ from the speculative target's in the last bf16 bit, since
     matmul libraries sum in another order for another shape.
     return_logits: also return the float32 logits each emitted token was chosen from.
-    prefill_chunk: how the prompt is prefilled (`model.prefill_chunk_for`): "auto" (the whole
+    prefill_chunk: how the prompt is prefilled (`planner.prefill_chunk_for`): "auto" (the whole
     prompt when its temporaries fit in the device's free memory, else chunks of
-    model.DEFAULT_PREFILL_CHUNK tokens), "whole", or a chunk size (a multiple of group_size).
+    planner.DEFAULT_PREFILL_CHUNK tokens), "whole", or a chunk size (a multiple of group_size).
     prefill_progress: report the prefill's progress on stderr as it runs (`model.prefill`'s
     progress; the CLIs turn it on for long prompts).
     """
@@ -103,6 +105,12 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+    def memory_request(self, batch: int, prompt_len: int, longest: int | None = None) -> Request:
+        """What generating with these settings from `batch` prompts padded to `prompt_len` tokens
+        (the longest `longest` before padding) asks of a device (`planner.request_bytes`)."""
+        return Request(batch, prompt_len, self.max_new_tokens, kv=self.kv, width=self.width, group_size=self.group_size,
+                       gamma_max=ring_gamma_max(self.width), longest=longest, return_logits=self.return_logits)
 
 
 @struct.dataclass
@@ -180,19 +188,14 @@ def check_fits(cfg: M.ModelConfig, lengths: np.ndarray, new_tokens: int) -> None
             f"model's max_position_embeddings={cfg.max_position_embeddings}")
 
 
-def cache_capacity(prompt_len: int, extra: int, group_size: int) -> int:
-    """Cache length covering the padded prompt plus `extra` tokens, a multiple of group_size."""
-    return int(math.ceil((prompt_len + extra) / group_size) * group_size)
-
-
-def decode_cache_len(prompt_len: int, max_new_tokens: int, width: int, group_size: int, kv: str = "int8") -> int:
-    """The cache length autoregressive and speculative generation both use: the padded prompt,
-    every new token, and one pass of `width` columns past them, rounded up to the quantization
-    group for the hierarchical cache (`kv` "int8") and to DEFAULT_GROUP_SIZE for a dense one,
-    whose length must not depend on a group size it does not use. Both use this one formula
-    (and the same ring size) so that, at the same width, their caches have the same geometry
-    and the attention's reductions the same shapes."""
-    return cache_capacity(prompt_len, max_new_tokens + width, group_size if kv == "int8" else DEFAULT_GROUP_SIZE)
+def checked_request(params: M.Params, config: GenerationConfig, shape: tuple[int, int], longest: int) -> Request:
+    """What `generate_autoregressive` with `config` from prompts padded to `shape` = (batch,
+    tokens) asks of this device, its `chunk` the prefill's (`planner.prefill_chunk_for`);
+    `planner.DoesNotFitError` (a ValueError) when it does not fit, before anything is compiled."""
+    request = config.memory_request(*shape, longest=longest)
+    request = dataclasses.replace(request, chunk=prefill_chunk_for(params, request, config.prefill_chunk))
+    check_params_fit(params, request)
+    return request
 
 
 def check_prefill_chunk(chunk: Any, group_size: int) -> None:
@@ -202,20 +205,6 @@ def check_prefill_chunk(chunk: Any, group_size: int) -> None:
     if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1 or chunk % group_size:
         raise ValueError(f"prefill_chunk={chunk!r}: expected 'auto', 'whole' or a positive multiple of the cache's "
                          f"group size {group_size}")
-
-
-def prefill_chunk(cfg: M.ModelConfig, requested: int | str, batch: int, prompt_len: int, max_len: int, kv: str,
-                  group_size: int, gamma_max: int = 1) -> int | None:
-    """The chunk a generation prefills its padded prompts with (`model.prefill_chunk_for`), from
-    the device's free memory once the cache of `max_len` tokens is allocated (the weights are
-    already on the device). None: the whole prompt at once."""
-    stats = jax.devices()[0].memory_stats() or {}  # None on a CPU: the whole prompt
-    free = None
-    if "bytes_limit" in stats:
-        cache = sum(cache_bytes(kv, cfg, batch, max_len, **(
-            dict(group_size=group_size, gamma_max=gamma_max) if kv == "int8" else {})).values())
-        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)) - cache
-    return M.prefill_chunk_for(cfg, batch, prompt_len, requested, free, group_size if kv == "int8" else 1)
 
 
 def eos_array(eos_ids: tuple[int, ...]) -> Array:
@@ -327,7 +316,10 @@ def stream_chunks(start_fn: Callable, start_args: tuple, start_static: dict[str,
     rounds, _ = programs().compiled(rounds_fn, (*weights, state_info, jnp.int32(1)), rounds_static,
                                     donate_argnums=(len(weights),))
     t1 = time.perf_counter()
-    state, progress = start(*start_args)
+    # The prefill's outputs are waited for once, before the first chunk is queued behind them: on
+    # a CPU, a prefill that fails (XLA out of memory) with a chunk queued on its donated state
+    # never completes, and reading its tokens would wait forever (jaxlib 0.10.2, measured).
+    state, progress = jax.block_until_ready(start(*start_args))
     emitted = None
     asked: list[int] = []  # rounds asked of each chunk dispatched
     history: list[tuple[int, float]] = []  # (rounds asked, seconds) of each chunk read
@@ -462,9 +454,12 @@ def _prefilled(params: M.Params, tokens: Array, lengths: Array, key: Array, *, g
 
 
 @functools.partial(jax.jit, static_argnames=("gen", "eos_ids", "max_len", "chunk"))
-def _autoregressive(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                    gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int,
-                    chunk: int | None = None) -> GenerationResult:
+def autoregressive_program(params: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                           gen: GenerationConfig, eos_ids: tuple[int, ...], max_len: int,
+                           chunk: int | None = None) -> GenerationResult:
+    """The whole of `generate_autoregressive` (without on_tokens) as one jitted program: a cache of
+    max_len slots, the prefill (in chunks of `chunk` tokens, or whole) and every decoding step
+    (what `planner.request_bytes` models)."""
     state = _prefilled(params, tokens, lengths, key, gen=gen, eos_ids=eos_ids, max_len=max_len, chunk=chunk)
     return _ar_result(autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids))
 
@@ -500,6 +495,11 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     as without it, token for token. `qspec_jax.streaming.TokenStream` turns it into an iterator.
     bucket: the prompt padding (`pad_prompts`): None pads to `length_bucket`'s ladder, which
     bounds the compiled programs; an int pads to a multiple of it (1: none).
+
+    A request that does not fit this device's memory (weights + KV cache + temporaries:
+    `planner.request_bytes`) raises `planner.DoesNotFitError`, a ValueError, before anything is
+    compiled; one XLA still finds out of memory while running (and raises before this returns:
+    with `timings` or `on_tokens`) raises its subclass `planner.OutOfMemoryError`.
     """
     if not isinstance(config, GenerationConfig):
         raise TypeError(f"generate_autoregressive: config must be a GenerationConfig, got {type(config).__name__}"
@@ -509,12 +509,15 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     cfg = params.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size, bucket)
     check_fits(cfg, lengths, config.max_new_tokens)
+    request = checked_request(params, config, tokens.shape, int(lengths.max()))  # before anything is compiled
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)
-    chunk = prefill_chunk(cfg, config.prefill_chunk, tokens.shape[0], tokens.shape[1], max_len, config.kv,
-                          config.group_size, ring_gamma_max(config.width))
-    return run_generation(_autoregressive, _autoregressive_start, _autoregressive_chunk, (params,),
-                          (jnp.asarray(tokens), jnp.asarray(lengths), key),
-                          dict(gen=config, eos_ids=tuple(eos), max_len=max_len, chunk=chunk),
-                          dict(gen=config, eos_ids=tuple(eos)),
-                          _ar_result, timings, on_tokens)
+    try:
+        return run_generation(autoregressive_program, _autoregressive_start, _autoregressive_chunk, (params,),
+                              (jnp.asarray(tokens), jnp.asarray(lengths), key),
+                              dict(gen=config, eos_ids=tuple(eos), max_len=max_len, chunk=request.chunk),
+                              dict(gen=config, eos_ids=tuple(eos)), _ar_result, timings, on_tokens)
+    except Exception as e:
+        if resource_exhausted(e):  # the estimate let it through: the same kind of line, from XLA's account
+            raise out_of_memory(params, request, e) from e
+        raise

@@ -365,58 +365,6 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
     return _logits(params, x), cache
 
 
-DEFAULT_PREFILL_CHUNK = 8192  # tokens per chunk when a whole prompt's temporaries do not fit (`prefill_chunk_for`)
-
-
-def prefill_workspace_bytes(cfg: ModelConfig, batch: int, prompt_len: int, chunk: int | None = None) -> int:
-    """Bytes of the temporaries `prefill` holds at once beyond its inputs and the cache, estimated:
-    one layer's activations for the tokens in flight (the whole padded prompt, or `chunk`), the
-    attention's own temporaries (the jnp path's float32 score block [B, Hkv, 512, n_rep, S], and for
-    a chunk the whole cache dequantized: the jnp path grows with the prompt; the flash path's
-    prefix span and float32 merge accumulators grow with the chunk only), and the last logits.
-
-    Per token in flight, in the model dtype: x, the normed input, q|k|v, roped q, k and v, the
-    attention output, gate|up, SiLU(gate)*up, the MLP's normed input and output: the tensors one
-    layer of `layer_forward` holds live at its widest point."""
-    item = 2 if cfg.dtype == "bfloat16" else 4
-    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
-    t = prompt_len if chunk is None or chunk >= prompt_len else chunk
-    per_token = 4 * d + 2 * (hq + 2 * hkv) * dh + hq * dh + 3 * f
-    total = batch * t * per_token * item
-    impl = prefill_impl(cfg.prefill_attention_impl, dh, jnp.dtype(cfg.dtype), cfg.sliding_window,
-                        chunked=t < prompt_len)
-    keys = prompt_len if t < prompt_len else t  # keys a query block may see
-    if impl == "reference":
-        total += 3 * 4 * batch * hq * min(t, 512) * keys  # scores, mask, probabilities (float32)
-        if t < prompt_len:  # the jnp chunk reads the whole cache, dequantized and concatenated (float32)
-            total += 2 * 2 * batch * hkv * keys * dh * 4
-    elif t < prompt_len:  # the flash path: float32 output / log-sum-exp accumulators, a prefix span
-        total += batch * t * hq * (dh + 1) * 4 * 2 + 2 * batch * hkv * t * dh * item
-    return int(total + batch * cfg.vocab_size * 4)  # the last position's float32 logits
-
-
-def prefill_chunk_for(cfg: ModelConfig, batch: int, prompt_len: int, requested: int | str | None,
-                      free_bytes: int | None, group_size: int = 1) -> int | None:
-    """The `chunk` `prefill` runs a padded prompt with (None: the whole prompt at once).
-
-    requested: "auto" (the whole prompt when its `prefill_workspace_bytes` fit in `free_bytes`, the
-    device memory left after weights and cache; else DEFAULT_PREFILL_CHUNK), "whole" (None), or a
-    chunk size, a positive multiple of `group_size`. `free_bytes` None: unknown, whole prompt."""
-    if requested is None or requested == "whole":
-        return None
-    if requested == "auto":
-        if prompt_len <= DEFAULT_PREFILL_CHUNK or free_bytes is None:
-            return None
-        whole = prefill_workspace_bytes(cfg, batch, prompt_len)
-        return None if whole <= free_bytes else DEFAULT_PREFILL_CHUNK
-    if not isinstance(requested, (int, np.integer)) or isinstance(requested, bool) or requested < 1 \
-            or requested % group_size:
-        raise ValueError(f"prefill_chunk={requested!r}: expected 'auto', 'whole' or a positive multiple of the "
-                         f"cache's group size {group_size}")
-    return int(requested) if requested < prompt_len else None
-
-
 def _report_progress(x: Array, step: Array, steps: int, what: str) -> None:
     """Reports step `step` (1-based) of `steps` of a prefill once `x`, the step's output, exists:
     one stderr line rewritten in place, ended when the last step is done. `what` names the work."""

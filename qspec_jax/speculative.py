@@ -42,9 +42,11 @@ from flax import struct
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
-from qspec_jax.generation import (PAD_ID, Progress, check_fits, check_prefill_chunk, decode_cache_len, eos_array,
-                                   initial_logits, loop_rounds, new_cache, pad_prompts, prefill_chunk, progress_of,
-                                   prng_key, record_logits, run_generation)
+from qspec_jax.generation import (PAD_ID, Progress, check_fits, check_prefill_chunk, eos_array, initial_logits,
+                                   loop_rounds, new_cache, pad_prompts, progress_of, prng_key, record_logits,
+                                   run_generation)
+from qspec_jax.planner import (Request, check_params_fit, decode_cache_len, out_of_memory, prefill_chunk_for,
+                               resource_exhausted, weight_bytes)
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
 from qspec_jax.weight_quant import DraftWeightsConfig
 
@@ -173,6 +175,13 @@ class SpecConfig:
         """Draft tokens each verify pass holds (verify_width - 1): the rounds' drafts, PAD_ID past
         the round's draft length."""
         return self.verify_width - 1
+
+    def memory_request(self, batch: int, prompt_len: int, longest: int | None = None) -> Request:
+        """What generating with these settings from `batch` prompts padded to `prompt_len` tokens
+        (the longest `longest` before padding) asks of a device (`planner.request_bytes`)."""
+        return Request(batch, prompt_len, self.max_new_tokens, kv=self.target_kv, width=self.verify_width,
+                       group_size=self.group_size, gamma_max=self.gamma_max, longest=longest, speculative=True,
+                       draft_view=self.draft_view, sampling=not self.sampling.greedy, return_logits=self.return_logits)
 
 
 @struct.dataclass
@@ -491,8 +500,12 @@ def _prefilled(target: M.Params, tokens: Array, lengths: Array, key: Array, *, s
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "eos_ids", "max_len", "chunk"))
-def _speculative(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
-                 spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int, chunk: int | None = None) -> SpecResult:
+def speculative_program(target: M.Params, draft: M.Params, tokens: Array, lengths: Array, key: Array, *,
+                        spec: SpecConfig, eos_ids: tuple[int, ...], max_len: int,
+                        chunk: int | None = None) -> SpecResult:
+    """The whole of `generate` (without on_tokens) as one jitted program: a cache of max_len
+    slots, the prefill (in chunks of `chunk` tokens, or whole) and every round (what
+    `planner.request_bytes` models)."""
     state = _prefilled(target, tokens, lengths, key, spec=spec, eos_ids=eos_ids, max_len=max_len, chunk=chunk)
     return _spec_result(speculative_rounds(target, draft, state, spec=spec, eos_ids=eos_ids))
 
@@ -511,16 +524,44 @@ def _speculative_chunk(target: M.Params, draft: M.Params, state: _SpecState, max
 
 
 # ---------------------------------------------------------------------------------- public
+def stored_draft(model: Any, spec: SpecConfig) -> M.Params | None:
+    """The draft's params when they exist already: the target's for draft_weights="bf16", the
+    checkpoint's INT4 draft when its format is the one `spec` asks for; None when they must be
+    made (`draft_params_for`)."""
+    if spec.draft_weights == "bf16":
+        return model.params
+    have = getattr(model, "draft_params", None)
+    if have is not None and getattr(model, "draft_weights_config", None) == spec.draft_weights_config:
+        return have
+    return None
+
+
+def check_memory(model: Any, spec: SpecConfig, shape: tuple[int, int], longest: int,
+                 draft_params: M.Params | None = None) -> tuple[Request, M.Params | None]:
+    """Refuses (`planner.DoesNotFitError`, a ValueError) speculative generation from prompts
+    padded to `shape` = (batch, tokens) that does not fit this device, before a draft is made
+    or anything compiled. Returns the request (its `chunk`: how the prompt will be prefilled,
+    `planner.prefill_chunk_for`) and the draft when it exists already
+    (`draft_params`, else `stored_draft`; None: it will be made, and its bytes are counted from
+    its format)."""
+    request = spec.memory_request(*shape, longest=longest)
+    draft = draft_params if draft_params is not None else stored_draft(model, spec)
+    made = 0 if draft is not None else weight_bytes(model.params.config, spec.draft_weights_config)["draft"]
+    chunk = prefill_chunk_for(model.params, request, spec.prefill_chunk, draft=draft, draft_bytes=made)
+    request = dataclasses.replace(request, chunk=chunk)
+    check_params_fit(model.params, request, draft=draft, draft_bytes=made)
+    return request, draft
+
+
 def draft_params_for(model: Any, spec: SpecConfig) -> M.Params:
     """The draft's params: the target's for draft_weights="bf16", else INT4 weights, taken from
     the checkpoint when they match `spec` and made now otherwise (`Model.with_draft_weights`: a
     calibrated method calibrates on the built-in text)."""
-    if spec.draft_weights == "bf16":
-        return model.params
+    found = stored_draft(model, spec)
+    if found is not None:
+        return found
     want = spec.draft_weights_config
     have = getattr(model, "draft_params", None)
-    if have is not None and getattr(model, "draft_weights_config", None) == want:
-        return have
     if have is not None:  # the stored draft is not used: say so (the CLIs print their own line)
         warnings.warn(f"quantizing the INT4 draft again: the checkpoint stores {model.draft_weights_config}, "
                       f"SpecConfig asks for {want}; set SpecConfig's draft_* fields to the stored format to use "
@@ -547,6 +588,10 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     `qspec_jax.streaming.TokenStream` turns it into an iterator.
     bucket: the prompt padding (`generation.pad_prompts`): None pads to the `length_bucket`
     ladder, which bounds the compiled programs; an int pads to a multiple of it (1: none).
+
+    A request that does not fit this device's memory raises `planner.DoesNotFitError` (a
+    ValueError) before a draft is made or anything compiled; out of memory in XLA while running
+    it, `planner.OutOfMemoryError` (as `generation.generate_autoregressive` says).
     """
     if not isinstance(config, SpecConfig):
         raise TypeError(f"generate: config must be a SpecConfig, got {type(config).__name__}"
@@ -557,8 +602,9 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     cfg = target.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size, bucket)
     check_fits(cfg, lengths, config.max_new_tokens)
+    request, draft = check_memory(model, config, tokens.shape, int(lengths.max()), draft_params)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
-    draft = draft_params if draft_params is not None else draft_params_for(model, config)
+    draft = draft if draft is not None else draft_params_for(model, config)
     if draft.config.replace(attention_impl=cfg.attention_impl) != cfg:
         raise ValueError("draft_params were built for a different model config than the target's")
     draft = M.for_device(draft.replace(config=cfg))  # a no-op for drafts from load / draft_params_for
@@ -566,9 +612,12 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
         raise ValueError("the draft params are not on the target's mesh: shard both (qspec_jax.sharding.shard)")
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.verify_width, config.group_size,
                                config.target_kv)
-    chunk = prefill_chunk(cfg, config.prefill_chunk, tokens.shape[0], tokens.shape[1], max_len, config.target_kv,
-                          config.group_size, config.gamma_max)
-    return run_generation(_speculative, _speculative_start, _speculative_chunk, (target, draft),
-                          (jnp.asarray(tokens), jnp.asarray(lengths), key),
-                          dict(spec=config, eos_ids=tuple(eos), max_len=max_len, chunk=chunk),
-                          dict(spec=config, eos_ids=tuple(eos)), _spec_result, timings, on_tokens)
+    try:
+        return run_generation(speculative_program, _speculative_start, _speculative_chunk, (target, draft),
+                              (jnp.asarray(tokens), jnp.asarray(lengths), key),
+                              dict(spec=config, eos_ids=tuple(eos), max_len=max_len, chunk=request.chunk),
+                              dict(spec=config, eos_ids=tuple(eos)), _spec_result, timings, on_tokens)
+    except Exception as e:
+        if resource_exhausted(e):  # the estimate let it through: the same kind of line, from XLA's account
+            raise out_of_memory(target, request, e, draft=draft) from e
+        raise

@@ -471,6 +471,26 @@ def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_chat_sou
     return convert(tiny_chat_source, out, dtype="float32", progress=False, draft_weights=DraftWeightsConfig())
 
 
+# Wide K/V (4 layers of 16 KV heads x 64 channels: 32 KB a token in float32) and 2^26 positions: a
+# terabyte of cache is a request the model accepts (tests/test_memory.py).
+WIDE_KV_CONFIG = {**SYNTHETIC_CONFIG, **TINY_CHAT_CONFIG, "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64,
+                  "max_position_embeddings": 1 << 26}
+
+
+@pytest.fixture(scope="session")
+def wide_kv_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A WIDE_KV_CONFIG model with the byte tokenizer, converted float32 without a draft."""
+    from convert import convert
+    from convert.safetensors_io import write_safetensors
+
+    src = tmp_path_factory.mktemp("wide_kv_src")
+    (src / "config.json").write_text(json.dumps(WIDE_KV_CONFIG, indent=2))
+    write_safetensors(src / "model.safetensors", synthetic_hf_tensors(WIDE_KV_CONFIG, seed=3))
+    save_byte_tokenizer(src)
+    return convert(src, tmp_path_factory.mktemp("wide_kv") / "ckpt", dtype="float32", progress=False)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop JAX's compiled programs after each test module. On the CPU every XLA executable maps

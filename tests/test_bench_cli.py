@@ -97,6 +97,18 @@ BAD_ARGS = [
     ("gamma", ["--batches", "3"], "--batches 3: each must divide --prompts=4"),
     ("gamma", ["--costs", MISSING], f"--costs {MISSING}: no such file"),
     ("gamma", ["--quick", "--doc"], "--doc with --quick"),
+    # --quick checks every argument it is given; GPU-sized work is refused at once without a GPU
+    ("e2e", ["--quick", "--parts", "8b", "--contexts", "0"], "--contexts must be >= 1, got 0"),
+    ("e2e", ["--parts", "8b,batch"], "no GPU (cpu backend): --parts 8b,batch build the 8B shape's weights (16 GB) "
+                                     "and caches; --quick runs the harness at tiny sizes"),
+    ("e2e", ["--parts", "memory", "--confirm-max-context"], "no GPU (cpu backend): --parts memory builds"),
+    ("profile", ["--contexts", "4096"], "no GPU (cpu backend): the profile runs the 8B shape's step programs"),
+    ("profile", ["--quick", "--contexts", "0"], "--contexts must be >= 1, got 0"),
+    ("gamma", ["--parts", "loops"], "no GPU (cpu backend): part loops builds the 8B shape's weights"),
+    ("gamma", ["--quick", "--contexts", "0"], "--contexts must be >= 1, got 0"),
+    ("quality", ["--quick", "--contexts", "0"], "--contexts must be >= 1, got 0"),
+    ("fidelity", ["--quick", "--batches", "0"], "--batches must be >= 1, got 0"),
+    ("e2e", ["--quick", "--out", "/proc/nope"], "--out /proc/nope: cannot write there (/proc "),
 ]
 
 
@@ -203,18 +215,19 @@ def test_e2e_quick_prefill_part_measures_every_row(cache_home: Path, tmp_path: P
         assert heading in text
 
 
-def test_e2e_failed_part_exits_1(stub_e2e: dict[str, Any], cache_home: Path, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_e2e_failed_part_exits_1(stub_e2e: dict[str, Any], cache_home: Path, tmp_path: Path, text_dir: Path,
+                                 tiny_chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A part that raises: its traceback, the other parts still run, and exit status 1 (it was 0)."""
-    stub_e2e["fail"].add("8b")
+    stub_e2e["fail"].add("smollm")
     doc = tmp_path / "B.md"
-    assert bench.main(["e2e", "--parts", "8b,memory", "--out", str(tmp_path / "o"), "--doc", str(doc)]) == 1
+    assert bench.main(["e2e", "--parts", "smollm,memory", "--smollm-checkpoint", str(tiny_chat_checkpoint),
+                       "--text-dir", str(text_dir), "--out", str(tmp_path / "o"), "--doc", str(doc)]) == 1
     err = capsys.readouterr()
-    assert "RuntimeError: 8b broke" in err.err and "qspec-bench e2e: part(s) 8b failed" in err.out
-    assert stub_e2e["ran"] == ["8b", "memory"]
+    assert "RuntimeError: smollm broke" in err.err and "qspec-bench e2e: part(s) smollm failed" in err.out
+    assert stub_e2e["ran"] == ["smollm", "memory"]
     results = json.loads((tmp_path / "o" / "e2e.json").read_text())
-    assert results["8b"]["error"] == "RuntimeError: 8b broke"
-    assert "<!-- e2e:begin -->" in doc.read_text() and "Failed: `RuntimeError: 8b broke`" in doc.read_text()
+    assert results["smollm"]["error"] == "RuntimeError: smollm broke"
+    assert "<!-- e2e:begin -->" in doc.read_text() and "Failed: `RuntimeError: smollm broke`" in doc.read_text()
 
 
 def test_quality_writes_its_report_only_with_doc(monkeypatch: pytest.MonkeyPatch, tiny_chat_checkpoint: Path,
@@ -260,3 +273,64 @@ def test_tp_section_floor_and_collectives() -> None:
     # one device: 4e12 / 2e9 = 2000 tok/s; two: 1 / (1e9 / 4e12 + 64 x 25e-6) = 541 tok/s
     assert rows[0].split(" | ")[3] == "2e+03" and rows[1].split(" | ")[3] == "541", rows
     assert "| 2 | 8 | 65.5 | 40 | 6 | 34 |" in text
+
+
+# ------------------------------------------------------------------- cases that do not fit
+ABSURD = 100_000_000  # tokens: hundreds of GB of cache at any batch, refused by the allocator at once
+
+
+def e2e_results(out: Path) -> dict[str, Any]:
+    return json.loads((out / "e2e.json").read_text())
+
+
+def test_e2e_batch_records_what_does_not_fit(cache_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Part batch at a context no device holds: refused by the planner's estimate before
+    anything is allocated ("does not fit in memory: ..." in the row); with the estimate told the
+    device is huge, XLA's own out of memory is recorded the same way. Nothing measured: the part
+    failed (exit 1), and the JSON and the report row say why."""
+    from qspec_jax import planner
+    from qspec_jax.bench import report
+
+    out = tmp_path / "o"
+    argv = ["e2e", "--quick", "--parts", "batch", "--batch-contexts", str(ABSURD), "--out", str(out)]
+    assert bench.main(argv) == 1
+    row = e2e_results(out)["batch"]["rows"][0]
+    assert row["error"].startswith(f"does not fit in memory: batch 2 x (prompt {ABSURD} tokens + 16 new tokens), "
+                                   "decoding over a dense bf16 KV cache, needs ")
+    assert " | does not fit in memory: batch 2 x " in row["error"] and "ar_bf16_tok_s" not in row
+    assert "part batch measured nothing" in capsys.readouterr().out
+    doc = tmp_path / "B.md"
+    report.write_e2e(e2e_results(out), out, doc)
+    row_line = f"| {ABSURD} | {ABSURD // 2}..{ABSURD} | – | – | – | does not fit in memory: batch 2"
+    assert row_line in doc.read_text()
+
+    monkeypatch.setattr(planner, "device_memory_bytes", lambda device=None: 10**16)
+    assert bench.main(argv) == 1
+    row = e2e_results(out)["batch"]["rows"][0]
+    assert row["error"].startswith("does not fit in memory: XLA ran out of memory (Out of memory allocating ")
+
+
+@pytest.mark.slow  # compiles and times the quick AR and speculative loops: > ~20 s
+def test_e2e_batch_goes_on_after_a_context_that_does_not_fit(cache_home: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    assert bench.main(["e2e", "--quick", "--parts", "batch", "--batch-contexts", f"512,{ABSURD}",
+                       "--out", str(out)]) == 0
+    measured, refused = e2e_results(out)["batch"]["rows"]
+    assert measured["ar_bf16_tok_s"] > 0 and measured["spec_a0.9_tok_s"] > 0 and "error" not in measured
+    assert refused["context"] == ABSURD and refused["error"].startswith("does not fit in memory: ")
+
+
+@pytest.mark.parametrize("argv, json_file, row_key", [
+    (["profile", "--quick", "--contexts", str(ABSURD), "--programs", "ar_bf16"], "profile.json", "rows"),
+    (["gamma", "--quick", "--parts", "loops", "--loop-contexts", str(ABSURD)], None, "rows")])
+def test_gpu_benches_record_xla_out_of_memory(argv: list[str], json_file: str | None, row_key: str,
+                                             cache_home: Path, tmp_path: Path) -> None:
+    """No estimate before their random caches: XLA's out of memory is the case's error, the next
+    case would run, and a run that measured nothing exits 1 (with its JSON written)."""
+    out = tmp_path / "o"
+    assert bench.main([*argv, "--out", str(out)]) == 1
+    path = out / json_file if json_file else next(out.glob("gamma_loops_*.json"))
+    rows = json.loads(path.read_text())[row_key]
+    assert len(rows) == 1 and rows[0]["context"] == ABSURD
+    assert rows[0]["error"].startswith("does not fit in memory: XLA ran out of memory (Out of memory allocating ")

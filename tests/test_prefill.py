@@ -8,12 +8,15 @@ against the target's own autoregressive output.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from qspec_jax import model as M
+from qspec_jax import planner as P
 from qspec_jax.attention import chunk_attention, dense_attention, merge_attention, prefill_attention, prefill_impl
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ConfigError, ModelConfig
@@ -248,41 +251,30 @@ def test_generation_configs_check_prefill_chunk() -> None:
         CFG.replace(prefill_attention_impl="flash")
 
 
-def test_prefill_chunk_policy() -> None:
-    """"auto" prefills whole when the whole prompt's temporaries fit in the free memory, else in
-    DEFAULT_PREFILL_CHUNK chunks; short prompts and unknown memory are whole; sizes are checked."""
-    t = 4 * M.DEFAULT_PREFILL_CHUNK
-    need = M.prefill_workspace_bytes(CFG, 2, t)
-    assert M.prefill_chunk_for(CFG, 2, t, "auto", need, G) is None
-    assert M.prefill_chunk_for(CFG, 2, t, "auto", need - 1, G) == M.DEFAULT_PREFILL_CHUNK
-    assert M.prefill_chunk_for(CFG, 2, t, "auto", None, G) is None
-    assert M.prefill_chunk_for(CFG, 2, M.DEFAULT_PREFILL_CHUNK, "auto", 0, G) is None
-    assert M.prefill_chunk_for(CFG, 2, t, "whole", 0, G) is None
-    assert M.prefill_chunk_for(CFG, 2, t, 64, None, G) == 64
-    assert M.prefill_chunk_for(CFG, 2, 64, 64, None, G) is None
-    with pytest.raises(ValueError, match="prefill_chunk=40"):
-        M.prefill_chunk_for(CFG, 2, t, 40, None, G)
-    # On the flash path a chunk's temporaries grow with the chunk, not with the prompt.
-    flash = CFG.replace(prefill_attention_impl="xla")
-    assert M.prefill_workspace_bytes(flash, 2, 4 * t, 64) == M.prefill_workspace_bytes(flash, 2, t, 64)
-    assert M.prefill_workspace_bytes(CFG, 2, 2 * t) > 1.9 * M.prefill_workspace_bytes(CFG, 2, t)
+@pytest.mark.parametrize("whole_fits", [True, False])
+def test_prefill_chunk_policy(params: M.Params, monkeypatch: pytest.MonkeyPatch, whole_fits: bool) -> None:
+    """"auto" prefills whole when the request fits with the whole prompt's temporaries
+    (`check_params_fit` of it, the byte model tests/test_memory.py checks), else in
+    DEFAULT_PREFILL_CHUNK chunks; a short prompt is always whole; "whole" and sizes are as asked."""
+    asked = []
 
+    def fake_check(p: M.Params, request: P.Request, **kw: object) -> dict:
+        asked.append(request.chunk)
+        if request.chunk is None and not whole_fits:
+            raise P.DoesNotFitError("too big", needed=2, available=1, parts={})
+        return {}
 
-@pytest.mark.parametrize("t,chunk", [(512, None), (2048, None), (2048, 256)])
-def test_prefill_workspace_estimate_tracks_the_compiled_program(t: int, chunk: int | None) -> None:
-    """The estimate is within a factor 2 of XLA's temporaries of the compiled prefill (CPU), so
-    "auto" chunks a prompt about when its whole prefill would not fit. The factor: XLA keeps a
-    few more buffers live than one layer's widest point (layer-loop carries, fusion outputs)."""
-    cfg = CFG.replace(hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=32,
-                      vocab_size=512, max_position_embeddings=4096)
-    p = jax.eval_shape(lambda: M.init_random_params(cfg, jax.random.PRNGKey(0)))
-    cache = jax.eval_shape(lambda: QuantSpecCache.init(cfg, 2, t, group_size=128, gamma_max=3))
-    toks = jax.ShapeDtypeStruct((2, t), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-    exe = jax.jit(lambda p, tk, ln, c: M.prefill(p, tk, ln, c, chunk=chunk)).lower(p, toks, lengths, cache).compile()
-    temp = exe.memory_analysis().temp_size_in_bytes
-    est = M.prefill_workspace_bytes(cfg, 2, t, chunk)
-    assert 0.5 <= est / temp <= 2.0, (est, temp)
+    monkeypatch.setattr(P, "check_params_fit", fake_check)
+    t = 4 * P.DEFAULT_PREFILL_CHUNK
+    request = GenerationConfig(kv="int8", group_size=G, width=4, max_new_tokens=8).memory_request(1, t)
+    assert P.prefill_chunk_for(params, request, "auto") == (None if whole_fits else P.DEFAULT_PREFILL_CHUNK)
+    assert asked == [None]
+    short = dataclasses.replace(request, prompt_len=P.DEFAULT_PREFILL_CHUNK)
+    assert P.prefill_chunk_for(params, short, "auto") is None
+    assert P.prefill_chunk_for(params, request, "whole") is None
+    assert P.prefill_chunk_for(params, request, 64) == 64
+    assert P.prefill_chunk_for(params, dataclasses.replace(request, prompt_len=64), 64) is None
+    assert asked == [None]  # only "auto" on a long prompt asks
 
 
 def test_prefill_progress_reports_every_layer(params: M.Params, capfd: pytest.CaptureFixture) -> None:

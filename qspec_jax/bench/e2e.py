@@ -28,6 +28,8 @@ fixed cost of a call.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import statistics
@@ -50,7 +52,7 @@ from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig, RopeScaling
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.linear import is_int4
-from qspec_jax.planner import max_context, tree_bytes, weight_bytes
+from qspec_jax.planner import Request, device_memory_bytes, max_context, tree_bytes, weight_bytes
 from qspec_jax.speculative import SpecConfig, speculative_loop
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
@@ -178,13 +180,13 @@ def bench_config(args: argparse.Namespace) -> ModelConfig:
 
 def time_generate_compile(p_abs: Any, d_abs: Any, args: argparse.Namespace) -> float:
     """Seconds to compile `generate` (prefill + speculative loop) for the model, alone."""
-    from qspec_jax.speculative import _speculative
+    from qspec_jax.speculative import speculative_program
 
     prompt = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
     t0 = time.perf_counter()
-    _speculative.lower(p_abs, d_abs, prompt, lengths, jax.random.PRNGKey(0), spec=SpecConfig(gamma=4, max_new_tokens=128),
-                       eos_ids=(), max_len=4352).compile()
+    speculative_program.lower(p_abs, d_abs, prompt, lengths, jax.random.PRNGKey(0),
+                              spec=SpecConfig(gamma=4, max_new_tokens=128), eos_ids=(), max_len=4352).compile()
     secs = time.perf_counter() - t0
     log(f"compile of generate (prefill + speculative loop, {p_abs.config.num_layers} layers): {secs:.1f} s")
     return secs
@@ -252,6 +254,7 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
     del unfused
     params = jax.block_until_ready(M.for_device(params))
     params_mosaic = params.replace(config=p_mosaic_abs.config)
+    weights = tree_bytes(params) + 2 * wb["draft"]  # the target, the draft's INT4 weights in two layouts
     rows = []
     for c in args.contexts:
         row: dict[str, Any] = {"context": c, "errors": {}}
@@ -275,27 +278,40 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
             row[field] = loop_new / median_seconds(lambda: exe(*call_args), args.trials)
             return res
 
-        dense = random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
-        dense = steps(("ar_bf16", c), "ar_bf16_ms", params, dense, 1)
-        if args.dense_mosaic:
-            dense = steps(("ar_bf16_mosaic", c), "ar_bf16_mosaic_ms", params_mosaic, dense, 1)
-        if c in args.loop_contexts:
-            loop(("ar_bf16_loop", c), "ar_bf16_loop_tok_s", params, dense, first, key)
-        del dense
-        quant = random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
-        quant = steps(("ar_int8", c), "ar_int8_ms", params, quant, 1)
-        quant = steps(("draft", c), "draft_ms", draft, quant, 1)
-        quant = steps(("draft_xla", c), "draft_xla_int4_ms", draft_xla, quant, 1)
-        for g in args.gammas:
-            quant = steps(("verify", g, c), f"verify_g{g}_ms", params, quant, g + 1)
-        if c in args.loop_contexts:
-            loop(("ar_int8_loop", c), "ar_int8_loop_tok_s", params, quant, first, key)
-            for a in args.alphas:
-                res = loop(("spec_loop", args.loop_gamma, a, c), f"spec_g{args.loop_gamma}_a{a}_loop_tok_s",
-                           params, draft, quant, first, key)
-                if res is not None:
-                    row[f"spec_g{args.loop_gamma}_a{a}_loop_tokens_per_round"] = res.tokens_per_round
-        del quant
+        def measure_dense() -> None:
+            dense = random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
+            dense = steps(("ar_bf16", c), "ar_bf16_ms", params, dense, 1)
+            if args.dense_mosaic:
+                dense = steps(("ar_bf16_mosaic", c), "ar_bf16_mosaic_ms", params_mosaic, dense, 1)
+            if c in args.loop_contexts:
+                loop(("ar_bf16_loop", c), "ar_bf16_loop_tok_s", params, dense, first, key)
+
+        def measure_quant() -> None:
+            quant = random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
+            quant = steps(("ar_int8", c), "ar_int8_ms", params, quant, 1)
+            quant = steps(("draft", c), "draft_ms", draft, quant, 1)
+            quant = steps(("draft_xla", c), "draft_xla_int4_ms", draft_xla, quant, 1)
+            for g in args.gammas:
+                quant = steps(("verify", g, c), f"verify_g{g}_ms", params, quant, g + 1)
+            if c in args.loop_contexts:
+                loop(("ar_int8_loop", c), "ar_int8_loop_tok_s", params, quant, first, key)
+                for a in args.alphas:
+                    res = loop(("spec_loop", args.loop_gamma, a, c), f"spec_g{args.loop_gamma}_a{a}_loop_tok_s",
+                               params, draft, quant, first, key)
+                    if res is not None:
+                        row[f"spec_g{args.loop_gamma}_a{a}_loop_tokens_per_round"] = res.tokens_per_round
+
+        # The random caches (no prefill) and the programs' passes must fit beside the weights.
+        verify = dataclasses.replace(SpecConfig(gamma=max(args.gammas), max_new_tokens=loop_new).memory_request(1, c),
+                                     prefill=False, cache_slots=-(-(c + EXTRA_SLOTS) // 128) * 128)
+        errors = [options.run_case(measure_dense, cfg, Request(1, c, loop_new, kv="bf16", width=1, prefill=False,
+                                                               cache_slots=c + EXTRA_SLOTS), weights),
+                  options.run_case(measure_quant, cfg, verify, weights)]
+        if any(errors):  # the row keeps what was measured; nothing is derived from it
+            row["error"] = " | ".join(e for e in errors if e)
+            log(f"context {c}: {row['error']}")
+            rows.append(row)
+            continue
         row.update(ar_bf16_bytes=step_bytes(cfg, target_read, c, 1, "bf16"),
                    ar_int8_bytes=step_bytes(cfg, target_read, c, 1, "int8"),
                    draft_bytes=step_bytes(cfg, draft_read, c, 1, "int4"))
@@ -341,20 +357,31 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
         prompts = np.stack(prompts)
         row: dict[str, Any] = {"batch": batch, "context": ctx, "new_tokens": new}
         outs = {}
-        for name, fn in (
-            ("ar_bf16", lambda: generate_autoregressive(model, prompts, GenerationConfig(max_new_tokens=new, kv="bf16", eos_token_ids=()), timings=tm)),
-            ("ar_int8", lambda: generate_autoregressive(model, prompts, GenerationConfig(max_new_tokens=new, kv="int8", eos_token_ids=()), timings=tm)),
-            ("spec", lambda: generate(model, prompts, SpecConfig(gamma=args.smollm_gamma, max_new_tokens=new, eos_token_ids=()), timings=tm)),
-        ):
-            log(f"smollm batch {batch}: {name}")
-            runs = []
-            for _ in range(args.trials):
-                tm: dict[str, float] = {}
-                res = fn()
-                runs.append(tm["run_s"])
-            outs[name] = res
-            row[f"{name}_tok_s"] = float(np.sum(np.asarray(res.lengths))) / statistics.median(runs)
-            row[f"{name}_compile_s"] = tm["compile_s"]
+
+        def measure() -> None:  # the generation functions refuse what does not fit (DoesNotFitError)
+            ar = {kv: GenerationConfig(max_new_tokens=new, kv=kv, eos_token_ids=()) for kv in ("bf16", "int8")}
+            spec = SpecConfig(gamma=args.smollm_gamma, max_new_tokens=new, eos_token_ids=())
+            for name, fn in (
+                ("ar_bf16", lambda: generate_autoregressive(model, prompts, ar["bf16"], timings=tm)),
+                ("ar_int8", lambda: generate_autoregressive(model, prompts, ar["int8"], timings=tm)),
+                ("spec", lambda: generate(model, prompts, spec, timings=tm)),
+            ):
+                log(f"smollm batch {batch}: {name}")
+                runs = []
+                for _ in range(args.trials):
+                    tm: dict[str, float] = {}
+                    res = fn()
+                    runs.append(tm["run_s"])
+                outs[name] = res
+                row[f"{name}_tok_s"] = float(np.sum(np.asarray(res.lengths))) / statistics.median(runs)
+                row[f"{name}_compile_s"] = tm["compile_s"]
+
+        error = options.run_case(measure)
+        if error is not None:
+            row["error"] = error
+            log(f"smollm batch {batch}: {error}")
+            rows.append(row)
+            continue
         spec = outs["spec"]
         row["acceptance_rate"] = spec.acceptance_rate
         row["tokens_per_round"] = spec.tokens_per_round
@@ -375,7 +402,9 @@ def batch_lengths(batch: int, context: int) -> np.ndarray:
 def part_batch(args: argparse.Namespace) -> dict[str, Any]:
     """AR-bf16 (width 1, dense cache) and QuantSpec (forced per-row acceptance, INT8 cache)
     generation loops of the 8B shape at batch `--batch-size`, rows of different lengths. Tokens/s
-    counts every row's emitted tokens once (SPEC §7)."""
+    counts every row's emitted tokens once (SPEC §7). A loop whose cache does not fit the device
+    (the planner's estimate, or XLA out of memory) is recorded in its row's "error" and the
+    next one runs."""
     cfg = bench_config(args)
     key = jax.random.PRNGKey(0)
     b = args.batch_size
@@ -383,6 +412,7 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
     dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     draft = jax.block_until_ready(M.for_device(make_draft_params(params, dcfg)))
     params = jax.block_until_ready(M.for_device(params))
+    weights = tree_bytes(params) + tree_bytes(draft)
     first = jnp.full((b,), 7, jnp.int32)
     gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1)
     ar = jax.jit(functools.partial(autoregressive_loop, gen=gen, eos_ids=()))
@@ -390,27 +420,40 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
     for c in args.batch_contexts:
         lengths = batch_lengths(b, c)
         row: dict[str, Any] = {"batch": b, "context": c, "lengths": lengths.tolist()}
-        dense = synthetic.random_dense_cache(cfg, b, c, jax.random.fold_in(key, c), extra_slots=EXTRA_SLOTS,
-                                             lengths=lengths)
-        res = ar(params, dense, first, key)
-        row["ar_bf16_tok_s"] = float(np.sum(np.asarray(res.lengths))) / median_seconds(
-            functools.partial(ar, params, dense, first, key), args.trials)
-        del dense
-        quant = synthetic.random_quant_cache(cfg, b, c, jax.random.fold_in(key, c + 1), extra_slots=EXTRA_SLOTS,
-                                             lengths=lengths)
-        for a in args.alphas:
-            spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens, forced_acceptance=a,
-                              eos_token_ids=())
-            sp = jax.jit(functools.partial(speculative_loop, spec=spec, eos_ids=()))
-            res = sp(params, draft, quant, first, key)
-            secs = median_seconds(functools.partial(sp, params, draft, quant, first, key), args.trials)
-            row[f"spec_a{a}_tok_s"] = float(np.sum(np.asarray(res.lengths))) / secs
-            row[f"spec_a{a}_tokens_per_round"] = res.tokens_per_round
-            row[f"spec_a{a}_vs_ar"] = row[f"spec_a{a}_tok_s"] / row["ar_bf16_tok_s"]
-        del quant
+
+        def measure_ar() -> None:
+            dense = synthetic.random_dense_cache(cfg, b, c, jax.random.fold_in(key, c), extra_slots=EXTRA_SLOTS,
+                                                 lengths=lengths)
+            res = ar(params, dense, first, key)
+            row["ar_bf16_tok_s"] = float(np.sum(np.asarray(res.lengths))) / median_seconds(
+                functools.partial(ar, params, dense, first, key), args.trials)
+
+        def measure_spec() -> None:
+            quant = synthetic.random_quant_cache(cfg, b, c, jax.random.fold_in(key, c + 1), extra_slots=EXTRA_SLOTS,
+                                                 lengths=lengths)
+            for a in args.alphas:
+                spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens, forced_acceptance=a,
+                                  eos_token_ids=())
+                sp = jax.jit(functools.partial(speculative_loop, spec=spec, eos_ids=()))
+                res = sp(params, draft, quant, first, key)
+                secs = median_seconds(functools.partial(sp, params, draft, quant, first, key), args.trials)
+                row[f"spec_a{a}_tok_s"] = float(np.sum(np.asarray(res.lengths))) / secs
+                row[f"spec_a{a}_tokens_per_round"] = res.tokens_per_round
+                if "ar_bf16_tok_s" in row:
+                    row[f"spec_a{a}_vs_ar"] = row[f"spec_a{a}_tok_s"] / row["ar_bf16_tok_s"]
+
+        slots = c + EXTRA_SLOTS
+        spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens)
+        quant_slots = -(-slots // spec.group_size) * spec.group_size
+        errors = [options.run_case(measure_ar, cfg, Request(b, c, args.loop_tokens, kv="bf16", width=1, prefill=False,
+                                                            cache_slots=slots), weights),
+                  options.run_case(measure_spec, cfg, dataclasses.replace(spec.memory_request(b, c), prefill=False,
+                                                                          cache_slots=quant_slots), weights)]
+        if any(errors):
+            row["error"] = " | ".join(e for e in errors if e)
         log(json.dumps(row))
         rows.append(row)
-    return {"gamma": args.loop_gamma, "tokens": args.loop_tokens, "rows": rows}
+    return {"gamma": args.loop_gamma, "tokens": args.loop_tokens, "alphas": list(args.alphas), "rows": rows}
 
 
 # ----------------------------------------------------------------------------- part: memory
@@ -418,7 +461,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config(args)
     dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     dev = jax.devices()[0]
-    device_bytes = int((dev.memory_stats() or {}).get("bytes_limit", 80e9))
+    device_bytes = device_memory_bytes(dev)
     key = jax.random.PRNGKey(0)
     params = jax.eval_shape(lambda k: M.init_random_params(cfg, k), key)
     draft = jax.eval_shape(lambda p: make_draft_params(p, dcfg), params)
@@ -468,7 +511,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
                                  "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", -1))}
                 del cache
             except Exception as e:  # noqa: BLE001 - an OOM here is the measurement
-                confirm[kind] = {"context": context, "ok": False, "error": str(e)[:500]}
+                confirm[kind] = {"context": context, "ok": False, "error": options.case_error(e)}
             log(json.dumps(confirm[kind]))
     return {"rows": rows, "plan": plan, "confirm": confirm}
 
@@ -528,7 +571,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
                 row["spec_peak_bytes_per_device"] = peak_bytes(sp.memory_analysis())
                 del cache, sp
             except Exception as e:  # noqa: BLE001 - e.g. 256k on one device may not fit: that is a result
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                row["error"] = options.case_error(e)
             log(json.dumps(row))
             rows.append(row)
         del params, draft
@@ -622,7 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-contexts", type=ints, default="131072,262144", help="part tp: contexts")
     p.add_argument("--torch-group", type=int, default=128, choices=(0, 32, 64, 128, 256),
                    help="part 8b: int4 group of the PyTorch (tinygemm) CUDA-graph decode peer; 0 skips the peer")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test of the harness); writes no report")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, except those given (CPU smoke test of the harness); writes no report")
     return p
 
 
@@ -662,17 +706,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return options.run_bench(PROG, _main, argv)
 
 
+GPU_PARTS = ("8b", "batch", "prefill", "tp")  # they build the 8B shape's weights and caches (memory too, to confirm)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    if args.quick:
-        args.contexts, args.loop_contexts, args.memory_contexts = (512, 1024), (1024,), (1024,)
-        args.gammas, args.steps, args.trials, args.loop_tokens, args.smollm_batches = (2, 4), 2, 1, 16, (1, 2)
-        args.smollm_context, args.smollm_new_tokens, args.draft_group = 256, 16, 64
-        args.tp_contexts, args.batch_contexts, args.batch_size = (1024,), (512,), 2
-        args.prefill_contexts, args.prefill_chunks, args.request_context, args.request_new_tokens = (512,), (256,), 512, 8
-        args.prefill_smollm_batch, args.prefill_smollm_context = min(args.prefill_smollm_batch, 2), 300
     options.resolve_outputs(PROG, args, "e2e", "BENCHMARKS.md", quick=args.quick)
-    check_args(args)
+    check_args(args)  # every argument given, --quick or not
+    big = [p for p in args.parts if p in GPU_PARTS or (p == "memory" and args.confirm_max_context)]
+    if big:
+        options.require_gpu(PROG, args.quick, f"--parts {','.join(big)} build{'s' if len(big) == 1 else ''} the 8B "
+                                              "shape's weights (16 GB) and caches")
+    if args.quick:  # tiny sizes, except those given
+        options.quick_sizes(args, build_parser(), dict(
+            contexts=(512, 1024), loop_contexts=(1024,), memory_contexts=(1024,), gammas=(2, 4), steps=2, trials=1,
+            loop_tokens=16, smollm_batches=(1, 2), smollm_context=256, smollm_new_tokens=16, draft_group=64,
+            tp_contexts=(1024,), batch_contexts=(512,), batch_size=2, prefill_contexts=(512,), prefill_chunks=(256,),
+            request_context=512, request_new_tokens=8, prefill_smollm_batch=2, prefill_smollm_context=300))
     args.out.mkdir(parents=True, exist_ok=True)
     env = report.environment()
     log(json.dumps(env))
@@ -689,20 +739,29 @@ def _main(argv: Sequence[str] | None) -> int:
     for part, fn in (("8b", lambda: part_8b(args, bw)), ("batch", lambda: part_batch(args)),
                      ("smollm", lambda: part_smollm(args)),
                      ("memory", lambda: part_memory(args)),
-                     ("prefill", lambda: part_prefill(args, bench_config(args), prefill_peers)), ("tp", lambda: part_tp(args))):
+                     ("prefill", lambda: part_prefill(args, bench_config(args), prefill_peers)),
+                     ("tp", lambda: part_tp(args))):
         if part not in args.parts:
             continue
         try:
             results[part] = fn()
         except Exception as e:  # noqa: BLE001 - record and go on with the other parts; the exit status says so
-            traceback.print_exc()
-            results[part] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            line = options.does_not_fit(e)
+            if line is None:
+                traceback.print_exc()
+            results[part] = {"error": line or f"{type(e).__name__}: {e}"[:2000]}
             failed.append(part)
-        (args.out / "e2e.json").write_text(json.dumps(results, indent=1))
-    report.write_e2e(results, args.out, args.doc)
+        else:
+            if "rows" in results[part] and not options.measured_any(results[part]["rows"]):
+                log(f"part {part} measured nothing: every case failed")
+                failed.append(part)
+        with options.writing(PROG, "--out", args.out, "e2e.json"):
+            (args.out / "e2e.json").write_text(json.dumps(results, indent=1))
+    with options.writing(PROG, "--doc", args.doc, "its e2e section") if args.doc else contextlib.nullcontext():
+        report.write_e2e(results, args.out, args.doc)
     log(f"wrote {args.out / 'e2e.json'}" + (f"; rewrote the e2e/tp sections of {args.doc}" if args.doc else ""))
     if failed:
-        log(f"{PROG}: part(s) {', '.join(failed)} failed (tracebacks above)")
+        log(f"{PROG}: part(s) {', '.join(failed)} failed (tracebacks and errors above)")
         return 1
     return 0
 

@@ -149,7 +149,7 @@ def markdown(results: dict[str, Any]) -> str:
            "logits bitwise"]
     body = []
     for rec in results["runs"]:
-        for name, rows in rec["compare"].items():
+        for name, rows in rec.get("compare", {}).items():
             if not isinstance(rows, list):
                 continue
             s = summarize(rows)
@@ -158,6 +158,8 @@ def markdown(results: dict[str, Any]) -> str:
                          f"{s['diverged']}/{s['prompts']}", ", ".join(map(str, s["first_divergences"])) or "–",
                          ", ".join(map(str, s["gap_ulps"])) or "–", "yes" if s["logits_bitwise"] else "NO"])
     lines.append(report.table(hdr, body))
+    lines += [f"\n- target KV {rec['kv']}, batch {rec['batch']}: {rec['error']}" for rec in results["runs"]
+              if "error" in rec]
     return "\n".join(lines)
 
 
@@ -183,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --quick)")
     options.add_doc_arg(p, "QUALITY.md")
     p.add_argument("--quick", action="store_true",
-                   help="tiny sizes (batch 1, 256-token prompts, 16 new tokens, gamma 4, int8 cache): a smoke test of "
-                        "the harness; writes no report")
+                   help="tiny sizes (batch 1, 256-token prompts, 16 new tokens, gamma 4, int8 cache) except those "
+                        "given: a smoke test of the harness; writes no report")
     p.add_argument("--from-json", type=Path, default=None,
                    help="only rewrite the doc section from an earlier run's fidelity.json (e.g. a GPU run's); needs "
                         "--doc (default: measure)")
@@ -201,8 +203,6 @@ def _main(argv: Sequence[str] | None) -> int:
     from qspec_jax.cli import fail, require
 
     args = build_parser().parse_args(argv)
-    if args.quick:
-        args.batches, args.gammas, args.kv, args.prompt_tokens, args.new_tokens = (1,), (4,), ("int8",), 256, 16
     options.resolve_doc(PROG, args, "QUALITY.md", quick=args.quick)
     if args.from_json is not None:
         if args.doc is None:
@@ -213,11 +213,14 @@ def _main(argv: Sequence[str] | None) -> int:
             fail(PROG, f"--from-json {args.from_json}: not a readable JSON file ({e})")
         write_doc(results, args.doc)
         return 0
-    options.positive(PROG, args, "--batches", "--gammas", "--prompt-tokens", "--new-tokens")
+    options.positive(PROG, args, "--batches", "--gammas", "--prompt-tokens", "--new-tokens")  # --quick or not
     bad = [g for g in args.gammas if g > DEFAULT_GAMMA_MAX]
     require(PROG, not bad, "--gammas", ",".join(map(str, bad)), f"in 1..{DEFAULT_GAMMA_MAX} (gamma_max)")
     options.resolve_outputs(PROG, args, "fidelity", None, quick=args.quick)
     options.check_model_inputs(PROG, args)
+    if args.quick:  # tiny sizes, except those given
+        options.quick_sizes(args, build_parser(), dict(batches=(1,), gammas=(4,), kv=("int8",), prompt_tokens=256,
+                                                       new_tokens=16))
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
     gammas = list(args.gammas)
     results: dict[str, Any] = {"environment": report.environment(),
@@ -231,16 +234,22 @@ def _main(argv: Sequence[str] | None) -> int:
         for batch in args.batches:
             log(f"kv={kv} batch={batch}")
             prompts = prompts_from_plays(model, args.text_dir, batch, args.prompt_tokens)
-            results["runs"].append({"kv": kv, "batch": batch, "prompt_lengths": [len(p) for p in prompts],
-                                    "compare": run(model, prompts, kv, gammas, args.new_tokens)})
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "fidelity.json").write_text(json.dumps(results, indent=1))
+            entry: dict[str, Any] = {"kv": kv, "batch": batch, "prompt_lengths": [len(p) for p in prompts]}
+            error = options.run_case(lambda: entry.update(compare=run(model, prompts, kv, gammas, args.new_tokens)))
+            if error is not None:  # recorded, and the next case runs
+                log(f"kv={kv} batch={batch}: {error}")
+                entry["error"] = error
+            results["runs"].append(entry)
+            with options.writing(PROG, "--out", args.out, "fidelity.json"):
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "fidelity.json").write_text(json.dumps(results, indent=1))
     print(markdown(results))
     print(f"wrote {args.out / 'fidelity.json'}", file=sys.stderr)
     if args.doc:
-        write_doc(results, args.doc)
+        with options.writing(PROG, "--doc", args.doc, "its fidelity section"):
+            write_doc(results, args.doc)
         print(f"rewrote the fidelity section of {args.doc}", file=sys.stderr)
-    return 0
+    return 0 if options.measured_any(results["runs"]) else 1
 
 
 def write_doc(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:

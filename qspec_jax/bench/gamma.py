@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -165,8 +166,10 @@ MODES = {"free": "free-running", "tf": "teacher-forced"}
 
 
 def block_key(b: dict[str, Any]) -> tuple[int, int, int]:
-    """Order of the report: free-running first, longer contexts first, then batch."""
-    return (0 if b.get("mode", "free-running") == "free-running" else 1, -b["context"], b["batch"])
+    """Order of the report: free-running first, longer contexts first, then batch; contexts that
+    did not fit ("mode" "error") last."""
+    mode = b.get("mode", "free-running")
+    return ({"free-running": 0, "error": 2}.get(mode, 1), -b["context"], b["batch"])
 
 
 def simulate_policy(agree: np.ndarray, spec: Any) -> dict[str, int]:
@@ -311,6 +314,9 @@ def write_section(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
            "model's costs) and any stored cost JSON given with --costs (named 'stored'). same tokens: the output "
            "equals the first setting's (all are the target's own greedy output).\n"]
     for block in results["blocks"]:
+        if "error" in block:
+            out.append(f"\n- context {block['context']}: {block['error']}")
+            continue
         rows, scen = block["rows"], list(block["plans"])
         free = block.get("mode", "free-running") == "free-running"
         what = (f"{rows[0]['emitted']} tokens emitted per setting" if free else
@@ -412,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory for the JSON results (default: ~/.cache/qspec-jax/bench/gamma, or gamma-quick "
                         "with --quick)")
     options.add_doc_arg(p, "QUALITY.md")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test of the harness); writes no report")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, except those given (a smoke test of the harness); writes no report")
     return p
 
 
@@ -428,16 +435,14 @@ def _main(argv: Sequence[str] | None) -> int:
     from qspec_jax.speculative import SpecConfig, draft_params_for
 
     args = build_parser().parse_args(argv)
-    contexts, batches, loop_contexts = list(args.contexts), list(args.batches), list(args.loop_contexts)
-    loop_default = tuple(gamma_loops.LOOP_CONTEXTS)
-    if args.quick:
-        contexts, batches, args.prompts, args.new_tokens, args.tf_tokens = [256], [1, 2], 2, 16, 24
-        args.loop_tokens, args.loop_trials = 16, 1
-        if tuple(args.loop_contexts) == loop_default:  # not given: tiny contexts
-            loop_contexts = list(gamma_loops.QUICK_CONTEXTS)
     options.resolve_outputs(PROG, args, "gamma", "QUALITY.md", quick=args.quick)
     options.positive(PROG, args, "--contexts", "--batches", "--prompts", "--new-tokens", "--tf-tokens",
-                     "--loop-contexts", "--loop-batches", "--loop-tokens", "--loop-trials")
+                     "--loop-contexts", "--loop-batches", "--loop-tokens", "--loop-trials")  # --quick or not
+    if args.quick:  # tiny sizes, except those given
+        options.quick_sizes(args, build_parser(), dict(
+            contexts=(256,), batches=(1, 2), prompts=2, new_tokens=16, tf_tokens=24, loop_tokens=16, loop_trials=1,
+            loop_contexts=tuple(gamma_loops.QUICK_CONTEXTS)))
+    contexts, batches, loop_contexts = list(args.contexts), list(args.batches), list(args.loop_contexts)
     parts = list(args.parts)
     bad = [b for b in batches if args.prompts % b]
     if bad:
@@ -449,12 +454,14 @@ def _main(argv: Sequence[str] | None) -> int:
         fail(PROG, f"--costs {args.costs}: no such file (tools/device/exactness_cost.py writes it on a GPU)")
     if set(parts) - {"loops"}:
         options.check_model_inputs(PROG, args)
+    if "loops" in parts:
+        options.require_gpu(PROG, args.quick, "part loops builds the 8B shape's weights (16 GB) and caches")
     command = options.command_line(PROG, argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if "loops" in parts:
-        part_loops(args, loop_contexts, command)
+        loops_measured = part_loops(args, loop_contexts, command)
         if parts == ["loops"]:
-            return 0
+            return 0 if loops_measured else 1
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
     base = SpecConfig(eos_token_ids=())
     with warnings.catch_warnings():  # the checkpoint's stored draft may have another format: say it once
@@ -482,11 +489,14 @@ def _main(argv: Sequence[str] | None) -> int:
         commands = list(dict.fromkeys(old.get("commands", []) + results["commands"] + [command]))
         results = {**old, **same, "environment": report.environment(), "cpu": cpu_model(), "commands": commands,
                    "command": " ; ".join(commands), "blocks": sorted(blocks, key=block_key)}
-        store.write_text(json.dumps(results, indent=1))
+        with options.writing(PROG, "--out", args.out, store.name):
+            store.write_text(json.dumps(results, indent=1))
         if args.doc:
-            write_section(results, args.doc)
+            with options.writing(PROG, "--doc", args.doc, "its gamma section"):
+                write_section(results, args.doc)
 
-    for context in contexts:
+    def run_context(context: int) -> None:
+        """Every part's blocks at one prompt length (the generation functions refuse what does not fit)."""
         if "free" in parts:
             prompts = prompt_windows(model, args.text_dir, args.prompts, context, gap=context + 4 * args.new_tokens)
         if "tf" in parts:
@@ -519,12 +529,22 @@ def _main(argv: Sequence[str] | None) -> int:
                 if mode == "tf":
                     block["agreement"] = float(agree.mean())
                 save(block)
-    return 0
+
+    measured = 0
+    for context in contexts:
+        error = options.run_case(functools.partial(run_context, context))
+        if error is None:
+            measured += 1
+            continue
+        log(f"context {context}: {error}")  # recorded, and the next context runs
+        save({"mode": "error", "context": context, "batch": 0, "error": error})
+    return 0 if measured else 1
 
 
-def part_loops(args: argparse.Namespace, contexts: Sequence[int], command: str) -> None:
+def part_loops(args: argparse.Namespace, contexts: Sequence[int], command: str) -> bool:
     """The 8B shape's loops on this device (`bench.gamma_loops`) -> JSON and, with --doc, the
-    "gamma-loops" section of BENCHMARKS.md beside the --doc file (docs/BENCHMARKS.md)."""
+    "gamma-loops" section of BENCHMARKS.md beside the --doc file (docs/BENCHMARKS.md). Returns
+    whether anything was measured (a case that does not fit is recorded as its row's error)."""
     bass = [(i, m) for i, m in args.bass]
     settings = policies(DEFAULT_GAMMA_MAX, bass)  # SpecConfig's default gamma_max
     if args.quick:  # every fixed gamma (the planner may pick any), one BASS setting
@@ -533,14 +553,17 @@ def part_loops(args: argparse.Namespace, contexts: Sequence[int], command: str) 
                                      alphas=list(args.loop_alphas), settings=settings,
                                      new_tokens=args.loop_tokens, steps=8, trials=args.loop_trials, log=log)
     data.update(environment=report.environment(), command=command, device=device_label())
-    (args.out / f"gamma_loops_{device_slug()}.json").write_text(json.dumps(data, indent=1))
+    with options.writing(PROG, "--out", args.out, f"gamma_loops_{device_slug()}.json"):
+        (args.out / f"gamma_loops_{device_slug()}.json").write_text(json.dumps(data, indent=1))
     if args.doc:
         from qspec_jax.speculative import SpecConfig
 
         labels = [policy_label(SpecConfig(**f)) for f in settings if f.get("draft_policy") == "bass"]
         text = (f"## Gamma planner and dynamic draft length: measured loops\n\n"
                 f"{report.env_line(data['environment'], command)}\n\n" + gamma_loops.section(data, device_label(), labels))
-        report.update_section("gamma-loops", text, args.doc.parent / "BENCHMARKS.md")
+        with options.writing(PROG, "--doc", args.doc, "the gamma-loops section of BENCHMARKS.md beside it"):
+            report.update_section("gamma-loops", text, args.doc.parent / "BENCHMARKS.md")
+    return options.measured_any(data["rows"])
 
 
 if __name__ == "__main__":

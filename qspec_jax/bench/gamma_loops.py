@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from qspec_jax import model as M
-from qspec_jax.bench import e2e
+from qspec_jax.bench import e2e, options
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.planner import StepCosts, plan_gamma, policy_label, time_passes
 from qspec_jax.speculative import SpecConfig, speculative_loop
@@ -86,47 +86,54 @@ def measure_loops(*, quick: bool, contexts: Sequence[int], batches: Sequence[int
     params = jax.block_until_ready(M.for_device(params))
     ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
     spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def case(c: int, b: int) -> None:
+        """Every measurement at context c and batch b: one row per alpha."""
+        first = jnp.full((b,), 7, jnp.int32)
+        quant = e2e.random_quant_cache(cfg, b, c, jax.random.fold_in(key, c))
+        dense = e2e.random_dense_cache(cfg, b, c, jax.random.fold_in(key, c + 1))
+        timed = dict(steps=steps, trials=trials)
+        costs_s = {"draft_s": time_passes(draft, quant, 1, view=base.draft_view, width=1, **timed),
+                   "verify_s": time_passes(params, quant, width, view="target", width=width, **timed),
+                   "ar_int8_s": time_passes(params, quant, 1, view="target", width=1, **timed),
+                   "ar_bf16_s": time_passes(params, dense, 1, view="target", width=1, **timed)}
+        costs_s["ar_s"] = min(costs_s["ar_int8_s"], costs_s["ar_bf16_s"])
+        costs = StepCosts(costs_s["draft_s"], costs_s["verify_s"], costs_s["ar_s"], width, b,
+                          source="planner.time_passes over random caches")
+        log(f"context {c}, batch {b}: costs ms " + ", ".join(f"{k[:-2]} {v * 1e3:.3f}" for k, v in costs_s.items()))
+        n = b * new_tokens
+        ar = {}
+        for kind, cache in (("bf16", dense), ("int8", quant)):
+            gen = GenerationConfig(max_new_tokens=new_tokens, kv=kind, width=1)
+            ar[kind] = n / _median_s(functools.partial(ar_loop, params, cache, first, key, gen=gen, eos_ids=()),
+                                     trials)
+        del dense
+        log(f"context {c}, batch {b}: AR tokens/s bf16 {ar['bf16']:.1f}, int8 {ar['int8']:.1f}")
+        for a in alphas:
+            plan = plan_gamma(costs, base, a)
+            measured = {}
+            for fields in settings:
+                spec = SpecConfig(max_new_tokens=new_tokens, forced_acceptance=a, eos_token_ids=(), **fields)
+                secs = _median_s(functools.partial(spec_loop, params, draft, quant, first, key, spec=spec,
+                                                   eos_ids=()), trials)
+                res = spec_loop(params, draft, quant, first, key, spec=spec, eos_ids=())
+                measured[policy_label(spec)] = {"tokens_per_s": n / secs, "tokens_per_round": res.tokens_per_round,
+                                                "mean_draft_length": res.mean_draft_length, "fields": fields}
+            row = {"context": c, "batch": b, "alpha": a, "costs_ms": {k: v * 1e3 for k, v in costs_s.items()},
+                   **compare(plan, measured, ar)}
+            log(f"context {c}, batch {b}, alpha {a}: planner {row['choice']} ({row['choice_tokens_per_s']:.1f} "
+                f"tokens/s measured), fastest {row['fastest']} ({row['fastest_tokens_per_s']:.1f}), best fixed "
+                f"{row['best_fixed']} ({row['best_fixed_tokens_per_s']:.1f}): {row['choice_vs_fastest']:.3f} of "
+                "the fastest")
+            rows.append(row)
+
     for c in contexts:
         for b in batches:
-            first = jnp.full((b,), 7, jnp.int32)
-            quant = e2e.random_quant_cache(cfg, b, c, jax.random.fold_in(key, c))
-            dense = e2e.random_dense_cache(cfg, b, c, jax.random.fold_in(key, c + 1))
-            timed = dict(steps=steps, trials=trials)
-            costs_s = {"draft_s": time_passes(draft, quant, 1, view=base.draft_view, width=1, **timed),
-                       "verify_s": time_passes(params, quant, width, view="target", width=width, **timed),
-                       "ar_int8_s": time_passes(params, quant, 1, view="target", width=1, **timed),
-                       "ar_bf16_s": time_passes(params, dense, 1, view="target", width=1, **timed)}
-            costs_s["ar_s"] = min(costs_s["ar_int8_s"], costs_s["ar_bf16_s"])
-            costs = StepCosts(costs_s["draft_s"], costs_s["verify_s"], costs_s["ar_s"], width, b,
-                              source="planner.time_passes over random caches")
-            log(f"context {c}, batch {b}: costs ms " + ", ".join(f"{k[:-2]} {v * 1e3:.3f}" for k, v in costs_s.items()))
-            n = b * new_tokens
-            ar = {}
-            for kind, cache in (("bf16", dense), ("int8", quant)):
-                gen = GenerationConfig(max_new_tokens=new_tokens, kv=kind, width=1)
-                ar[kind] = n / _median_s(functools.partial(ar_loop, params, cache, first, key, gen=gen, eos_ids=()),
-                                         trials)
-            del dense
-            log(f"context {c}, batch {b}: AR tokens/s bf16 {ar['bf16']:.1f}, int8 {ar['int8']:.1f}")
-            for a in alphas:
-                plan = plan_gamma(costs, base, a)
-                measured = {}
-                for fields in settings:
-                    spec = SpecConfig(max_new_tokens=new_tokens, forced_acceptance=a, eos_token_ids=(), **fields)
-                    secs = _median_s(functools.partial(spec_loop, params, draft, quant, first, key, spec=spec,
-                                                       eos_ids=()), trials)
-                    res = spec_loop(params, draft, quant, first, key, spec=spec, eos_ids=())
-                    measured[policy_label(spec)] = {"tokens_per_s": n / secs, "tokens_per_round": res.tokens_per_round,
-                                                    "mean_draft_length": res.mean_draft_length, "fields": fields}
-                row = {"context": c, "batch": b, "alpha": a, "costs_ms": {k: v * 1e3 for k, v in costs_s.items()},
-                       **compare(plan, measured, ar)}
-                log(f"context {c}, batch {b}, alpha {a}: planner {row['choice']} ({row['choice_tokens_per_s']:.1f} "
-                    f"tokens/s measured), fastest {row['fastest']} ({row['fastest_tokens_per_s']:.1f}), best fixed "
-                    f"{row['best_fixed']} ({row['best_fixed_tokens_per_s']:.1f}): {row['choice_vs_fastest']:.3f} of "
-                    "the fastest")
-                rows.append(row)
-            del quant
+            error = options.run_case(functools.partial(case, c, b))
+            if error is not None:  # recorded, and the next case runs
+                log(f"context {c}, batch {b}: {error}")
+                rows.append({"context": c, "batch": b, "error": error})
     shape = "tiny Llama-3.1-8B-structured model (--quick)" if quick else "Llama-3.1-8B shape"
     return {"config": f"{shape}, random bf16 weights, INT4 draft {dataclasses.asdict(dcfg)}", "rows": rows,
             "new_tokens": new_tokens}
@@ -147,7 +154,7 @@ def section(data: dict[str, Any], device: str, bass_labels: Sequence[str]) -> st
             "its tokens/s", "planner / fastest", "best fixed", "AR tokens/s"]
            + [f"{b} tokens/s (vs best fixed)" for b in bass_labels])
     body = []
-    for r in rows:
+    for r in (r for r in rows if "error" not in r):
         c = r["costs_ms"]
         best = r["best_fixed_tokens_per_s"]
         bass = [f"{r['measured'][b]['tokens_per_s']:.1f} ({r['measured'][b]['tokens_per_s'] / best - 1:+.1%})"
@@ -158,4 +165,5 @@ def section(data: dict[str, Any], device: str, bass_labels: Sequence[str]) -> st
                      f"{r['choice_vs_fastest']:.3f}", f"{r['best_fixed']} ({r['best_fixed_tokens_per_s']:.1f})",
                      f"{max(r['ar_tokens_per_s'].values()):.1f}"] + bass)
     out.append(report.table(hdr, body))
+    out += [f"\n- context {r['context']}, batch {r['batch']}: {r['error']}" for r in rows if "error" in r]
     return "\n".join(out)

@@ -14,11 +14,13 @@ The rules (README, "Command-line tools"):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from qspec_jax.cli import fail, interrupted, require_checkpoint_dir, require_text_dir, require_writable_file
+from qspec_jax.cli import (fail, interrupted, require_checkpoint_dir, require_text_dir, require_writable_file,
+                           takes_new_files, write_failed)
 
 # The checkout this package runs from (an editable install or a clone on PYTHONPATH), if any.
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +88,20 @@ def resolve_outputs(prog: str, args: argparse.Namespace, name: str, doc: str | N
         base = base.parent
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         fail(prog, f"--out {out}: cannot write there ({base} is not a writable directory)")
+    refused = takes_new_files(base)
+    if refused:
+        fail(prog, f"--out {out}: cannot write there ({base} does not take new files: {refused})")
     args.out = out
+
+
+@contextlib.contextmanager
+def writing(prog: str, flag: str, path: Path, what: str = "it") -> Iterator[None]:
+    """Writes to the output the user gave as `flag` `path` (`what`: the file written there):
+    an OSError is one line naming them (`cli.write_failed`), exit status 2."""
+    try:
+        yield
+    except OSError as e:
+        write_failed(prog, flag, path, e, what)
 
 
 def add_checkpoint_arg(p: argparse.ArgumentParser, flag: str = "--checkpoint", what: str = "") -> None:
@@ -124,11 +139,81 @@ def positive(prog: str, args: argparse.Namespace, *flags: str) -> None:
 def run_bench(prog: str, body: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None) -> int:
     """Runs a benchmark: Ctrl-C prints one line and exits 130. Argument errors are checked by
     `body` with `fail` before it measures; an error while measuring keeps its traceback (it is
-    a bug or a device problem to report, not bad input)."""
+    a bug or a device problem to report, not bad input), except running out of memory outside
+    any case a benchmark records (`case_error`), which is one line and exit status 1."""
+    from qspec_jax.cli import out_of_memory_exit
+
     try:
         return body(argv) or 0
     except KeyboardInterrupt:
         return interrupted(prog, in_process=argv is not None)
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is XLA out of memory
+        out_of_memory_exit(prog, e)
+        raise
+
+
+def quick_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser, sizes: dict[str, Any]) -> None:
+    """--quick: each of `sizes` ({dest: tiny value}) replaces its option's value, unless the user
+    gave that option (its value is not the default), which is then used as given (and has been
+    checked like any other)."""
+    defaults = parser.parse_args([])
+    for dest, tiny in sizes.items():
+        if getattr(args, dest) == getattr(defaults, dest):
+            setattr(args, dest, tiny)
+
+
+def require_gpu(prog: str, quick: bool, what: str) -> None:
+    """Refuses at once, without a GPU, a benchmark (or part) that allocates GPU-sized work
+    (`what` says which), unless --quick runs its harness at tiny sizes."""
+    import jax
+
+    if not quick and jax.default_backend() != "gpu":
+        fail(prog, f"no GPU ({jax.default_backend()} backend): {what}; --quick runs the harness at tiny sizes")
+
+
+def does_not_fit(error: BaseException) -> str | None:
+    """The one line a benchmark records as a case's "error" when the case does not fit the
+    device: the planner's refusal (DoesNotFitError) or XLA out of memory, both "does not fit in
+    memory: ..."; None for any other error (a bug to report with its traceback)."""
+    from qspec_jax.planner import DoesNotFitError, out_of_memory_line, resource_exhausted
+
+    if isinstance(error, DoesNotFitError):
+        return str(error)
+    if resource_exhausted(error):
+        return out_of_memory_line(error)
+    return None
+
+
+def case_error(error: BaseException) -> str:
+    """What a benchmark records as a failed case's "error": `does_not_fit`'s line, or the error's
+    type and message (300 characters)."""
+    return does_not_fit(error) or f"{type(error).__name__}: {error}"[:300]
+
+
+def run_case(measure: Callable[[], Any], cfg: Any = None, request: Any = None, weights: int = 0) -> str | None:
+    """Runs one case of a benchmark's list: `measure()`, unless `request` (planner.Request, for
+    model `cfg` with `weights` bytes of weights already allocated) does not fit this device.
+    Returns None when it ran, else the one line to record as the case's "error" ("does not fit
+    in memory: ...", from the planner's estimate, nothing allocated, or from XLA out of memory);
+    any other error propagates."""
+    from qspec_jax.planner import check_request_fits
+
+    try:
+        if request is not None:
+            check_request_fits(cfg, request, weights=weights, resident_bytes=weights)
+        measure()
+    except Exception as e:  # noqa: BLE001 - only a case that does not fit is recorded; the rest propagates
+        line = does_not_fit(e)
+        if line is None:
+            raise
+        return line
+    return None
+
+
+def measured_any(rows: Sequence[dict[str, Any]]) -> bool:
+    """Whether a part measured anything: a row without an "error" (a part whose every case did
+    not fit failed)."""
+    return any("error" not in r for r in rows)
 
 
 def command_line(prog: str, argv: Sequence[str] | None) -> str:

@@ -42,8 +42,8 @@ from qspec_jax import model as M
 from qspec_jax.attention import chunk_attention, prefill_attention, prefill_impl
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
-from qspec_jax.generation import GenerationConfig, autoregressive_loop, decode_cache_len, length_bucket, prefill_chunk
-from qspec_jax.planner import max_context
+from qspec_jax.generation import GenerationConfig, autoregressive_loop, decode_cache_len, length_bucket
+from qspec_jax.planner import max_context, prefill_chunk_for
 from qspec_jax.speculative import SpecConfig, speculative_loop
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
@@ -233,14 +233,14 @@ def request_rows(params: M.Params, draft: M.Params, t: int, new: int, alpha: flo
                 new_cache = lambda: DenseKVCache.init(cfg, 1, max_len)  # noqa: E731
                 loop = jax.jit(lambda p, c, first, k: autoregressive_loop(p, c, first, k, gen=ar, eos_ids=()))
                 weights: tuple = (params,)
-                row["chunk"] = prefill_chunk(cfg, "auto", 1, t, max_len, "bf16", group)
+                row["chunk"] = prefill_chunk_for(params, ar.memory_request(1, t), "auto")
             else:
                 max_len = decode_cache_len(t, new, spec.verify_width, group, "int8")
                 new_cache = lambda: QuantSpecCache.init(cfg, 1, max_len, group_size=group,  # noqa: E731
                                                         gamma_max=spec.gamma_max)
                 loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=()))
                 weights = (params, draft)
-                row["chunk"] = prefill_chunk(cfg, "auto", 1, t, max_len, "int8", group, spec.gamma_max)
+                row["chunk"] = prefill_chunk_for(params, spec.memory_request(1, t), "auto", draft=draft)
             pre = _prefill_program(row["chunk"])
 
             def run() -> tuple[float, float, Any]:

@@ -152,57 +152,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     draft = jax.block_until_ready(M.for_device(make_draft_params(params, dcfg)))
     params = jax.block_until_ready(M.for_device(params))
     floors = {"target": linear_floor_bytes(params), "draft": linear_floor_bytes(draft)}
-    first = jnp.array([7], jnp.int32)
-    ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
-    spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
     trace_root = args.out / "traces"
-    results = []
+    results: list[dict[str, Any]] = []
     for c in args.contexts:
-        dense = e2e.random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
-        quant = e2e.random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
-        steps = {  # name: (params, cache kind, T, view, linear floor)
-            "ar_bf16": (params, "dense", 1, "target", floors["target"]),
-            "draft": (draft, "quant", 1, "draft", floors["draft"]),
-            "verify": (params, "quant", args.verify_t, "target", floors["target"]),
-        }
-        caches = {"dense": dense, "quant": quant}
-        for name, (p, ck, t, view, lin_floor) in steps.items():
-            if name not in args.programs:
-                continue
-            toks = jnp.full((1, t), 7, jnp.int32)
-            state = {"cache": caches[ck]}
-
-            def call(p=p, toks=toks, view=view, state=state):
-                out, state["cache"] = e2e.decode_steps(p, state["cache"], toks, n=args.steps, view=view)
-                return out
-
-            log(f"{name} at context {c}")
-            r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
-            caches[ck] = state["cache"]
-            r.update(program=name, context=c, t=t, unit="step",
-                     floor_us={"linear": lin_floor / READ_CEILING * 1e6,
-                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / READ_CEILING * 1e6,
-                               "glue": 0.0, "copy": 0.0})
-            results.append(r)
-            show(r, args.top, cfg.num_layers)
-        loops = {
-            "ar_loop": (lambda c=caches["dense"]: ar_loop(params, c, first, key, eos_ids=(), gen=GenerationConfig(
-                max_new_tokens=args.loop_tokens, kv="bf16", width=1))),
-            "spec_loop": (lambda c=caches["quant"]: spec_loop(params, draft, c, first, key, eos_ids=(), spec=SpecConfig(
-                gamma=args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha, eos_token_ids=()))),
-        }
-        for name, call in loops.items():
-            if name not in args.programs:
-                continue
-            log(f"{name} at context {c}")
-            r = _profile(call, trace_root / f"{name}_{c}", args.loop_tokens, args.trials)
-            r.update(program=name, context=c, unit="token", floor_us={})
-            results.append(r)
-            show(r, args.top, cfg.num_layers)
-        del dense, quant, caches, loops
+        error = options.run_case(lambda c=c: results.extend(profile_context(args, cfg, c, params, draft, floors,
+                                                                            trace_root)))
+        if error is not None:  # a context that does not fit this device: recorded, and the next one runs
+            log(f"context {c}: {error}")
+            results.append({"context": c, "error": error})
     return {"config": "Llama-3.1-8B shape" if not args.quick else "tiny (--quick)", "batch": 1,
             "draft": dcfg.to_dict(), "gamma": args.gamma, "alpha": args.alpha, "verify_t": args.verify_t,
             "read_ceiling_bytes_per_s": READ_CEILING, "rows": results}
+
+
+def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params, draft: M.Params,
+                    floors: dict[str, int], trace_root: Path) -> list[dict[str, Any]]:
+    """The programs of `args.programs` at context `c` (one row each)."""
+    key = jax.random.PRNGKey(0)
+    first = jnp.array([7], jnp.int32)
+    ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
+    spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
+    results: list[dict[str, Any]] = []
+    dense = e2e.random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
+    quant = e2e.random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
+    steps = {  # name: (params, cache kind, T, view, linear floor)
+        "ar_bf16": (params, "dense", 1, "target", floors["target"]),
+        "draft": (draft, "quant", 1, "draft", floors["draft"]),
+        "verify": (params, "quant", args.verify_t, "target", floors["target"]),
+    }
+    caches = {"dense": dense, "quant": quant}
+    for name, (p, ck, t, view, lin_floor) in steps.items():
+        if name not in args.programs:
+            continue
+        toks = jnp.full((1, t), 7, jnp.int32)
+        state = {"cache": caches[ck]}
+
+        def call(p=p, toks=toks, view=view, state=state):
+            out, state["cache"] = e2e.decode_steps(p, state["cache"], toks, n=args.steps, view=view)
+            return out
+
+        log(f"{name} at context {c}")
+        r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
+        caches[ck] = state["cache"]
+        r.update(program=name, context=c, t=t, unit="step",
+                 floor_us={"linear": lin_floor / READ_CEILING * 1e6,
+                           "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / READ_CEILING * 1e6,
+                           "glue": 0.0, "copy": 0.0})
+        results.append(r)
+        show(r, args.top, cfg.num_layers)
+    loops = {
+        "ar_loop": (lambda c=caches["dense"]: ar_loop(params, c, first, key, eos_ids=(), gen=GenerationConfig(
+            max_new_tokens=args.loop_tokens, kv="bf16", width=1))),
+        "spec_loop": (lambda c=caches["quant"]: spec_loop(params, draft, c, first, key, eos_ids=(), spec=SpecConfig(
+            gamma=args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha, eos_token_ids=()))),
+    }
+    for name, call in loops.items():
+        if name not in args.programs:
+            continue
+        log(f"{name} at context {c}")
+        r = _profile(call, trace_root / f"{name}_{c}", args.loop_tokens, args.trials)
+        r.update(program=name, context=c, unit="token", floor_us={})
+        results.append(r)
+        show(r, args.top, cfg.num_layers)
+    return results
 
 
 # ---------------------------------------------------------------------------------- output
@@ -232,7 +244,8 @@ def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: in
              f"verify at T = {results['verify_t']}; loops: AR width 1 over a bf16 cache, QuantSpec γ = "
              f"{results['gamma']} at forced α = {results['alpha']}.\n"]
     rows = []
-    for r in results["rows"]:
+    measured = [r for r in results["rows"] if "error" not in r]
+    for r in measured:
         cells = [r["program"], r["context"], r["wall_us"] / 1e3, r["busy_us"] / 1e3, round(r["launches"])]
         for c in CATEGORIES:
             v, fl = r["categories"][c], r["floor_us"].get(c)
@@ -240,7 +253,8 @@ def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: in
         rows.append(cells)
     parts.append(report.table(["program", "context", "wall ms", "kernels ms", "launches"]
                               + [f"{c} ms (% of floor)" for c in CATEGORIES], rows))
-    for r in results["rows"]:
+    parts += [f"\n- context {r['context']}: {r['error']}" for r in results["rows"] if "error" in r]
+    for r in measured:
         if r["program"] != "draft":
             continue
         parts.append(f"\nTop kernels of the draft step at {r['context']} (per step):\n")
@@ -272,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=24, help="kernels listed per program")
     options.add_output_args(p, "profile", "BENCHMARKS.md")
     p.add_argument("--quick", action="store_true",
-                   help="tiny model and contexts (runs on a CPU, where the trace has no GPU kernels); writes no report")
+                   help="tiny model, and tiny contexts unless given (runs on a CPU, where the trace has no GPU "
+                        "kernels); writes no report")
     return p
 
 
@@ -299,19 +314,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     options.resolve_outputs(PROG, args, "profile", "BENCHMARKS.md", quick=args.quick)
-    check_args(args)
-    if args.quick:
-        args.contexts, args.steps, args.trials, args.loop_tokens = (512,), 2, 1, 16
-        args.draft_group = 64
+    check_args(args)  # every argument given, --quick or not
+    options.require_gpu(PROG, args.quick, "the profile runs the 8B shape's step programs (16 GB of weights, caches "
+                                          "of each context) and reads GPU kernel events")
+    if args.quick:  # tiny sizes, except those given
+        options.quick_sizes(args, build_parser(), dict(contexts=(512,), steps=2, trials=1, loop_tokens=16,
+                                                       draft_group=64))
     args.out.mkdir(parents=True, exist_ok=True)
     env = report.environment()
     command = options.command_line(PROG, argv)
     results = {"environment": env, "command": command, **run(args)}
-    (args.out / "profile.json").write_text(json.dumps(results, indent=1))
+    with options.writing(PROG, "--out", args.out, "profile.json"):
+        (args.out / "profile.json").write_text(json.dumps(results, indent=1))
     log(f"wrote {args.out / 'profile.json'}")
     if args.doc is not None:
-        report.update_section("profile", markdown(results, command, env, args.top), args.doc)
+        with options.writing(PROG, "--doc", args.doc, "its profile section"):
+            report.update_section("profile", markdown(results, command, env, args.top), args.doc)
         log(f"wrote the 'profile' section of {args.doc}")
+    if not options.measured_any(results["rows"]):
+        log(f"{PROG}: nothing was measured: no context fits this device")
+        return 1
     return 0
 
 

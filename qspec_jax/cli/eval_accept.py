@@ -83,6 +83,24 @@ def check_args(args: argparse.Namespace) -> None:
                    "they do not apply with --draft-weights bf16")
 
 
+def check_fits(model: Any, base: Any, context: int, args: argparse.Namespace) -> None:
+    """The longest context's run must fit this device's memory: DoesNotFitError (one line, exit
+    status 2) otherwise, before a draft is made or anything compiles. Free-running: speculative
+    generation from prompts padded as `generation.pad_prompts` pads them; teacher-forced: the
+    evaluation with its draft (`evaluation.eval_request`)."""
+    from qspec_jax.evaluation import eval_request
+    from qspec_jax.generation import length_bucket
+    from qspec_jax.planner import check_params_fit, weight_bytes
+    from qspec_jax.speculative import check_memory
+
+    if args.teacher_forced:
+        made = 0 if args.draft_weights == "bf16" else weight_bytes(model.config, base.draft_weights_config)["draft"]
+        check_params_fit(model.params, eval_request(args.batch, context, args.new_tokens, "int8", args.group_size,
+                                                    with_draft=True), draft_bytes=made)
+    else:
+        check_memory(model, base, (args.batch, length_bucket(context)), context)
+
+
 def _prompts(ids: Any, context: int, stride: int, batch: int) -> Any:
     import numpy as np
 
@@ -109,14 +127,15 @@ def _evaluate(args: argparse.Namespace) -> int:
     longest = max(args.context)
     require_positions(PROG, model.config, longest + args.new_tokens,
                       f"--context {longest} + --new-tokens {args.new_tokens}")
+    base = SpecConfig(gamma=1, gamma_max=DEFAULT_GAMMA_MAX, max_new_tokens=args.new_tokens, draft_kv=args.draft_kv,
+                      draft_weights=args.draft_weights, group_size=args.group_size, eos_token_ids=())
+    check_fits(model, base, longest, args)  # before a draft is made or the text is read
     if args.draft_weights == "int4":
         model = use_draft(PROG, model, draft_fields(args))
         draft = model.draft_params
     else:
         print(f"{PROG}: draft: the target's own weights (--draft-weights bf16)", file=sys.stderr, flush=True)
         draft = model.params
-    base = SpecConfig(gamma=1, gamma_max=DEFAULT_GAMMA_MAX, max_new_tokens=args.new_tokens, draft_kv=args.draft_kv,
-                      draft_weights=args.draft_weights, group_size=args.group_size, eos_token_ids=())
     stride = args.new_tokens
     rows = []
     for context in args.context:

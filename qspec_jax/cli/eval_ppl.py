@@ -85,12 +85,15 @@ def _evaluate(args: argparse.Namespace) -> int:
     import numpy as np
 
     import qspec_jax
-    from qspec_jax.evaluation import perplexity, read_text_tokens, teacher_forced
+    from qspec_jax.evaluation import eval_request, perplexity, read_text_tokens, teacher_forced
+    from qspec_jax.planner import check_params_fit
 
     model = qspec_jax.load(args.checkpoint, mesh=tp_mesh(args.tp, PROG))
     require_tokenizer(model)
     window = args.context + args.eval_tokens
     require_positions(PROG, model.config, window, f"--context {args.context} + --eval-tokens {args.eval_tokens}")
+    # DoesNotFitError (one line, exit status 2) before a draft is made or the text is read
+    check_params_fit(model.params, eval_request(args.batch, args.context, args.eval_tokens, args.kv, args.group_size))
     if args.weights == "draft":
         model = use_draft(PROG, model, draft_fields(args))
     params = model.draft_params if args.weights == "draft" else model.params

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 from qspec_jax.cli import (DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, HelpFormatter, Parser, add_compile_cache_arg, add_draft_format_args,
                            check_draft_flags, check_prompt, compile_cache, draft_fields, fail, read_text, require,
-                           require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft)
+                           require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft, write_failed)
 
 PROG = "qspec-generate"
 COMPARE_AR = ("same", "bf16", "both")
@@ -154,6 +154,39 @@ def check_args(args: argparse.Namespace) -> None:
         fail(PROG, "--stream prints text as it is generated and --json one object at the end; choose one")
 
 
+def ar_config(args: argparse.Namespace, kv: str) -> Any:
+    """The GenerationConfig of an autoregressive run over a `kv` cache."""
+    from qspec_jax.generation import GenerationConfig
+
+    return GenerationConfig(kv=kv, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, **prefill_options(args))
+
+
+def compared_kvs(args: argparse.Namespace) -> list[str]:
+    """The KV caches of the autoregressive runs --compare-ar adds to spec mode."""
+    if args.mode != "spec" or args.compare_ar is None:
+        return []
+    kvs = [args.kv] * (args.compare_ar in ("same", "both")) + ["bf16"] * (args.compare_ar in ("bf16", "both"))
+    return list(dict.fromkeys(kvs))
+
+
+def check_fits(model: Any, ids: list[int], args: argparse.Namespace) -> None:
+    """Every generation this command runs (spec or ar, and --compare-ar's) must fit the model's
+    positions and this device's memory: refused (one line, exit status 2) before a draft is made,
+    step costs are measured or anything compiles."""
+    from qspec_jax.generation import check_fits as check_positions
+    from qspec_jax.generation import checked_request, pad_prompts
+    from qspec_jax.speculative import check_memory
+
+    tokens, lengths = pad_prompts([ids], model.config.vocab_size)
+    check_positions(model.config, lengths, args.max_new_tokens)
+    if args.mode == "spec":
+        gamma = 4 if args.gamma == "auto" else args.gamma
+        check_memory(model, spec_config(model, args, gamma), tokens.shape, len(ids))
+    for kv in [args.kv] if args.mode == "ar" else compared_kvs(args):
+        checked_request(model.params, ar_config(args, kv), tokens.shape, len(ids))
+
+
 def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
     """The SpecConfig of spec mode (with the format of the draft the model carries)."""
     from qspec_jax.speculative import SpecConfig
@@ -178,11 +211,17 @@ def prefill_options(args: argparse.Namespace) -> dict[str, Any]:
 def plan_gamma(model: Any, ids: list[int], args: argparse.Namespace) -> str:
     """--gamma auto: sets args.gamma to the planner's choice, or args.mode to "ar" when no gamma
     is predicted faster; returns the planner's one-line summary."""
-    from qspec_jax.planner import plan
+    from qspec_jax.planner import default_cost_cache, plan
 
     draft = model.draft_params if args.draft_weights == "int4" else model.params
-    chosen = plan(model, [ids], spec_config(model, args, 4), alpha=args.acceptance, draft_params=draft,
-                  cost_cache=args.plan_cache)
+    cache = args.plan_cache or default_cost_cache()
+    try:
+        chosen = plan(model, [ids], spec_config(model, args, 4), alpha=args.acceptance, draft_params=draft,
+                      cost_cache=cache)
+    except OSError as e:  # the cache could not be written (checked beforehand, yet a disk may fill up)
+        if e.filename != str(cache):
+            raise
+        write_failed(PROG, "--plan-cache" if args.plan_cache else "the step-cost cache", cache, e)
     if chosen.spec is None:
         args.mode = "ar"
     else:
@@ -224,19 +263,16 @@ def _run(model: Any, ids: list[int], args: argparse.Namespace, mode: str, partia
     import jax
     import numpy as np
 
-    from qspec_jax.generation import GenerationConfig, generate_autoregressive
+    from qspec_jax.generation import generate_autoregressive
     from qspec_jax.speculative import generate
     from qspec_jax.streaming import TokenStream
 
     key = jax.random.PRNGKey(args.seed)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p)
     timings: dict[str, float] = {}
     out: dict[str, Any] = {"mode": mode}
-    kv_kind = kv or args.kv
     if mode == "ar":
-        stream = TokenStream(generate_autoregressive, model, [ids],
-                             GenerationConfig(kv=kv_kind, **sampling, **prefill_options(args)), key, timings=timings)
+        stream = TokenStream(generate_autoregressive, model, [ids], ar_config(args, kv or args.kv), key,
+                             timings=timings)
     else:
         spec = spec_config(model, args, args.gamma)
         draft = model.draft_params if args.draft_weights == "int4" else model.params
@@ -310,6 +346,7 @@ def _generate(args: argparse.Namespace) -> int:
     require_tokenizer(model)
     ids = model.encode(args.prompt, chat=args.chat)
     args.prompt_tokens = len(ids)
+    check_fits(model, ids, args)
     if args.mode == "spec":
         if args.draft_weights == "int4":
             model = use_draft(PROG, model, draft_fields(args))
@@ -332,11 +369,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(partial.text.flush())
     elif not args.json:
         print(result["text"], flush=True)
-    compare = [] if args.mode != "spec" or args.compare_ar is None else \
-        [args.kv] * (args.compare_ar in ("same", "both")) + ["bf16"] * (args.compare_ar in ("bf16", "both"))
     internal = {"mode", "run_s", "rounds"}
     try:
-        ars = [(kv, _run(model, ids, args, "ar", Partial(model, echo=False), kv=kv)) for kv in dict.fromkeys(compare)]
+        ars = [(kv, _run(model, ids, args, "ar", Partial(model, echo=False), kv=kv)) for kv in compared_kvs(args)]
     except KeyboardInterrupt:
         if args.json:  # the comparison is cut short; the text is complete
             print(json.dumps({**{k: v for k, v in result.items() if k not in internal}, "interrupted": True}))

@@ -113,7 +113,7 @@ def main() -> None:
           f"{args.context} tokens, {args.new_tokens} new, gamma {args.gamma}, {args.trials} trials", flush=True)
 
     def callback_program() -> Any:
-        """`speculative._speculative` compiled with callback_rounds in place of loop_rounds, on the
+        """`speculative.speculative_program` compiled with callback_rounds in place of loop_rounds, on the
         arguments `generate` would pass it."""
         import functools
 
@@ -124,7 +124,7 @@ def main() -> None:
         static = dict(spec=spec, eos_ids=(), max_len=max_len)
         speculative.loop_rounds = callback_rounds
         try:
-            fn = jax.jit(functools.partial(speculative._speculative.__wrapped__), static_argnames=tuple(static))
+            fn = jax.jit(functools.partial(speculative.speculative_program.__wrapped__), static_argnames=tuple(static))
             exe = fn.lower(*inputs, **static).compile()
         finally:
             speculative.loop_rounds = generation.loop_rounds
