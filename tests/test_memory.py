@@ -209,14 +209,20 @@ def test_what_fits_names_the_int8_cache_and_fewer_new_tokens(wide_model: Model,
 
 
 def test_chunked_prefill_is_offered_when_the_prompt_is_what_does_not_fit(device_bytes: Callable[[int], None]) -> None:
-    """A long prompt whose prefill temporaries, not its cache, exceed the device."""
+    """A long prompt whose prefill temporaries, not its cache, exceed the device: the line names
+    the option that chunks it; a request already chunked is not offered it again."""
     request = P.Request(1, 65536, 16, kv="int8", width=8)
     parts = P.request_bytes(BASE, request, weights=10**6)
     assert parts["prefill"] > parts["step"]
     room = parts["total"] - parts["prefill"] + parts["step"]
-    with pytest.raises(P.DoesNotFitError, match=r"or a prefill in chunks \(its temporaries, "
+    with pytest.raises(P.DoesNotFitError, match=r"or a prefill in chunks \(--prefill-chunk N; prefill_chunk=N in the "
+                                                 r"configs: its temporaries, "
                                                  + re.escape(P.format_bytes(parts["prefill"]))):
         P.check_request_fits(BASE, request, weights=10**6, device_bytes=room, platform="cpu")
+    chunked = dataclasses.replace(request, chunk=P.DEFAULT_PREFILL_CHUNK)
+    with pytest.raises(P.DoesNotFitError) as info:
+        P.check_request_fits(BASE, chunked, weights=10**6, device_bytes=1, platform="cpu")
+    assert "prefill in chunks" not in str(info.value)
 
 
 def test_speculative_generate_refuses_before_making_a_draft(wide_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:

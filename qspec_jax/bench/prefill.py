@@ -231,14 +231,16 @@ def request_rows(params: M.Params, draft: M.Params, t: int, new: int, alpha: flo
             if name == "ar_bf16":
                 max_len = decode_cache_len(t, new, ar.width, group, "bf16")
                 new_cache = lambda: DenseKVCache.init(cfg, 1, max_len)  # noqa: E731
-                loop = jax.jit(lambda p, c, first, k: autoregressive_loop(p, c, first, k, gen=ar, eos_ids=()))
+                loop = jax.jit(lambda p, c, first, k: autoregressive_loop(p, c, first, k, gen=ar, eos_ids=()),
+                               donate_argnums=(1,))  # as generate's program, which makes its cache in place
                 weights: tuple = (params,)
                 row["chunk"] = prefill_chunk_for(params, ar.memory_request(1, t), "auto")
             else:
                 max_len = decode_cache_len(t, new, spec.verify_width, group, "int8")
                 new_cache = lambda: QuantSpecCache.init(cfg, 1, max_len, group_size=group,  # noqa: E731
                                                         gamma_max=spec.gamma_max)
-                loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=()))
+                loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=()),
+                               donate_argnums=(2,))
                 weights = (params, draft)
                 row["chunk"] = prefill_chunk_for(params, spec.memory_request(1, t), "auto", draft=draft)
             pre = _prefill_program(row["chunk"])
@@ -267,11 +269,16 @@ def request_rows(params: M.Params, draft: M.Params, t: int, new: int, alpha: flo
     return rows
 
 
-def longest_row(params: M.Params, draft: M.Params, dcfg: DraftWeightsConfig, chunk: int, new: int,
-                group: int) -> dict[str, Any]:
+def longest_row(cfg: ModelConfig, dcfg: DraftWeightsConfig, chunk: int, new: int, group: int) -> dict[str, Any]:
     """The planner's longest QuantSpec context here, prefilled chunked from a random prompt and
-    decoded for `new` tokens (forced acceptance 0.9, gamma 4)."""
-    cfg = params.config
+    decoded for `new` tokens (forced acceptance 0.9, gamma 4).
+
+    Run first in its process, and the cache first of all: its four nibble planes (~20 GB each at
+    1.3M tokens) need contiguous room, which the freed temporaries of making weights fragment
+    (measured: out of memory with 24 GB free in pieces). The weights are made, fused and
+    quantized on the host and copied over (fusing them on the device next to the cache ran out
+    of memory), so the device holds only the cache, the target and the draft, as the planner
+    counts them."""
     dev = jax.devices()[0]
     device_bytes = int((dev.memory_stats() or {}).get("bytes_limit", 0))
     plan = max_context(cfg, "int8", device_bytes, draft=dcfg, group_size=group)
@@ -283,20 +290,33 @@ def longest_row(params: M.Params, draft: M.Params, dcfg: DraftWeightsConfig, chu
                            "chunk": chunk, "new_tokens": new}
     log(f"longest: {json.dumps(row)}")
     try:
+        cache = jax.block_until_ready(QuantSpecCache.init(cfg, 1, max_len, group_size=group, gamma_max=spec.gamma_max))
+        with jax.default_device(jax.devices("cpu")[0]):
+            raw = jax.jit(lambda k: M.init_random_params(cfg, k))(jax.random.PRNGKey(0))
+            draft = M.for_device(make_draft_params(raw, dcfg))
+            params = M.for_device(raw)
+            del raw
+        draft = jax.block_until_ready(jax.device_put(draft, dev))
+        params = jax.block_until_ready(jax.device_put(params, dev))
+        log("longest: cache, weights and draft on the device; prefilling")
         toks = jax.random.randint(jax.random.PRNGKey(2), (1, t), 0, cfg.vocab_size, jnp.int32)
-        cache = QuantSpecCache.init(cfg, 1, max_len, group_size=group, gamma_max=spec.gamma_max)
         pre = _prefill_program(chunk)
-        loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=()))
+        # The cache is donated to the loop too: an undonated one is copied into the loop's state
+        # (measured: an 81.6 GiB copy at this length, out of memory after the prefill had run).
+        loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=()),
+                       donate_argnums=(2,))
         t0 = time.perf_counter()
         logits, cache = pre(params, toks, jnp.array([t], jnp.int32), cache)
         first = jax.block_until_ready(jnp.argmax(logits, -1).astype(jnp.int32))
         t1 = time.perf_counter()
+        row["prefill_s_incl_compile"] = t1 - t0
+        log(f"longest: prefilled in {t1 - t0:.1f} s (compilation included)")
         res = jax.block_until_ready(loop(params, draft, cache, first, jax.random.PRNGKey(0)))
         t2 = time.perf_counter()
         stats = dev.memory_stats() or {}
-        row.update(prefill_s_incl_compile=t1 - t0, decode_s_incl_compile=t2 - t1,
-                   tokens=int(np.asarray(res.lengths)[0]), peak_bytes_in_use=int(stats.get("peak_bytes_in_use", -1)),
-                   ok=True)
+        row.update(decode_s_incl_compile=t2 - t1, tokens=int(np.asarray(res.lengths)[0]),
+                   peak_bytes_in_use=int(stats.get("peak_bytes_in_use", -1)), ok=True)
+        del cache, params, draft, res
     except Exception as e:  # noqa: BLE001 - an out-of-memory here is the measurement
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:500])
     log(json.dumps(row))
@@ -319,17 +339,17 @@ def part_prefill(args: argparse.Namespace, cfg: ModelConfig, peers: dict[str, An
     chunks = [c for c in args.prefill_chunks if c % group == 0]
     out: dict[str, Any] = {"config": "Llama-3.1-8B shape, random bf16 weights, batch 1" if not args.quick else "quick",
                            "chunks": chunks, **(peers or {})}
+    dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
+    if args.prefill_max_context and chunks:  # first: see longest_row
+        out["longest"] = longest_row(cfg, dcfg, chunks[0], 8, group)
     out["attention"] = attention_rows(cfg, args.prefill_contexts, chunks, args.trials, group)
     key = jax.random.PRNGKey(0)
     log("random weights" + (" (8B shape)" if not args.quick else ""))
     params = jax.block_until_ready(M.for_device(jax.jit(lambda k: M.init_random_params(cfg, k))(key)))
     out["ttft"] = ttft_rows(params, args.prefill_contexts, [None, *chunks], max(1, min(args.trials, 3)), group)
-    dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     draft = jax.block_until_ready(M.for_device(make_draft_params(M.unfuse_projections(params), dcfg)))
     out["request"] = request_rows(params, draft, args.request_context, args.request_new_tokens,
                                   args.request_alpha, args.request_gamma, group)
-    if args.prefill_max_context and chunks:
-        out["longest"] = longest_row(params, draft, dcfg, chunks[0], 8, group)
     del params, draft
     if args.prefill_smollm_batch:
         small = (SMOLLM2 if not args.quick else cfg).replace(prefill_attention_impl=cfg.prefill_attention_impl)

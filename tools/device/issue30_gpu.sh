@@ -6,6 +6,7 @@
 # BENCH_ARGS: extra arguments of the bench (default: the contexts and an 8192 chunk).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+[ "${STAGE:-start}" = start ] && rm -rf /tmp/pf
 mkdir -p /tmp/pf
 if [ "${STAGE:-start}" = start ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || exit 1
