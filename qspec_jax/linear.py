@@ -92,13 +92,14 @@ def to_kernel_layout(w: Any) -> Any:
     return lay.pack_fields(w.packed, w.scale, w.zero)
 
 
-FUSE_ENV = "QSPEC_W4A16_FUSE"  # "1": the draft's glue inside its INT4 kernels (`fusable`)
+FUSE_ENV = "QSPEC_W4A16_FUSE"  # "0": the draft's glue as separate XLA kernels again (`fusable`)
 
 
 def fusion_enabled() -> bool:
-    """QSPEC_W4A16_FUSE=1 turns the fused INT4 kernels on (read at trace time). Off by default
-    until tools/device/check_w4a16.py has checked them on the GPU (docs/kernel_notes.md, issue 32)."""
-    return os.environ.get(FUSE_ENV, "0") == "1"
+    """Whether the fused INT4 kernels may run (read at trace time): on by default since
+    tools/device/check_w4a16.py checked them on the H200 and the draft step measured 3.172 ->
+    3.018 ms at 4k (docs/kernel_notes.md, issue 32); QSPEC_W4A16_FUSE=0 turns them off."""
+    return os.environ.get(FUSE_ENV, "1") == "1"
 
 
 def fusable(w: Any, int4_impl: str, rows: int) -> bool:
@@ -183,10 +184,13 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
 
 def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any, norm: Any, norm_eps: float,
                 swiglu: bool, residual: Array | None) -> Array:
+    from pallas_kernels.w4a16_mgpu import MAX_FUSED_M
+
     rows = int(np.prod(x.shape[:-1]))
     if not fusable(w, impl, rows):
         raise ValueError(f"fused glue needs an INT4 weight in the Hopper layout on the Mosaic kernel with at most "
-                         f"24 rows and {FUSE_ENV}=1 (linear.fusable); got {type(w).__name__}, {impl!r}, {rows} rows")
+                         f"{MAX_FUSED_M} rows and {FUSE_ENV} not 0 (linear.fusable); got {type(w).__name__}, {impl!r}, "
+                         f"{rows} rows")
     from pallas_kernels.linear import int4_linear
 
     if isinstance(norm, StackedLayer):  # read in place at the weight's own layer, else one slice

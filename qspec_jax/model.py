@@ -325,8 +325,9 @@ def _logits(params: Params, x: Array) -> Array:
 
 def _fuse_draft(params: Params, rows: int) -> bool:
     """Whether `decode` runs each layer's glue inside its INT4 kernels (`linear.fusable`: the
-    draft on Hopper, opt-in): the attention norm in the qkv kernel, the residual adds in the o
-    and down kernels, the MLP norm and SiLU(gate)·up in the gate_up kernel. `rows` = B x T."""
+    draft on Hopper; QSPEC_W4A16_FUSE=0 turns it off): the attention norm in the qkv kernel, the
+    residual adds in the o and down kernels, the MLP norm and SiLU(gate)·up in the gate_up
+    kernel. `rows` = B x T."""
     lp, cfg = params.layers, params.config
     if params.mesh is not None and params.mesh.size > 1:
         return False

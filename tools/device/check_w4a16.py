@@ -297,10 +297,12 @@ def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=("mma", "wg
 def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0):
     """M = 1, G = 32: each fused kernel against the unfused kernel plus the XLA glue it replaces
     (rms_norm before, silu(gate) * up after, the residual add after), in-device loops over
-    rotating weights; and the fused kernel with PDL (back to back, as in the model's MLP)."""
+    rotating weights; the plain kernel and each part of the epilogue alone on the same launch
+    shape; the fused kernel with PDL (back to back); split-K and 8 stages for qkv and o."""
     key = jax.random.PRNGKey(6)
     t_start = time.perf_counter()
-    for name, k, n, epi in cases:
+    order = ("gate_up", "down", "qkv", "o")  # the largest overheads first (issue 32 run 1)
+    for name, k, n, epi in sorted(cases, key=lambda c: order.index(c[0]) if c[0] in order else len(order)):
         if time.perf_counter() - t_start > budget_s:
             log(f"time_fused: budget spent, skipping {name}")
             break
@@ -324,18 +326,28 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0):
             return y + res if epi.residual else y
 
         base = mg.default_config(k, n, 32, epilogue=epi)
-        cfgs = {"fused": base, "fused_pdl": base.replace(pdl=True)}
-        if name in ("qkv", "o"):  # more bytes in flight for the small shapes: split-K summed in the cluster, deeper rings
-            cfgs.update({f"fused_s{sp}": base.replace(splits=sp, reduce="cluster") for sp in (2, 4)
-                         if sp != base.splits})
-            cfgs["fused_st8"] = base.replace(stages=8)
-        ops = {"unfused+glue": unfused,
-               **{lab: (lambda x, p, c=c, epi=epi: _fused(x, p, epi, gw, res, cfg=c)) for lab, c in cfgs.items()}}
-        for label, op in ops.items():
+        # (label, epilogue, launch shape): the fused kernel, its parts alone on the same launch shape
+        # (where the fused kernel's time goes), PDL, and for the small shapes more bytes in flight
+        # (split-K summed in the cluster, deeper rings)
+        runs = [("fused", epi, base), ("plain", mg.Epilogue(), base)]
+        if epi.norm and epi.swiglu:
+            runs += [("norm_only", mg.Epilogue(norm=True), base), ("swiglu_only", mg.Epilogue(swiglu=True), base)]
+        runs.append(("fused_pdl", epi, base.replace(pdl=True)))
+        if name in ("qkv", "o"):
+            runs += [(f"fused_s{sp}", epi, base.replace(splits=sp, reduce="cluster")) for sp in (2, 4)
+                     if sp != base.splits]
+            runs.append(("fused_st8", epi, base.replace(stages=8)))
+        ops = {"unfused+glue": (unfused, n // 2 if epi.swiglu else n)}
+        for lab, e, c in runs:
+            ops[lab] = ((lambda x, p, c=c, e=e: _fused(x, p, e, gw, res, cfg=c)), n // 2 if e.swiglu else n)
+        for label, (op, n_out) in ops.items():
+            if time.perf_counter() - t_start > budget_s:
+                log(f"time_fused: budget spent, skipping {name} {label}")
+                break
             try:
                 iters = bench._iters_for(nbytes / 2.0e12 + 3e-6, u, 5e-3, False)
-                _, per_op, _ = bench._time_loop(op, xs, ws, (1, n // 2 if epi.swiglu else n), jnp.bfloat16,
-                                                iters=iters, trials=5, calls=2)
+                _, per_op, _ = bench._time_loop(op, xs, ws, (1, n_out), jnp.bfloat16, iters=iters, trials=5,
+                                                calls=2)
                 t, status = float(np.median(per_op)), "ok"
             except Exception as e:  # noqa: BLE001
                 t, status = float("nan"), f"ERROR {type(e).__name__}: {str(e)[:300]}"

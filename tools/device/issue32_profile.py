@@ -29,7 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from qspec_jax import model as M  # noqa: E402
 from qspec_jax.bench import e2e, profile  # noqa: E402
+from qspec_jax.generation import GenerationConfig, autoregressive_loop  # noqa: E402
 from qspec_jax.linear import FUSE_ENV  # noqa: E402
+from qspec_jax.speculative import SpecConfig, speculative_loop  # noqa: E402
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params  # noqa: E402
 
 VARIANTS = {  # name: environment (read at trace time by qspec_jax.linear / w4a16_mgpu.default_config)
@@ -59,6 +61,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--budget", type=float, default=170.0, help="seconds; later variants are skipped past it")
+    ap.add_argument("--spec-loop", default="", help="variants of the QuantSpec loop to profile too (comma list), "
+                    "gamma 4 at forced acceptance 0.9, after the draft steps and within the budget")
+    ap.add_argument("--loop-tokens", type=int, default=64)
+    ap.add_argument("--ar-loop", type=int, default=0, help="1: also the AR-bf16 loop (width 1), the speedup's base")
+    ap.add_argument("--hlo", type=int, default=1, help="1: write the optimized HLO of the unfused and fused step")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
     draft = jax.block_until_ready(M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=32,
                                                                                            method="clip"))))
-    del params
+    params = M.for_device(params) if (args.spec_loop or args.ar_loop) else None
     print(f"[issue32] draft params ready ({time.perf_counter() - t0:.1f} s); layers: "
           f"{ {n: type(w).__name__ for n, w in vars(draft.layers).items() if w is not None} }", flush=True)
     rows = []
@@ -99,18 +106,53 @@ def main(argv=None) -> int:
             rows.append(r)
             profile.show(r, 30, cfg.num_layers)
             print(f"[issue32] {name} at {c}: fused={fused} ({time.perf_counter() - ts:.1f} s)", flush=True)
-            if c == int(args.contexts.split(",")[0]) and name in ("unfused", "fused"):
+            if c == int(args.contexts.split(",")[0]) and name in ("unfused", "fused") and args.hlo:
                 hlo = e2e.decode_steps.lower(draft, state["cache"], toks, n=1, view="draft").compile().as_text()
                 with gzip.open(args.out / f"draft_step_{name}.hlo.txt.gz", "wt") as f:
                     f.write(hlo)
                 for body in fusion_bodies(hlo)[:3]:
                     print(f"[issue32] {name}: loop_convert_fusion\n{body[:3000]}", flush=True)
             quant = state["cache"]
+        for name in filter(None, args.spec_loop.split(",")):
+            if time.perf_counter() - t0 > args.budget:
+                print(f"[issue32] budget spent: skipping the loop {name} at {c}", flush=True)
+                continue
+            os.environ.update(VARIANTS[name])
+            jax.clear_caches()
+            spec = SpecConfig(gamma=4, max_new_tokens=args.loop_tokens, forced_acceptance=0.9, eos_token_ids=())
+            loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
+
+            def call(loop=loop, spec=spec, quant=quant):
+                return loop(params, draft, quant, jnp.array([7], jnp.int32), key, eos_ids=(), spec=spec)
+
+            ts = time.perf_counter()
+            try:
+                r = profile._profile(call, args.out / "traces" / f"loop_{name}_{c}", args.loop_tokens, 3)
+            except Exception as e:  # noqa: BLE001
+                print(f"[issue32] loop {name} at {c}: ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                continue
+            r.update(program=f"spec_loop/{name}", context=c, unit="token", floor_us={})
+            rows.append(r)
+            profile.show(r, 12, cfg.num_layers)
+            print(f"[issue32] loop {name} at {c} ({time.perf_counter() - ts:.1f} s)", flush=True)
+        if args.ar_loop and time.perf_counter() - t0 <= args.budget:  # the baseline the loop's speedup divides
+            dense = e2e.random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
+            ar = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
+            gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1)
+            try:
+                r = profile._profile(lambda: ar(params, dense, jnp.array([7], jnp.int32), key, eos_ids=(), gen=gen),
+                                     args.out / "traces" / f"ar_loop_{c}", args.loop_tokens, 3)
+                r.update(program="ar_loop/bf16", context=c, unit="token", floor_us={})
+                rows.append(r)
+                profile.show(r, 8, cfg.num_layers)
+            except Exception as e:  # noqa: BLE001
+                print(f"[issue32] AR loop at {c}: ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            del dense
     (args.out / "issue32_profile.json").write_text(json.dumps({"rows": rows}, indent=1, default=str))
-    print("\n==== draft step per variant ====")
+    print("\n==== draft step (ms/step) and QuantSpec loop (ms/token) per variant ====")
     for r in rows:
         lin = r["categories"]["linear"]["us"]
-        print(f"{r['program']:18s} ctx {r['context']:6d} wall {r['wall_us'] / 1e3:.3f} ms  kernels "
+        print(f"{r['program']:20s} ctx {r['context']:6d} wall {r['wall_us'] / 1e3:.3f} ms  kernels "
               f"{r['busy_us'] / 1e3:.3f} ms  launches/layer {r['launches'] / cfg.num_layers:5.1f}  linear "
               f"{lin / 1e3:.3f} ms  glue {r['categories']['glue']['us'] / 1e3:.3f} ms  attention "
               f"{r['categories']['attention']['us'] / 1e3:.3f} ms")
