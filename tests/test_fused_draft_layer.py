@@ -114,6 +114,8 @@ def _draft_logits(draft, b):
 
 
 def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, monkeypatch):
+    monkeypatch.delenv(qlinear.FUSE_ENV, raising=False)
+    assert qlinear.fusion_enabled() and M._fuse_draft(draft, 1)  # on by default (checked on the H200)
     monkeypatch.setenv(qlinear.FUSE_ENV, "0")
     off = _draft_logits(draft, 2)
     assert reference_kernels == []
