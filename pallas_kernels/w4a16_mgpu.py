@@ -30,6 +30,11 @@ an unrolled XLA sum of float32 partials [S, M, N] ("gmem") or inside the kernel 
 of a thread-block cluster through distributed shared memory ("cluster", the default): never
 atomics. Both orders are the same, so both give the same bits.
 
+Fused glue (issue 32, `Epilogue`; `epilogue_reference` is its math): the INT4 kernel can fold an
+RMSNorm of x into the product (the producer warpgroup scales each landed x tile and sums x^2),
+return SiLU(gate)·up of a gate | up weight (warpgroups 0 and 1 of a CTA pair the halves), and add
+a residual in its store: the draft layer's glue without XLA kernels between the linears.
+
 Row invariance (issue 11): every choice above depends on (K, N, G) only, the columns of an MMA
 are independent, and padding rows are zeros (TMA out-of-bounds fill) or never stored, so row i
 of a call with M rows equals the same row computed alone, bit for bit; `tests/test_w4a16_mgpu.py`
@@ -111,8 +116,8 @@ class Epilogue:
     * `norm`: RMSNorm of the input folded in. The producer warpgroup multiplies each landed x tile
       by the norm weight in place (bf16(x g), the MMA's operand) and sums x^2 per row in float32;
       the accumulator is scaled by r = rsqrt(sum x^2 / K + eps) before anything else:
-      out = r (bf16(x g) W). One call per row block; a row's sum has a fixed order (per thread
-      over its stage pairs, a warp butterfly, then warps 0 + 1 + 2 + 3), independent of M.
+      out = r (bf16(x g) W). A row's sum has a fixed order (per thread over its stage pairs, a
+      warp butterfly, then warps 0 + 1 + 2 + 3; split-K ranks in rank order), independent of M.
     * `swiglu`: the weight holds gate | up column halves (N = 2F): warpgroup 0 of CTA j computes
       gate columns [64 j, 64 j + 64), warpgroup 1 the same up columns, and out [M, F] =
       silu(gate) up in float32 (silu(a) = a / (1 + exp(-a))), rounded once.
