@@ -106,22 +106,44 @@ def _flatten(x: Array, k: int) -> tuple[Array, tuple[int, ...]]:
 
 
 def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
-                out_dtype: Any = None) -> Array:
+                out_dtype: Any = None, norm_weight: Array | None = None, norm_eps: float = 1e-5,
+                swiglu: bool = False, residual: Array | None = None) -> Array:
     """x [..., K] @ W [K, N] with W in INT4 -> [..., N] (float32 accumulation; `out_dtype`
-    defaults to x's dtype). See the module docstring for `backend` and the weight formats."""
+    defaults to x's dtype). See the module docstring for `backend` and the weight formats.
+
+    Fused glue (`w4a16_mgpu.Epilogue`): `norm_weight` [K] (or [L, K] read at `layer`) applies
+    RMSNorm to x first, `swiglu` returns silu(gate) * up [..., N/2] of W's gate | up halves,
+    `residual` [..., N] is added to the output. The Mosaic backends run them inside the kernel
+    ("auto" picks them only where the kernel takes the call: bf16, Hopper, at most
+    `w4a16_mgpu.MAX_FUSED_M` rows); every other backend computes `w4a16_mgpu.epilogue_reference`."""
     _check_backend(backend)
     k, n, wlead = _int4_shape(w)
-    if (layer is None) != (len(wlead) == 0):
+    g_stacked = norm_weight is not None and norm_weight.ndim == 2
+    if (layer is None) != (len(wlead) == 0 and not g_stacked):
         raise ValueError(f"weight leading dims {wlead}: pass layer= exactly for stacked [L, ...] weights")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     x2, lead = _flatten(x, k)
     m = x2.shape[0]
+    epi = mg.Epilogue(norm=norm_weight is not None, eps=float(norm_eps), swiglu=swiglu, residual=residual is not None)
+    res2 = residual.reshape(m, n) if epi.residual else None
+    n_out = n // 2 if swiglu else n
     if backend == "auto":
         backend = pick_backend("int4", m, k, n, x.dtype, hopper_layout=isinstance(w, lay.W4A16Packed))
+        if epi and backend == "mosaic" and m > mg.MAX_FUSED_M:
+            backend = "xla"
+    if epi and backend not in ("mosaic", "interpret"):
+        if layer is not None:
+            w = jax.tree.map(lambda a: a[layer], w) if wlead else w
+            norm_weight = norm_weight[layer] if g_stacked else norm_weight
+        wf = lay.dequantize_fields(*_as_fields(w))
+        y = mg.epilogue_reference(x2, wf if backend == "reference" else wf.astype(x2.dtype), epi,
+                                  norm_weight=norm_weight, residual=res2, out_dtype=out_dtype)
+        return y.reshape(*lead, n_out)
     if backend in ("mosaic", "interpret"):
         y = mg.int4_matmul_mgpu(x2, _as_packed(w), layer=layer, out_dtype=out_dtype,
                                 variant="mma" if backend == "mosaic" else "smem",
-                                interpret=backend == "interpret")
+                                interpret=backend == "interpret", norm_weight=norm_weight, norm_eps=norm_eps,
+                                swiglu=swiglu, residual=res2)
     elif backend == "triton":
         from pallas_kernels.w4a16 import w4a16_matmul  # Triton: imported only where used
 
@@ -136,7 +158,7 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
             y = jnp.dot(x2.astype(jnp.float32), wf, precision=lax.Precision.HIGHEST).astype(out_dtype)
         else:  # "xla": the weight in the activation dtype, as the model's XLA path does
             y = jnp.dot(x2, wf.astype(x2.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
-    return y.reshape(*lead, n)
+    return y.reshape(*lead, n_out)
 
 
 def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None,

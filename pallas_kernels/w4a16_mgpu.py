@@ -30,6 +30,11 @@ an unrolled XLA sum of float32 partials [S, M, N] ("gmem") or inside the kernel 
 of a thread-block cluster through distributed shared memory ("cluster", the default): never
 atomics. Both orders are the same, so both give the same bits.
 
+Fused glue (issue 32, `Epilogue`; `epilogue_reference` is its math): the INT4 kernel can fold an
+RMSNorm of x into the product (the producer warpgroup scales each landed x tile and sums x^2),
+return SiLU(gate)·up of a gate | up weight (warpgroups 0 and 1 of a CTA pair the halves), and add
+a residual in its store: the draft layer's glue without XLA kernels between the linears.
+
 Row invariance (issue 11): every choice above depends on (K, N, G) only, the columns of an MMA
 are independent, and padding rows are zeros (TMA out-of-bounds fill) or never stored, so row i
 of a call with M rows equals the same row computed alone, bit for bit; `tests/test_w4a16_mgpu.py`
@@ -101,6 +106,68 @@ class MgpuConfig:
         return dataclasses.replace(self, **kw)
 
 
+MAX_FUSED_M = 24  # rows of a call with a fused epilogue (M_pad <= 24; see `Epilogue`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """Glue fused into the INT4 kernel around out = x W (static; `epilogue_reference` is the math).
+
+    * `norm`: RMSNorm of the input folded in. The producer warpgroup multiplies each landed x tile
+      by the norm weight in place (bf16(x g), the MMA's operand) and sums x^2 per row in float32;
+      the accumulator is scaled by r = rsqrt(sum x^2 / K + eps) before anything else:
+      out = r (bf16(x g) W). A row's sum has a fixed order (per thread over its stage pairs, a
+      warp butterfly, then warps 0 + 1 + 2 + 3; split-K ranks in rank order), independent of M.
+    * `swiglu`: the weight holds gate | up column halves (N = 2F): warpgroup 0 of CTA j computes
+      gate columns [64 j, 64 j + 64), warpgroup 1 the same up columns, and out [M, F] =
+      silu(gate) up in float32 (silu(a) = a / (1 + exp(-a))), rounded once.
+    * `residual`: out = bf16(acc) + res in the output dtype (one rounding of the sum of two
+      output-dtype values, i.e. the unfused `linear(x, W) + res` bit for bit).
+
+    The in-kernel parts exchange [64, M_pad] float32 tiles through shared memory in the WGMMA
+    layout, which Mosaic loads without bank conflicts only up to M_pad = 24 (`_reduce_mode`):
+    fused calls take at most MAX_FUSED_M rows. Norm and swiglu need the whole K sum in one CTA
+    (splits == 1) or a cluster (in-kernel split-K sum); a residual with split-K partials summed
+    by XLA ("gmem") is added by XLA after the sum, with the same formula."""
+
+    norm: bool = False
+    eps: float = 1e-5
+    swiglu: bool = False
+    residual: bool = False
+
+    def __bool__(self) -> bool:
+        return self.norm or self.swiglu or self.residual
+
+    def replace(self, **kw: Any) -> "Epilogue":
+        return dataclasses.replace(self, **kw)
+
+    def tag(self) -> str:
+        """Kernel-name suffix ("" for the plain kernel)."""
+        return "".join(t for t, on in (("_norm", self.norm), ("_swiglu", self.swiglu), ("_res", self.residual)) if on)
+
+
+def epilogue_reference(x: Array, w: Array, epi: Epilogue, *, norm_weight: Array | None = None,
+                       residual: Array | None = None, out_dtype: Any = None) -> Array:
+    """jnp: what the fused INT4 kernel computes for x [M, K] and the weight as its MMA sees it,
+    w [K, N] float32 (the bf16 dequantization for the Mosaic kernel, `lay.dequantize_bf16`).
+    float32 with HIGHEST-precision dots; see `Epilogue` for the math."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    xf = x.astype(jnp.float32)
+    if epi.norm:
+        r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + epi.eps)
+        xf = (xf * norm_weight.astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
+    acc = jnp.dot(xf, w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    if epi.norm:
+        acc = acc * r
+    if epi.swiglu:
+        gate, up = jnp.split(acc, 2, axis=-1)
+        acc = gate / (1.0 + jnp.exp(-gate)) * up
+    out = acc.astype(out_dtype)
+    if epi.residual:
+        out = out + residual.astype(out_dtype)
+    return out
+
+
 def rows_for(m: int) -> int:
     """M_pad: the wgmma N for M activation rows (a multiple of 8)."""
     return 8 * max(1, -(-m // 8))
@@ -142,12 +209,24 @@ def predicted_us(k: int, n: int, group_size: int | None, cfg: MgpuConfig, num_sm
     return t + (REDUCE_US[cfg.reduce] if cfg.splits > 1 else 0.0)
 
 
+def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) -> bool:
+    """Whether a launch shape can run epilogue `epi` (see `Epilogue`): norm and swiglu need the
+    whole K sum inside the kernel (one split, or the cluster sum); swiglu pairs warpgroups 0 and 1."""
+    if not epi:
+        return True
+    whole_k = splits == 1 or reduce == "cluster"
+    if (epi.norm or epi.swiglu) and not whole_k:
+        return False
+    return not epi.swiglu or wgs == 2
+
+
 def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | None = None,
-                   reduce: str = "cluster") -> MgpuConfig:
+                   reduce: str = "cluster", epilogue: Epilogue | None = None) -> MgpuConfig:
     """The launch shape for a [K, N] weight (`group_size` None: bf16 weights); from (K, N, G) and
     the SM count only, never from M. Minimises `predicted_us` over wgs in (2, 1), k_tile and
     splits (dividing K / k_tile, each split >= 2 steps and >= 512 columns; at most 8 splits for
-    the cluster reduction); ties go to fewer splits, then two warpgroups, then larger k_tile."""
+    the cluster reduction); ties go to fewer splits, then two warpgroups, then larger k_tile.
+    Only shapes that can run `epilogue` are considered (`epilogue_allows`)."""
     sms = num_sms or _common.num_sms()
     kind = "bf16" if group_size is None else "int4"
     # The code words' TMA view: "wide" (1-KB rows) by default, checked and timed on the H200
@@ -168,6 +247,8 @@ def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | Non
             steps = k // kt
             for s in range(1, min(steps, MAX_CLUSTER if reduce == "cluster" else 16) + 1):
                 if steps % s or (s > 1 and (steps // s < 2 or k // s < 512)):
+                    continue
+                if not epilogue_allows(epilogue, wgs, s, reduce):
                     continue
                 cfg = MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce,
                                  stages=4 if kind == "int4" else 6, tma_view=tma_view, pdl=pdl)
@@ -477,6 +558,147 @@ def _mma_stage(group_size: int, kt: int, mp: int, diag: str = ""):
     return fn
 
 
+# ------------------------------------------------------------------- the fused RMSNorm (producer)
+def norm_pair_offset(r: int, q: int, kt: int) -> int:
+    """Byte offset of x[r, 2q : 2q + 2] (one bf16 pair) in a stage's x tile [M_pad, KT] (8 x 64
+    tiles, 128-byte swizzle, as TMA writes it). The producer's thread t handles pair q = t of
+    every row r < M (KT <= 256: at most 128 pairs per row), i.e. k block q // 32 = its warp and
+    lane q % 32: a warp reads one 128-byte tile row, conflict-free. The kernel adds the static
+    `norm_row_offset` and the per-thread `norm_lane_offset`."""
+    rr, lane = r % 8, q % 32
+    return x_tile_offset(r // 8, q // 32, kt) + rr * 128 + (((lane // 4) ^ rr) & 7) * 16 + 4 * (lane % 4)
+
+
+def norm_row_offset(r: int, kt: int) -> int:
+    """The part of `norm_pair_offset(r, t, kt)` that does not depend on the thread."""
+    return x_tile_offset(r // 8, 0, kt) + (r % 8) * 128
+
+
+def norm_lane_offset(t: int, rr: int) -> int:
+    """The part that does (thread t, row r with r % 8 == rr); `_norm_stage` computes it in MLIR."""
+    warp, lane = t // 32, t % 32
+    return warp * 1024 + (((lane // 4) ^ rr) & 7) * 16 + 4 * (lane % 4)
+
+
+# Per (row, thread): x pair -> bf16(x g) in place (mul.rn.bf16x2: the correctly rounded product,
+# as float32 x g rounded to bf16) and the thread's float32 partial of sum x^2 (lo^2 then hi^2).
+# $0 x address, $1 g address, $2 partial address, $3 nonzero if the thread owns a pair.
+_NORM_ASM = """{{
+.reg .pred p;
+.reg .b32 xv, gv, yv, t;
+.reg .f32 lo, hi, acc;
+setp.ne.u32 p, $3, 0;
+@p ld.shared.b32 xv, [$0];
+@p ld.shared.b32 gv, [$1];
+@p mul.rn.bf16x2 yv, xv, gv;
+@p st.shared.b32 [$0], yv;
+shl.b32 t, xv, 16;
+mov.b32 lo, t;
+and.b32 t, xv, 0xFFFF0000;
+mov.b32 hi, t;
+{acc}
+fma.rn.f32 acc, hi, hi, acc;
+{store}
+}}"""
+_NORM_FIRST = dict(acc="mul.rn.f32 acc, lo, lo;",  # zeros for threads without a pair: the finish sums all 128
+                   store="selp.f32 acc, acc, 0f00000000, p;\nst.shared.f32 [$2], acc;")
+_NORM_NEXT = dict(acc="@p ld.shared.f32 acc, [$2];\nfma.rn.f32 acc, lo, lo, acc;", store="@p st.shared.f32 [$2], acc;")
+
+
+def _norm_stage(m: int, kt: int, first: bool):
+    """inline_mgpu function run by the producer warpgroup on a landed stage: (x_ref bf16 [M_pad,
+    KT] (swizzled tiles), g_ref bf16 [KT], part_ref float32 [M, 128]) -> x rows < M multiplied by
+    g in place, part[r, t] (+)= thread t's sum of x[r, pair t]^2 (`first`: the stage that
+    initializes part). Ends with a proxy fence (the wgmma variants read x through the async
+    proxy); each thread's mbarrier arrive afterwards releases its own stores."""
+    if kt > 2 * lay.THREADS:
+        raise ValueError(f"k_tile={kt}: the fused norm takes k_tile <= {2 * lay.THREADS}")
+    x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    asm = _NORM_ASM.format(**(_NORM_FIRST if first else _NORM_NEXT))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=x_tf), plgpu.RefType(), plgpu.RefType()))
+    def fn(ctx, x_ref, g_ref, part_ref):
+        del ctx
+        ir, arith, llvm, _, _, mu = _mgpu_modules()
+        i32 = ir.IntegerType.get_signless(32)
+        c = lambda v: mu.c(v, i32)  # noqa: E731
+        tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
+        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+        owns = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c(kt // 2)))
+        x_base = arith.addi(_smem_addr(x_ref), arith.addi(arith.muli(warp, c(1024)),
+                                                          arith.muli(arith.remui(lane, c(4)), c(4))))
+        g_addr = arith.addi(_smem_addr(g_ref), arith.muli(tid, c(4)))
+        p_base = arith.addi(_smem_addr(part_ref), arith.muli(tid, c(4)))
+        quad = arith.divui(lane, c(4))
+        for r in range(m):
+            rr = r % 8
+            # norm_lane_offset(t, rr) = 1024 warp + 4 (lane % 4) [x_base] + (((lane // 4) ^ rr) & 7) 16 [swz]
+            swz = arith.muli(arith.andi(arith.xori(quad, c(rr)), c(7)), c(16))
+            x_addr = arith.addi(x_base, arith.addi(swz, c(norm_row_offset(r, kt))))
+            p_addr = arith.addi(p_base, c(4 * lay.THREADS * r))
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [x_addr, g_addr, p_addr, owns], asm, "r,r,r,r",
+                            has_side_effects=True)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
+                        has_side_effects=True)
+
+    return fn
+
+
+_SHFL_ASM = "shfl.sync.bfly.b32 $0, $1, {}, 0x1f, 0xffffffff;"  # float32 butterfly partner (lane ^ {})
+_LD_F32_ASM = "ld.shared.f32 $0, [$1];"
+_ST_F32_ASM = "st.shared.f32 [$0], $1;"
+_ST_LANE0_ASM = "{\n.reg .pred p;\nsetp.eq.u32 p, $2, 0;\n@p st.shared.f32 [$0], $1;\n}"  # $2: the lane
+
+
+def _norm_finish(m: int, mp: int):
+    """inline_mgpu function, producer warpgroup, after the last stage: (part_ref float32 [M, 128],
+    ssw_ref float32 [4, M_pad], ss_ref float32 [64, M_pad]) -> ss[n, r] = sum_t part[r, t] for
+    every n (0 for padding rows r >= M): per warp a butterfly over its 32 lanes (every lane ends
+    with the same bits: float addition is commutative), then warps 0 + 1 + 2 + 3 in that order.
+    ss has the accumulator's shape, so the consumers load it in the WGMMA layout."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
+    def fn(ctx, part_ref, ssw_ref, ss_ref):
+        del ctx
+        ir, arith, llvm, _, _, mu = _mgpu_modules()
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        c = lambda v: mu.c(v, i32)  # noqa: E731
+        void = ir.Type.parse("!llvm.void")
+        tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
+        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+        part, ssw, ss = _smem_addr(part_ref), _smem_addr(ssw_ref), _smem_addr(ss_ref)
+        ld = lambda addr: llvm.inline_asm(f32, [addr], _LD_F32_ASM, "=f,r", has_side_effects=True)  # noqa: E731
+        for r in range(mp):
+            if r < m:
+                v = ld(arith.addi(part, arith.muli(arith.addi(tid, c(lay.THREADS * r)), c(4))))
+                for sh in (16, 8, 4, 2, 1):
+                    o = llvm.inline_asm(f32, [v], _SHFL_ASM.format(sh), "=f,f", has_side_effects=True)
+                    v = arith.addf(v, o)
+            else:
+                v = arith.constant(f32, 0.0)
+            addr = arith.addi(ssw, arith.muli(arith.addi(arith.muli(warp, c(mp)), c(r)), c(4)))
+            llvm.inline_asm(void, [addr, v, lane], _ST_LANE0_ASM, "r,f,r", has_side_effects=True)
+        mu.warpgroup_barrier()
+        for j in range(lay.ROWS * mp // lay.THREADS):  # element e = t + 128 j of ss [64, M_pad]
+            e = arith.addi(tid, c(lay.THREADS * j))
+            col4 = arith.muli(arith.remui(e, c(mp)), c(4))
+            tot = None
+            for w in range(4):
+                v = ld(arith.addi(ssw, arith.addi(col4, c(4 * w * mp))))
+                tot = v if tot is None else arith.addf(tot, v)
+            llvm.inline_asm(void, [arith.addi(ss, arith.muli(e, c(4))), tot], _ST_F32_ASM, "r,f",
+                            has_side_effects=True)
+
+    return fn
+
+
+def _norm_twin(x: Array, g: Array) -> tuple[Array, Array]:
+    """Interpret mode's `_norm_stage` on values: x [M_pad, KT] bf16, g [KT] -> (bf16(x g), the
+    same product as `mul.rn.bf16x2`; the row sums of x^2 [M_pad] float32, jnp order)."""
+    xf = x.astype(jnp.float32)
+    return (xf * g.astype(jnp.float32)[None, :]).astype(x.dtype), jnp.sum(xf * xf, axis=1)
+
+
 # ------------------------------------------------------------------------------ the SMEM twin
 def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
     """jnp: uint32 words [128, 4] and records [64 C/G] of one warpgroup and stage -> the bf16
@@ -508,46 +730,51 @@ def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
 
 
 # ----------------------------------------------------------------------------------- kernels
-def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int, wgs: int,
-            steps: int, stages: int, splits: int, g: int | None, stacked: bool, n_layers: int,
-            reduce: str, diag: str = "", pdl: bool = False):
-    """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring."""
-    it = iter(refs)
-    x_gmem = next(it)
-    w_gmem = next(it)
-    sz_gmem = next(it) if kind == "int4" else None
-    layer_gmem = next(it) if stacked else None
-    out_gmem = next(it)
-    x_smem, w_smem = next(it), next(it)
-    sz_smem = next(it) if kind == "int4" else None
-    twin = (next(it), next(it)) if (variant == "smem" or interpret) else None  # a_smem, xt_smem
-    o_smem, full, empty = next(it), next(it), next(it)
-    red = next(it) if reduce == "cluster" and splits > 1 else None
+def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int,
+            wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
+            n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
+            k_total: int = 0, half_tiles: int = 0):
+    """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
+    `epi` the fused glue (`Epilogue`). `names` names the refs (inputs, output, scratch: `_call`)."""
+    r = dict(zip(names, refs))
+    x_gmem, w_gmem, sz_gmem, g_gmem, res_gmem = (r.get(k) for k in ("x", "w", "sz", "g", "res"))
+    out_gmem, x_smem, w_smem, sz_smem = r["out"], r["x_smem"], r["w_smem"], r.get("sz_smem")
+    twin = (r["a_twin"], r["xt_twin"]) if "a_twin" in r else None
+    o_smem, full, empty, red = r["o_smem"], r["full"], r["empty"], r.get("red")
+    xfull, g_smem, part, ssw, ss_ref, norm_bar = (r.get(k) for k in ("xfull", "g_smem", "part", "ssw", "ss",
+                                                                     "norm_bar"))
+    res_smem, res_bar, pair, pair_bar = (r.get(k) for k in ("res_smem", "res_bar", "pair", "pair_bar"))
     nt = lax.axis_index("nt")
     ks = lax.axis_index("ks")
     wg = lax.axis_index("wg")
     col0 = (nt * wgs + wg) * lay.ROWS  # this warpgroup's first output column
     k_split = steps * kt
-    lead: tuple[Any, ...] = ()
-    if stacked:
-        lead = (jnp.clip(layer_gmem[0], 0, n_layers - 1),)
+    layer_idx = jnp.clip(r["layer"][0], 0, n_layers - 1) if "layer" in r else None
+    lead: tuple[Any, ...] = (layer_idx,) if w_stacked else ()
+    g_lead: tuple[Any, ...] = (layer_idx,) if g_stacked else ()
 
     @pl.when(wg == wgs)
     def _producer():
         def issue_x(i, slot):
             k0 = ks * k_split + i * kt
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], full.at[slot])
+            bar = xfull.at[slot] if epi.norm else full.at[slot]  # norm: x goes through the producer first
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], bar)
+            if epi.norm:
+                plgpu.copy_gmem_to_smem(g_gmem.at[(*g_lead, pl.ds(k0, kt))], g_smem.at[slot], bar)
 
         def issue_w(i, slot):
             k0 = ks * k_split + i * kt
             if kind == "int4":
                 c = lay.chunk_cols(g)
-                plgpu.copy_gmem_to_smem(
-                    w_gmem.at[(*lead, pl.ds(nt * wgs, wgs), pl.ds(k0 // lay.KB, kt // lay.KB))],
-                    w_smem.at[slot], full.at[slot])
-                plgpu.copy_gmem_to_smem(
-                    sz_gmem.at[(*lead, pl.ds(nt * wgs, wgs), pl.ds(k0 // c, kt // c))],
-                    sz_smem.at[slot], full.at[slot])
+                # swiglu: warpgroup cw streams row tile nt + cw N/128 (gate, then the same up columns)
+                boxes = ([(pl.ds(nt + cw * half_tiles, 1), w_smem.at[slot, pl.ds(cw, 1)],
+                           sz_smem.at[slot, pl.ds(cw, 1)]) for cw in range(wgs)] if epi.swiglu
+                         else [(pl.ds(nt * wgs, wgs), w_smem.at[slot], sz_smem.at[slot])])
+                for src_rows, w_dst, sz_dst in boxes:
+                    plgpu.copy_gmem_to_smem(
+                        w_gmem.at[(*lead, src_rows, pl.ds(k0 // lay.KB, kt // lay.KB))], w_dst, full.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        sz_gmem.at[(*lead, src_rows, pl.ds(k0 // c, kt // c))], sz_dst, full.at[slot])
             else:
                 for cw in range(wgs):
                     plgpu.copy_gmem_to_smem(
@@ -565,14 +792,98 @@ def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt
             issue_x(i, slot)
             return carry
 
-        first = min(stages, steps) if pdl else 0  # static: the prologue's weight tiles
-        for i in range(first):
+        def process(j, first):  # norm: the landed x tile of step j times g, and the sums of x^2
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(xfull.at[slot])
+            if interpret:
+                xg, ss = _norm_twin(x_smem.at[slot][...], g_smem.at[slot][...])
+                x_smem.at[slot][...] = xg
+                part[...] = ss if first else part[...] + ss
+            else:
+                _norm_stage(m, kt, first)(x_smem.at[slot], g_smem.at[slot], part)
+            plgpu.barrier_arrive(full.at[slot])
+
+        # static: the prologue's tiles (pdl: the weight tiles, which no earlier kernel writes, go
+        # out before the grid-dependency wait; x and the residual after it)
+        first = min(stages, steps) if (pdl or epi.norm) else 0
+        for i in range(first if pdl else 0):
             issue_w(i, i)
         if pdl:
             plgpu.griddepcontrol_wait()  # x, written by the previous kernel, is visible after this
+        if res_smem is not None:
+            @pl.when(ks == 0)  # only the CTA that stores the output reads the residual
+            def _():
+                for cw in range(wgs):
+                    plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(0, m), pl.ds((nt * wgs + cw) * lay.ROWS, lay.ROWS)],
+                                            res_smem.at[cw, pl.ds(0, m)], res_bar.at[0])
+        for i in range(0 if pdl else first):
+            issue_w(i, i)
         for i in range(first):
             issue_x(i, i)
-        lax.fori_loop(first, steps, step, 0)
+        if not epi.norm:
+            lax.fori_loop(first, steps, step, 0)
+            return
+        # norm: step j + 1 is processed while the consumers work on step j; then the slot of
+        # step j is refilled with step j + stages once they release it
+        process(0, True)
+
+        def norm_step(i, carry):
+            @pl.when(i + 1 < steps)
+            def _():
+                process(i + 1, False)
+
+            @pl.when(i + stages < steps)
+            def _():
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(empty.at[slot])
+                issue_w(i + stages, slot)
+                issue_x(i + stages, slot)
+
+            return carry
+
+        lax.fori_loop(0, steps, norm_step, 0)
+        if interpret:
+            ss_ref[...] = jnp.broadcast_to(part[...][None, :], (lay.ROWS, mp))
+        else:
+            _norm_finish(m, mp)(part, ssw, ss_ref)
+        if red is None:  # one CTA per column tile: the consumers wait for the sums (the cluster syncs instead)
+            plgpu.barrier_arrive(norm_bar.at[0])
+
+    def final(acc, ss):
+        """The epilogue of this warpgroup's whole-K accumulator [64, M_pad] float32 (ss: the
+        rows' sums of x^2 in the same layout, norm only), then the store."""
+        if epi.norm:
+            acc = acc * lax.rsqrt(ss * (1.0 / k_total) + epi.eps)
+        res = dict(res=res_smem.at[wg], res_bar=res_bar.at[0]) if res_smem is not None else {}
+        if not epi.swiglu:
+            _store_tile(acc, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret, **res)
+            return
+
+        @pl.when(wg == 1)  # up
+        def _():
+            pair[...] = acc
+            plgpu.barrier_arrive(pair_bar.at[0])
+
+        @pl.when(wg == 0)  # gate: silu(gate) * up, columns 64 nt .. of out [M, N / 2]
+        def _():
+            plgpu.barrier_wait(pair_bar.at[0])
+            up = _load_acc(pair, interpret)
+            _store_tile(acc / (1.0 + jnp.exp(-acc)) * up, o_smem, out_gmem, wg=wg, col0=nt * lay.ROWS, m=m,
+                        interpret=interpret, **res)
+
+    def finish(acc):
+        """A consumer warpgroup after its main loop: publish the cluster partial, store the
+        split-K partial (XLA sums), or run the epilogue."""
+        if red is not None:  # publish the partial; rank 0 sums them below
+            red.at[wg][...] = acc
+        elif splits > 1:
+            _store_tile(acc, o_smem, out_gmem.at[ks], wg=wg, col0=col0, m=m, interpret=interpret)
+        else:
+            ss = None
+            if epi.norm:
+                plgpu.barrier_wait(norm_bar.at[0])
+                ss = _load_acc(ss_ref, interpret)
+            final(acc, ss)
 
     @pl.when(wg < wgs)
     def _compute():
@@ -589,12 +900,7 @@ def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt
                 return acc
 
             acc0 = plgpu.layout_cast(jnp.zeros((lay.ROWS, mp), jnp.float32), plgpu.Layout.WGMMA)
-            acc = lax.fori_loop(0, steps, mma_step, acc0)
-            if red is not None:
-                red.at[wg][...] = acc
-            else:
-                _store_tile(acc, o_smem, out_gmem.at[ks] if splits > 1 else out_gmem, wg=wg, col0=col0,
-                            m=m, interpret=interpret)
+            finish(lax.fori_loop(0, steps, mma_step, acc0))
             return
 
         def acc_scope(acc_ref):
@@ -635,12 +941,7 @@ def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt
             lax.fori_loop(0, steps, step, 0)
             return acc_ref[...]
 
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((lay.ROWS, mp), jnp.float32))
-        if red is not None:  # publish the partial; rank 0 sums them below
-            red.at[wg][...] = acc
-        else:
-            _store_tile(acc, o_smem, out_gmem.at[ks] if splits > 1 else out_gmem, wg=wg, col0=col0,
-                        m=m, interpret=interpret)
+        finish(pl.run_scoped(acc_scope, plgpu.ACC((lay.ROWS, mp), jnp.float32)))
 
     if red is not None:
         _cluster_sync()
@@ -648,21 +949,33 @@ def _kernel(*refs, kind: str, variant: str, interpret: bool, m: int, mp: int, kt
         @pl.when((wg < wgs) & (ks == 0))
         def _reduce():
             tot = _load_wgmma(red.at[wg])
-            for r in range(1, splits):  # fixed order: p[0] + p[1] + ... + p[S-1]
-                tot = tot + _load_wgmma(plgpu.cluster_ref(red, {"ks": r}).at[wg])
-            _store_tile(tot, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret)
+            for i in range(1, splits):  # fixed order: p[0] + p[1] + ... + p[S-1]
+                tot = tot + _load_wgmma(plgpu.cluster_ref(red, {"ks": i}).at[wg])
+            ss = None
+            if epi.norm:  # the ranks' sums of x^2 over their k ranges, in the same order
+                ss = _load_wgmma(ss_ref)
+                for i in range(1, splits):
+                    ss = ss + _load_wgmma(plgpu.cluster_ref(ss_ref, {"ks": i}))
+            final(tot, ss)
 
         _cluster_sync()  # no CTA leaves while rank 0 still reads its shared memory
 
 
-def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int, interpret: bool) -> None:
+def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int, interpret: bool,
+                res: Any = None, res_bar: Any = None) -> None:
     """acc [64 (n), M_pad] float32 -> out rows 0..M-1, columns col0 .. col0 + 63 (transposed
-    through shared memory, one TMA store)."""
+    through shared memory, one TMA store). `res` (shared [M_pad, 64], landing on `res_bar`):
+    the tile in the output dtype plus res, in that dtype (`Epilogue.residual`)."""
     val = acc.astype(o_smem.dtype)
+    tile = o_smem.at[wg]
     if interpret:
-        o_smem.at[wg][...] = val.T
+        tile[...] = val.T
     else:
-        _T(o_smem.at[wg])[...] = plgpu.layout_cast(val, plgpu.Layout.WGMMA_TRANSPOSED)
+        _T(tile)[...] = plgpu.layout_cast(val, plgpu.Layout.WGMMA_TRANSPOSED)
+    if res is not None:
+        plgpu.commit_smem()  # the whole tile is written (warpgroup barrier) before any thread reads it
+        plgpu.barrier_wait(res_bar)
+        tile[...] = tile[...] + res[...]
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, m)], dst.at[pl.ds(0, m), pl.ds(col0, lay.ROWS)])
     plgpu.wait_smem_to_gmem(0)
@@ -690,43 +1003,84 @@ def _load_wgmma(ref: Any) -> Array:
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
 
+def _load_acc(ref: Any, interpret: bool) -> Array:
+    """`_load_wgmma` on the GPU; a plain load in interpret mode."""
+    return ref[...] if interpret else _load_wgmma(ref)
+
+
 def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: int, n: int,
           g: int | None, cfg: MgpuConfig, out_dtype: Any, variant: str, interpret: bool,
-          n_layers: int) -> Array:
+          n_layers: int, w_stacked: bool, epi: Epilogue = Epilogue(), norm_weight: Array | None = None,
+          residual: Array | None = None) -> Array:
     m = x.shape[0]
     mp = rows_for(m)
     kt, wgs, s = cfg.k_tile, cfg.wgs, cfg.splits
     steps = k // (kt * s)
     stages = _stages_for(kind, cfg, mp, g)
-    stacked = layer is not None
     reduce = cfg.reduce if s > 1 else "gmem"
     if interpret and reduce == "cluster":
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
+    if not epilogue_allows(epi, wgs, s, reduce):
+        raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1 or the cluster sum; "
+                         f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
+    whole = s == 1 or reduce == "cluster"  # the kernel writes [M, N] (else float32 partials [S, M, N])
+    res_in_kernel = epi.residual and whole
     use_twin = variant == "smem" or interpret
+    o_dtype = jnp.dtype(out_dtype) if whole else jnp.dtype(jnp.float32)
+    f32 = jnp.float32
     x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-    scratch = [plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)]
+    scratch: dict[str, Any] = {"x_smem": plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)}
     if kind == "int4":
         c = lay.chunk_cols(g)
-        scratch.append(plgpu.SMEM((stages, wgs, kt // lay.KB, *TMA_VIEWS[cfg.tma_view]), jnp.uint32))
-        scratch.append(plgpu.SMEM((stages, wgs, kt // c, 64 * c // g), jnp.uint32))
+        scratch["w_smem"] = plgpu.SMEM((stages, wgs, kt // lay.KB, *TMA_VIEWS[cfg.tma_view]), jnp.uint32)
+        scratch["sz_smem"] = plgpu.SMEM((stages, wgs, kt // c, 64 * c // g), jnp.uint32)
+        n_full = 1 + (2 * wgs if epi.swiglu else 2)  # x (or the producer's norm pass) + weight copies
     else:
-        scratch.append(plgpu.SMEM((stages, wgs, kt, lay.ROWS), jnp.bfloat16, transforms=x_tf))
+        scratch["w_smem"] = plgpu.SMEM((stages, wgs, kt, lay.ROWS), jnp.bfloat16, transforms=x_tf)
+        n_full = 1 + wgs
     if use_twin:
         a_tf = () if interpret else x_tf
-        scratch.append(plgpu.SMEM((wgs, lay.ROWS, lay.KB), jnp.bfloat16, transforms=a_tf))
-        scratch.append(plgpu.SMEM((wgs, lay.KB, mp), jnp.bfloat16))
-    o_dtype = jnp.dtype(out_dtype) if s == 1 or reduce == "cluster" else jnp.dtype(jnp.float32)
-    scratch.append(plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype))
-    n_tma = 3 if kind == "int4" else 1 + wgs
-    scratch.append(plgpu.Barrier(num_barriers=stages, num_arrivals=n_tma))
-    scratch.append(plgpu.Barrier(num_barriers=stages, num_arrivals=wgs))
+        scratch["a_twin"] = plgpu.SMEM((wgs, lay.ROWS, lay.KB), jnp.bfloat16, transforms=a_tf)
+        scratch["xt_twin"] = plgpu.SMEM((wgs, lay.KB, mp), jnp.bfloat16)
+    scratch["o_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
+    scratch["full"] = plgpu.Barrier(num_barriers=stages, num_arrivals=n_full)
+    scratch["empty"] = plgpu.Barrier(num_barriers=stages, num_arrivals=wgs)
     if reduce == "cluster":
-        scratch.append(plgpu.SMEM((wgs, lay.ROWS, mp), jnp.float32))
-    out_shape = (m, n) if (s == 1 or reduce == "cluster") else (s, m, n)
+        scratch["red"] = plgpu.SMEM((wgs, lay.ROWS, mp), f32)
+    if epi.norm:
+        scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2)  # x and g tiles
+        scratch["g_smem"] = plgpu.SMEM((stages, kt), jnp.bfloat16)
+        scratch["part"] = plgpu.SMEM((mp,) if interpret else (m, lay.THREADS), f32)
+        if not interpret:
+            scratch["ssw"] = plgpu.SMEM((4, mp), f32)
+        scratch["ss"] = plgpu.SMEM((lay.ROWS, mp), f32)
+        scratch["norm_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
+    if res_in_kernel:
+        scratch["res_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
+        scratch["res_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=wgs)
+    if epi.swiglu:
+        scratch["pair"] = plgpu.SMEM((lay.ROWS, mp), f32)
+        scratch["pair_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
+    n_out = n // 2 if epi.swiglu else n
+    out_shape = (m, n_out) if whole else (s, m, n)
+    if m > 8 and m % 8:  # the TMA view of x tiles rows by 8: above 8 rows, M must be a multiple
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))  # zero rows, never stored: rows stay independent
+    inputs: dict[str, Array] = {"x": x, "w": w_arrays[0]}
+    if kind == "int4":
+        inputs["sz"] = w_arrays[1]
+    if epi.norm:
+        inputs["g"] = norm_weight
+    if res_in_kernel:
+        inputs["res"] = residual
+    g_stacked = epi.norm and norm_weight.ndim == 2
+    if w_stacked or g_stacked:
+        inputs["layer"] = jnp.asarray(layer, jnp.int32).reshape(1)
+    names = (*inputs, "out", *scratch)
     kernel = functools.partial(
-        _kernel, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
-        steps=steps, stages=stages, splits=s, g=g, stacked=stacked, n_layers=n_layers, reduce=reduce,
-        diag=cfg.diag, pdl=cfg.pdl and not interpret)
+        _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
+        steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
+        reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
+        half_tiles=n // 2 // lay.ROWS)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()
@@ -736,20 +1090,17 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         kw.update(grid=(n // (lay.ROWS * wgs), s), grid_names=("nt", "ks"))
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct(out_shape, o_dtype), num_threads=wgs + 1,
-        thread_name="wg", scratch_types=scratch,
+        thread_name="wg", scratch_types=list(scratch.values()),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        kernel_name=f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}", **kw)
-    if m > 8 and m % 8:  # the TMA view of x tiles rows by 8: above 8 rows, M must be a multiple
-        x = jnp.pad(x, ((0, mp - m), (0, 0)))  # zero rows, never stored: rows stay independent
-    args = [x, *w_arrays]
-    if stacked:
-        args.append(jnp.asarray(layer, jnp.int32).reshape(1))
-    y = call(*args)
-    if out_shape != (m, n):  # fixed-order sum of the split-K partials: p[0] + p[1] + ... + p[S-1]
+        kernel_name=f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}{epi.tag()}", **kw)
+    y = call(*inputs.values())
+    if not whole:  # fixed-order sum of the split-K partials: p[0] + p[1] + ... + p[S-1]
         acc = y[0]
         for i in range(1, s):
             acc = acc + y[i]
         y = acc.astype(out_dtype)
+        if epi.residual:  # the kernel's formula: the output-dtype product plus the residual
+            y = y + residual
     return y
 
 
@@ -792,37 +1143,68 @@ def _reduce_mode(m: int, interpret: bool) -> str:
     return "gmem" if interpret or rows_for(m) > 24 else "cluster"
 
 
+def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype: Any,
+                    norm_weight: Array | None, residual: Array | None) -> None:
+    if not epi:
+        return
+    if m > MAX_FUSED_M:
+        raise ValueError(f"M={m} rows; a fused epilogue takes 1..{MAX_FUSED_M} (Epilogue)")
+    if epi.norm:
+        if norm_weight.dtype != jnp.bfloat16 or norm_weight.ndim not in (1, 2) or norm_weight.shape[-1] != k:
+            raise ValueError(f"norm_weight must be bfloat16 [K={k}] or a stack [L, K]; got "
+                             f"{norm_weight.dtype} {norm_weight.shape}")
+    if epi.swiglu and (epi.residual or n % (2 * lay.ROWS)):
+        raise ValueError(f"swiglu: N={n} must be gate | up halves of a multiple of {lay.ROWS} columns, "
+                         "without a residual")
+    if epi.residual and (residual.shape != (m, n) or residual.dtype != out_dtype):
+        raise ValueError(f"residual must be [{m}, {n}] {out_dtype} (the output's shape and dtype); "
+                         f"got {residual.dtype} {residual.shape}")
+
+
 def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dtype: Any = None,
                      config: MgpuConfig | None = None, variant: str = "mma",
-                     interpret: bool | None = None) -> Array:
+                     interpret: bool | None = None, norm_weight: Array | None = None, norm_eps: float = 1e-5,
+                     swiglu: bool = False, residual: Array | None = None) -> Array:
     """x [M, K] bf16 @ W [K, N] (INT4, packed layout) -> [M, N] (default bf16) on Hopper.
 
     `w` holds one layer ([N/64, K/64, 128, 4] ...) or a stack [L, ...] with `layer` (int or traced
     int32 scalar, clamped to 0..L-1) read in place. `variant`: "mma" (dequantize into registers,
     warp-level mma.sync: the GPU default), "wgmma" (dequantize into the wgmma register operand) or
     "smem" (the shared-memory twin; interpret mode). `interpret=None` interprets unless the default
-    backend is a GPU; the register variants cannot be interpreted (ValueError)."""
+    backend is a GPU; the register variants cannot be interpreted (ValueError).
+
+    Fused glue (`Epilogue`; at most MAX_FUSED_M rows): `norm_weight` bf16 [K] (or a stack [L, K]
+    read at `layer`) folds RMSNorm(x) with that weight and `norm_eps` into the product;
+    `swiglu` returns silu(gate) * up [M, N/2] of the gate | up halves of W; `residual` [M, N]
+    (the output dtype) is added to the output. `epilogue_reference` is the math."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; expected one of {VARIANTS}")
     if not isinstance(w, lay.W4A16Packed):
         raise TypeError(f"w must be a W4A16Packed (pallas_kernels.w4a16_layout.pack_*), got {type(w).__name__}")
     n_lead = len(w.lead)
-    if (layer is None) != (n_lead == 0) or n_lead > 1:
+    g_stacked = norm_weight is not None and norm_weight.ndim == 2
+    if n_lead > 1 or (layer is None) != (n_lead == 0 and not g_stacked):
         raise ValueError(f"weight leading dims {w.lead} need layer= exactly when stacked ([L, ...]); "
                          f"got layer={layer!r}")
     k, n, g = w.k, w.n, w.group_size
     lay.check_shape(k, n, g)
     m = _check_x(x, k)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    epi = Epilogue(norm=norm_weight is not None, eps=float(norm_eps), swiglu=swiglu, residual=residual is not None)
+    _check_epilogue(epi, m, k, n, layer, out_dtype, norm_weight, residual)
+    n_layers = w.lead[0] if n_lead else (norm_weight.shape[0] if g_stacked else 0)
+    if g_stacked and norm_weight.shape[0] != n_layers:
+        raise ValueError(f"norm_weight has {norm_weight.shape[0]} layers, the weight {n_layers}")
     interp = _common.interpret_default(interpret)
     if interp and variant != "smem":
         raise ValueError(f"variant={variant!r} (register operand) does not run in GPU interpret mode "
                          "(inline Mosaic GPU code); use variant='smem' on the CPU")
-    cfg = config or default_config(k, n, g, reduce=_reduce_mode(m, interp))
+    cfg = config or default_config(k, n, g, reduce=_reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.chunk_cols(g))
     qw_tma = w.qw.reshape(*w.qw.shape[:-2], *TMA_VIEWS[cfg.tma_view])  # same bytes
-    return _call("int4", x, (qw_tma, w.sz), layer, k=k, n=n, g=g, cfg=cfg,
-                 out_dtype=jnp.dtype(out_dtype or x.dtype), variant=variant, interpret=interp,
-                 n_layers=w.lead[0] if n_lead else 0)
+    return _call("int4", x, (qw_tma, w.sz), layer, k=k, n=n, g=g, cfg=cfg, out_dtype=out_dtype, variant=variant,
+                 interpret=interp, n_layers=n_layers, w_stacked=bool(n_lead), epi=epi, norm_weight=norm_weight,
+                 residual=residual)
 
 
 def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = None,
@@ -842,8 +1224,8 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
     _check_cfg(cfg, k, n, lay.KB)
     return _call("bf16", x, (w,), layer, k=k, n=n, g=None, cfg=cfg,
                  out_dtype=jnp.dtype(out_dtype or x.dtype), variant="wgmma",
-                 interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0)
+                 interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
 
 
-__all__ = ["MAX_M", "MgpuConfig", "bf16_matmul_mgpu", "default_config", "int4_matmul_mgpu",
-           "interpret_params", "rows_for"]
+__all__ = ["MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "bf16_matmul_mgpu", "default_config",
+           "epilogue_reference", "int4_matmul_mgpu", "interpret_params", "rows_for"]

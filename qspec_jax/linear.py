@@ -16,6 +16,7 @@ per-device choice ("auto"). `model.py` calls `linear` and nothing else.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -91,8 +92,41 @@ def to_kernel_layout(w: Any) -> Any:
     return lay.pack_fields(w.packed, w.scale, w.zero)
 
 
+FUSE_ENV = "QSPEC_W4A16_FUSE"  # "0": the draft's glue as separate XLA kernels again (`fusable`)
+
+
+def fusion_enabled() -> bool:
+    """Whether the fused INT4 kernels may run (read at trace time): on by default since
+    tools/device/check_w4a16.py checked them on the H200 and the draft step measured 3.172 ->
+    3.018 ms at 4k (docs/kernel_notes.md, issue 32); QSPEC_W4A16_FUSE=0 turns them off."""
+    return os.environ.get(FUSE_ENV, "1") == "1"
+
+
+def fusable(w: Any, int4_impl: str, rows: int) -> bool:
+    """Whether `linear(x, w, norm=..., swiglu=..., residual=...)` runs that glue inside the INT4
+    kernel for `rows` activation rows: an INT4 weight in the Hopper layout (W4A16Packed, which
+    `to_kernel_layout` makes only for bf16 models), the Mosaic kernel (impl "auto"/"pallas"/
+    "mosaic" on Hopper, or "interpret", its CPU twin), at most MAX_FUSED_M rows, and
+    `fusion_enabled()`. The decision depends on the row count, which for the draft (T = 1) is
+    the batch: never on T."""
+    from pallas_kernels.w4a16_layout import W4A16Packed
+    from pallas_kernels.w4a16_mgpu import MAX_FUSED_M
+
+    inner = w.weight if isinstance(w, StackedLayer) else w
+    if not isinstance(inner, W4A16Packed) or rows > MAX_FUSED_M or not fusion_enabled():
+        return False
+    if int4_impl == "interpret":
+        return True
+    if int4_impl not in ("auto", "pallas", "mosaic"):
+        return False
+    from pallas_kernels.linear import device_arch
+
+    return device_arch() == ("gpu", 9)
+
+
 def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto", out_dtype: Any = None,
-           mesh: Any = None, row_parallel: bool = False) -> Array:
+           mesh: Any = None, row_parallel: bool = False, norm: Any = None, norm_eps: float = 1e-5,
+           swiglu: bool = False, residual: Array | None = None) -> Array:
     """x [..., Din] @ w -> [..., Dout] in `out_dtype` (x's dtype by default).
 
     Dense dots produce x's dtype and are cast afterwards: the GEMM accumulates in float32
@@ -101,9 +135,16 @@ def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto"
     are therefore rounded to the model dtype before the float32 cast, as in HF transformers.
     With a tensor-parallel `mesh` the matmul runs per device on its local weight slice
     (`row_parallel` ones all-reduce their partial products).
+
+    Fused glue, only where `fusable(w, int4_impl, rows)`: `norm` (an RMSNorm weight [Din], or a
+    StackedLayer of [L, Din] at the weight's layer, read in place) normalizes x first with
+    `norm_eps`; `swiglu` returns silu(gate) * up [..., Dout/2] of w's gate | up halves; `residual`
+    [..., Dout] is added to the output (`pallas_kernels.w4a16_mgpu.Epilogue`).
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
+    if norm is not None or swiglu or residual is not None:
+        return _int4_fused(x, inner, layer, int4_impl, out_dtype, norm, norm_eps, swiglu, residual)
     tp = mesh is not None and mesh.size > 1
     if is_int4(inner):
         def matmul(x, w, layer):
@@ -139,6 +180,23 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
     if not supports(backend, int(np.prod(x.shape[:-1])), k, n):
         backend = "xla"  # a shape the named kernel does not take (prefill, narrow outputs)
     return int4_linear(x, w, backend=backend, layer=layer, out_dtype=out_dtype)
+
+
+def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any, norm: Any, norm_eps: float,
+                swiglu: bool, residual: Array | None) -> Array:
+    from pallas_kernels.w4a16_mgpu import MAX_FUSED_M
+
+    rows = int(np.prod(x.shape[:-1]))
+    if not fusable(w, impl, rows):
+        raise ValueError(f"fused glue needs an INT4 weight in the Hopper layout on the Mosaic kernel with at most "
+                         f"{MAX_FUSED_M} rows and {FUSE_ENV} not 0 (linear.fusable); got {type(w).__name__}, {impl!r}, "
+                         f"{rows} rows")
+    from pallas_kernels.linear import int4_linear
+
+    if isinstance(norm, StackedLayer):  # read in place at the weight's own layer, else one slice
+        norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
+    return int4_linear(x, w, backend="interpret" if impl == "interpret" else "mosaic", layer=layer,
+                       out_dtype=out_dtype, norm_weight=norm, norm_eps=norm_eps, swiglu=swiglu, residual=residual)
 
 
 def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *, pad_single_row: bool) -> Array:

@@ -23,7 +23,7 @@ from flax import struct
 from qspec_jax.attention import attention_inputs, cache_attention, chunk_attention, prefill_attention, prefill_impl
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
-from qspec_jax.linear import StackedLayer, keep_stacked, kernel_layout_wanted, linear, to_kernel_layout
+from qspec_jax.linear import StackedLayer, fusable, keep_stacked, kernel_layout_wanted, linear, to_kernel_layout
 from qspec_jax.weight_quant import QuantizedWeight
 
 Array = jax.Array
@@ -224,12 +224,18 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: Any) -> tuple[Array, Array, Array]:
-    """Normed x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k."""
+def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: Any,
+         norm: Any = None) -> tuple[Array, Array, Array]:
+    """Normed x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k.
+    With `norm` (the fused draft layer, `_fuse_draft`), h is the layer input x and the attention
+    norm with that weight runs inside the qkv kernel."""
     b, t, _ = h.shape
     inv_freq = rope_inv_freq(cfg)
     mm = _matmul(cfg, mesh)
-    if lp.wqkv is not None:
+    if norm is not None:
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(mm(h, lp.wqkv, norm=norm, norm_eps=cfg.rms_norm_eps), [nq, nq + nkv], axis=-1)
+    elif lp.wqkv is not None:
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(mm(h, lp.wqkv), [nq, nq + nkv], axis=-1)
     else:
@@ -241,14 +247,20 @@ def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: An
 
 
 def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
-                      mesh: Any) -> tuple[Array, Array, Array]:
+                      mesh: Any, fuse: bool = False) -> tuple[Array, Array | None, Array]:
     """Residual adds of the attention output projection and the SwiGLU MLP.
 
     attn: [B, T, Hq*Dh]. Returns (x [B, T, D], the MLP's normed input [B, T, D], its down
-    projection's input [B, T, F]); the last two are what calibration measures.
+    projection's input [B, T, F]); the last two are what calibration measures. `fuse` (the
+    draft layer, `_fuse_draft`): the residual adds, the MLP norm and SiLU(gate)·up run inside the
+    o, gate_up and down kernels, and the normed input is not formed (None).
     """
     col = _matmul(cfg, mesh)
     row = _matmul(cfg, mesh, row_parallel=True)
+    if fuse:
+        x = row(attn, lp.wo, residual=x)
+        act = col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_eps=cfg.rms_norm_eps, swiglu=True)
+        return row(act, lp.w_down, residual=x), None, act
     x = x + row(attn, lp.wo)
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     if lp.w_gate_up is not None:
@@ -283,7 +295,8 @@ def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
 
 
 def _scan_layers(params: Params, x: Array, cache: Cache,
-                 layer_fn: Callable[[LayerParams, Array, Cache, Array], tuple[Array, Cache]]) -> tuple[Array, Cache]:
+                 layer_fn: Callable[[LayerParams, Array, Cache, Array], tuple[Array, Cache]],
+                 stack_norms: bool = False) -> tuple[Array, Cache]:
     """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers.
 
     Weights a kernel reads (INT4 ones, dense ones under dense_matmul_impl "mosaic") stay stacked
@@ -293,9 +306,11 @@ def _scan_layers(params: Params, x: Array, cache: Cache,
     A `while_loop` over the layer index (XLA sees a known trip count, as for a scan) rather than a
     scan over `arange(L)`: the kernels then take the loop's own induction variable as their layer
     operand, where a scanned index costs a dynamic-slice kernel per layer on a GPU.
+    `stack_norms`: the RMSNorm weights stay stacked too (the fused kernels read them in place).
     """
     impl = params.config.dense_matmul_impl
-    stacked = {n: w for n, w in vars(params.layers).items() if keep_stacked(w, impl)}
+    stacked = {n: w for n, w in vars(params.layers).items()
+               if keep_stacked(w, impl) or (stack_norms and n in ("attn_norm", "mlp_norm"))}
     sliced = params.layers.replace(**{n: None for n in stacked})
 
     def body(carry):
@@ -317,6 +332,18 @@ def _logits(params: Params, x: Array) -> Array:
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", h, params.embed).astype(jnp.float32)  # see `linear`
     return _matmul(cfg, params.mesh, out_dtype=jnp.float32)(h, params.lm_head)
+
+
+def _fuse_draft(params: Params, rows: int) -> bool:
+    """Whether `decode` runs each layer's glue inside its INT4 kernels (`linear.fusable`: the
+    draft on Hopper; QSPEC_W4A16_FUSE=0 turns it off): the attention norm in the qkv kernel, the
+    residual adds in the o and down kernels, the MLP norm and SiLU(gate)·up in the gate_up
+    kernel. `rows` = B x T."""
+    lp, cfg = params.layers, params.config
+    if params.mesh is not None and params.mesh.size > 1:
+        return False
+    return all(w is not None and fusable(w, cfg.int4_matmul_impl, rows) for w in (lp.wqkv, lp.wo, lp.w_gate_up,
+                                                                                 lp.w_down))
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -463,14 +490,18 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     b, w = tokens.shape
     q_struct = jax.ShapeDtypeStruct((b, w, cfg.num_heads, cfg.head_dim), x.dtype)
     inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
+    fuse = _fuse_draft(params, b * w)
 
     def layer(lp, x, cache, i):
-        q, k, v = _qkv(cfg, lp, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), positions, params.mesh)
+        if fuse:
+            q, k, v = _qkv(cfg, lp, x, positions, params.mesh, norm=lp.attn_norm)
+        else:
+            q, k, v = _qkv(cfg, lp, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), positions, params.mesh)
         cache = cache.append_layer(i, k, v)
         attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                mesh=params.mesh, inputs=inputs)
-        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh)[0], cache
+        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh, fuse)[0], cache
 
-    x, cache = _scan_layers(params, x, cache, layer)
+    x, cache = _scan_layers(params, x, cache, layer, stack_norms=fuse)
     # The lm_head runs over all `width` columns too (its shape must not depend on T).
     return _logits(params, x)[:, :t], cache.advance(t)

@@ -20,6 +20,7 @@ The GPU itself is checked by tools/device/check_attention.py (not in CI).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -339,20 +340,10 @@ LOWER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _jax011_python() -> str | None:
-    """An interpreter whose jax is 0.11.x (QSPEC_JAX011_PYTHON or /tmp/j11), else None: a path that
-    exists but cannot import jax 0.11 (a half-made venv) is no such interpreter."""
-    for cand in (os.environ.get("QSPEC_JAX011_PYTHON"), "/tmp/j11/bin/python"):
-        if not cand or not Path(cand).exists():
-            continue
-        try:
-            r = subprocess.run([cand, "-c", "import jax; print(jax.__version__)"], capture_output=True, text=True,
-                               timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if r.returncode == 0 and r.stdout.strip().startswith("0.11."):
-            return cand
-    return None
+_spec = importlib.util.spec_from_file_location("subproc", Path(__file__).parent / "helpers" / "subproc.py")
+_subproc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_subproc)
+_jax011_python = _subproc.jax011_python  # the jax 0.11 interpreter, shared with tests/test_w4a16_fused.py
 
 
 def test_register_path_lowers_for_cuda_jax010():

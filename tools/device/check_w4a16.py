@@ -8,6 +8,10 @@
 2. the "gmem" and "cluster" split-K sums give the same bits (same order p[0] + p[1] + ...);
 3. row invariance, bitwise: row i of an M-row call == the row computed alone, == itself with the
    other rows replaced, for M = 5, 8, 16, 24;
+3b. the fused kernels of issue 32 (`check_fused`: the draft layer's qkv + norm, o + residual,
+   gate_up + norm + SiLU·up, down + residual) against `epilogue_reference` / bitwise against
+   unfused + residual, their row invariance, and (`time_fused`) their time against the unfused
+   kernel plus the XLA glue they replace;
 4. SASS of one INT4 and one bf16 kernel (MOSAIC_GPU_DUMP_SASS in a subprocess, tarred to $OUT);
 5. timing through `qspec_jax.bench.w4a16.run` (in-device loops over rotating weights) for the
    shapes / M / G / implementations given, within --budget seconds.
@@ -201,6 +205,158 @@ def time_diagnostics(results, log, cases=(("gate_up", 4096, 28672, 32), ("o", 40
                 f"{t * 1e6:8.2f} us  {nbytes / t / 1e12:5.2f} TB/s  {status}")
 
 
+FUSED_CASES = (  # (shape, K, N, epilogue): the 8B draft layer's four linears, as the model fuses them
+    ("qkv", 4096, 6144, mg.Epilogue(norm=True)),
+    ("o", 4096, 4096, mg.Epilogue(residual=True)),
+    ("gate_up", 4096, 28672, mg.Epilogue(norm=True, swiglu=True)),
+    ("down", 14336, 4096, mg.Epilogue(residual=True)),
+)
+
+
+def _fused_inputs(key, k, n, m, g=32):
+    kw, kx, kg, kr = jax.random.split(key, 4)
+    _, p = _int4_weight(kw, k, n, g)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    gw = (1.0 + 0.3 * jax.random.normal(kg, (k,), jnp.float32)).astype(jnp.bfloat16)
+    res = jax.random.normal(kr, (m, n), jnp.float32).astype(jnp.bfloat16)
+    return p, x, gw, res
+
+
+def _fused(x, p, epi, gw, res, out_dtype=None, kernel="mma", cfg=None):
+    kw = dict(norm_weight=gw if epi.norm else None, swiglu=epi.swiglu, residual=res if epi.residual else None)
+    if DRY["interpret"]:
+        return mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True, out_dtype=out_dtype, **kw)
+    return mg.int4_matmul_mgpu(x, p, config=cfg, variant=kernel, out_dtype=out_dtype, **kw)
+
+
+def _fused_ref(x, p, epi, gw, res, out_dtype):
+    """`epilogue_reference` on the host CPU with the kernel's own bf16 weight."""
+    cpu = jax.devices("cpu")[0]
+    args = jax.device_put((x, p, gw, res), cpu)
+    with jax.default_device(cpu):
+        w16 = lay.dequantize_bf16(args[1]).astype(jnp.float32)
+        return np.asarray(mg.epilogue_reference(args[0], w16, epi, norm_weight=args[2], residual=args[3],
+                                                out_dtype=out_dtype))
+
+
+def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=("mma", "wgmma")):
+    """The fused kernels (issue 32) on fresh random inputs, poisoned outputs:
+    norm / swiglu with float32 outputs against `epilogue_reference` on the CPU (the kernel's bf16
+    weight; only the float32 summation order differs: <= 1e-4); the residual ones bit for bit
+    against the same kernel unfused plus the residual in XLA; then bitwise row invariance
+    (row i of an M-row call == the row alone)."""
+    key = jax.random.PRNGKey(3232)
+    for name, k, n, epi in cases:
+        n_out = n // 2 if epi.swiglu else n
+        for m in ms:
+            key, kk = jax.random.split(key)
+            p, x, gw, res = _fused_inputs(kk, k, n, m)
+            for kern in kernels[:1] if (DRY["interpret"] or m != ms[0]) else kernels:  # wgmma at the first M
+                t0 = time.perf_counter()
+                print(f"  ... fused {name}{epi.tag()} M={m} {kern}", flush=True)  # the last line if it hangs
+                try:
+                    if epi.residual:
+                        f = jax.jit(lambda x, p, gw, res, kern=kern, epi=epi: _fused(x, p, epi, gw, res, kernel=kern))
+                        y = np.asarray(bench.poison_then(lambda: f(x, p, gw, res), (m, n_out), jnp.bfloat16))
+                        plain = jax.jit(lambda x, p, res, kern=kern: _int4(x, p, kernel=kern) + res)(x, p, res)
+                        bad = int((y.view(np.uint16) != np.asarray(plain).view(np.uint16)).sum())
+                        err = _rel(y, _fused_ref(x, p, epi, gw, res, jnp.float32))
+                        ok = bad == 0 and err <= bench.TOL_BF16
+                        detail = f"bitwise vs unfused+res: {bad} differ, rel_ref={err:.2e}"
+                    else:
+                        f = jax.jit(lambda x, p, gw, kern=kern, epi=epi: _fused(x, p, epi, gw, None, jnp.float32, kern))
+                        y = bench.poison_then(lambda: f(x, p, gw), (m, n_out), jnp.float32)
+                        err = _rel(y, _fused_ref(x, p, epi, gw, res, jnp.float32))
+                        ok = err <= 1e-4
+                        detail = f"rel_ref={err:.2e}"
+                    status = "ok" if ok else "FAIL"
+                except Exception as e:  # noqa: BLE001
+                    status, detail = f"ERROR {type(e).__name__}: {str(e)[:600]}", ""
+                results.append(dict(check="fused", shape=name, epi=epi.tag(), M=m, kernel=kern, status=status,
+                                    detail=detail, s=time.perf_counter() - t0))
+                log(f"fused {name:8s}{epi.tag():14s} M={m:2d} {kern:5s} {detail} {status} "
+                    f"({time.perf_counter() - t0:.1f} s)")
+        # row invariance at M = 5 and 16 (the default kernel)
+        bad, status = 0, "ok"
+        try:
+            for m in (5, 16):
+                key, kk = jax.random.split(key)
+                p, x, gw, res = _fused_inputs(kk, k, n, m)
+                f = jax.jit(lambda x, res, p=p, gw=gw, epi=epi: _fused(x, p, epi, gw, res))
+                y = np.asarray(f(x, res)).view(np.uint16)
+                for i in range(m):
+                    yi = np.asarray(f(x[i:i + 1], res[i:i + 1])).view(np.uint16)[0]
+                    bad += int(not np.array_equal(y[i], yi))
+            status = "ok" if bad == 0 else f"FAIL ({bad} rows differ)"
+        except Exception as e:  # noqa: BLE001
+            status = f"ERROR {type(e).__name__}: {str(e)[:300]}"
+        results.append(dict(check="fused_rows", shape=name, epi=epi.tag(), status=status))
+        log(f"fused row invariance {name}{epi.tag()} M=5,16: {status}")
+
+
+def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0):
+    """M = 1, G = 32: each fused kernel against the unfused kernel plus the XLA glue it replaces
+    (rms_norm before, silu(gate) * up after, the residual add after), in-device loops over
+    rotating weights; the plain kernel and each part of the epilogue alone on the same launch
+    shape; the fused kernel with PDL (back to back); split-K and 8 stages for qkv and o."""
+    key = jax.random.PRNGKey(6)
+    t_start = time.perf_counter()
+    order = ("gate_up", "down", "qkv", "o")  # the largest overheads first (issue 32 run 1)
+    for name, k, n, epi in sorted(cases, key=lambda c: order.index(c[0]) if c[0] in order else len(order)):
+        if time.perf_counter() - t_start > budget_s:
+            log(f"time_fused: budget spent, skipping {name}")
+            break
+        key, kw, kx = jax.random.split(key, 3)
+        nbytes = bench._int4_bytes(k, n, 32) + 2 * (k + n)
+        c = bench._copies(nbytes)
+        u = max(c, 4)
+        ws = tuple(lay.pack_quantized(bench._gen_int4(kk, k=k, n=n, g=32)) for kk in jax.random.split(kw, c))
+        xs = bench._gen_x(kx, m=1, k=k, u=u, dtype=jnp.bfloat16)
+        gw = jnp.ones((k,), jnp.bfloat16) * 1.1
+        res = jnp.ones((1, n), jnp.bfloat16)
+
+        def unfused(x, p, epi=epi):
+            if epi.norm:
+                xf = x.astype(jnp.float32)
+                x = gw * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)).astype(x.dtype)
+            y = mg.int4_matmul_mgpu(x, p)
+            if epi.swiglu:
+                gate, up = jnp.split(y, 2, axis=-1)
+                y = jax.nn.silu(gate) * up
+            return y + res if epi.residual else y
+
+        base = mg.default_config(k, n, 32, epilogue=epi)
+        # (label, epilogue, launch shape): the fused kernel, its parts alone on the same launch shape
+        # (where the fused kernel's time goes), PDL, and for the small shapes more bytes in flight
+        # (split-K summed in the cluster, deeper rings)
+        runs = [("fused", epi, base), ("plain", mg.Epilogue(), base)]
+        if epi.norm and epi.swiglu:
+            runs += [("norm_only", mg.Epilogue(norm=True), base), ("swiglu_only", mg.Epilogue(swiglu=True), base)]
+        runs.append(("fused_pdl", epi, base.replace(pdl=True)))
+        if name in ("qkv", "o"):
+            runs += [(f"fused_s{sp}", epi, base.replace(splits=sp, reduce="cluster")) for sp in (2, 4)
+                     if sp != base.splits]
+            runs.append(("fused_st8", epi, base.replace(stages=8)))
+        ops = {"unfused+glue": (unfused, n // 2 if epi.swiglu else n)}
+        for lab, e, c in runs:
+            ops[lab] = ((lambda x, p, c=c, e=e: _fused(x, p, e, gw, res, cfg=c)), n // 2 if e.swiglu else n)
+        for label, (op, n_out) in ops.items():
+            if time.perf_counter() - t_start > budget_s:
+                log(f"time_fused: budget spent, skipping {name} {label}")
+                break
+            try:
+                iters = bench._iters_for(nbytes / 2.0e12 + 3e-6, u, 5e-3, False)
+                _, per_op, _ = bench._time_loop(op, xs, ws, (1, n_out), jnp.bfloat16, iters=iters, trials=5,
+                                                calls=2)
+                t, status = float(np.median(per_op)), "ok"
+            except Exception as e:  # noqa: BLE001
+                t, status = float("nan"), f"ERROR {type(e).__name__}: {str(e)[:300]}"
+            results.append(dict(check="time_fused", shape=name, epi=epi.tag(), variant=label, us=t * 1e6,
+                                floor_us=nbytes / bench.READ_CEILING_TB_S / 1e6, status=status))
+            log(f"time {name:8s}{epi.tag():14s} {label:13s} {t * 1e6:8.2f} us (floor "
+                f"{nbytes / bench.READ_CEILING_TB_S / 1e6:.2f}) {status}")
+
+
 def dump_sass(out_dir, log):
     """Compile one INT4 (g32, M=1, o shape) and one bf16 kernel with Mosaic's dump flags in a
     subprocess; tar the dump folder into out_dir/sass_dump.tgz."""
@@ -237,7 +393,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-shapes", default=",".join(CHECK_SHAPES))
     ap.add_argument("--check-groups", default="32,64,128")
     ap.add_argument("--check-m", default="5,16")
-    ap.add_argument("--skip", default="", help="comma list of: correctness,rows,sass,diag,timing")
+    ap.add_argument("--skip", default="", help="comma list of: correctness,rows,sass,diag,fused,fused_timing,timing")
+    ap.add_argument("--fused-budget", type=float, default=60.0, help="seconds for the fused kernels' timing")
     ap.add_argument("--rows-m", default="5,8,16,24")
     ap.add_argument("--bench-shapes", default="qkv,o,gate_up,down,lm_head,s_qkv,s_gate_up")
     ap.add_argument("--bench-m", default="1,16")
@@ -278,6 +435,14 @@ def main(argv=None) -> int:
                              if DRY["interpret"] else None)
     if "diag" not in skip and not DRY["interpret"]:
         time_diagnostics(results, log)
+    if "fused" not in skip:
+        if DRY["interpret"]:  # tiny shapes the twin runs in seconds
+            check_fused(results, log, cases=(("tiny", 128, 256, mg.Epilogue(norm=True, swiglu=True)),
+                                             ("tiny", 128, 128, mg.Epilogue(residual=True))), ms=(3,))
+        else:
+            check_fused(results, log)
+    if "fused_timing" not in skip and not DRY["interpret"]:
+        time_fused(results, log, budget_s=args.fused_budget)
     log(f"checks done in {time.perf_counter() - t0:.1f} s")
     records = []
     if "timing" not in skip:

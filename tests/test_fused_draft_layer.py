@@ -1,0 +1,148 @@
+"""The fused draft layer (issue 32) through the model on the CPU.
+
+The fused INT4 kernels themselves are checked against `w4a16_mgpu.epilogue_reference` in
+tests/test_w4a16_mgpu.py (interpret mode) and on the GPU by tools/device/check_w4a16.py. Here:
+one layer with the interpret-mode kernels against the model's unfused math, `decode`'s wiring
+(stacked norms, the switch, the fallbacks) with the kernels replaced by their reference, and
+the target's path untouched.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import linear as plinear
+from qspec_jax import linear as qlinear
+from qspec_jax import model as M
+from qspec_jax.bench import synthetic
+from qspec_jax.config import ModelConfig
+from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
+
+_spec = importlib.util.spec_from_file_location("subproc", Path(__file__).parent / "helpers" / "subproc.py")
+subproc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(subproc)
+
+# Shapes the Mosaic kernel takes: q|k|v 128 + 64 + 64 and gate|up 2 x 128 columns (multiples of 64).
+CFG = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=32, dtype="bfloat16", attention_impl="reference",
+                  int4_matmul_impl="interpret")
+
+
+def _make_draft():
+    params = M.init_random_params(CFG, jax.random.PRNGKey(0), scale=0.1)
+    params = params.replace(layers=params.layers.replace(  # norms away from 1, so that they matter
+        attn_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (2, 128))).astype(jnp.bfloat16),
+        mlp_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 128))).astype(jnp.bfloat16)))
+    return M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return _make_draft()
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _layer(draft, i):
+    """Layer i as the layer loop hands it to `layer_fn` with stacked norms."""
+    names = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm")
+    return draft.layers.replace(**{n: qlinear.StackedLayer(getattr(draft.layers, n), i) for n in names})
+
+
+def test_fused_layer_kernels_match_the_unfused_math():
+    """One draft layer with the interpret-mode fused kernels (qkv with the attention norm, o and
+    down with the residual, gate_up with the MLP norm and SiLU·up) against the same layer's
+    unfused math (rms_norm, the plain INT4 product, silu(gate) * up, residual adds): the same
+    function up to the bf16 roundings the fusion moves. In a child with 8 host devices
+    (`subproc.run_in_child`: the gate_up kernel simulates three warpgroups)."""
+    subproc.run_in_child(__file__, "_case_layer")
+
+
+def _case_layer() -> None:
+    os.environ[qlinear.FUSE_ENV] = "1"  # a child process of its own
+    draft = _make_draft()
+    i = jnp.int32(1)
+    lp = _layer(draft, i)
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 128), jnp.float32).astype(jnp.bfloat16)
+    attn = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 128), jnp.float32).astype(jnp.bfloat16)
+    pos = jnp.asarray([[7], [3]], jnp.int32)
+    assert M._fuse_draft(draft, 2)
+    q, k, v = M._qkv(CFG, lp, x, pos, None, norm=lp.attn_norm)
+    out, h, act = M._attn_out_and_mlp(CFG, lp, x, attn, None, fuse=True)
+    assert h is None and act.shape == (2, 1, 128)
+    plain = draft.replace(config=CFG.replace(int4_matmul_impl="xla"))  # dequantize -> dot, unfused
+    norm1 = lambda w: w.weight[w.layer]  # noqa: E731
+    lp0 = lp.replace(attn_norm=norm1(lp.attn_norm), mlp_norm=norm1(lp.mlp_norm))
+    q0, k0, v0 = M._qkv(plain.config, lp0, M.rms_norm(x, lp0.attn_norm, CFG.rms_norm_eps), pos, None)
+    out0, _, act0 = M._attn_out_and_mlp(plain.config, lp0, x, attn, None)
+    for a, b in ((q, q0), (k, k0), (v, v0), (act, act0), (out, out0)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert _rel(a, b) < 2e-2
+    other = M._attn_out_and_mlp(CFG, _layer(draft, jnp.int32(0)), x, attn, None, fuse=True)[0]
+    assert _rel(other, out0) > 10 * _rel(out, out0)  # it read layer 1's weights and norms
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Every INT4 linear through `epilogue_reference` (backend "reference") instead of the
+    interpret-mode kernels, which do not finish inside the layer loop on the CPU; counts the
+    fused calls."""
+    calls = []
+    real = plinear.int4_linear
+
+    def fake(x, w, *, backend="auto", **kw):
+        if kw.get("norm_weight") is not None or kw.get("swiglu") or kw.get("residual") is not None:
+            calls.append((kw.get("norm_weight") is not None, kw.get("swiglu", False), kw.get("residual") is not None))
+        return real(x, w, backend="reference", **kw)
+
+    monkeypatch.setattr(plinear, "int4_linear", fake)
+    return calls
+
+
+def _draft_logits(draft, b):
+    cache = synthetic.random_quant_cache(CFG, b, 96, jax.random.PRNGKey(5), group=32, gamma_max=4)
+    toks = jnp.arange(b, dtype=jnp.int32)[:, None] + 3
+    return M.decode(draft, toks, cache, view="draft")[0]
+
+
+def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, monkeypatch):
+    monkeypatch.delenv(qlinear.FUSE_ENV, raising=False)
+    assert qlinear.fusion_enabled() and M._fuse_draft(draft, 1)  # on by default (checked on the H200)
+    monkeypatch.setenv(qlinear.FUSE_ENV, "0")
+    off = _draft_logits(draft, 2)
+    assert reference_kernels == []
+    monkeypatch.setenv(qlinear.FUSE_ENV, "1")
+    on = _draft_logits(draft, 2)
+    # the loop body is traced once: qkv (norm), o (residual), gate_up (norm + swiglu), down (residual)
+    assert reference_kernels == [(True, False, False), (False, False, True), (True, True, False), (False, False, True)]
+    assert _rel(on, off) < 2e-2
+    assert (np.argmax(np.asarray(on), -1) == np.argmax(np.asarray(off), -1)).mean() >= 0.5
+
+
+def test_decode_falls_back_beyond_the_fused_rows(draft, reference_kernels, monkeypatch):
+    monkeypatch.setenv(qlinear.FUSE_ENV, "1")
+    assert M._fuse_draft(draft, 24) and not M._fuse_draft(draft, 25)
+    _draft_logits(draft, 25)
+    assert reference_kernels == []
+
+
+def test_target_path_is_unchanged(monkeypatch):
+    """Dense (target) weights never take the fused path: the decode program and its logits are
+    the same bits with the switch on and off."""
+    params = M.for_device(M.init_random_params(CFG, jax.random.PRNGKey(0), scale=0.1))
+    cache = synthetic.random_quant_cache(CFG, 2, 96, jax.random.PRNGKey(5), group=32, gamma_max=4)
+    toks = jnp.asarray([[3, 4], [5, 6]], jnp.int32)
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(qlinear.FUSE_ENV, flag)
+        assert not M._fuse_draft(params, 4)
+        out[flag] = np.asarray(M.decode(params, toks, cache, view="target")[0])
+    np.testing.assert_array_equal(out["0"], out["1"])

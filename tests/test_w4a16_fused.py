@@ -1,0 +1,289 @@
+"""The fused INT4 kernels of issue 32 (`w4a16_mgpu.Epilogue`: RMSNorm, SiLU(gate)·up and the
+residual add inside the Mosaic W4A16 kernel) on the CPU: the SMEM twin in GPU interpret mode
+against `epilogue_reference` on fixed and random shapes, bitwise row invariance, the producer's
+pair addressing against the swizzled x tile, launch shapes, bad inputs, CUDA lowering under jax
+0.10 and 0.11 and the inline PTX through ptxas. tools/device/check_w4a16.py runs the register
+kernels on the GPU.
+
+The interpret-mode runs happen in a child process with 8 host devices (`_child`,
+`tests/helpers/subproc.run_in_child` says why: with one host device the simulation of three
+warpgroups can deadlock on a 2-core machine). ~5-10 s per kernel call.
+"""
+
+import functools
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import w4a16_layout as lay
+from pallas_kernels import w4a16_mgpu as mg
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HERE = Path(__file__).parent
+subproc = _load("subproc", HERE / "helpers" / "subproc.py")
+base = _load("w4a16_mgpu_tests", HERE / "test_w4a16_mgpu.py")  # shared helpers (weights, x, swizzle image)
+_qweight, _x, _rel = base._qweight, base._x, base._rel
+_swizzled_x_image, _rows_are_independent, LLAMA, SMOL = (base._swizzled_x_image, base._rows_are_independent,
+                                                          base.LLAMA, base.SMOL)
+
+
+def _child(fn: str, *args) -> None:
+    """`fn(*args)` of this module in a child with 8 host devices (the module docstring says why)."""
+    subproc.run_in_child(__file__, fn, *args)
+
+
+def _fused_case(seed: int, m: int, k: int, n: int, g: int, lead: tuple[int, ...] = ()):
+    """A packed weight, x, a norm weight near 1 and a residual for the fused-kernel tests."""
+    rng = np.random.default_rng(seed + 1000)
+    p = lay.pack_quantized(_qweight(seed, lead, k, n, g))
+    gw = jnp.asarray(1.0 + 0.3 * rng.standard_normal((*lead, k)).astype(np.float32)).astype(jnp.bfloat16)
+    res = jnp.asarray(rng.standard_normal((m, n)).astype(np.float32)).astype(jnp.bfloat16)
+    return p, _x(seed + 2, m, k), gw, res
+
+
+def _epi_kwargs(epi: mg.Epilogue, gw, res) -> dict:
+    return dict(norm_weight=gw if epi.norm else None, swiglu=epi.swiglu, residual=res if epi.residual else None)
+
+
+def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi: mg.Epilogue, nt: int = 1) -> None:
+    """The interpret-mode twin with epilogue `epi` against `epilogue_reference` on the kernel's own
+    bf16 weight: float32 outputs to 1e-5 (only float32 summation order differs); a residual,
+    added in bf16, against the unfused kernel's output plus the residual, bit for bit."""
+    k, n = 2 * splits * max(kt, g), 64 * wgs * nt
+    p, x, gw, res = _fused_case(seed, m, k, n, g)
+    cfg = mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2)
+    wb = lay.dequantize_bf16(p).astype(jnp.float32)
+    run = functools.partial(mg.int4_matmul_mgpu, x, p, config=cfg, variant="smem", interpret=True)
+    if epi.residual:
+        y = np.asarray(run(**_epi_kwargs(epi, gw, res)))
+        plain = run(**_epi_kwargs(epi.replace(residual=False), gw, res))
+        np.testing.assert_array_equal(y.view(np.uint16), np.asarray(plain + res).view(np.uint16))
+        ref = mg.epilogue_reference(x, wb, epi, norm_weight=gw, residual=res)
+        assert _rel(y, np.asarray(ref, np.float64)) < 1e-2  # bf16 output roundings
+        return
+    y = np.asarray(run(out_dtype=jnp.float32, **_epi_kwargs(epi, gw, res)))
+    assert y.shape == (m, n // 2 if epi.swiglu else n) and not np.isnan(y).any(), "unwritten output elements"
+    ref = np.asarray(mg.epilogue_reference(x, wb, epi, norm_weight=gw, out_dtype=jnp.float32), np.float64)
+    assert _rel(y, ref) < 1e-5
+    if epi.norm:  # against the model's unfused math: RMSNorm in bf16, then the product
+        xf = np.asarray(x, np.float64)
+        h = (xf / np.sqrt(np.mean(xf ** 2, axis=-1, keepdims=True) + epi.eps)) * np.asarray(gw, np.float64)
+        full = h @ np.asarray(wb, np.float64)
+        if epi.swiglu:
+            gate, up = np.split(full, 2, axis=-1)
+            full = gate / (1 + np.exp(-gate)) * up
+        assert _rel(y, full) < 2e-2
+
+
+def _epi(name: str) -> mg.Epilogue:
+    return mg.Epilogue(norm="norm" in name, swiglu="swiglu" in name, residual="res" in name)
+
+
+def _check_fused_named(seed, m, g, kt, wgs, splits, name, nt=1) -> None:
+    _check_fused(seed, m, g, kt, wgs, splits, _epi(name), nt=nt)
+
+
+@pytest.mark.parametrize("m,g,kt,wgs,splits,name", [
+    (5, 32, 128, 1, 1, "norm"), (13, 64, 256, 2, 1, "norm"), (3, 32, 128, 2, 1, "norm+swiglu"),
+    (1, 128, 128, 2, 1, "swiglu"), (5, 32, 64, 1, 2, "res"), (9, 64, 128, 2, 1, "res"), (2, 32, 64, 1, 1, "norm+res"),
+])
+def test_fused_twin_matches_reference(m, g, kt, wgs, splits, name):
+    _child("_check_fused_named", 21, m, g, kt, wgs, splits, name)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 1000), m=st.integers(1, mg.MAX_FUSED_M), g=st.sampled_from([32, 64, 128]),
+       kt=st.sampled_from([64, 128, 256]), name=st.sampled_from(["norm", "norm+swiglu", "res", "norm+res"]),
+       nt=st.integers(1, 2))
+def test_fused_twin_random_shapes(seed, m, g, kt, name, nt):
+    """Random shapes and epilogues (each new shape compiles the interpreted kernel anew)."""
+    _child("_check_fused_named", seed, m, g, kt, 2 if "swiglu" in name else 1, 1, name, nt)
+
+
+def test_fused_stacked_norm_weight_follows_the_layer():
+    """A stacked weight and norm weight [L, ...] are read at `layer` (a traced index) in place."""
+    _child("_case_stacked")
+
+
+def _case_stacked() -> None:
+    p, x, gw, _ = _fused_case(31, 4, 128, 256, 32, lead=(3,))
+    cfg = mg.MgpuConfig(wgs=2, k_tile=64, splits=1, stages=2)
+    f = jax.jit(lambda x, i: mg.int4_matmul_mgpu(x, p, layer=i, config=cfg, variant="smem", interpret=True,
+                                                out_dtype=jnp.float32, norm_weight=gw, swiglu=True))
+    epi = mg.Epilogue(norm=True, swiglu=True)
+    for i in (2, 0):
+        pi = lay.W4A16Packed(qw=p.qw[i], sz=p.sz[i], group_size=32)
+        ref = mg.epilogue_reference(x, lay.dequantize_bf16(pi).astype(jnp.float32), epi, norm_weight=gw[i],
+                                    out_dtype=jnp.float32)
+        assert _rel(f(x, jnp.int32(i)), np.asarray(ref, np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["norm+swiglu", "res"])
+def test_fused_rows_are_independent_bitwise(name):
+    _child("_case_rows", name)
+
+
+def _case_rows(name: str) -> None:
+    epi = _epi(name)
+    p, _, gw, _ = _fused_case(41, 13, 128, 256, 32)
+    cfg = mg.MgpuConfig(wgs=2, k_tile=64, splits=1, stages=2)
+    rng = np.random.default_rng(5)
+    res_rows = jnp.asarray(rng.standard_normal((13, 256)).astype(np.float32)).astype(jnp.bfloat16)
+
+    def call(x):  # a row's residual is that row's: fixed per row content (its first element's bits)
+        res = res_rows[np.asarray(x[:, 0]).view(np.uint16) % 13] if epi.residual else None
+        return mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True,
+                                   **_epi_kwargs(epi, gw, res))
+
+    _rows_are_independent(call, 128)
+
+
+def test_norm_pair_offsets_address_the_swizzled_tile():
+    """The producer's pair addresses (static row part + per-thread part, as `_norm_stage` adds
+    them) hold x[r, 2q : 2q + 2] in the TMA image of the stage's x tile."""
+    for kt, mp in ((64, 8), (128, 16), (256, 24)):
+        x = np.asarray(_x(kt + mp, mp, kt))
+        img = _swizzled_x_image(x, kt)
+        for r in range(mp):
+            for q in range(kt // 2):
+                off = mg.norm_pair_offset(r, q, kt)
+                assert off == mg.norm_row_offset(r, kt) + mg.norm_lane_offset(q, r % 8)
+                assert img[off:off + 4].tobytes() == x[r, 2 * q:2 * q + 2].tobytes(), (kt, r, q)
+
+
+def test_default_config_honours_the_epilogue():
+    for k, n in LLAMA[:4] + SMOL[:4]:
+        for epi in (mg.Epilogue(norm=True), mg.Epilogue(norm=True, swiglu=True), mg.Epilogue(residual=True)):
+            if epi.swiglu and n % 128:
+                continue
+            for reduce in ("gmem", "cluster"):
+                cfg = mg.default_config(k, n, 32, num_sms=132, reduce=reduce, epilogue=epi)
+                assert mg.epilogue_allows(epi, cfg.wgs, cfg.splits, cfg.reduce)
+                assert not epi.swiglu or cfg.wgs == 2
+                assert reduce == "cluster" or not (epi.norm or epi.swiglu) or cfg.splits == 1
+    # the 8B draft shapes keep their measured default launch shapes
+    for k, n, epi in ((4096, 6144, mg.Epilogue(norm=True)), (4096, 28672, mg.Epilogue(norm=True, swiglu=True)),
+                      (4096, 4096, mg.Epilogue(residual=True)), (14336, 4096, mg.Epilogue(residual=True))):
+        assert mg.default_config(k, n, 32, num_sms=132, epilogue=epi) == mg.default_config(k, n, 32, num_sms=132)
+
+
+def test_fused_bad_inputs_raise():
+    p, x, gw, res = _fused_case(51, 3, 256, 128, 64)
+    kw = dict(variant="smem", interpret=True)
+    with pytest.raises(ValueError, match="fused epilogue"):
+        mg.int4_matmul_mgpu(_x(1, 25, 256), p, norm_weight=gw, **kw)
+    with pytest.raises(ValueError, match="norm_weight"):
+        mg.int4_matmul_mgpu(x, p, norm_weight=gw.astype(jnp.float32), **kw)
+    with pytest.raises(ValueError, match="norm_weight"):
+        mg.int4_matmul_mgpu(x, p, norm_weight=gw[:128], **kw)
+    with pytest.raises(ValueError, match="layer="):
+        mg.int4_matmul_mgpu(x, p, norm_weight=jnp.stack([gw, gw]), **kw)
+    with pytest.raises(ValueError, match="swiglu"):
+        mg.int4_matmul_mgpu(x, lay.pack_quantized(_qweight(52, (), 256, 64, 64)), swiglu=True, **kw)
+    with pytest.raises(ValueError, match="swiglu"):
+        mg.int4_matmul_mgpu(x, p, swiglu=True, residual=res[:, :64], **kw)
+    with pytest.raises(ValueError, match="residual"):
+        mg.int4_matmul_mgpu(x, p, residual=res[:2], **kw)
+    with pytest.raises(ValueError, match="residual"):
+        mg.int4_matmul_mgpu(x, p, residual=res.astype(jnp.float32), **kw)
+    with pytest.raises(ValueError, match="whole K"):  # partials summed by XLA: no row scale in the kernel
+        mg.int4_matmul_mgpu(x, p, norm_weight=gw, config=mg.MgpuConfig(wgs=1, k_tile=64, splits=2), **kw)
+    with pytest.raises(ValueError, match="whole K"):
+        mg.int4_matmul_mgpu(x, p, swiglu=True, config=mg.MgpuConfig(wgs=1, k_tile=64), **kw)
+
+
+FUSED_LOWER_SCRIPT = r'''
+import jax, jax.numpy as jnp
+from pallas_kernels import w4a16_mgpu as mg, w4a16_layout as lay
+S = jax.ShapeDtypeStruct
+def W(lead, k, n, g=32):
+    c = max(64, g)
+    return lay.W4A16Packed(qw=S((*lead, n // 64, k // 64, 128, 4), jnp.uint32),
+                           sz=S((*lead, n // 64, k // c, 64 * c // g), jnp.uint32), group_size=g)
+def lower(f, *a):
+    return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+cl = mg.MgpuConfig(wgs=1, k_tile=256, splits=2, reduce="cluster", tma_view="wide")
+n_ok = 0
+for m in (1, 13, 24):
+    x, i = S((m, 1024), jnp.bfloat16), S((), jnp.int32)
+    gs, g1, res = S((3, 1024), jnp.bfloat16), S((1024,), jnp.bfloat16), S((m, 256), jnp.bfloat16)
+    for variant in ("mma", "wgmma"):
+        cases = [
+            (lambda x, w, g, l: mg.int4_matmul_mgpu(x, w, layer=l, norm_weight=g, variant=variant, interpret=False),
+             (x, W((3,), 1024, 256), gs, i)),
+            (lambda x, w, g, l: mg.int4_matmul_mgpu(x, w, layer=l, norm_weight=g, swiglu=True, variant=variant,
+                                                    interpret=False), (x, W((3,), 1024, 512), gs, i)),
+            (lambda x, w, r, l: mg.int4_matmul_mgpu(x, w, layer=l, residual=r, variant=variant, interpret=False),
+             (x, W((3,), 1024, 256), res, i)),
+            (lambda x, w, r, l: mg.int4_matmul_mgpu(x, w, layer=l, residual=r, config=cl.replace(pdl=True),
+                                                    variant=variant, interpret=False), (x, W((3,), 1024, 256), res, i)),
+            (lambda x, w, g, l: mg.int4_matmul_mgpu(x, w, layer=l, norm_weight=g, config=cl, variant=variant,
+                                                    interpret=False), (x, W((3,), 1024, 256), g1, i)),
+            (lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, config=mg.MgpuConfig(
+                wgs=2, k_tile=128, pdl=True), swiglu=True, variant=variant, interpret=False), (x, W((), 1024, 512), g1)),
+        ]
+        for f, a in cases:
+            text = lower(f, *a)
+            assert "mosaic_gpu" in text
+            n_ok += 1
+print("ALL OK", n_ok, jax.__version__)
+'''
+
+
+def test_fused_kernels_lower_for_cuda():
+    """Every epilogue on both register kernels (one CTA, the cluster sum, PDL) at M = 1, 13, 24
+    lowers to a Mosaic GPU custom call without a GPU (jax 0.10 here)."""
+    r = subproc.run_script(sys.executable, FUSED_LOWER_SCRIPT)
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(subproc.jax011_python() is None, reason="no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")
+def test_fused_kernels_lower_for_cuda_jax011():
+    """Same, under jax 0.11 (the device's version)."""
+    r = subproc.run_script(subproc.jax011_python(), FUSED_LOWER_SCRIPT)
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on PATH")
+def test_fused_inline_ptx_assembles():
+    """The producer's inline PTX (norm stage, first and later; the finish's shuffles and
+    predicated stores) assembles for sm_90a, each block in a kernel of its own."""
+    blocks = [(mg._NORM_ASM.format(**mg._NORM_FIRST), "r,r,r,r"), (mg._NORM_ASM.format(**mg._NORM_NEXT), "r,r,r,r"),
+              (mg._SHFL_ASM.format(16), "=f,f"), (mg._LD_F32_ASM, "=f,r"), (mg._ST_LANE0_ASM, "r,f,r"),
+              (mg._ST_F32_ASM, "r,f")]
+    body, regs = [], {"r": 0, "f": 0}
+    for asm, cons in blocks:
+        subs = []
+        for c in cons.split(","):
+            kind = "f" if "f" in c else "r"
+            subs.append(f"%{kind}{regs[kind]}")
+            body.append(f"mov.{'f32' if kind == 'f' else 'u32'} {subs[-1]}, {'0f3F800000' if kind == 'f' else 16};")
+            regs[kind] += 1
+        a = re.sub(r"\$(\d+)", lambda mm: subs[int(mm.group(1))], asm)
+        body.append(a if a.startswith("{") else "{\n" + a + "\n}")
+    ptx = (".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k() {\n.reg .b32 %r<64>;\n"
+           ".reg .f32 %f<64>;\n" + "\n".join(body) + "\nret;\n}\n")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "t.ptx"
+        src.write_text(ptx)
+        r = subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(Path(d) / "t.cubin")], capture_output=True,
+                           text=True)
+    assert r.returncode == 0, r.stderr
