@@ -68,6 +68,19 @@ OFF_LO, OFF_HI = 1024.0, 64.0
 SUPPORTED_HEAD_DIMS = (64, 128)
 VIEWS = ("draft", "target")
 PROGRAMS_PER_SM = 2  # resident programs per SM (register-bound: ~200 registers x 128 threads)
+SCHEDULES = ("legacy", "ws")
+DEFAULT_SCHEDULE = "legacy"  # "ws" until it is checked and timed on the H200 (docs/kernel_notes.md)
+
+
+def schedule_of(config: "MgpuConfig | None") -> str:
+    """The schedule a call runs: the config's, else $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE."""
+    import os
+
+    name = (config.schedule if config is not None else None) or os.environ.get("QSPEC_MGPU_SCHEDULE") \
+        or DEFAULT_SCHEDULE
+    if name not in SCHEDULES:
+        raise ValueError(f"Mosaic GPU decode attention: schedule={name!r}; expected one of {SCHEDULES}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +94,11 @@ class MgpuConfig:
     # Pallas inserts a warpgroup barrier around every SMEM store unless told not to; the kernel
     # places its own (a barrier at the top of each step, commit_smem after the operand stores).
     auto_barriers: bool = False
+    # "legacy": one warpgroup per program does everything (2 programs per SM); "ws": the
+    # warp-specialized schedule of decode_attention_mgpu_ws (TMA / prep / 2 consumer warpgroups,
+    # lazy softmax reference). None: $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE.
+    schedule: str | None = None
+    ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
 
 
 # ----------------------------------------------------------------------------- code words
@@ -743,21 +761,33 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     G, R = cache.group_size, cache.ring_size
     window = None if sliding_window is None or sliding_window >= S + R else int(sliding_window)
     cfg = config or MgpuConfig()
-    ns, nr = default_splits(B, hkv, S, G, R, D, view, cfg)
     C = column_tiles(n_rep, t)
     CN = C * NT
     register_a = (not interpret) if cfg.register_a is None else bool(cfg.register_a)
     if register_a and interpret:
         raise ValueError("the register-operand path does not run in interpret mode; use register_a=False")
-    stages = cfg.stages or (2 if view == "target" else 4)  # H200 sweep, docs/kernel_notes.md
-    st = _Static(view=view, B=B, H=hkv, D=D, G=G, R=R, C=C, NS=ns, NR=nr, stages=stages,
-                 window=window, register_a=register_a, interpret=bool(interpret),
-                 no_auto_barriers=register_a and not cfg.auto_barriers,
-                 scale_dtype=jnp.dtype(cache.k_scale.dtype), fp_dtype=jnp.dtype(cache.k_fp.dtype))
-    kernel = _build(st)
+    ws_schedule = schedule_of(cfg) == "ws"
+    if ws_schedule:
+        from pallas_kernels import decode_attention_mgpu_ws as ws
 
-    # Queries: float32 [B, Hkv, D, CN], column n = t * n_rep + r, pre-scaled by log2(e)/sqrt(D).
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, n_rep, D) * (LOG2E / math.sqrt(D))
+        c_max = column_tiles(n_rep, max(t, cache.gamma_max + 1))
+        kernel = ws.build(ws.static_config(B, hkv, D, G, R, S, C, c_max, view, window, register_a, bool(interpret),
+                                           cache.k_scale.dtype, cache.k_fp.dtype, cfg))
+    else:
+        ns, nr = default_splits(B, hkv, S, G, R, D, view, cfg)
+        stages = cfg.stages or (2 if view == "target" else 4)  # H200 sweep, docs/kernel_notes.md
+        st = _Static(view=view, B=B, H=hkv, D=D, G=G, R=R, C=C, NS=ns, NR=nr, stages=stages,
+                     window=window, register_a=register_a, interpret=bool(interpret),
+                     no_auto_barriers=register_a and not cfg.auto_barriers,
+                     scale_dtype=jnp.dtype(cache.k_scale.dtype), fp_dtype=jnp.dtype(cache.k_fp.dtype))
+        kernel = _build(st)
+
+    # Queries: [B, Hkv, D, CN], column n = t * n_rep + r; legacy: float32 pre-scaled by
+    # log2(e)/sqrt(D); ws: raw bfloat16 (the scale is folded into the key scales in the kernel).
+    if ws_schedule:
+        qg = q.astype(jnp.bfloat16).reshape(b, t, hkv, n_rep, D)
+    else:
+        qg = q.astype(jnp.float32).reshape(b, t, hkv, n_rep, D) * (LOG2E / math.sqrt(D))
     qg = jnp.transpose(qg, (0, 2, 4, 1, 3)).reshape(b, hkv, D, t * n_rep)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, CN - t * n_rep)))
     inputs = inputs if inputs is not None else kernel_inputs(q_pos, cache, n_rep)
