@@ -445,7 +445,8 @@ def _main(argv: list[str] | None) -> int:
                 + [("triton", "draft", 1), ("triton", "target", 5), ("triton", "dense", 1)])
     if args.impls:
         variants = [v for v in variants if v[0] in args.impls or (v[1] == "dense" and "dense" in args.impls)]
-    sweep = {"mosaic": [None, MgpuConfig(stages=2), MgpuConfig(stages=4), MgpuConfig(auto_barriers=True)],
+    sweep = {"mosaic": [None, MgpuConfig(stages=2), MgpuConfig(stages=4), MgpuConfig(auto_barriers=True),
+                        MgpuConfig(schedule="legacy"), MgpuConfig(schedule="ws")],
              "triton": [None]}
     best: dict[tuple, Any] = {}
     key = jax.random.PRNGKey(0)

@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python3 tools/device/check_attention.py [--parts mapping,check,tinv,time] [--impls mosaic,triton]
 
+Impls: "mosaic" (the Mosaic GPU kernel's default schedule), "mosaic-legacy", "mosaic-ws" (the
+warp-specialized schedule of decode_attention_mgpu_ws), "triton", "dense".
+
 * mapping: the register-operand conversion of the Mosaic kernels (codes -> float16 wgmma
   operands in registers) against its jnp twin, bit for bit, for both views and both row widths.
 * check: every kernel against the jnp reference (`quantized_cache_attention`, float32, highest
@@ -11,7 +14,9 @@
   an unwritten tile fails; every partial must be finite.
 * tinv: T = 1 at position p and T = 5 at p..p+4 over the same cache give bit-identical rows for
   p (float32 and bfloat16 queries; Mosaic and Triton; dense kernel too).
-* time: a few timings (ms) of the Mosaic and Triton kernels and torch SDPA flash at 4k/32k/128k.
+* time: a few timings (ms) of the Mosaic and Triton kernels and torch SDPA flash at 4k/32k/128k
+  (--mgpu-configs: MgpuConfig variants, e.g. "schedule=legacy;schedule=ws;schedule=ws,stages=6";
+  --time-ts: the T of the INT8 verify rows).
 
 Prints one line per case and a summary table; exits non-zero on any failure.
 """
@@ -121,11 +126,12 @@ def run_impl(impl, q, q_pos, cache, view, window=None, partials=False):
     """One kernel call on layer 1 of the cache."""
     import pallas_kernels as pk
 
-    if impl == "mosaic":
+    if impl.startswith("mosaic"):
         from pallas_kernels import decode_attention_mgpu as mg
 
+        schedule = impl.partition("-")[2] or None
         return mg.quantized_decode_attention_mgpu(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
-                                                  return_partials=partials)
+                                                  return_partials=partials, config=mg.MgpuConfig(schedule=schedule))
     return pk.quantized_decode_attention(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
                                          interpret=False, return_partials=partials)
 
@@ -201,7 +207,8 @@ def part_tinv(impls, quick=False, shapes_sel=None, dtypes=(jnp.float32, jnp.bflo
 
 # ------------------------------------------------------------------------------------ time
 def parse_configs(spec: str):
-    """"default;stages=2;auto_barriers=1,stages=3" -> [None, MgpuConfig(stages=2), ...]."""
+    """"default;stages=2;auto_barriers=1,stages=3;schedule=ws,ws_regs=216/48/40" ->
+    [None, MgpuConfig(stages=2), ...]."""
     from pallas_kernels.decode_attention_mgpu import MgpuConfig
 
     out = []
@@ -212,12 +219,19 @@ def parse_configs(spec: str):
         kw = {}
         for kv in item.split(","):
             k, v = kv.split("=")
-            kw[k] = bool(int(v)) if k in ("auto_barriers", "register_a") else int(v)
+            if k in ("auto_barriers", "register_a"):
+                kw[k] = bool(int(v))
+            elif k == "schedule":
+                kw[k] = v
+            elif k == "ws_regs":
+                kw[k] = tuple(int(x) for x in v.split("/"))
+            else:
+                kw[k] = int(v)
         out.append(MgpuConfig(**kw))
     return out
 
 
-def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b"):
+def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b", target_ts=(5,), torch_ok=True):
     from qspec_jax.bench import kernel as K
 
     rows = []
@@ -226,7 +240,7 @@ def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b"):
             hq, hkv, d = SHAPES[shape]
             key = jax.random.PRNGKey(0)
             for impl in impls:
-                for kind, t in (("draft", 1), ("target", 5)):
+                for kind, t in (("draft", 1), *(("target", t) for t in target_ts)):
                     try:
                         confs = mgpu_configs if (impl == "mosaic" and mgpu_configs) else [None]
                         rs = K.bench_ours(kind, shape, hq, hkv, d, b, ctx, t, 3, confs, key, impl=impl)
@@ -238,6 +252,8 @@ def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b"):
                                    else r.get("error", "")[:300]))
                     except Exception as e:  # noqa: BLE001
                         log(f"  time {impl} {kind} ctx={ctx}: {type(e).__name__}: {str(e)[:300]}")
+            if not torch_ok:
+                continue
             per_copy = 2 * b * hkv * ctx * d * 2
             copies = max(1, min(K.MAX_COPIES, math.ceil(2 * K.L2_BYTES / per_copy)))
             r = K.bench_torch(hq, hkv, d, b, ctx, 3, copies, K.dense_bytes(b, hkv, ctx, d, 1, hq))
@@ -263,6 +279,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="tinv query dtypes")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--batches", default="1")
+    ap.add_argument("--time-ts", default="5", help="T of the INT8 verify timing rows")
+    ap.add_argument("--no-torch", action="store_true", help="no torch SDPA baseline in the timings")
     args = ap.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")  # the reference in true float32
     log(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
@@ -278,7 +296,8 @@ def main(argv=None) -> int:
         part_tinv(impls, args.quick, sel, tuple(jnp.dtype(x) for x in args.dtypes.split(",")))
     if "time" in parts:
         part_time(args.time_impls.split(","), [int(c) for c in args.contexts.split(",")],
-                  [int(b) for b in args.batches.split(",")], parse_configs(args.mgpu_configs), args.time_shape)
+                  [int(b) for b in args.batches.split(",")], parse_configs(args.mgpu_configs), args.time_shape,
+                  tuple(int(t) for t in args.time_ts.split(",")), not args.no_torch)
     log(f"check_attention: {len(FAILS)} failure(s) in {time.time() - t0:.0f}s")
     for f in FAILS:
         log("  FAILED: " + f)
