@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/attention_ws_out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 STAGES=${1:-dump,check,tinv,time,smol}
-LIMITS=${LIMITS:-dump=60,check=95,tinv=70,time=150,smol=40}
+LIMITS=${LIMITS:-dump=55,check=90,tinv=65,time=145,smol=40}
 limit() { echo "$LIMITS" | tr ',' '\n' | sed -n "s/^$1=//p"; }
 
 stage() {
