@@ -99,6 +99,7 @@ class MgpuConfig:
     # lazy softmax reference). None: $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE.
     schedule: str | None = None
     ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
+    ws_diag: str | None = None  # "ws" timing diagnostics, wrong results: "stream" (pipeline only), "noprep"
 
 
 # ----------------------------------------------------------------------------- code words
@@ -684,6 +685,21 @@ def default_splits(batch: int, hkv: int, max_len: int, G: int, R: int, D: int, v
     return max(1, min(ns, n_blocks)), nr
 
 
+def resolve_schedule(config: MgpuConfig | None, view: str, D: int, G: int, c_max: int, scale_dtype: Any,
+                     fp_dtype: Any) -> str:
+    """The schedule a call runs. It depends on the geometry and c_max (the column tiles of the
+    cache's widest call, T = gamma_max + 1) only, never on T, so every T of a cache runs the same
+    kernel. A "ws" that comes from the default (not the config) and cannot fit c_max column tiles
+    in shared memory falls back to "legacy"; one the config asks for raises instead."""
+    from pallas_kernels import decode_attention_mgpu_ws as ws
+
+    name = schedule_of(config)
+    if name == "ws" and (config is None or config.schedule != "ws") and not ws.fits(view, D, G, c_max, scale_dtype,
+                                                                                     fp_dtype):
+        return "legacy"
+    return name
+
+
 def column_tiles(n_rep: int, t: int) -> int:
     return -(-(n_rep * t) // NT)
 
@@ -766,11 +782,11 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     register_a = (not interpret) if cfg.register_a is None else bool(cfg.register_a)
     if register_a and interpret:
         raise ValueError("the register-operand path does not run in interpret mode; use register_a=False")
-    ws_schedule = schedule_of(cfg) == "ws"
-    if ws_schedule:
-        from pallas_kernels import decode_attention_mgpu_ws as ws
+    from pallas_kernels import decode_attention_mgpu_ws as ws
 
-        c_max = column_tiles(n_rep, max(t, cache.gamma_max + 1))
+    c_max = column_tiles(n_rep, max(t, cache.gamma_max + 1))
+    ws_schedule = resolve_schedule(cfg, view, D, G, c_max, cache.k_scale.dtype, cache.k_fp.dtype) == "ws"
+    if ws_schedule:
         kernel = ws.build(ws.static_config(B, hkv, D, G, R, S, C, c_max, view, window, register_a, bool(interpret),
                                            cache.k_scale.dtype, cache.k_fp.dtype, cfg))
     else:

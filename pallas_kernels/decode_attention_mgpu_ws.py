@@ -85,6 +85,7 @@ class _WsStatic:
     scale_dtype: Any
     fp_dtype: Any
     regs: tuple[int, int, int]
+    diag: str | None = None  # timing diagnostics (wrong results): "stream" (TMA + barriers only), "noprep"
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -118,6 +119,11 @@ def ring_plan(view: str, D: int, G: int, C: int, stages: int, scale_dtype: Any, 
         if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype) + SMEM_SLACK <= SMEM_BYTES:
             return bufs
     return None
+
+
+def fits(view: str, D: int, G: int, c_max: int, scale_dtype: Any, fp_dtype: Any) -> bool:
+    """The schedule fits calls of up to c_max column tiles in shared memory (4 stages)."""
+    return ring_plan(view, D, G, c_max, 4, scale_dtype, fp_dtype) is not None
 
 
 def default_ctas(batch: int, hkv: int, n_blocks: int) -> int:
@@ -259,7 +265,9 @@ def _build_ws(st: _WsStatic):
             blk0, n = blk0 + skip, n - skip
         r0 = st.NP - 1 - p
         nrt = jnp.maximum((n_ring_tiles - r0 + st.NP - 1) // st.NP, 0)
-        ring_owner = lax.rem(n, 2)  # with < 4 ring buffers: the consumer with fewer blocks takes the ring
+        # The consumer with fewer quantized blocks (consumer 1 if n is odd) takes the ring (< 4
+        # buffers) or its even tiles (4 buffers: tile k goes to consumer (k + ring_owner) % 2).
+        ring_owner = lax.rem(n, 2)
 
         def q_tile(c):  # the raw query, float32 [D, NT] (exact: it is stored as bfloat16)
             return _load(q_s.at[:, pl.ds(c * NT, NT)], plgpu.Layout.WGMMA).astype(f32)
@@ -268,7 +276,11 @@ def _build_ws(st: _WsStatic):
             return jnp.minimum(t * RT, R - RT)
 
         def ring_item_slot(m):  # item 2k: K of ring tile k, item 2k + 1: its V
-            return m if seq else lax.rem(m, NRB)
+            if seq:
+                return m
+            if NRB == 4:  # the pair of buffers of the tile's consumer
+                return 2 * lax.rem(m // 2 + ring_owner, 2) + lax.rem(m, 2)
+            return lax.rem(m, NRB)
 
         def slot_of(i):
             return i if seq else lax.rem(i, S)
@@ -323,7 +335,7 @@ def _build_ws(st: _WsStatic):
             for m0 in range(NRB):
                 @pl.when(m0 < 2 * nrt)
                 def _():
-                    issue_ring(m0, m0)
+                    issue_ring(m0, ring_item_slot(m0))
 
             @pl.loop(NRB, jnp.maximum(2 * nrt, NRB))
             def _(m):
@@ -353,6 +365,9 @@ def _build_ws(st: _WsStatic):
             def _(i):
                 slot = slot_of(i)
                 plgpu.barrier_wait(full.at[slot])
+                if st.diag in ("stream", "noprep"):  # timing diagnostics: no qs / bias
+                    plgpu.barrier_arrive(prepped.at[slot])
+                    return
                 sk = _load(sk_s.at[slot], ROW).astype(f32)  # [D] per-channel key scale
                 zk = _load(zk_s.at[slot], ROW).astype(f32)
                 s_eff = sk * (kfac * QSCALE)  # q's softmax scale folded in, per channel
@@ -454,6 +469,9 @@ def _build_ws(st: _WsStatic):
                 if not seq:  # (interpret mode: the prep role waited)
                     plgpu.barrier_wait(full.at[slot])
                 plgpu.barrier_wait(prepped.at[slot])
+                if st.diag == "stream":  # timing diagnostic: the pipeline alone
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return carry
                 kp = [k_s.at[slot, 0], k_s.at[slot, 1] if target else None]
                 a_k = []
                 for mt in range(MTK):
@@ -523,8 +541,10 @@ def _build_ws(st: _WsStatic):
             # the query in slot w, the P of the current tile in slot w + 2.
             qslot, pslot = w, w + 2
             if NRB == 4:
-                nr = (nrt - w + 1) // 2
+                k0 = lax.rem(w - ring_owner + 2, 2)  # this consumer's first ring tile
+                nr = (nrt - k0 + 1) // 2
             else:
+                k0 = 0
                 nr = jnp.where(w == ring_owner, nrt, 0)
 
             @pl.when(nr > 0)
@@ -537,11 +557,16 @@ def _build_ws(st: _WsStatic):
 
             def ring_body(j, carry):
                 ms, ls, ys, os_ = carry
-                k = w + 2 * j if NRB == 4 else j
+                k = k0 + 2 * j if NRB == 4 else j
                 t = r0 + k * st.NP
                 s0 = ring_start(t)
                 kslot = ring_item_slot(2 * k)
                 vslot = ring_item_slot(2 * k + 1)
+                if st.diag == "stream":  # timing diagnostic: the pipeline alone
+                    for sl in (kslot, vslot):
+                        plgpu.barrier_wait(rfull.at[sl])
+                        plgpu.barrier_arrive(rconsumed.at[sl])
+                    return carry
                 plgpu.barrier_wait(rfull.at[kslot])
                 if reg_a:
                     a_k = [_load(kr_s.at[kslot], plgpu.Layout.WGMMA).astype(f16)]
@@ -688,7 +713,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     seq_ring_slots = 2 * ring_tiles_per_cta
     return _WsStatic(view=view, B=B, H=H, D=D, G=G, R=R, C=C, NP=int(np_), stages=int(stages), ring_bufs=bufs,
                      seq_slots=seq_slots, seq_ring_slots=seq_ring_slots,
-                     window=window, register_a=register_a, interpret=interpret,
+                     window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
 
 

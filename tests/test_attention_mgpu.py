@@ -375,6 +375,25 @@ def test_ws_partials_written_and_neutral():
     assert (l > 0).sum() >= 4  # the ring's visible tiles are someone's too
 
 
+def test_schedule_resolution(monkeypatch):
+    """The schedule comes from the config, else $QSPEC_MGPU_SCHEDULE, else the default; a "ws" that
+    is only the default falls back to "legacy" where the widest call of the cache (c_max column
+    tiles) cannot fit its shared memory, and a requested one does not (the call raises instead)."""
+    f16, bf16 = jnp.float16, jnp.bfloat16
+    monkeypatch.delenv("QSPEC_MGPU_SCHEDULE", raising=False)
+    assert mg.resolve_schedule(None, "target", 128, 128, 2, f16, bf16) == mg.DEFAULT_SCHEDULE
+    monkeypatch.setenv("QSPEC_MGPU_SCHEDULE", "ws")
+    assert mg.resolve_schedule(None, "target", 128, 128, 3, f16, bf16) == "ws"  # Llama-3-8B, gamma_max 8
+    assert mg.resolve_schedule(mg.MgpuConfig(), "target", 64, 128, 2, f16, bf16) == "ws"  # SmolLM2
+    assert not ws.fits("target", 128, 128, 5, f16, bf16)  # 8 query heads per KV head, T = 9
+    assert mg.resolve_schedule(None, "target", 128, 128, 5, f16, bf16) == "legacy"
+    assert mg.resolve_schedule(mg.MgpuConfig(schedule="ws"), "target", 128, 128, 5, f16, bf16) == "ws"
+    assert mg.resolve_schedule(mg.MgpuConfig(schedule="legacy"), "target", 128, 128, 2, f16, bf16) == "legacy"
+    with pytest.raises(ValueError, match="does not fit"):
+        ws.static_config(1, 8, 128, 128, 264, 1024, 5, 5, "target", None, True, False, f16, bf16,
+                         mg.MgpuConfig(schedule="ws"))
+
+
 def test_unsupported_geometries_raise():
     cache = jax.eval_shape(lambda: QuantSpecCache.init(_cfg(1, 2, 64), 1, 128, group_size=32))
     q = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
