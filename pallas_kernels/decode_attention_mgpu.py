@@ -1,5 +1,10 @@
 """Pallas Mosaic GPU (Hopper, sm_90) decode attention over the QuantSpec cache.
 
+Two schedules of the same math (`MgpuConfig.schedule`, `resolve_schedule`): "ws", the default, the
+warp-specialized kernel of `decode_attention_mgpu_ws` (TMA / prep / two consumer warpgroups per CTA,
+issue 31), and "legacy", this module's `_build` (one warpgroup per program, issue 13), which the
+docstring below describes; the wrapper, the code conversion and the merge are shared.
+
 One launch per view plus an XLA merge of the split partials:
 
 * ``view="draft"``: the INT4 view, upper nibble planes only;
@@ -69,7 +74,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 VIEWS = ("draft", "target")
 PROGRAMS_PER_SM = 2  # resident programs per SM (register-bound: ~200 registers x 128 threads)
 SCHEDULES = ("legacy", "ws")
-DEFAULT_SCHEDULE = "legacy"  # "ws" until it is checked and timed on the H200 (docs/kernel_notes.md)
+DEFAULT_SCHEDULE = "ws"  # checked and timed on the H200 (docs/kernel_notes.md, issue 31): 1.3-2x legacy
 
 
 def schedule_of(config: "MgpuConfig | None") -> str:

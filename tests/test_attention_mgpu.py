@@ -118,7 +118,7 @@ SCHEDULES = mg.SCHEDULES
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "partials", "config", "schedule"))
-def _mgpu(q, q_pos, cache, layer, view, window=None, partials=False, config=None, schedule="legacy"):
+def _mgpu(q, q_pos, cache, layer, view, window=None, partials=False, config=None, schedule=None):
     return mg.quantized_decode_attention_mgpu(q, q_pos, cache, layer, view=view, sliding_window=window,
                                               interpret=True, return_partials=partials,
                                               config=config or mg.MgpuConfig(register_a=False, schedule=schedule))
@@ -340,12 +340,12 @@ def test_ws_lazy_reference_moves_and_stays_column_local(view):
 
 
 def test_mgpu_partials_written_and_neutral():
-    """Every program writes its partial (outputs start as NaN in interpret mode); splits past a
-    row's q_len are neutral (m = NEG, l = 0, o = 0)."""
+    """"legacy": every program writes its partial (outputs start as NaN in interpret mode);
+    splits past a row's q_len are neutral (m = NEG, l = 0, o = 0)."""
     cache = build_cache(5, 1, 2, 64, 64, [64 + 64 + 10, 200])  # q_len 64 and 128 of max 256
     q, q_pos = _queries(jax.random.PRNGKey(6), cache, 1, 2, 64)
     o, ml = _mgpu(q, q_pos, cache, jnp.int32(0), "draft", partials=True,
-                  config=mg.MgpuConfig(register_a=False, num_splits=4, ring_splits=2))
+                  config=mg.MgpuConfig(register_a=False, num_splits=4, ring_splits=2, schedule="legacy"))
     o, ml = np.asarray(o), np.asarray(ml)
     assert np.isfinite(o).all() and np.isfinite(ml).all()
     m, l = ml[:, :, :, 0, :2], ml[:, :, :, mg.MT // 2, :2]  # the 2 real columns
