@@ -31,7 +31,9 @@ Partials: 2 per CTA (one per consumer), merged by `decode_attention_mgpu.merge_p
 Testing: as for the legacy schedule, ``register_a=False`` is the SMEM-operand twin GPU interpret
 mode runs on the CPU; the GPU-only pieces (register operands, `bar.red.or`, the cross-warp
 reductions on a per-consumer scratch, the value MMA accumulated in place) each have a jnp twin of
-the same math there.
+the same math there. Interpret mode runs the four roles one after another in one thread (see
+`_build_ws`), so the slot reuse and barrier protocol are checked on the GPU
+(tools/device/check_attention.py, impl "mosaic-ws").
 """
 
 from __future__ import annotations
@@ -718,8 +720,6 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
 
 
 def build(st: _WsStatic):
+    """The kernel for `st` (a `plgpu.kernel` callable; outputs the partials o, ml of
+    `decode_attention_mgpu.merge_partials`, 2 per CTA)."""
     return _build_ws(st)
-
-
-def partial_count(st: _WsStatic) -> int:
-    return st.NP * CONSUMERS

@@ -18,6 +18,7 @@ Usage: qspec-bench kernel [--out DIR] [--doc [FILE]] [--quick]   (entry: `main(a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -452,8 +453,9 @@ def _main(argv: list[str] | None) -> int:
                 + [("triton", "draft", 1), ("triton", "target", 5), ("triton", "dense", 1)])
     if args.impls:
         variants = [v for v in variants if v[0] in args.impls or (v[1] == "dense" and "dense" in args.impls)]
-    sweep = {"mosaic": [None, MgpuConfig(stages=2), MgpuConfig(stages=4), MgpuConfig(auto_barriers=True),
-                        MgpuConfig(schedule="legacy"), MgpuConfig(schedule="ws")],
+    legacy = functools.partial(MgpuConfig, schedule="legacy")
+    sweep = {"mosaic": [None, MgpuConfig(schedule="ws", stages=6), legacy(), legacy(stages=2), legacy(stages=4),
+                        legacy(auto_barriers=True)],
              "triton": [None]}
     best: dict[tuple, Any] = {}
     key = jax.random.PRNGKey(0)
