@@ -1,5 +1,10 @@
 """Pallas Mosaic GPU (Hopper, sm_90) decode attention over the QuantSpec cache.
 
+Two schedules of the same math (`MgpuConfig.schedule`, `resolve_schedule`): "ws", the default, the
+warp-specialized kernel of `decode_attention_mgpu_ws` (TMA / prep / two consumer warpgroups per CTA,
+issue 31), and "legacy", this module's `_build` (one warpgroup per program, issue 13), which the
+docstring below describes; the wrapper, the code conversion and the merge are shared.
+
 One launch per view plus an XLA merge of the split partials:
 
 * ``view="draft"``: the INT4 view, upper nibble planes only;
@@ -68,6 +73,19 @@ OFF_LO, OFF_HI = 1024.0, 64.0
 SUPPORTED_HEAD_DIMS = (64, 128)
 VIEWS = ("draft", "target")
 PROGRAMS_PER_SM = 2  # resident programs per SM (register-bound: ~200 registers x 128 threads)
+SCHEDULES = ("legacy", "ws")
+DEFAULT_SCHEDULE = "ws"  # checked and timed on the H200 (docs/kernel_notes.md, issue 31): 1.3-2x legacy
+
+
+def schedule_of(config: "MgpuConfig | None") -> str:
+    """The schedule a call runs: the config's, else $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE."""
+    import os
+
+    name = (config.schedule if config is not None else None) or os.environ.get("QSPEC_MGPU_SCHEDULE") \
+        or DEFAULT_SCHEDULE
+    if name not in SCHEDULES:
+        raise ValueError(f"Mosaic GPU decode attention: schedule={name!r}; expected one of {SCHEDULES}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +99,12 @@ class MgpuConfig:
     # Pallas inserts a warpgroup barrier around every SMEM store unless told not to; the kernel
     # places its own (a barrier at the top of each step, commit_smem after the operand stores).
     auto_barriers: bool = False
+    # "legacy": one warpgroup per program does everything (2 programs per SM); "ws": the
+    # warp-specialized schedule of decode_attention_mgpu_ws (TMA / prep / 2 consumer warpgroups,
+    # lazy softmax reference). None: $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE.
+    schedule: str | None = None
+    ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
+    ws_diag: str | None = None  # "ws" timing diagnostics, wrong results: "stream" (pipeline only), "noprep"
 
 
 # ----------------------------------------------------------------------------- code words
@@ -666,6 +690,21 @@ def default_splits(batch: int, hkv: int, max_len: int, G: int, R: int, D: int, v
     return max(1, min(ns, n_blocks)), nr
 
 
+def resolve_schedule(config: MgpuConfig | None, view: str, D: int, G: int, c_max: int, scale_dtype: Any,
+                     fp_dtype: Any) -> str:
+    """The schedule a call runs. It depends on the geometry and c_max (the column tiles of the
+    cache's widest call, T = gamma_max + 1) only, never on T, so every T of a cache runs the same
+    kernel. A "ws" that comes from the default (not the config) and cannot fit c_max column tiles
+    in shared memory falls back to "legacy"; one the config asks for raises instead."""
+    from pallas_kernels import decode_attention_mgpu_ws as ws
+
+    name = schedule_of(config)
+    if name == "ws" and (config is None or config.schedule != "ws") and not ws.fits(view, D, G, c_max, scale_dtype,
+                                                                                     fp_dtype):
+        return "legacy"
+    return name
+
+
 def column_tiles(n_rep: int, t: int) -> int:
     return -(-(n_rep * t) // NT)
 
@@ -743,21 +782,33 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     G, R = cache.group_size, cache.ring_size
     window = None if sliding_window is None or sliding_window >= S + R else int(sliding_window)
     cfg = config or MgpuConfig()
-    ns, nr = default_splits(B, hkv, S, G, R, D, view, cfg)
     C = column_tiles(n_rep, t)
     CN = C * NT
     register_a = (not interpret) if cfg.register_a is None else bool(cfg.register_a)
     if register_a and interpret:
         raise ValueError("the register-operand path does not run in interpret mode; use register_a=False")
-    stages = cfg.stages or (2 if view == "target" else 4)  # H200 sweep, docs/kernel_notes.md
-    st = _Static(view=view, B=B, H=hkv, D=D, G=G, R=R, C=C, NS=ns, NR=nr, stages=stages,
-                 window=window, register_a=register_a, interpret=bool(interpret),
-                 no_auto_barriers=register_a and not cfg.auto_barriers,
-                 scale_dtype=jnp.dtype(cache.k_scale.dtype), fp_dtype=jnp.dtype(cache.k_fp.dtype))
-    kernel = _build(st)
+    from pallas_kernels import decode_attention_mgpu_ws as ws
 
-    # Queries: float32 [B, Hkv, D, CN], column n = t * n_rep + r, pre-scaled by log2(e)/sqrt(D).
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, n_rep, D) * (LOG2E / math.sqrt(D))
+    c_max = column_tiles(n_rep, max(t, cache.gamma_max + 1))
+    ws_schedule = resolve_schedule(cfg, view, D, G, c_max, cache.k_scale.dtype, cache.k_fp.dtype) == "ws"
+    if ws_schedule:
+        kernel = ws.build(ws.static_config(B, hkv, D, G, R, S, C, c_max, view, window, register_a, bool(interpret),
+                                           cache.k_scale.dtype, cache.k_fp.dtype, cfg))
+    else:
+        ns, nr = default_splits(B, hkv, S, G, R, D, view, cfg)
+        stages = cfg.stages or (2 if view == "target" else 4)  # H200 sweep, docs/kernel_notes.md
+        st = _Static(view=view, B=B, H=hkv, D=D, G=G, R=R, C=C, NS=ns, NR=nr, stages=stages,
+                     window=window, register_a=register_a, interpret=bool(interpret),
+                     no_auto_barriers=register_a and not cfg.auto_barriers,
+                     scale_dtype=jnp.dtype(cache.k_scale.dtype), fp_dtype=jnp.dtype(cache.k_fp.dtype))
+        kernel = _build(st)
+
+    # Queries: [B, Hkv, D, CN], column n = t * n_rep + r; legacy: float32 pre-scaled by
+    # log2(e)/sqrt(D); ws: raw bfloat16 (the scale is folded into the key scales in the kernel).
+    if ws_schedule:
+        qg = q.astype(jnp.bfloat16).reshape(b, t, hkv, n_rep, D)
+    else:
+        qg = q.astype(jnp.float32).reshape(b, t, hkv, n_rep, D) * (LOG2E / math.sqrt(D))
     qg = jnp.transpose(qg, (0, 2, 4, 1, 3)).reshape(b, hkv, D, t * n_rep)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, CN - t * n_rep)))
     inputs = inputs if inputs is not None else kernel_inputs(q_pos, cache, n_rep)

@@ -18,6 +18,7 @@ Usage: qspec-bench kernel [--out DIR] [--doc [FILE]] [--quick]   (entry: `main(a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -71,9 +72,11 @@ def dense_bytes(b: int, hkv: int, ctx: int, d: int, t: int, hq: int) -> int:
 
 # ----------------------------------------------------------------------------- variants
 def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx: int, t: int, trials: int,
-               configs: list, key, impl: str = "triton") -> list[dict]:
+               configs: list, key, impl: str = "triton", trace_dir: Any = None) -> list[dict]:
     """Times one of our kernels (`impl` "triton" or "mosaic" for the quantized views) under each
-    config in `configs` (KernelConfig / MgpuConfig); returns one row each."""
+    config in `configs` (KernelConfig / MgpuConfig); returns one row each. With `trace_dir` a row
+    also has "kernel_s" (the attention kernel alone, from a profiler trace) and "gpu_s" (every GPU
+    kernel of the call: query preparation, the kernel, the split merge), per call."""
     import pallas_kernels as pk
     from pallas_kernels import decode_attention_mgpu as mg
     from qspec_jax.cache import QuantSpecCache  # noqa: F401
@@ -128,10 +131,15 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
     rows = []
     for conf in configs:
         try:
-            r = time_loop(make_step(conf), q, 3, trials, data=data)
+            sub = None if trace_dir is None else Path(trace_dir) / f"{kind}-{t}-{len(rows)}"
+            r = time_loop(make_step(conf), q, 3, trials, data=data, trace_dir=sub)
             s = r["s"] / copies
-            rows.append({"variant": _variant(kind, impl), "config": _conf_str(conf), "s": s, "bytes": nbytes,
-                         "copies": copies, "reps": r["reps"], "spread_s": r["spread"] / copies})
+            row = {"variant": _variant(kind, impl), "config": _conf_str(conf), "s": s, "bytes": nbytes,
+                   "copies": copies, "reps": r["reps"], "spread_s": r["spread"] / copies}
+            if r.get("kernels"):
+                row["kernel_s"] = sum(us for k, us in r["kernels"].items() if "quantspec" in k) / copies / 1e6
+                row["gpu_s"] = sum(r["kernels"].values()) / copies / 1e6
+            rows.append(row)
         except Exception as e:  # a config that does not compile on this device
             rows.append({"variant": _variant(kind, impl), "config": _conf_str(conf), "error": options.case_error(e)})
     return rows
@@ -443,7 +451,9 @@ def _main(argv: list[str] | None) -> int:
                 + [("triton", "draft", 1), ("triton", "target", 5), ("triton", "dense", 1)])
     if args.impls:
         variants = [v for v in variants if v[0] in args.impls or (v[1] == "dense" and "dense" in args.impls)]
-    sweep = {"mosaic": [None, MgpuConfig(stages=2), MgpuConfig(stages=4), MgpuConfig(auto_barriers=True)],
+    legacy = functools.partial(MgpuConfig, schedule="legacy")
+    sweep = {"mosaic": [None, MgpuConfig(schedule="ws", stages=6), legacy(), legacy(stages=2), legacy(stages=4),
+                        legacy(auto_barriers=True)],
              "triton": [None]}
     best: dict[tuple, Any] = {}
     key = jax.random.PRNGKey(0)

@@ -12,10 +12,13 @@ import jax
 import jax.numpy as jnp
 
 
-def time_loop(step: Callable, q0: Any, reps: int, trials: int, target_s: float = 0.03, data: Any = ()) -> dict:
+def time_loop(step: Callable, q0: Any, reps: int, trials: int, target_s: float = 0.03, data: Any = (),
+              trace_dir: Any = None) -> dict:
     """Median seconds per `step` call; step(q, data) -> q' (same shape) runs `reps` times per
     trial inside one jitted fori_loop (grown until a trial takes ~target_s). `data` (caches,
-    weights) is passed as a jit argument, never captured as a constant."""
+    weights) is passed as a jit argument, never captured as a constant. With `trace_dir`, one more
+    run of `reps` steps under `jax.profiler` adds "kernels": {GPU kernel name: microseconds per
+    step} (what the GPU spent in each kernel, without launch gaps; {} on a CPU)."""
 
     @jax.jit
     def run(q, n, data):
@@ -31,7 +34,19 @@ def time_loop(step: Callable, q0: Any, reps: int, trials: int, target_s: float =
         t0 = time.perf_counter()
         jax.block_until_ready(run(q0, reps, data))
         times.append((time.perf_counter() - t0) / reps)
-    return {"s": statistics.median(times), "reps": reps, "trials": trials, "spread": (max(times) - min(times)) / 2}
+    out = {"s": statistics.median(times), "reps": reps, "trials": trials, "spread": (max(times) - min(times)) / 2}
+    if trace_dir is not None:
+        from pathlib import Path
+
+        from qspec_jax.bench.profile import kernel_events  # lazy: profile imports this module's users
+
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            jax.block_until_ready(run(q0, reps, data))
+        kernels: dict[str, float] = {}
+        for e in kernel_events(Path(trace_dir)):
+            kernels[e["name"]] = kernels.get(e["name"], 0.0) + e["dur_us"] / reps
+        out["kernels"] = kernels
+    return out
 
 
 def copy_bandwidth(nbytes: int, trials: int = 5) -> float:

@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python3 tools/device/check_attention.py [--parts mapping,check,tinv,time] [--impls mosaic,triton]
 
+Impls: "mosaic" (the Mosaic GPU kernel's default schedule), "mosaic-legacy", "mosaic-ws" (the
+warp-specialized schedule of decode_attention_mgpu_ws), "triton", "dense".
+
 * mapping: the register-operand conversion of the Mosaic kernels (codes -> float16 wgmma
   operands in registers) against its jnp twin, bit for bit, for both views and both row widths.
 * check: every kernel against the jnp reference (`quantized_cache_attention`, float32, highest
@@ -11,7 +14,9 @@
   an unwritten tile fails; every partial must be finite.
 * tinv: T = 1 at position p and T = 5 at p..p+4 over the same cache give bit-identical rows for
   p (float32 and bfloat16 queries; Mosaic and Triton; dense kernel too).
-* time: a few timings (ms) of the Mosaic and Triton kernels and torch SDPA flash at 4k/32k/128k.
+* time: a few timings (ms) of the Mosaic and Triton kernels and torch SDPA flash at 4k/32k/128k
+  (--mgpu-configs: MgpuConfig variants, e.g. "schedule=legacy;schedule=ws;schedule=ws,stages=6";
+  --time-ts: the T of the INT8 verify rows).
 
 Prints one line per case and a summary table; exits non-zero on any failure.
 """
@@ -121,28 +126,43 @@ def run_impl(impl, q, q_pos, cache, view, window=None, partials=False):
     """One kernel call on layer 1 of the cache."""
     import pallas_kernels as pk
 
-    if impl == "mosaic":
+    if impl.startswith("mosaic"):
         from pallas_kernels import decode_attention_mgpu as mg
 
+        schedule = impl.partition("-")[2] or None
         return mg.quantized_decode_attention_mgpu(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
-                                                  return_partials=partials)
+                                                  return_partials=partials, config=mg.MgpuConfig(schedule=schedule))
     return pk.quantized_decode_attention(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
                                          interpret=False, return_partials=partials)
 
 
-def part_check(impls, quick=False, shapes_sel=None):
+def _case_filter(cases):
+    """--cases "smollm2:target:9:none,llama3-8b:draft:5:1000" -> predicate on (shape, view, t|dtype, window)."""
+    if not cases:
+        return lambda *key: True
+    want = set()
+    for c in cases.split(","):
+        shape, view, t, w = c.split(":")
+        want.add((shape, view, t, None if w == "none" else int(w)))
+    return lambda shape, view, t, window: (shape, view, str(t), window) in want
+
+
+def part_check(impls, quick=False, shapes_sel=None, cases=None):
     from qspec_jax import attention as A
 
     ref_f = jax.jit(lambda q, p, c, w, v: A.quantized_cache_attention(q, p, c, jnp.int32(1), v, w),
                     static_argnums=(3, 4))
     shapes = (("llama3-8b", 2, 8192 + 200), ("smollm2", 3, 4096 + 77))
     shapes = [x for x in shapes if (x[0] in shapes_sel if shapes_sel else (not quick or x[0] == "llama3-8b"))]
+    keep = _case_filter(cases)
     for shape, b, ctx in shapes:
         cache, hq = make_cache(shape, b, ctx)
         d = cache.k_fp.shape[-1]
         for view in ("draft", "target"):
             for t in ((1, 5) if quick else (1, 5, 9)):
                 for window in ((None,) if t != 5 else (None, 1000)):
+                    if not keep(shape, view, t, window):
+                        continue
                     q = jax.random.normal(jax.random.PRNGKey(t), (b, t, hq, d)).astype(jnp.bfloat16)
                     q_pos = (cache.q_len + cache.fp_len)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
                     ref = ref_f(q, q_pos, cache, window, view)
@@ -161,7 +181,7 @@ def part_check(impls, quick=False, shapes_sel=None):
                             traceback.print_exc()
 
 
-def part_tinv(impls, quick=False, shapes_sel=None, dtypes=(jnp.float32, jnp.bfloat16)):
+def part_tinv(impls, quick=False, shapes_sel=None, dtypes=(jnp.float32, jnp.bfloat16), cases=None):
     import pallas_kernels as pk
 
     shapes = (("llama3-8b", 2, 8192 + 200), ("smollm2", 3, 4096 + 77))
@@ -176,6 +196,8 @@ def part_tinv(impls, quick=False, shapes_sel=None, dtypes=(jnp.float32, jnp.bflo
             for impl in [i for i in impls if i != "dense"]:
                 for view in ("draft", "target"):
                     for window in ((None,) if dtype == jnp.float32 else (None, 1000)):
+                        if not _case_filter(cases)(shape, view, jnp.dtype(dtype).name, window):
+                            continue
                         try:
                             f = jax.jit(functools.partial(run_impl, impl, view=view, window=window))
                             o5 = np.asarray(f(q5, pos5, cache).astype(jnp.float32))
@@ -201,7 +223,8 @@ def part_tinv(impls, quick=False, shapes_sel=None, dtypes=(jnp.float32, jnp.bflo
 
 # ------------------------------------------------------------------------------------ time
 def parse_configs(spec: str):
-    """"default;stages=2;auto_barriers=1,stages=3" -> [None, MgpuConfig(stages=2), ...]."""
+    """"default;stages=2;auto_barriers=1,stages=3;schedule=ws,ws_regs=216/48/40" ->
+    [None, MgpuConfig(stages=2), ...]."""
     from pallas_kernels.decode_attention_mgpu import MgpuConfig
 
     out = []
@@ -212,12 +235,20 @@ def parse_configs(spec: str):
         kw = {}
         for kv in item.split(","):
             k, v = kv.split("=")
-            kw[k] = bool(int(v)) if k in ("auto_barriers", "register_a") else int(v)
+            if k in ("auto_barriers", "register_a"):
+                kw[k] = bool(int(v))
+            elif k in ("schedule", "ws_diag"):
+                kw[k] = v
+            elif k == "ws_regs":
+                kw[k] = tuple(int(x) for x in v.split("/"))
+            else:
+                kw[k] = int(v)
         out.append(MgpuConfig(**kw))
     return out
 
 
-def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b"):
+def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b", target_ts=(5,), torch_ok=True,
+              trace_dir=None):
     from qspec_jax.bench import kernel as K
 
     rows = []
@@ -226,29 +257,37 @@ def part_time(impls, contexts, batches, mgpu_configs=None, shape="llama3-8b"):
             hq, hkv, d = SHAPES[shape]
             key = jax.random.PRNGKey(0)
             for impl in impls:
-                for kind, t in (("draft", 1), ("target", 5)):
+                for kind, t in (("draft", 1), *(("target", t) for t in target_ts)):
                     try:
                         confs = mgpu_configs if (impl == "mosaic" and mgpu_configs) else [None]
-                        rs = K.bench_ours(kind, shape, hq, hkv, d, b, ctx, t, 3, confs, key, impl=impl)
+                        rs = K.bench_ours(kind, shape, hq, hkv, d, b, ctx, t, 3, confs, key, impl=impl,
+                                          trace_dir=trace_dir)
                         for r in rs:
                             r.update(ctx=ctx, batch=b, t=t, impl=impl)
                             rows.append(r)
                             log(f"  time {impl:6s} {kind:6s} B={b} ctx={ctx:6d} T={t} {r.get('config', '')}: "
                                 + (f"{r['s'] * 1e3:.4f} ms, {r['bytes'] / r['s'] / 1e12:.2f} TB/s" if "s" in r
-                                   else r.get("error", "")[:300]))
+                                   else r.get("error", "")[:300])
+                                + (f"; kernel {r['kernel_s'] * 1e3:.4f} ms ({r['bytes'] / r['kernel_s'] / 1e12:.2f} "
+                                   f"TB/s), all GPU kernels {r['gpu_s'] * 1e3:.4f} ms" if "kernel_s" in r else ""))
                     except Exception as e:  # noqa: BLE001
                         log(f"  time {impl} {kind} ctx={ctx}: {type(e).__name__}: {str(e)[:300]}")
+            if not torch_ok:
+                continue
             per_copy = 2 * b * hkv * ctx * d * 2
             copies = max(1, min(K.MAX_COPIES, math.ceil(2 * K.L2_BYTES / per_copy)))
             r = K.bench_torch(hq, hkv, d, b, ctx, 3, copies, K.dense_bytes(b, hkv, ctx, d, 1, hq))
             r.update(ctx=ctx, batch=b, t=1, impl="torch")
             rows.append(r)
             log(f"  time torch flash B={b} ctx={ctx}: {r.get('s', float('nan')) * 1e3:.4f} ms")
-    log("\n| B | context | impl | variant | config | T | ms | TB/s |\n|---|---|---|---|---|---|---|---|")
+    log("\n| B | context | impl | variant | config | T | ms | TB/s | kernel ms | kernel TB/s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "s" in r:
+            ks = r.get("kernel_s")
             log(f"| {r['batch']} | {r['ctx']} | {r['impl']} | {r['variant']} | {r.get('config', '')} | {r['t']} | "
-                f"{r['s'] * 1e3:.4f} | {r['bytes'] / r['s'] / 1e12:.2f} |")
+                f"{r['s'] * 1e3:.4f} | {r['bytes'] / r['s'] / 1e12:.2f} | "
+                + (f"{ks * 1e3:.4f} | {r['bytes'] / ks / 1e12:.2f} |" if ks else " | |"))
 
 
 def main(argv=None) -> int:
@@ -263,6 +302,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="tinv query dtypes")
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--batches", default="1")
+    ap.add_argument("--time-ts", default="5", help="T of the INT8 verify timing rows")
+    ap.add_argument("--no-torch", action="store_true", help="no torch SDPA baseline in the timings")
+    ap.add_argument("--trace-dir", default=None, help="time each kernel alone from a profiler trace kept here")
+    ap.add_argument("--cases", default=None, help="check: SHAPE:VIEW:T:WINDOW,...; tinv: SHAPE:VIEW:DTYPE:WINDOW,... "
+                                                  "(WINDOW an int or none); default: all of the part's cases")
     args = ap.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")  # the reference in true float32
     log(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
@@ -273,12 +317,13 @@ def main(argv=None) -> int:
     if "mapping" in parts:
         part_mapping()
     if "check" in parts:
-        part_check([i for i in impls if i != "dense"], args.quick, sel)
+        part_check([i for i in impls if i != "dense"], args.quick, sel, args.cases)
     if "tinv" in parts:
-        part_tinv(impls, args.quick, sel, tuple(jnp.dtype(x) for x in args.dtypes.split(",")))
+        part_tinv(impls, args.quick, sel, tuple(jnp.dtype(x) for x in args.dtypes.split(",")), args.cases)
     if "time" in parts:
         part_time(args.time_impls.split(","), [int(c) for c in args.contexts.split(",")],
-                  [int(b) for b in args.batches.split(",")], parse_configs(args.mgpu_configs), args.time_shape)
+                  [int(b) for b in args.batches.split(",")], parse_configs(args.mgpu_configs), args.time_shape,
+                  tuple(int(t) for t in args.time_ts.split(",") if t), not args.no_torch, args.trace_dir)
     log(f"check_attention: {len(FAILS)} failure(s) in {time.time() - t0:.0f}s")
     for f in FAILS:
         log("  FAILED: " + f)

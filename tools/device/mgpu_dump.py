@@ -1,11 +1,11 @@
 """Dump and summarize what the compiler emitted for the Mosaic GPU decode-attention kernels.
 
-    PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR
+    PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR [--schedule legacy|ws] [--cases draft:1,target:5]
 
-Compiles the INT4 draft (T=1) and INT8 target (T=5) kernels at the Llama-3-8B shape with
-MOSAIC_GPU_DUMP_TO set, then prints per kernel: ptxas registers/spills and the count of each SASS
-opcode (HGMMA present? PRMT/LOP3 per converted word? LDS/STS, SHFL, BAR, MUFU). Copies the SASS
-of the two kernels to OUT_DIR.
+Compiles the INT4 draft (T=1) and INT8 target (T=5) kernels (or --cases) at the Llama-3-8B shape
+with MOSAIC_GPU_DUMP_TO set, without running them, then prints per kernel: ptxas registers/spills
+and the count of each SASS opcode (HGMMA present? PRMT/LOP3 per converted word? LDS/STS, SHFL,
+BAR, MUFU). Copies the SASS of the kernels to OUT_DIR.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 
-def main(out_dir: str) -> int:
+def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5") -> int:
     from pallas_kernels import decode_attention_mgpu as mg
     from qspec_jax.bench.synthetic import random_quant_cache
     from qspec_jax.config import ModelConfig
@@ -34,11 +34,14 @@ def main(out_dir: str) -> int:
     cfg = ModelConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_layers=1, num_heads=32,
                       num_kv_heads=8, head_dim=128, dtype="bfloat16")
     cache = random_quant_cache(cfg, 1, 8192, jax.random.PRNGKey(0), layers=1)
-    for view, t in (("draft", 1), ("target", 5)):
+    conf = mg.MgpuConfig(schedule=schedule)
+    for case in cases.split(","):
+        view, t = case.split(":")
+        t = int(t)
         q = jnp.ones((1, t, 32, 128), jnp.bfloat16)
         qp = (cache.q_len + cache.fp_len)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
-        jax.block_until_ready(jax.jit(lambda q, p, c, v=view: mg.quantized_decode_attention_mgpu(
-            q, p, c, 0, view=v))(q, qp, cache))
+        jax.jit(lambda q, p, c, v=view: mg.quantized_decode_attention_mgpu(q, p, c, 0, view=v, config=conf)).lower(
+            q, qp, cache).compile()
     os.makedirs(out_dir, exist_ok=True)
     files = sorted(glob.glob(os.path.join(DUMP, "*")))
     print("dumped:", [os.path.basename(f) for f in files])
@@ -68,4 +71,11 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir", nargs="?", default=".")
+    ap.add_argument("--schedule", default=None)
+    ap.add_argument("--cases", default="draft:1,target:5")
+    a = ap.parse_args()
+    sys.exit(main(a.out_dir, a.schedule, a.cases))

@@ -1,0 +1,725 @@
+"""Warp-specialized Mosaic GPU decode attention over the QuantSpec cache (issue 31).
+
+The same math, operands and cache layout as `decode_attention_mgpu` (its "legacy" schedule: one
+warpgroup per program does everything), on a schedule in which memory, not one warpgroup's
+dependency chain, is meant to bound the kernel. One CTA per SM, four warpgroups:
+
+* wg 3, TMA: streams the program's quantized blocks through `stages` shared-memory slots (and
+  the FP-ring tiles through their own buffers), refilling a slot when its consumer releases it;
+  40 registers (`setmaxnreg`).
+* wg 2, prep: per block, the key scale folded into the query (the B operand ``qs`` of the score
+  MMA, float16) and the per-column bias ``q.z' - sum_c off_c qs_c`` (one cross-warp sum), written
+  into the block's slot before the consumer gets there. Done ahead, off the consumers' chain.
+* wg 0 and 1, consumers: block i of the program goes to consumer i % 2 (its own slots, i % 2 ==
+  slot % 2), each with its own online-softmax state and its own partial; per block: codes ->
+  float16 operands in registers, score MMA, softmax, P, value MMA accumulated in place.
+
+The softmax keeps a *lazy* reference max per column (FA4-style): a block's probabilities are
+exp2(s - m_ref) with the reference of the previous blocks, as long as no score of the block
+exceeds m_ref + LAZY_TH (so p <= 2**LAZY_TH); the test is one `bar.red.or` over the warpgroup,
+which is also the barrier the P stores need anyway. Only when some column exceeds it (always on a
+consumer's first block) does the block take the exact per-column max (cross-warp) and rescale
+(l, y, O). A column that does not exceed keeps m_ref and alpha = 1 exactly, so its bits do not
+depend on the other columns (T-invariance, issue 11).
+
+Exactness: the block partition, the consumer of each block, the ring-tile assignment and every
+reduction order depend on (B, Hkv, n_rep, D, G, S_max, R, view, config), never on T; T only
+changes the number of column tiles C, each computed by the same instructions.
+
+Partials: 2 per CTA (one per consumer), merged by `decode_attention_mgpu.merge_partials`.
+
+Testing: as for the legacy schedule, ``register_a=False`` is the SMEM-operand twin GPU interpret
+mode runs on the CPU; the GPU-only pieces (register operands, `bar.red.or`, the cross-warp
+reductions on a per-consumer scratch, the value MMA accumulated in place) each have a jnp twin of
+the same math there. Interpret mode runs the four roles one after another in one thread (see
+`_build_ws`), so the slot reuse and barrier protocol are checked on the GPU
+(tools/device/check_attention.py, impl "mosaic-ws").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import decode_attention_mgpu as mg
+from pallas_kernels._common import num_sms
+
+Array = jax.Array
+MT, NT, RT, NEG = mg.MT, mg.NT, mg.RING_TILE, mg.NEG
+COL, ROW = mg.COL, mg.ROW
+_bcast_col, _bcast_row = mg._bcast_col, mg._bcast_row
+
+CONSUMERS = 2  # consumer warpgroups per CTA (wg 0, 1)
+WG_PREP, WG_TMA = 2, 3
+NUM_WG = 4
+LAZY_TH = 4.0  # log2 units: p <= 16 with a stale reference; |p * s_v| stays far inside float16
+RED_ELEMS = 256  # float32 scratch per consumer for its cross-warp reductions (4 warps x 32 lanes x 2)
+SMEM_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
+SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.4 KB measured (lowering, jax 0.11.2)
+REGS = (208, 56, 40)  # setmaxnreg: consumers, prep, TMA (2 * 208 + 56 + 40 = 512 = 65536 / 512 threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WsStatic:
+    view: str
+    B: int
+    H: int
+    D: int
+    G: int
+    R: int
+    C: int  # column tiles (the only T-dependent number)
+    NP: int  # CTAs per (row, KV head)
+    stages: int  # quantized slots (even: consumer w owns the slots s with s % 2 == w)
+    ring_bufs: int  # ring tile buffers (1, 2 or 4), see `ring_plan`; also decides who takes the ring
+    seq_slots: int  # interpret mode: one slot per block of a CTA (even, >= 4), see `_build_ws`
+    seq_ring_slots: int  # interpret mode: one buffer per ring item (K or V of a tile) of a CTA
+    window: int | None
+    register_a: bool
+    interpret: bool
+    scale_dtype: Any
+    fp_dtype: Any
+    regs: tuple[int, int, int]
+    diag: str | None = None  # timing diagnostics (wrong results): "stream" (TMA + barriers only), "noprep"
+
+
+def qp_rows(D: int, G: int) -> int:
+    """Rows of one slot's float16 B-operand buffer: qs [D, NT] for the score MMA, then P s_v [G, NT]
+    for the value MMA of the same block (written once the score MMA is done), and for the ring the
+    query [D, NT] and P [RT, NT]."""
+    return max(D, G, RT)
+
+
+def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, scale_dtype: Any,
+               fp_dtype: Any) -> int:
+    """Shared memory of the kernel's scratch (without alignment padding)."""
+    n_planes = 2 if view == "target" else 1
+    cn = C * NT
+    sd, fd = jnp.dtype(scale_dtype).itemsize, jnp.dtype(fp_dtype).itemsize
+    n = stages * n_planes * (G * D // 2 + D * G // 2)  # code planes
+    n += stages * (2 * D + 2 * G) * sd  # key scale/zero, value scale/zero
+    n += stages * C * qp_rows(D, G) * NT * 2  # qs / P operands
+    n += stages * cn * 4  # bias
+    n += D * cn * 2 + mg._pos_width(cn) * 4  # q (bfloat16), positions
+    n += ring_bufs * RT * D * fd  # ring K / V tiles
+    n += CONSUMERS * RED_ELEMS * 4
+    return n
+
+
+def ring_plan(view: str, D: int, G: int, C: int, stages: int, scale_dtype: Any, fp_dtype: Any) -> int | None:
+    """Ring tile buffers that fit next to `stages` quantized slots: 4 (each consumer streams its own
+    ring tiles, K and V in flight together), 2 (one consumer, K and V together) or 1 (one consumer,
+    V loaded after the score MMA released K). None: not even one fits."""
+    for bufs in (4, 2, 1):
+        if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype) + SMEM_SLACK <= SMEM_BYTES:
+            return bufs
+    return None
+
+
+def fits(view: str, D: int, G: int, c_max: int, scale_dtype: Any, fp_dtype: Any) -> bool:
+    """The schedule fits calls of up to c_max column tiles in shared memory (4 stages)."""
+    return ring_plan(view, D, G, c_max, 4, scale_dtype, fp_dtype) is not None
+
+
+def default_ctas(batch: int, hkv: int, n_blocks: int) -> int:
+    """CTAs per (row, KV head): one CTA per SM, so pick the count whose waves x blocks per CTA is
+    smallest (a CTA costs ~4 blocks of fixed time: pipeline fill, epilogue). Depends on the
+    geometry only, never on T."""
+    pairs = batch * hkv
+    sms = num_sms()
+    best, best_cost = 1, None
+    for np_ in range(1, max(1, 4 * sms // pairs) + 1):
+        if np_ > max(1, n_blocks):
+            break
+        waves = -(-(np_ * pairs) // sms)
+        cost = waves * (-(-n_blocks // np_) + 4)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = np_, cost
+    return best
+
+
+# --------------------------------------------------------------------- GPU-only warpgroup helpers
+def _wg_any_positive(tiles: list) -> Array:
+    """int32 scalar, the same on every thread of the warpgroup: 1 if any element of `tiles`
+    (float32 [64k, n] WGMMA arrays) is > 0 on any thread, else 0. One `bar.red.or.pred` on the
+    warpgroup's named barrier (the one Mosaic's warpgroup barrier uses): it is also a full
+    warpgroup barrier."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    import jax.experimental.mosaic.gpu as mgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * len(tiles),
+                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT))
+    def any_positive(ctx, *arrays):
+        del ctx
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        m = None
+        for a in arrays:
+            for reg in a.registers.flat:
+                for e in range(ir.VectorType(reg.type).shape[0]):
+                    x = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e]))
+                    m = x if m is None else arith.maximumf(m, x)
+        pos = arith.extui(i32, arith.cmpf(arith.CmpFPredicate.OGT, m, arith.constant(f32, 0.0)))
+        bar = arith.addi(mgpu.utils.warpgroup_idx(sync=False), arith.constant(i32, 1))  # Mosaic's WG barrier id
+        res = llvm.inline_asm(
+            i32, [pos, bar],
+            "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; bar.red.or.pred q, $2, 128, p; selp.u32 $0, 1, 0, q; }",
+            "=r,r,r", has_side_effects=True)
+        return mgpu.FragmentedArray.splat(res, (), is_signed=True)
+
+    return any_positive(*tiles)
+
+
+def _wg_colreduce(x: Array, scratch, op: str) -> Array:
+    """Reduce a float32 [64k, n] WGMMA array over its rows ("max" or "add") across the warpgroup's
+    4 warps through `scratch` (a float32 [RED_ELEMS] SMEM ref owned by this warpgroup): Mosaic's
+    own reduction, but on a scratch no other warpgroup uses (Pallas' built-in one sits at one
+    offset per call site, which both consumers would share)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((x.shape[1],), jnp.float32, layout=COL))
+    def colreduce(ctx, a, ref):
+        del ctx
+        return a.reduce(op, 0, scratch=ref)
+
+    return colreduce(x, scratch)
+
+
+# ---------------------------------------------------------------------------------- kernel
+def _build_ws(st: _WsStatic):
+    target = st.view == "target"
+    D, G, C, R, S = st.D, st.G, st.C, st.R, st.stages
+    QSCALE = mg.LOG2E / math.sqrt(D)  # scores in log2 units
+    Dh, Gh = D // 2, G // 2
+    CN = C * NT
+    MTK, MTV = G // MT, D // MT  # token M tiles per block, channel M tiles
+    n_planes = 2 if target else 1
+    off_lo, off_hi = mg.offsets(st.view)
+    kfac = 1.0 / 16 if target else 1.0
+    n_ring_tiles = -(-R // RT)
+    NRB = st.ring_bufs
+    # GPU interpret mode runs the roles one after another in one thread: every block gets its
+    # own slot and every ring item its own buffer, each barrier completes once and has one
+    # waiter. The math of each role is the same code as on the GPU; the slot reuse and barrier
+    # protocol are checked on the GPU only. (As 4 interpreter threads, the warpgroups' blocking
+    # barrier waits sit inside XLA:CPU callbacks, and on a 2-core machine the CPU runtime's
+    # worker pool starves: the TMA warpgroup never ran, with or without async dispatch.)
+    seq = st.interpret
+    SLOTS = st.seq_slots if seq else S
+    RSLOTS = st.seq_ring_slots if seq else NRB
+    QP = qp_rows(D, G)
+    f32, f16 = jnp.float32, jnp.float16
+    reg_a = st.register_a
+    interp = st.interpret
+    cons_regs, prep_regs, tma_regs = st.regs
+
+    def _load(ref, layout):
+        return ref[...] if interp else mg._load_with_layout(ref, layout)
+
+    def _cast(x, layout):
+        return x if interp else plgpu.layout_cast(x, layout)
+
+    def _iota(shape, dim):
+        if interp:
+            return lax.broadcasted_iota(jnp.int32, shape, dim)
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    def any_positive(tiles):
+        if interp:
+            return (functools.reduce(jnp.maximum, [jnp.max(t) for t in tiles]) > 0.0).astype(jnp.int32)
+        return _wg_any_positive(tiles)
+
+    def colreduce(x, scratch, op):
+        if interp:
+            return jnp.max(x, axis=0) if op == "max" else jnp.sum(x, axis=0)
+        return _wg_colreduce(x, scratch, op)
+
+    def kernel(layer_ref, meta_ref, pos_ref, q_ref, *refs, q_s, pos_s, k_s, v_s, sk_s, zk_s, sv_s, zv_s, qp_s,
+               bias_s, kr_s, red_s, ak_s, av_s, at_s, qbar, full, prepped, consumed, rfull, rconsumed):
+        planes = refs[: 2 * n_planes]
+        ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref, o_ref, ml_ref = refs[2 * n_planes:]
+        kp_refs, vp_refs = planes[:n_planes], planes[n_planes:]
+        p = lax.axis_index("p")
+        h = lax.axis_index("h")
+        b = lax.axis_index("b")
+        layer = layer_ref[0]
+        q_len = meta_ref[b, 0]
+        fp_start = meta_ref[b, 1]
+        min_pos = meta_ref[b, 2]
+        lbh = (layer * st.B + b) * st.H + h
+
+        # This CTA's work (every warpgroup derives the same numbers): quantized blocks
+        # [blk0, blk0 + n) and ring tiles r0, r0 + NP, ... (spread over the CTAs from the last).
+        n_blk_row = q_len // G
+        per = (n_blk_row + st.NP - 1) // st.NP
+        blk0 = p * per
+        n = jnp.maximum(jnp.minimum(per, n_blk_row - blk0), 0)
+        if st.window is not None:  # blocks before every row's window: exact no-ops, skipped
+            first = jnp.maximum(min_pos - st.window + 1, 0) // G
+            skip = jnp.clip(first - blk0, 0, n)
+            blk0, n = blk0 + skip, n - skip
+        r0 = st.NP - 1 - p
+        nrt = jnp.maximum((n_ring_tiles - r0 + st.NP - 1) // st.NP, 0)
+        # The consumer with fewer quantized blocks (consumer 1 if n is odd) takes the ring (< 4
+        # buffers) or its even tiles (4 buffers: tile k goes to consumer (k + ring_owner) % 2).
+        ring_owner = lax.rem(n, 2)
+
+        def q_tile(c):  # the raw query, float32 [D, NT] (exact: it is stored as bfloat16)
+            return _load(q_s.at[:, pl.ds(c * NT, NT)], plgpu.Layout.WGMMA).astype(f32)
+
+        def ring_start(t):  # the last tile is moved back to end at R; its overlap is masked
+            return jnp.minimum(t * RT, R - RT)
+
+        def ring_item_slot(m):  # item 2k: K of ring tile k, item 2k + 1: its V
+            if seq:
+                return m
+            if NRB == 4:  # the pair of buffers of the tile's consumer
+                return 2 * lax.rem(m // 2 + ring_owner, 2) + lax.rem(m, 2)
+            return lax.rem(m, NRB)
+
+        def slot_of(i):
+            return i if seq else lax.rem(i, S)
+
+        # ------------------------------------------------------------------------- TMA
+        def role_tma():
+            if not seq:
+                plgpu.set_max_registers(tma_regs, action="decrease")
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, qbar.at[0])
+            plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_s, qbar.at[0])
+
+            def issue(i, slot):
+                blk = blk0 + i
+                for j, r in enumerate(kp_refs):
+                    plgpu.copy_gmem_to_smem(r.at[lbh, pl.ds(blk * G, G)], k_s.at[slot, j], full.at[slot])
+                for j, r in enumerate(vp_refs):
+                    plgpu.copy_gmem_to_smem(r.at[lbh, pl.ds(blk * D, D)], v_s.at[slot, j], full.at[slot])
+                plgpu.copy_gmem_to_smem(ks_ref.at[lbh, blk], sk_s.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(kz_ref.at[lbh, blk], zk_s.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(vs_ref.at[lbh, pl.ds(blk * G, G)], sv_s.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(vz_ref.at[lbh, pl.ds(blk * G, G)], zv_s.at[slot], full.at[slot])
+
+            if seq:
+                pl.loop(0, n)(lambda i: issue(i, i))
+            else:
+                for s in range(S):
+                    @pl.when(s < n)
+                    def _():
+                        issue(s, s)
+
+                @pl.loop(S, jnp.maximum(n, S))
+                def _(i):
+                    slot = lax.rem(i, S)
+                    plgpu.barrier_wait(consumed.at[slot])  # block i - S released its slot
+                    issue(i, slot)
+
+            def issue_ring(m, slot):
+                k = m // 2
+                s0 = ring_start(r0 + k * st.NP)
+
+                @pl.when(lax.rem(m, 2) == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(kfp_ref.at[lbh, pl.ds(s0, RT)], kr_s.at[slot], rfull.at[slot])
+
+                @pl.when(lax.rem(m, 2) == 1)
+                def _():
+                    plgpu.copy_gmem_to_smem(vfp_ref.at[lbh, pl.ds(s0, RT)], kr_s.at[slot], rfull.at[slot])
+
+            if seq:
+                pl.loop(0, 2 * nrt)(lambda m: issue_ring(m, m))
+                return
+            for m0 in range(NRB):
+                @pl.when(m0 < 2 * nrt)
+                def _():
+                    issue_ring(m0, ring_item_slot(m0))
+
+            @pl.loop(NRB, jnp.maximum(2 * nrt, NRB))
+            def _(m):
+                slot = ring_item_slot(m)
+                plgpu.barrier_wait(rconsumed.at[slot])  # item m - NRB released its buffer
+                issue_ring(m, slot)
+
+            # Drain: observe the releases not waited for above, so that this warpgroup has seen
+            # every completion of the barriers it waits on (GPU interpret mode checks it).
+            @pl.loop(jnp.maximum(n - S, 0), n)
+            def _(i):
+                plgpu.barrier_wait(consumed.at[lax.rem(i, S)])
+
+            @pl.loop(jnp.maximum(2 * nrt - NRB, 0), 2 * nrt)
+            def _(m):
+                plgpu.barrier_wait(rconsumed.at[ring_item_slot(m)])
+
+        # ------------------------------------------------------------------------ prep
+        def role_prep():
+            if not seq:
+                plgpu.set_max_registers(prep_regs, action="decrease")
+            plgpu.barrier_wait(qbar.at[0])
+            ch_row = _iota((D, NT), 0)
+            off_k = jnp.where(ch_row < Dh, off_lo, off_hi)  # [D, NT]
+
+            @pl.loop(0, n)
+            def _(i):
+                slot = slot_of(i)
+                plgpu.barrier_wait(full.at[slot])
+                if st.diag in ("stream", "noprep"):  # timing diagnostics: no qs / bias
+                    plgpu.barrier_arrive(prepped.at[slot])
+                    return
+                sk = _load(sk_s.at[slot], ROW).astype(f32)  # [D] per-channel key scale
+                zk = _load(zk_s.at[slot], ROW).astype(f32)
+                s_eff = sk * (kfac * QSCALE)  # q's softmax scale folded in, per channel
+                z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
+                for c in range(C):
+                    qt = q_tile(c)
+                    qs = (qt * _bcast_row(s_eff, (D, NT))).astype(f16)
+                    qp_s[slot, c, pl.ds(0, D)] = qs
+                    w = qt * _bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
+                    bias_s[slot, pl.ds(c * NT, NT)] = jnp.sum(w, axis=0)  # [NT] q.z' - sum(off * qs)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(prepped.at[slot])
+
+        # -------------------------------------------------------------------- consumers
+        def role_consumer(w):
+            if not seq:
+                plgpu.set_max_registers(cons_regs, action="increase")
+                plgpu.barrier_wait(qbar.at[0])  # (interpret mode: the prep role waited)
+            red = red_s.at[w]
+            pos_c = [_load(pos_s.at[pl.ds(c * NT, NT)], COL) for c in range(C)]
+            tok_row = _iota((MT, NT), 0)
+            zeros_t = lambda: _cast(jnp.zeros((MT, NT), f32), plgpu.Layout.WGMMA)  # noqa: E731
+            neg_c = lambda: _cast(jnp.full((NT,), NEG, f32), COL)  # noqa: E731
+
+            def scores(a_tiles, b_refs):
+                """S^T tiles [a][c] = A_a [64, K] . B_c [K, NT] (a: register values or SMEM tiles)."""
+                def run(*accs):
+                    for ai, a in enumerate(a_tiles):
+                        if not reg_a:
+                            ak_s[w] = a
+                            plgpu.commit_smem()
+                            a = ak_s.at[w]
+                        for c in range(C):
+                            plgpu.wgmma(accs[ai * C + c], a, b_refs[c])
+                        if not reg_a:
+                            plgpu.wgmma_wait(0)
+                    return [acc[...] for acc in accs]
+                return pl.run_scoped(run, *[plgpu.ACC((MT, NT), f32) for _ in range(len(a_tiles) * C)])
+
+            def values(os_, make_a, b_ref, twin_buf):
+                """O^T[mc][c] += V^T_mc [64, K] . P_c [K, NT] for the MTV channel tiles: accumulated in
+                place in the wgmma accumulators (GPU), or summed onto O from fresh ones (twin).
+                make_a(mc) / b_ref(c) build their refs when called: inside `pl.run_state` a ref
+                sliced outside it with static bounds does not lower (jax 0.11.2)."""
+                if reg_a:
+                    def run(accs):
+                        for mc in range(MTV):
+                            a = make_a(mc)
+                            for c in range(C):
+                                plgpu.wgmma(accs[mc * C + c], a, b_ref(c))
+                    flat = pl.run_state(run)(tuple(plgpu.ACC.init(os_[c][mc]) for mc in range(MTV) for c in range(C)))
+                    return tuple(tuple(flat[mc * C + c] for mc in range(MTV)) for c in range(C))
+
+                def run_twin(*accs):
+                    for mc in range(MTV):
+                        twin_buf[w] = make_a(mc)
+                        plgpu.commit_smem()
+                        for c in range(C):
+                            plgpu.wgmma(accs[mc * C + c], twin_buf.at[w], b_ref(c))
+                        plgpu.wgmma_wait(0)
+                    return [acc[...] for acc in accs]
+                pv = pl.run_scoped(run_twin, *[plgpu.ACC((MT, NT), f32) for _ in range(MTV * C)])
+                return tuple(tuple(os_[c][mc] + pv[mc * C + c] for mc in range(MTV)) for c in range(C))
+
+            def lazy_reference(s_by_c, ms):
+                """(new references, alphas, flag) for the masked score tiles s_by_c[c] (log2 units,
+                masked entries NEG): a column keeps its reference m unless a score exceeds
+                m + LAZY_TH; then it takes the block's exact max. The flag (any column changed)
+                costs one warpgroup barrier, which also orders this block's score-MMA reads of the
+                slot's B operand before its P stores."""
+                flag = any_positive([s - _bcast_col(m + LAZY_TH, (MT, NT)) for s_t, m in zip(s_by_c, ms) for s in s_t])
+
+                def exact(ms):
+                    out = []
+                    for s_t, m in zip(s_by_c, ms):
+                        bm = colreduce(functools.reduce(jnp.maximum, s_t), red, "max")
+                        out.append(jnp.where(bm > m + LAZY_TH, bm, m))
+                    return tuple(out)
+
+                new_ms = lax.cond(flag > 0, exact, lambda ms: ms, tuple(ms))
+                alphas = [jnp.where(mn > m, jnp.exp2(m - mn), 1.0) for m, mn in zip(ms, new_ms)]
+                return new_ms, alphas, flag
+
+            def rescaled(flag, alphas, ls, ys, os_):
+                """(l, y, O) x alpha per column, skipped when no column's reference moved."""
+                def scale(args):
+                    ls, ys, os_ = args
+                    a = [_bcast_col(x, (MT, NT)) for x in alphas]
+                    return (tuple(x * a[c] for c, x in enumerate(ls)), tuple(x * a[c] for c, x in enumerate(ys)),
+                            tuple(tuple(o * a[c] for o in oc) for c, oc in enumerate(os_)))
+                return lax.cond(flag > 0, scale, lambda args: args, (tuple(ls), tuple(ys), tuple(os_)))
+
+            # ------------------------------------------------------------ quantized blocks
+            def quant_body(j, carry):
+                ms, ls, ys, os_ = carry
+                i = w + 2 * j
+                slot = slot_of(i)
+                blk = blk0 + i
+                if not seq:  # (interpret mode: the prep role waited)
+                    plgpu.barrier_wait(full.at[slot])
+                plgpu.barrier_wait(prepped.at[slot])
+                if st.diag == "stream":  # timing diagnostic: the pipeline alone
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return carry
+                kp = [k_s.at[slot, 0], k_s.at[slot, 1] if target else None]
+                a_k = []
+                for mt in range(MTK):
+                    rows = mt * MT
+                    if reg_a:
+                        hi = _load(kp[0].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
+                        lo = None if kp[1] is None else _load(kp[1].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
+                        a_k.append(mg._register_operand(hi, lo, MT, Dh))
+                    else:
+                        a_k.append(mg.twin_operand(kp[0][pl.ds(rows, MT)],
+                                                   None if kp[1] is None else kp[1][pl.ds(rows, MT)]))
+                s_all = scores(a_k, [qp_s.at[slot, c, pl.ds(0, D)] for c in range(C)])
+                sv = [_load(sv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) * kfac for mt in range(MTK)]
+                zv = [_load(zv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) for mt in range(MTK)]
+                if target:
+                    zv = [z - s * 8.0 for z, s in zip(zv, sv)]  # min - s/2 with sv = s/16
+                tok_off = [jnp.where(mt * MT + tok_row < Gh, off_lo, off_hi) for mt in range(MTK)]
+                s_by_c, vis_by_c = [], []
+                for c in range(C):
+                    bias = _load(bias_s.at[slot, pl.ds(c * NT, NT)], COL)
+                    s_t = [s_all[mt * C + c] + _bcast_col(bias, (MT, NT)) for mt in range(MTK)]
+                    vis = None
+                    if st.window is not None:
+                        vis = [_bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
+                               for mt in range(MTK)]
+                        s_t = [jnp.where(v, s, NEG) for s, v in zip(s_t, vis)]
+                    s_by_c.append(s_t)
+                    vis_by_c.append(vis)
+                new_ms, alphas, flag = lazy_reference(s_by_c, ms)
+                ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
+                new_ls, new_ys = [], []
+                for c in range(C):
+                    pr = [jnp.exp2(s - _bcast_col(new_ms[c], (MT, NT))) for s in s_by_c[c]]
+                    if vis_by_c[c] is not None:
+                        pr = [jnp.where(v, x, 0.0) for x, v in zip(pr, vis_by_c[c])]
+                    pp = [(pr[mt] * _bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
+                    y = ys[c]
+                    for mt in range(MTK):
+                        y = y + pr[mt] * _bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
+                        qp_s[slot, c, pl.ds(mt * MT, MT)] = pp[mt]
+                    new_ls.append(ls[c] + functools.reduce(jnp.add, pr))
+                    new_ys.append(y)
+                plgpu.commit_smem()
+
+                def a_v(mc):
+                    rows = mc * MT
+                    vp = [v_s.at[slot, 0], v_s.at[slot, 1] if target else None]
+                    if reg_a:
+                        hi = _load(vp[0].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
+                        lo = None if vp[1] is None else _load(vp[1].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
+                        return mg._register_operand(hi, lo, MT, Gh)
+                    return mg.twin_operand(vp[0][pl.ds(rows, MT)], None if vp[1] is None else vp[1][pl.ds(rows, MT)])
+
+                new_os = values(os_, a_v, lambda c: qp_s.at[slot, c, pl.ds(0, G)], av_s)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return tuple(new_ms), tuple(new_ls), tuple(new_ys), new_os
+
+            init = (tuple(neg_c() for _ in range(C)), tuple(zeros_t() for _ in range(C)),
+                    tuple(zeros_t() for _ in range(C)),
+                    tuple(tuple(zeros_t() for _ in range(MTV)) for _ in range(C)))
+            nq = (n - w + 1) // 2
+            carry = lax.fori_loop(0, nq, quant_body, init)
+
+            # ------------------------------------------------------------------- FP ring
+            # Operands in float16 (bf16 -> f16 is exact in float16's normal range, which the
+            # float16 scales already assume). B operands in this consumer's own slots, free now:
+            # the query in slot w, the P of the current tile in slot w + 2.
+            qslot, pslot = w, w + 2
+            if NRB == 4:
+                k0 = lax.rem(w - ring_owner + 2, 2)  # this consumer's first ring tile
+                nr = (nrt - k0 + 1) // 2
+            else:
+                k0 = 0
+                nr = jnp.where(w == ring_owner, nrt, 0)
+
+            @pl.when(nr > 0)
+            def _():
+                for c in range(C):
+                    qp_s[qslot, c, pl.ds(0, D)] = (q_tile(c) * QSCALE).astype(f16)
+                plgpu.commit_smem()
+
+            slot_row = _iota((MT, NT), 0)
+
+            def ring_body(j, carry):
+                ms, ls, ys, os_ = carry
+                k = k0 + 2 * j if NRB == 4 else j
+                t = r0 + k * st.NP
+                s0 = ring_start(t)
+                kslot = ring_item_slot(2 * k)
+                vslot = ring_item_slot(2 * k + 1)
+                if st.diag == "stream":  # timing diagnostic: the pipeline alone
+                    for sl in (kslot, vslot):
+                        plgpu.barrier_wait(rfull.at[sl])
+                        plgpu.barrier_arrive(rconsumed.at[sl])
+                    return carry
+                plgpu.barrier_wait(rfull.at[kslot])
+                if reg_a:
+                    a_k = [_load(kr_s.at[kslot], plgpu.Layout.WGMMA).astype(f16)]
+                else:
+                    a_k = [kr_s[kslot].astype(f16)]
+                if NRB == 1:  # K is in registers (or the twin's copy): the buffer can take V
+                    plgpu.barrier_arrive(rconsumed.at[kslot])
+                s_all = scores(a_k, [qp_s.at[qslot, c, pl.ds(0, D)] for c in range(C)])
+                if NRB > 1:
+                    plgpu.barrier_arrive(rconsumed.at[kslot])
+                slot_idx = s0 + slot_row
+                jlog = lax.rem(slot_idx - fp_start + R, R)  # logical ring index
+                kpos = q_len + jlog
+                fresh = slot_idx >= t * RT  # not already covered by the previous tile
+                s_by_c, vis_by_c = [], []
+                for c in range(C):
+                    qpos = _bcast_col(pos_c[c], (MT, NT))
+                    vis = (kpos <= qpos) & fresh
+                    if st.window is not None:
+                        vis = vis & (qpos - kpos < st.window)
+                    s_by_c.append([jnp.where(vis, s_all[c], NEG)])
+                    vis_by_c.append(vis)
+                new_ms, alphas, flag = lazy_reference(s_by_c, ms)
+                ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
+                new_ls = []
+                for c in range(C):
+                    pr = jnp.where(vis_by_c[c], jnp.exp2(s_by_c[c][0] - _bcast_col(new_ms[c], (MT, NT))), 0.0)
+                    qp_s[pslot, c, pl.ds(0, RT)] = pr.astype(f16)
+                    new_ls.append(ls[c] + pr)
+                plgpu.commit_smem()
+                plgpu.barrier_wait(rfull.at[vslot])
+
+                def a_v(mc):
+                    vt = kr_s.at[vslot, :, pl.ds(mc * MT, MT)]  # [slots, 64 channels] -> V^T [64, slots]
+                    if reg_a:
+                        return plgpu.layout_cast(_load(mg._transpose_ref(vt), plgpu.Layout.WGMMA_TRANSPOSED),
+                                                 plgpu.Layout.WGMMA).astype(f16)
+                    return vt[...].T.astype(f16)
+
+                new_os = values(os_, a_v, lambda c: qp_s.at[pslot, c, pl.ds(0, RT)], at_s)
+                plgpu.barrier_arrive(rconsumed.at[vslot])
+                return tuple(new_ms), tuple(new_ls), ys, new_os
+
+            ms, ls, ys, os_ = lax.fori_loop(0, nr, ring_body, carry)
+
+            pi = p * CONSUMERS + w
+            row = _iota((MT, NT), 0)
+            for c in range(C):
+                y = colreduce(ys[c], red, "add")
+                l = colreduce(ls[c], red, "add")
+                for mc in range(MTV):
+                    o_ref[b, h, pi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = os_[c][mc] + _bcast_col(y, (MT, NT))
+                ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, _bcast_col(ms[c], (MT, NT)),
+                                                                   _bcast_col(l, (MT, NT)))
+
+        if seq:
+            role_tma()
+            role_prep()
+            for w in range(CONSUMERS):
+                role_consumer(w)
+        else:
+            wg = lax.axis_index("wg")
+            pl.when(wg == WG_TMA)(role_tma)
+            pl.when(wg == WG_PREP)(role_prep)
+            pl.when(wg < CONSUMERS)(lambda: role_consumer(wg))
+
+    sd = st.scale_dtype
+    fp_item = jnp.dtype(st.fp_dtype).itemsize
+    tw = None if reg_a else plgpu.SMEM  # the twin's operand tiles (interpret mode only)
+    scratch = dict(
+        q_s=plgpu.SMEM((D, CN), jnp.bfloat16, transforms=mg._swizzle_transforms(NT * 2, 2)),
+        pos_s=plgpu.SMEM((mg._pos_width(CN),), jnp.int32),
+        k_s=plgpu.SMEM((SLOTS, n_planes, G, Dh), jnp.uint8, transforms=mg._swizzle_transforms(Dh, 1)),
+        v_s=plgpu.SMEM((SLOTS, n_planes, D, Gh), jnp.uint8, transforms=mg._swizzle_transforms(Gh, 1)),
+        sk_s=plgpu.SMEM((SLOTS, D), sd), zk_s=plgpu.SMEM((SLOTS, D), sd),
+        sv_s=plgpu.SMEM((SLOTS, G), sd), zv_s=plgpu.SMEM((SLOTS, G), sd),
+        qp_s=plgpu.SMEM((SLOTS, C, QP, NT), f16, transforms=mg._swizzle_transforms(NT * 2, 2)),
+        bias_s=plgpu.SMEM((SLOTS, CN), f32),
+        kr_s=plgpu.SMEM((RSLOTS, RT, D), st.fp_dtype, transforms=mg._swizzle_transforms(D * fp_item, fp_item)),
+        red_s=plgpu.SMEM((CONSUMERS, RED_ELEMS), f32),
+        ak_s=None if tw is None else tw((CONSUMERS, MT, D), f16, transforms=mg._swizzle_transforms(D * 2, 2)),
+        av_s=None if tw is None else tw((CONSUMERS, MT, G), f16, transforms=mg._swizzle_transforms(G * 2, 2)),
+        at_s=None if tw is None else tw((CONSUMERS, MT, RT), f16, transforms=mg._swizzle_transforms(RT * 2, 2)),
+        qbar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        full=plgpu.Barrier(num_arrivals=2 * n_planes + 4, num_barriers=SLOTS),
+        prepped=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
+        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
+        rfull=plgpu.Barrier(num_arrivals=1, num_barriers=RSLOTS),
+        rconsumed=plgpu.Barrier(num_arrivals=1, num_barriers=RSLOTS),
+    )
+    live = {k: v for k, v in scratch.items() if v is not None}
+
+    def entry(*args, **refs):
+        kernel(*args, **{k: refs.get(k) for k in scratch})
+
+    NPP = st.NP * CONSUMERS
+    out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, D, CN), jnp.float32),
+                jax.ShapeDtypeStruct((st.B, st.H, NPP, MT, CN), jnp.float32))
+    kw = {}
+    if interp:
+        params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
+        if params is None:
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+        kw["interpret"] = params()
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(st.NP, st.H, st.B),
+        grid_names=("p", "h", "b"),
+        num_threads=None if seq else NUM_WG,
+        thread_name=None if seq else "wg",
+        scratch_types=live,
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=reg_a),
+        kernel_name=f"quantspec_{st.view}_mgpu_ws",
+        **kw,
+    )
+
+
+def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_max: int, view: str,
+                  window: int | None, register_a: bool, interpret: bool, scale_dtype: Any, fp_dtype: Any,
+                  config: Any) -> _WsStatic:
+    """The kernel's static parameters for a call with C column tiles. Stages and ring buffers are
+    sized for c_max >= C, the column tiles of the widest call of this cache (T = gamma_max + 1), so
+    that every T runs the same schedule (they change the ring's consumer and order). Raises if
+    c_max tiles cannot fit in shared memory."""
+    if not C <= c_max:
+        raise ValueError(f"C={C} column tiles > c_max={c_max}")
+    n_blocks = max(1, S_max // G)
+    np_ = config.num_splits or default_ctas(B, H, n_blocks)
+    stages = config.stages
+    if stages is None:
+        stages = 6 if ring_plan(view, D, G, c_max, 6, scale_dtype, fp_dtype) == 4 else 4
+    if stages < 4 or stages % 2:
+        raise ValueError(f"stages={stages}: the warp-specialized schedule needs an even count >= 4")
+    bufs = ring_plan(view, D, G, c_max, stages, scale_dtype, fp_dtype)
+    if bufs is None:
+        raise ValueError(f"Mosaic GPU decode attention (ws): {view} D={D} G={G} with {c_max} column tiles and "
+                         f"{stages} stages does not fit in {SMEM_BYTES} bytes of shared memory")
+    regs = tuple(config.ws_regs) if config.ws_regs else REGS
+    per = -(-n_blocks // np_)
+    seq_slots = max(4, per + per % 2)
+    n_ring_tiles = -(-R // RT)
+    ring_tiles_per_cta = -(-n_ring_tiles // np_)
+    seq_ring_slots = 2 * ring_tiles_per_cta
+    return _WsStatic(view=view, B=B, H=H, D=D, G=G, R=R, C=C, NP=int(np_), stages=int(stages), ring_bufs=bufs,
+                     seq_slots=seq_slots, seq_ring_slots=seq_ring_slots,
+                     window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
+                     scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
+
+
+def build(st: _WsStatic):
+    """The kernel for `st` (a `plgpu.kernel` callable; outputs the partials o, ml of
+    `decode_attention_mgpu.merge_partials`, 2 per CTA)."""
+    return _build_ws(st)
