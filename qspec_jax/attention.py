@@ -67,13 +67,19 @@ def dense_attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
 #
 # Implementations (ModelConfig.prefill_attention_impl):
 #   "reference": the jnp code below (the oracle, and the CPU path);
-#   "cudnn":     cuDNN's fused flash attention; a chunk runs one call per prefix span of C keys, one over
-#                the ring and one causal call over itself, merged by log-sum-exp (SGLang's split form:
-#                cuDNN's causal mask is aligned top-left, so a chunk's offset cannot be expressed in one call);
+#   "cudnn":     cuDNN's fused flash attention; a chunk runs one call per prefix span (`prefix_span`
+#                keys, a multiple of C), one over the ring and one causal call over itself, merged by
+#                log-sum-exp (SGLang's split form: cuDNN's causal mask is aligned top-left, so a chunk's
+#                offset cannot be expressed in one call);
 #   "xla":       the same split-and-merge through jax.nn's XLA attention (runs anywhere: tests check the
 #                split-and-merge against the reference on the CPU);
 #   "auto":      "cudnn" on a GPU where cuDNN takes the case (`cudnn_unsupported_reason`), else "reference".
 PREFILL_QUERY_CHUNK = 512
+# Keys (x batch rows) per flash call over a chunk's cached prefix: each call dequantizes its span to
+# the model dtype ([B, Hkv, L, D] for K and V: 256 MiB at the 8B shape) and costs one float32
+# merge of the chunk's [B, C, Hq, D] accumulator; longer spans amortize the merge and keep cuDNN's
+# tiles busy (8192 x 8192 calls ran a 1.29M-token prefill at ~450 TFLOP/s, whole prompts at 570).
+PREFIX_SPAN_TOKENS = 65536
 _FAR = 2**30  # the logical position of a key no query may see
 
 
@@ -128,6 +134,13 @@ def prefill_impl(impl: str, head_dim: int, dtype: Any, sliding_window: int | Non
     if impl == "xla" and chunked and sliding_window is not None:
         raise ValueError("prefill_attention_impl='xla' takes no sliding window over a cached prefix; use 'reference'")
     return impl
+
+
+def prefix_span(chunk: int, batch: int, max_len: int) -> int:
+    """Keys per flash call over a chunk's cached prefix: the largest multiple of `chunk` with
+    batch x span <= PREFIX_SPAN_TOKENS (at least `chunk`), and no longer than the cache."""
+    span = chunk * max(1, PREFIX_SPAN_TOKENS // (chunk * batch))
+    return max(chunk, min(span, max_len // chunk * chunk))
 
 
 def _to_bsnh(x: Array) -> Array:
@@ -203,7 +216,8 @@ def prefill_attention(q: Array, k: Array, v: Array, positions: Array, sliding_wi
 
 def chunk_attention(q: Array, k: Array, v: Array, positions: Array, cache: DenseKVCache | QuantSpecCache,
                     layer: Array, start: Array | int, span: int, quantized_len: Array,
-                    sliding_window: int | None = None, impl: str = "reference") -> Array:
+                    sliding_window: int | None = None, impl: str = "reference",
+                    prefix_keys: int | None = None) -> Array:
     """Attention of a prompt chunk: its queries see every position before the chunk as the cache
     holds it and, causally, the chunk itself.
 
@@ -212,7 +226,10 @@ def chunk_attention(q: Array, k: Array, v: Array, positions: Array, cache: Dense
     A QuantSpecCache is read the way decode reads it (`cache.prefill_chunk_layer` placed it):
     positions below each row's `quantized_len` (int32[B], SPEC §4's Q) through the target's INT8
     view, the rest from the bf16 ring (slot j = position Q + j). A dense cache is read as stored.
-    `impl`: a resolved `prefill_impl`. Returns [B, C, Hq, D] in q's dtype.
+    `impl`: a resolved `prefill_impl`. On the flash path the prefix is read `prefix_keys` keys per
+    call (a multiple of `span`; default `prefix_span(span, B, max_len)`), from `start` downwards: span j
+    covers [max(start - (j+1) L, 0), start - j L), read as the L keys from its lower end with the
+    keys past its upper end masked off. Returns [B, C, Hq, D] in q's dtype.
     """
     quant = isinstance(cache, QuantSpecCache)
     if impl == "reference":
@@ -238,18 +255,25 @@ def chunk_attention(q: Array, k: Array, v: Array, positions: Array, cache: Dense
     dtype = q.dtype
     b = q.shape[0]
 
-    def prefix_span(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
-        j0 = j * span
+    n_keys = prefix_span(span, b, cache.max_len) if prefix_keys is None else prefix_keys
+    if n_keys % span or n_keys > cache.max_len:
+        raise ValueError(f"prefix_keys={n_keys}: expected a multiple of the chunk ({span}) <= max_len "
+                         f"({cache.max_len})")
+    # Positions below `seen` are read from the cache (for the hierarchical cache, those below Q: the
+    # INT8 view; [Q, start) come from the ring below); in every span they are a prefix of its keys.
+    seen = jnp.broadcast_to(jnp.minimum(quantized_len, start) if quant else jnp.asarray(start, jnp.int32), (b,))
+
+    def one_span(j: Array, acc: tuple[Array, Array]) -> tuple[Array, Array]:
+        lo = jnp.maximum(start - (j + 1) * n_keys, 0)  # a multiple of the chunk, hence of G
         if quant:
-            kp, vp = cache.dequantized_span(layer, j0, span, "target", dtype)
-            kv_len = jnp.clip(jnp.minimum(quantized_len, start) - j0, 0, span)
+            kp, vp = cache.dequantized_span(layer, lo, n_keys, "target", dtype)
         else:
-            kp, vp = cache.span(layer, j0, span)
-            kv_len = None  # whole spans lie below `start`
+            kp, vp = cache.span(layer, lo, n_keys)
+        kv_len = jnp.clip(jnp.minimum(seen, start - j * n_keys) - lo, 0, n_keys).astype(jnp.int32)
         return merge_attention(acc, _flash_part(q, _to_bsnh(kp), _to_bsnh(vp), kv_len, causal=False, impl=impl))
 
     acc = _flash_part(q, _to_bsnh(k), _to_bsnh(v), None, causal=True, impl=impl, sliding_window=sliding_window)
-    acc = jax.lax.fori_loop(0, start // span, prefix_span, acc)
+    acc = jax.lax.fori_loop(0, (start + n_keys - 1) // n_keys, one_span, acc)
     if quant:
         ring_len = jnp.clip(start - quantized_len, 0, cache.ring_size).astype(jnp.int32)
         ring = _flash_part(q, _to_bsnh(cache.k_fp[layer].astype(dtype)), _to_bsnh(cache.v_fp[layer].astype(dtype)),

@@ -436,11 +436,16 @@ def _ar_result(s: _ARState) -> GenerationResult:
 
 
 def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, *, gen: GenerationConfig,
-                        eos_ids: tuple[int, ...], first_logits: Array | None = None) -> GenerationResult:
+                        eos_ids: tuple[int, ...], first_logits: Array | None = None,
+                        return_cache: bool = False) -> GenerationResult | tuple[GenerationResult, Any]:
     """Decodes from a cache that holds the prompts; `first` int32[B] is the token sampled from
-    the prefill logits `first_logits` (emitted as token 0, its K/V not yet computed)."""
+    the prefill logits `first_logits` (emitted as token 0, its K/V not yet computed).
+
+    return_cache: also return the final cache, as (result, cache), so that a jitted caller that
+    donates `cache` has an output to alias it to (else XLA copies it into the loop's state)."""
     state = autoregressive_start(cache, first, key, gen=gen, eos_ids=eos_ids, first_logits=first_logits)
-    return _ar_result(autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids))
+    state = autoregressive_steps(params, state, gen=gen, eos_ids=eos_ids)
+    return (_ar_result(state), state.cache) if return_cache else _ar_result(state)
 
 
 def _prefilled(params: M.Params, tokens: Array, lengths: Array, key: Array, *, gen: GenerationConfig,

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qspec_jax import model as M
-from qspec_jax.attention import PREFILL_QUERY_CHUNK, prefill_impl, uses_kernels
+from qspec_jax.attention import PREFILL_QUERY_CHUNK, prefill_impl, prefix_span, uses_kernels
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, cache_bytes, ring_slots
 from qspec_jax.compilation import programs, run_program, user_cache_dir
 from qspec_jax.config import ModelConfig
@@ -209,7 +209,8 @@ def prefill_workspace_bytes(cfg: ModelConfig, batch: int, prompt_len: int, chunk
           concatenated with its own K/V: four [B, Hkv, S, Dh] float32 arrays;
         the flash path ("cudnn", "xla"): nothing more for a whole prompt (flash attention keeps
           its tiles on chip); a chunk, float32 output and log-sum-exp accumulators [B, T, Hq]
-          x (Dh + 1) twice and one dequantized prefix span, k and v [B, Hkv, T, Dh];
+          x (Dh + 1) twice and one dequantized prefix span, k and v [B, Hkv, L, Dh] with L =
+          `attention.prefix_span` keys (at most max(C, PREFIX_SPAN_TOKENS / B));
       the float32 logits [B, V] ([B, T, V] with all_logits) and `weight_workspace_bytes`.
     So on the flash path a chunk's temporaries do not grow with the prompt.
     """
@@ -230,7 +231,8 @@ def prefill_workspace_bytes(cfg: ModelConfig, batch: int, prompt_len: int, chunk
         keys32 = batch * kv * prompt_len * 4 if a < 4 else 0
         attention += 2 * scores + keys32 + (4 * batch * kv * prompt_len * 4 if chunked else 0)
     elif chunked:
-        attention += 2 * n * cfg.num_heads * (dh + 1) * 4 + 2 * n * kv * a
+        span = prefix_span(chunk, batch, max_len=sys.maxsize)  # the cache's length caps it lower still
+        attention += 2 * n * cfg.num_heads * (dh + 1) * 4 + 2 * batch * span * kv * a
     held = n * (2 * d + 2 * kv) * a
     mlp = n * (2 * d + 2 * f) * a
     logits = (n if all_logits else batch) * cfg.vocab_size * 4

@@ -17,7 +17,8 @@ import pytest
 
 from qspec_jax import model as M
 from qspec_jax import planner as P
-from qspec_jax.attention import chunk_attention, dense_attention, merge_attention, prefill_attention, prefill_impl
+from qspec_jax.attention import (PREFIX_SPAN_TOKENS, chunk_attention, dense_attention, merge_attention, prefill_attention,
+                                 prefill_impl, prefix_span)
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ConfigError, ModelConfig
 from qspec_jax.generation import GenerationConfig, generate_autoregressive
@@ -74,11 +75,14 @@ def test_whole_prompt_flash_matches_reference(window: int | None) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
-@pytest.mark.parametrize("start", [0, 64, 128, 192])
-def test_chunk_attention_flash_matches_reference(kind: str, start: int) -> None:
+@pytest.mark.parametrize("start,prefix_keys", [(0, None), (64, None), (128, None), (192, None), (192, 64),
+                                               (192, 128), (128, 128)])
+def test_chunk_attention_flash_matches_reference(kind: str, start: int, prefix_keys: int | None) -> None:
     """A chunk's split-and-merge (prefix spans, ring, itself) = the reference over the same cache,
     for rows whose prefix lies in the quantized planes, in the ring, or both (row lengths 256, 150
-    and 77: Q = 240, 128, 48)."""
+    and 77: Q = 240, 128, 48); the prefix read in one span (the default here: the cache is short),
+    in spans of one chunk, or in spans of two chunks (at start 192: [64, 192) and [0, 64), the
+    lower one read as [0, 128) with its upper half masked off)."""
     b, t, c = 3, 256, 64
     k, v = random_kv(jax.random.PRNGKey(start + 5), b, t)
     lengths = jnp.array([256, 150, 77], jnp.int32)
@@ -92,13 +96,31 @@ def test_chunk_attention_flash_matches_reference(kind: str, start: int) -> None:
     pos = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (b, c))
     kc, vc = k[:, :, start:start + c], v[:, :, start:start + c]
     ref = chunk_attention(q, kc, vc, pos, cache, 0, start, c, qlen, None, "reference")
-    got = chunk_attention(q, kc, vc, pos, cache, 0, start, c, qlen, None, "xla")
+    got = chunk_attention(q, kc, vc, pos, cache, 0, start, c, qlen, None, "xla", prefix_keys)
     assert rel(got, ref) < 1e-5
-    if kind == "int8" and start == 192:
+    if kind == "int8" and start == 192 and prefix_keys is None:
         # Row 1 (Q = 128) reads positions 128..191 from the ring: leaving the ring out must show.
         no_ring = chunk_attention(q, kc, vc, pos, cache.replace(k_fp=jnp.zeros_like(cache.k_fp)), 0, start, c, qlen,
                                   None, "xla")
         assert rel(no_ring[1], ref[1]) > 1e-2
+
+
+def test_prefix_span_policy() -> None:
+    """Prefix spans: multiples of the chunk, batch x span within PREFIX_SPAN_TOKENS unless one
+    chunk is already more, never longer than the cache; a bad explicit span is refused."""
+    assert prefix_span(8192, 1, 2**21) == PREFIX_SPAN_TOKENS
+    assert prefix_span(8192, 8, 2**21) == 8192
+    assert prefix_span(8192, 32, 2**21) == 8192  # one chunk at least
+    assert prefix_span(4096, 3, 2**21) == 4096 * (PREFIX_SPAN_TOKENS // (3 * 4096))
+    assert prefix_span(8192, 1, 20000) == 16384  # capped by the cache
+    k, v = random_kv(jax.random.PRNGKey(3), 1, 128)
+    cache = DenseKVCache.init(CFG, 1, 128).prefill_layer(0, k, v, jnp.array([128], jnp.int32))
+    q = jnp.zeros((1, 32, 6, 16))
+    pos = 64 + jnp.arange(32, dtype=jnp.int32)[None]
+    for bad in (48, 160):
+        with pytest.raises(ValueError, match=f"prefix_keys={bad}: expected a multiple of the chunk"):
+            chunk_attention(q, k[:, :, 64:96], v[:, :, 64:96], pos, cache, 0, 64, 32, jnp.zeros(1, jnp.int32), None,
+                            "xla", bad)
 
 
 def test_chunk_attention_reads_the_quantized_prefix_as_the_target_view() -> None:

@@ -231,15 +231,19 @@ def request_rows(params: M.Params, draft: M.Params, t: int, new: int, alpha: flo
             if name == "ar_bf16":
                 max_len = decode_cache_len(t, new, ar.width, group, "bf16")
                 new_cache = lambda: DenseKVCache.init(cfg, 1, max_len)  # noqa: E731
-                loop = jax.jit(lambda p, c, first, k: autoregressive_loop(p, c, first, k, gen=ar, eos_ids=()),
-                               donate_argnums=(1,))  # as generate's program, which makes its cache in place
+                # The cache is donated and returned, so that it is updated in place (as in generate's
+                # program, which makes its cache inside) rather than copied into the loop's state.
+                loop = jax.jit(lambda p, c, first, k: autoregressive_loop(p, c, first, k, gen=ar, eos_ids=(),
+                                                                          return_cache=True),
+                               donate_argnums=(1,))
                 weights: tuple = (params,)
                 row["chunk"] = prefill_chunk_for(params, ar.memory_request(1, t), "auto")
             else:
                 max_len = decode_cache_len(t, new, spec.verify_width, group, "int8")
                 new_cache = lambda: QuantSpecCache.init(cfg, 1, max_len, group_size=group,  # noqa: E731
                                                         gamma_max=spec.gamma_max)
-                loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=()),
+                loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=(),
+                                                                          return_cache=True),
                                donate_argnums=(2,))
                 weights = (params, draft)
                 row["chunk"] = prefill_chunk_for(params, spec.memory_request(1, t), "auto", draft=draft)
@@ -253,7 +257,7 @@ def request_rows(params: M.Params, draft: M.Params, t: int, new: int, alpha: flo
                 first = jnp.argmax(logits, -1).astype(jnp.int32)
                 jax.block_until_ready(first)
                 t1 = time.perf_counter()
-                res = jax.block_until_ready(loop(*weights, cache, first, key))
+                res, _ = jax.block_until_ready(loop(*weights, cache, first, key))
                 return t1 - t0, time.perf_counter() - t1, res
 
             run()  # compiles and warms up
@@ -301,9 +305,11 @@ def longest_row(cfg: ModelConfig, dcfg: DraftWeightsConfig, chunk: int, new: int
         log("longest: cache, weights and draft on the device; prefilling")
         toks = jax.random.randint(jax.random.PRNGKey(2), (1, t), 0, cfg.vocab_size, jnp.int32)
         pre = _prefill_program(chunk)
-        # The cache is donated to the loop too: an undonated one is copied into the loop's state
-        # (measured: an 81.6 GiB copy at this length, out of memory after the prefill had run).
-        loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=()),
+        # The cache is donated to the loop and returned by it: a cache that no output aliases is
+        # copied into the loop's state (measured: an 81.6 GiB copy at this length, out of memory
+        # after the prefill had run, donated or not).
+        loop = jax.jit(lambda p, d, c, first, k: speculative_loop(p, d, c, first, k, spec=spec, eos_ids=(),
+                                                                  return_cache=True),
                        donate_argnums=(2,))
         t0 = time.perf_counter()
         logits, cache = pre(params, toks, jnp.array([t], jnp.int32), cache)
@@ -311,7 +317,7 @@ def longest_row(cfg: ModelConfig, dcfg: DraftWeightsConfig, chunk: int, new: int
         t1 = time.perf_counter()
         row["prefill_s_incl_compile"] = t1 - t0
         log(f"longest: prefilled in {t1 - t0:.1f} s (compilation included)")
-        res = jax.block_until_ready(loop(params, draft, cache, first, jax.random.PRNGKey(0)))
+        res, cache = jax.block_until_ready(loop(params, draft, cache, first, jax.random.PRNGKey(0)))
         t2 = time.perf_counter()
         stats = dev.memory_stats() or {}
         row.update(decode_s_incl_compile=t2 - t1, tokens=int(np.asarray(res.lengths)[0]),

@@ -4,6 +4,9 @@
 #   STAGE=start (default): install the carried wheels, start the run, wait up to WAIT seconds.
 #   STAGE=wait:            wait up to WAIT more seconds for the run started earlier on this machine.
 # BENCH_ARGS: extra arguments of the bench (default: the issue's contexts and an 8192 chunk).
+# CHECK: the command run first (default: the prefill check; `true` skips it), log check.log.
+# POST: a command run after the bench (default: none), log post.log; files it writes under
+#   /tmp/pf/post come back too.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ "${STAGE:-start}" = start ] && rm -rf /tmp/pf
@@ -17,6 +20,7 @@ if [ "${STAGE:-start}" = start ]; then
     ${CHECK:-python3 tools/device/prefill_check.py} > /tmp/pf/check.log 2>&1; \
     python3 -m qspec_jax.cli.bench e2e --parts prefill --out /tmp/pf/bench --doc /tmp/pf/BENCHMARKS.md \
       ${BENCH_ARGS:---prefill-contexts 8192,32768,131072 --prefill-chunks 8192 --trials 2} > /tmp/pf/bench.log 2>&1; \
+    ${POST:-true} > /tmp/pf/post.log 2>&1; \
     echo done > /tmp/pf/DONE" > /tmp/pf/run.log 2>&1 < /dev/null &
 fi
 end=$(( $(date +%s) + ${WAIT:-540} ))
@@ -24,6 +28,8 @@ while [ ! -f /tmp/pf/DONE ] && [ $(date +%s) -lt $end ]; do sleep 5; done
 cp /tmp/pf/*.log /tmp/pf/gpu.txt $OUT/ 2>/dev/null
 [ -f /tmp/pf/BENCHMARKS.md ] && cp /tmp/pf/BENCHMARKS.md $OUT/
 [ -f /tmp/pf/bench/e2e.json ] && cp /tmp/pf/bench/e2e.json $OUT/
-echo "== check"; cat /tmp/pf/check.log 2>/dev/null | tail -25
+[ -d /tmp/pf/post ] && cp -r /tmp/pf/post $OUT/ && rm -rf $OUT/post/*/traces $OUT/post/traces
+echo "== check"; grep -v "^W[0-9]" /tmp/pf/check.log 2>/dev/null | tail -60
 echo "== bench"; grep -v "^\[e2e" /tmp/pf/bench.log 2>/dev/null | tail -40
+echo "== post"; grep -v "^W[0-9]" /tmp/pf/post.log 2>/dev/null | tail -60
 [ -f /tmp/pf/DONE ] && echo FINISHED || echo STILL RUNNING

@@ -65,16 +65,19 @@ def attention_checks(seed: int, t: int, c: int, heads: tuple[int, int, int], gro
         else:
             cache = DenseKVCache.init(cfg, b, t).prefill_layer(0, k, v, lengths)
             qlen = jnp.zeros_like(lengths)
-        for start in sorted({0, c, t - c}):
+        # Prefix spans (keys per cuDNN call): the default (the whole cache here), one chunk, two
+        # chunks (at start 3C: [C, 3C) and [0, C), the lower read as [0, 2C) with its upper half masked).
+        for start, keys in sorted({(0, None), (c, None), (t - c, None), (t - c, c), (t - c, 2 * c)}, key=str):
             sl = lambda x, ax: jax.lax.dynamic_slice_in_dim(x, start, c, axis=ax)  # noqa: E731
             qc, kc, vc, pc = sl(q, 1), sl(k, 2), sl(v, 2), sl(pos, 1)
-            fn = jax.jit(lambda qc, kc, vc, cache: chunk_attention(qc, kc, vc, pc, cache, 0, start, c, qlen, None, IMPL))
+            fn = jax.jit(lambda qc, kc, vc, cache: chunk_attention(qc, kc, vc, pc, cache, 0, start, c, qlen, None, IMPL,
+                                                                   keys))
             got = fn(qc, kc, vc, cache)
             ref = chunk_attention(qc.astype(jnp.float32), kc, vc, pc, cache, 0, start, c, qlen, None, "reference")
             # Row 1's queries past its length see garbage by design: compare valid rows only.
             valid = (pc < lengths[:, None])[:, :, None, None]
             err = rel(jnp.where(valid, got, 0), jnp.where(valid, ref, 0))
-            check(f"chunk {kind} T={t} start={start} C={c} heads={heads}",
+            check(f"chunk {kind} T={t} start={start} C={c} prefix_keys={keys} heads={heads}",
                   err < 2e-2 and bool(jnp.isfinite(got).all()), f"rel err {err:.2e}")
 
 
