@@ -195,6 +195,47 @@ def test_e2e_quick_writes_json_to_the_cache_only(stub_e2e: dict[str, Any], cache
     assert {p: p.read_bytes() for p in (REPO / "docs").glob("*.md")} == docs  # the tracked reports untouched
 
 
+def test_e2e_keep_parts_accumulates_parts_with_their_commands(stub_e2e: dict[str, Any], cache_home: Path,
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--keep-parts` keeps what an earlier run in the same --out measured and this run does not,
+    marked with the command that measured it (kept through later runs); without it a run's JSON
+    has its own parts only; a file there that is not an e2e result is refused by name."""
+    out = tmp_path / "o"
+    assert bench.main(["e2e", "--quick", "--parts", "8b", "--out", str(out)]) == 0
+    first = json.loads((out / "e2e.json").read_text())["command"]
+    for _ in range(2):
+        assert bench.main(["e2e", "--quick", "--parts", "memory", "--out", str(out), "--keep-parts"]) == 0
+        res = json.loads((out / "e2e.json").read_text())
+        assert res["memory"] == {"note": "memory stand-in"}  # measured now: not marked
+        assert res["8b"]["note"] == "8b stand-in" and res["8b"]["kept_from"]["command"] == first
+        assert "--parts 8b" in first
+    assert bench.main(["e2e", "--quick", "--parts", "memory", "--out", str(out)]) == 0
+    assert "8b" not in json.loads((out / "e2e.json").read_text())
+    (out / "e2e.json").write_text("not json")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        bench.main(["e2e", "--quick", "--parts", "memory", "--out", str(out), "--keep-parts"])
+    assert e.value.code == 2
+    assert f"--keep-parts: {out / 'e2e.json'} is not a qspec-bench e2e result" in capsys.readouterr().err
+
+
+def test_e2e_report_names_the_run_of_a_kept_part(tmp_path: Path) -> None:
+    """A part kept from an earlier run is reported under its heading with that run's command and
+    date; a part measured now is not; a kept prefill part leaves the prefill section alone."""
+    from qspec_jax.bench import report
+
+    res = json.loads((REPO / "docs" / "bench" / "e2e_batch_h200_ws.json").read_text())
+    doc = tmp_path / "B.md"
+    report.write_e2e(res, tmp_path, doc)
+    assert "### Batch 8" in doc.read_text() and "earlier run" not in doc.read_text()
+    res["batch"]["kept_from"] = {"command": "qspec-bench e2e --parts batch --x", "date": "2026-01-02"}
+    res["prefill"] = {"error": "boom", "kept_from": {"command": "c", "date": "d"}}
+    report.write_e2e(res, tmp_path, doc)
+    text = doc.read_text()
+    assert "Measured by an earlier run (2026-01-02): `qspec-bench e2e --parts batch --x`." in text
+    assert "prefill:begin" not in text
+
+
 @pytest.mark.slow
 def test_e2e_quick_prefill_part_measures_every_row(cache_home: Path, tmp_path: Path) -> None:
     """`--parts prefill --quick` runs the whole part on the CPU (attention, time to first token whole

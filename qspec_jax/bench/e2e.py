@@ -665,6 +665,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-contexts", type=ints, default="131072,262144", help="part tp: contexts")
     p.add_argument("--torch-group", type=int, default=128, choices=(0, 32, 64, 128, 256),
                    help="part 8b: int4 group of the PyTorch (tinygemm) CUDA-graph decode peer; 0 skips the peer")
+    p.add_argument("--keep-parts", action="store_true",
+                   help="keep the parts an earlier run recorded in OUT/e2e.json that this run does not measure (each "
+                        "with the command and date that measured it), so that the report covers them all: `make "
+                        "bench` runs the parts one device call at a time this way")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, except those given (CPU smoke test of the harness); writes no report")
     return p
@@ -706,7 +710,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     return options.run_bench(PROG, _main, argv)
 
 
-GPU_PARTS = ("8b", "batch", "prefill", "tp")  # they build the 8B shape's weights and caches (memory too, to confirm)
+GPU_PARTS = ("8b", "batch", "prefill", "tp")
+PARTS = ("8b", "batch", "smollm", "memory", "prefill", "tp")
+
+
+def kept_parts(path: Path, measured: Sequence[str]) -> dict[str, Any]:
+    """The parts recorded in an earlier run's e2e.json at `path` that this run (`measured`) does not
+    measure, each marked with `kept_from` (the command and date that measured it); {} when there
+    is no such file. A file that is not an e2e.json is refused by name."""
+    if not path.exists():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+        origin = {"command": old["command"], "date": old["environment"]["date"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--keep-parts: {path} is not a qspec-bench e2e result ({type(e).__name__}: {e})") from None
+    kept: dict[str, Any] = {}
+    for part in PARTS:
+        if part in old and part not in measured:
+            kept[part] = {**old[part], "kept_from": old[part].get("kept_from", origin)}
+    if "8b" in kept and "torch_decode" in old:  # the 8b part's PyTorch peer goes with it
+        kept["torch_decode"] = old["torch_decode"]
+    return kept  # they build the 8B shape's weights and caches (memory too, to confirm)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -727,6 +752,13 @@ def _main(argv: Sequence[str] | None) -> int:
     env = report.environment()
     log(json.dumps(env))
     results: dict[str, Any] = {"environment": env, "command": options.command_line(PROG, argv)}
+    if args.keep_parts:
+        from qspec_jax.cli import fail
+
+        try:
+            results.update(kept_parts(args.out / "e2e.json", args.parts))
+        except ValueError as e:
+            fail(PROG, str(e))
     if "8b" in args.parts and args.torch_group and not args.quick:  # before JAX allocates the GPU's memory
         results["torch_decode"] = torch_peer(args.contexts, args.torch_group, args.out)
     prefill_peers = None

@@ -82,6 +82,12 @@ def _plot(path: Path, series: dict[str, tuple[list[float], list[float]]], title:
     return True
 
 
+def _kept(part: dict[str, Any]) -> str:
+    """The line under a part's heading when it was kept from an earlier run (`e2e --keep-parts`)."""
+    k = part.get("kept_from")
+    return f"\nMeasured by an earlier run ({k['date']}): `{k['command']}`.\n" if k else ""
+
+
 def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> None:
     """Plots into `out`, and with a `doc` the markdown sections "e2e" and "tp" of that file, from
     `qspec-bench e2e` results."""
@@ -94,7 +100,7 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         gammas = sorted({int(k.split('_g')[1].split('_')[0]) for r in rows for k in r if k.startswith("verify_g")})
         alphas = sorted({float(k.split("_a")[1].split("_")[0]) for r in rows for k in r if k.startswith("proj_g")})
         parts.append(
-            f"### {p8['config']}\n\nPer-step times (median over repeated in-device loops), bytes each step must "
+            f"### {p8['config']}\n{_kept(p8)}\nPer-step times (median over repeated in-device loops), bytes each step must "
             "read, and the fraction of copy bandwidth that represents. Draft weights: "
             f"INT4 g{p8['draft']['group_size']} ({p8['draft']['scope']}, lm_head {'INT4' if p8['draft']['lm_head'] else 'bf16'}).\n")
         mosaic = any("ar_bf16_mosaic_ms" in r for r in rows)  # `--dense-mosaic`: the target's linears on Mosaic
@@ -153,7 +159,7 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         alphas = ([str(a) for a in bt["alphas"]] if "alphas" in bt else  # (results of older runs: from the keys)
                   sorted({k.split("_a")[1].split("_")[0] for r in bt["rows"] for k in r if k.startswith("spec_a")}))
         parts.append(f"\n### Batch {bt['rows'][0]['batch']} (8B shape, rows of different prompt lengths, "
-                     f"γ={bt['gamma']}, forced per-row acceptance, {bt['tokens']}-token loops)\n")
+                     f"γ={bt['gamma']}, forced per-row acceptance, {bt['tokens']}-token loops)\n" + _kept(bt))
         parts.append(table(
             ["context", "row lengths", "AR-bf16 tok/s"] + [f"QuantSpec α={a} tok/s" for a in alphas]
             + [f"speedup α={a}" for a in alphas] + ["note"],
@@ -164,7 +170,7 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         parts.append(f"\n### Batch\n\nFailed: `{bt.get('error')}`")
     sm = results.get("smollm")
     if sm and "rows" in sm:
-        parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, γ={sm['gamma']})\n")
+        parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, γ={sm['gamma']})\n" + _kept(sm))
         parts.append(table(
             ["batch", "context", "AR-bf16 tok/s", "AR-int8 tok/s", "QuantSpec tok/s", "speedup vs AR-bf16",
              "speedup vs AR-int8", "acceptance", "tokens/round", "tokens equal to AR-int8"],
@@ -176,7 +182,7 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         parts.append(f"\n### SmolLM2\n\nFailed: `{sm.get('error')}`")
     mem = results.get("memory")
     if mem and "rows" in mem:
-        parts.append("\n### Memory (8B shape, batch 1)\n\nPeak = arguments + outputs + temporaries of the compiled "
+        parts.append("\n### Memory (8B shape, batch 1)\n" + _kept(mem) + "\nPeak = arguments + outputs + temporaries of the compiled "
                      "generation loop (XLA memory analysis).\n")
         parts.append(table(["context", "mode", "peak GB", "arguments GB", "temporaries GB"],
                            [[r["context"], r["kind"], r["peak_bytes"] / 1e9, r["arguments"] / 1e9, r["temp"] / 1e9]
@@ -197,10 +203,12 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
     if any(k in results for k in ("8b", "batch", "smollm", "memory")):
         update_section("e2e", "\n".join(parts), doc)
     pf = results.get("prefill")
-    if pf:  # its own section: `--parts prefill` runs on its own (the longest prompt takes minutes)
+    if pf and "kept_from" not in pf:  # its own section: `--parts prefill` runs on its own (the longest prompt takes minutes)
         update_section("prefill", prefill_section(pf, env, results["command"]), doc)
     tp = results.get("tp")
-    if tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest
+    if tp and "kept_from" in tp:
+        pass  # kept from an earlier run (--keep-parts): its section is as that run wrote it
+    elif tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest
         update_section("tp", tp_section(tp, env, results["command"], bw), doc)
     elif tp:
         update_section("tp", f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`", doc)
