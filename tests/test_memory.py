@@ -113,10 +113,9 @@ def test_decode_loops_update_a_donated_cache_in_place(mode: str) -> None:
     only when the loop returns it (`return_cache=True`): XLA aliases the donated cache to that
     output, and otherwise copies it into the loop's state (at 1.29M tokens on the H200: 81.6 GiB,
     out of memory). Compiled on the CPU: the copy shows as a cache's worth of temporaries."""
-    cfg = BASE
-    params, key = abstract_params(cfg), jax.random.PRNGKey(0)
+    params, key = abstract_params(BASE), jax.random.PRNGKey(0)
     first = jax.ShapeDtypeStruct((1,), jnp.int32)
-    cache = jax.eval_shape(lambda: new_cache(cfg, "int8", 1, 32768, 128, 7))
+    cache = jax.eval_shape(lambda: new_cache(BASE, "int8", 1, 32768, 128, 7))
     cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
     if mode == "ar":
         gen = GenerationConfig(max_new_tokens=4, kv="int8")

@@ -710,8 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return options.run_bench(PROG, _main, argv)
 
 
-GPU_PARTS = ("8b", "batch", "prefill", "tp")
-PARTS = ("8b", "batch", "smollm", "memory", "prefill", "tp")
+GPU_PARTS = ("8b", "batch", "prefill", "tp")  # they build the 8B shape's weights and caches (memory too, to confirm)
 
 
 def kept_parts(path: Path, measured: Sequence[str]) -> dict[str, Any]:
@@ -731,7 +730,7 @@ def kept_parts(path: Path, measured: Sequence[str]) -> dict[str, Any]:
             kept[part] = {**old[part], "kept_from": old[part].get("kept_from", origin)}
     if "8b" in kept and "torch_decode" in old:  # the 8b part's PyTorch peer goes with it
         kept["torch_decode"] = old["torch_decode"]
-    return kept  # they build the 8B shape's weights and caches (memory too, to confirm)
+    return kept
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -205,13 +205,10 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
     pf = results.get("prefill")
     if pf and "kept_from" not in pf:  # its own section: `--parts prefill` runs on its own (the longest prompt takes minutes)
         update_section("prefill", prefill_section(pf, env, results["command"]), doc)
-    tp = results.get("tp")
-    if tp and "kept_from" in tp:
-        pass  # kept from an earlier run (--keep-parts): its section is as that run wrote it
-    elif tp and "rows" in tp:  # its own section: it runs on a multi-GPU machine, apart from the rest
-        update_section("tp", tp_section(tp, env, results["command"], bw), doc)
-    elif tp:
-        update_section("tp", f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`", doc)
+    tp = results.get("tp")  # its own section: it runs on a multi-GPU machine, apart from the rest
+    if tp and "kept_from" not in tp:  # a kept one (--keep-parts): its section stays as that run wrote it
+        update_section("tp", tp_section(tp, env, results["command"], bw) if "rows" in tp
+                       else f"## Tensor parallelism\n\nFailed: `{tp.get('error')}`", doc)
 
 
 def _cell(row: dict[str, Any], key: str) -> Any:
