@@ -104,7 +104,11 @@ class MgpuConfig:
     # lazy softmax reference). None: $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE.
     schedule: str | None = None
     ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
-    ws_diag: str | None = None  # "ws" timing diagnostics, wrong results: "stream" (pipeline only), "noprep"
+    ws_diag: str | None = None  # "ws" timing diagnostics: "stream", "noprep" (wrong results), "and_or"
+    # "ws": issue a block's value MMA, then the next block's K conversion and score MMA, before
+    # waiting (software-pipelined consumers); False: one block after the other. Same bits.
+    # None: pipelined for the draft view only (see decode_attention_mgpu_ws.static_config).
+    ws_pipeline: bool | None = None
 
 
 # ----------------------------------------------------------------------------- code words
@@ -178,11 +182,13 @@ def twin_operand(hi: Array, lo: Array | None) -> Array:
     return jnp.concatenate([half(f16[0], f16[1]), half(f16[2], f16[3])], axis=1)
 
 
-def _register_operand(hi, lo, rows: int, nb: int):
+def register_operand(hi, lo, rows: int, nb: int, *, lop3: bool = True):
     """Register path: uint8 [rows=64, nb] arrays in the WGMMA_8BIT layout (lane j of a quad holds
     bytes 4j..4j+3 of each 16-byte group of its two rows) -> float16 [64, 2 nb] in the WGMMA
     layout (lane j holds columns 8k + 2j, 8k + 2j + 1 of its rows). Written at the Mosaic GPU
-    level (`inline_mgpu`): the registers are built one by one, so no relayout is ever emitted."""
+    level (`inline_mgpu`): the registers are built one by one, so no relayout is ever emitted.
+    lop3: each mask-and-merge as one inline-PTX `lop3.b32` (one SASS LOP3 per output word); False
+    writes it as and + or, which ptxas emits as two LOP3s (kept for A/B timing only)."""
     # jax.extend.mlir has no llvm dialect (inline PTX for prmt): the same modules as Mosaic GPU's own.
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
@@ -203,9 +209,21 @@ def _register_operand(hi, lo, rows: int, nb: int):
         class Ops:
             shr = staticmethod(lambda x, n: arith.shrui(x, const(n)))
             shl = staticmethod(lambda x, n: arith.shli(x, const(n)))
-            mask_or = staticmethod(lambda x, m, c: arith.ori(arith.andi(x, const(m)), const(c)))
-            blend = staticmethod(lambda x, y, m: arith.ori(arith.andi(x, const(m)),
-                                                           arith.andi(y, const(~m & 0xFFFFFFFF))))
+
+            @staticmethod
+            def mask_or(x, m, c):
+                if not lop3:  # and + or: ptxas emits two LOP3s (one immediate each)
+                    return arith.ori(arith.andi(x, const(m)), const(c))
+                # One LOP3 (LUT 0xEA = (a & b) | c): written as lop3 with both constants, ptxas
+                # keeps one in a register hoisted out of the loop and the other as the immediate.
+                return llvm.inline_asm(i32, [x], f"lop3.b32 $0, $1, {hex(m)}, {hex(c)}, 0xEA;", "=r,r")
+
+            @staticmethod
+            def blend(x, y, m):
+                if not lop3:
+                    return arith.ori(arith.andi(x, const(m)), arith.andi(y, const(~m & 0xFFFFFFFF)))
+                # (a & c) | (b & ~c): LUT 0xE4
+                return llvm.inline_asm(i32, [x, y], f"lop3.b32 $0, $1, $2, {hex(m)}, 0xE4;", "=r,r,r")
 
             @staticmethod
             def prmt64(x, sel):
@@ -318,7 +336,7 @@ def _build(st: _Static):
         if reg_a:
             h = _load(hi, plgpu.Layout.WGMMA_8BIT)
             l = None if lo is None else _load(lo, plgpu.Layout.WGMMA_8BIT)
-            return _register_operand(h, l, MT, nb)
+            return register_operand(h, l, MT, nb)
         return twin_operand(hi[...], None if lo is None else lo[...])
 
     def softmax_step(s_tiles, vis_tiles, m, l_acc, alpha_out=None):

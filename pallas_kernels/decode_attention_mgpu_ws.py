@@ -87,7 +87,10 @@ class _WsStatic:
     scale_dtype: Any
     fp_dtype: Any
     regs: tuple[int, int, int]
-    diag: str | None = None  # timing diagnostics (wrong results): "stream" (TMA + barriers only), "noprep"
+    # timing diagnostics: "stream" (TMA + barriers only) and "noprep" give wrong results; "and_or"
+    # (right results) converts codes with and + or, two LOP3s per word where the default has one
+    diag: str | None = None
+    pipeline: bool = True  # software-pipelined consumers (`values_then_scores`)
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -128,18 +131,24 @@ def fits(view: str, D: int, G: int, c_max: int, scale_dtype: Any, fp_dtype: Any)
     return ring_plan(view, D, G, c_max, 4, scale_dtype, fp_dtype) is not None
 
 
-def default_ctas(batch: int, hkv: int, n_blocks: int) -> int:
-    """CTAs per (row, KV head): one CTA per SM, so pick the count whose waves x blocks per CTA is
-    smallest (a CTA costs ~4 blocks of fixed time: pipeline fill, epilogue). Depends on the
-    geometry only, never on T."""
+# A CTA's fixed time (pipeline fill, prologue, epilogue) in blocks of the same CTA's streaming time,
+# per view: fitted to the SmolLM2-shape sweep of num_splits (H100, 2026-11-26, B = 32, 8k: time =
+# waves x (blocks per CTA x t + f); draft t = 0.65 us, f = 4.4 us; verify t = 0.60 us, f = 9.5 us).
+CTA_FIXED_BLOCKS = {"draft": 7, "target": 16}
+
+
+def default_ctas(batch: int, hkv: int, n_blocks: int, view: str = "draft") -> int:
+    """CTAs per (row, KV head): one CTA per SM, so pick the count whose waves x (blocks per CTA +
+    the CTA's fixed cost in blocks) is smallest. Depends on the geometry and view only, never on T."""
     pairs = batch * hkv
     sms = num_sms()
+    fixed = CTA_FIXED_BLOCKS[view]
     best, best_cost = 1, None
     for np_ in range(1, max(1, 4 * sms // pairs) + 1):
         if np_ > max(1, n_blocks):
             break
         waves = -(-(np_ * pairs) // sms)
-        cost = waves * (-(-n_blocks // np_) + 4)
+        cost = waves * (-(-n_blocks // np_) + fixed)
         if best_cost is None or cost < best_cost:
             best, best_cost = np_, cost
     return best
@@ -463,17 +472,12 @@ def _build_ws(st: _WsStatic):
                 return lax.cond(flag > 0, scale, lambda args: args, (tuple(ls), tuple(ys), tuple(os_)))
 
             # ------------------------------------------------------------ quantized blocks
-            def quant_body(j, carry):
-                ms, ls, ys, os_ = carry
-                i = w + 2 * j
+            def k_tiles(i):
+                """(slot, K operand tiles) of block i, once its slot is loaded and prepared."""
                 slot = slot_of(i)
-                blk = blk0 + i
                 if not seq:  # (interpret mode: the prep role waited)
                     plgpu.barrier_wait(full.at[slot])
                 plgpu.barrier_wait(prepped.at[slot])
-                if st.diag == "stream":  # timing diagnostic: the pipeline alone
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    return carry
                 kp = [k_s.at[slot, 0], k_s.at[slot, 1] if target else None]
                 a_k = []
                 for mt in range(MTK):
@@ -481,11 +485,33 @@ def _build_ws(st: _WsStatic):
                     if reg_a:
                         hi = _load(kp[0].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
                         lo = None if kp[1] is None else _load(kp[1].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
-                        a_k.append(mg._register_operand(hi, lo, MT, Dh))
+                        a_k.append(mg.register_operand(hi, lo, MT, Dh, lop3=st.diag != "and_or"))
                     else:
                         a_k.append(mg.twin_operand(kp[0][pl.ds(rows, MT)],
                                                    None if kp[1] is None else kp[1][pl.ds(rows, MT)]))
-                s_all = scores(a_k, [qp_s.at[slot, c, pl.ds(0, D)] for c in range(C)])
+                return slot, a_k
+
+            def qs_refs(slot):  # the score MMA's B operands: the slot's q s_k tiles
+                return [qp_s.at[slot, c, pl.ds(0, D)] for c in range(C)]
+
+            def p_ref(slot):  # the value MMA's B operand of column tile c: the slot's P s_v
+                return lambda c: qp_s.at[slot, c, pl.ds(0, G)]
+
+            def v_tiles(slot):
+                def a_v(mc):
+                    rows = mc * MT
+                    vp = [v_s.at[slot, 0], v_s.at[slot, 1] if target else None]
+                    if reg_a:
+                        hi = _load(vp[0].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
+                        lo = None if vp[1] is None else _load(vp[1].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
+                        return mg.register_operand(hi, lo, MT, Gh, lop3=st.diag != "and_or")
+                    return mg.twin_operand(vp[0][pl.ds(rows, MT)], None if vp[1] is None else vp[1][pl.ds(rows, MT)])
+                return a_v
+
+            def softmax_p(i, slot, s_all, ms, ls, ys, os_):
+                """Block i's masked scores -> new (m, l, y), O rescaled if a reference moved, and
+                P s_v stored over the slot's qs (the score MMA has finished reading it)."""
+                blk = blk0 + i
                 sv = [_load(sv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) * kfac for mt in range(MTK)]
                 zv = [_load(zv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) for mt in range(MTK)]
                 if target:
@@ -517,25 +543,88 @@ def _build_ws(st: _WsStatic):
                     new_ls.append(ls[c] + functools.reduce(jnp.add, pr))
                     new_ys.append(y)
                 plgpu.commit_smem()
+                return tuple(new_ms), tuple(new_ls), tuple(new_ys), os_
 
-                def a_v(mc):
-                    rows = mc * MT
-                    vp = [v_s.at[slot, 0], v_s.at[slot, 1] if target else None]
-                    if reg_a:
-                        hi = _load(vp[0].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
-                        lo = None if vp[1] is None else _load(vp[1].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
-                        return mg._register_operand(hi, lo, MT, Gh)
-                    return mg.twin_operand(vp[0][pl.ds(rows, MT)], None if vp[1] is None else vp[1][pl.ds(rows, MT)])
-
-                new_os = values(os_, a_v, lambda c: qp_s.at[slot, c, pl.ds(0, G)], av_s)
+            def quant_body(j, carry):
+                """Block w + 2j, one after the other: K, scores, softmax, values, release."""
+                ms, ls, ys, os_ = carry
+                i = w + 2 * j
+                if st.diag == "stream":  # timing diagnostic: the pipeline alone
+                    slot = slot_of(i)
+                    if not seq:
+                        plgpu.barrier_wait(full.at[slot])
+                    plgpu.barrier_wait(prepped.at[slot])
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return carry
+                slot, a_k = k_tiles(i)
+                s_all = scores(a_k, qs_refs(slot))
+                ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
+                new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
                 plgpu.barrier_arrive(consumed.at[slot])
-                return tuple(new_ms), tuple(new_ls), tuple(new_ys), new_os
+                return ms, ls, ys, new_os
+
+            def values_then_scores(os_, slot, i_next):
+                """Software pipelining: block i's value MMA is issued, then (while the tensor cores
+                run it) block i_next's slot is awaited, its K converted and its score MMA issued;
+                one wait for both. The same MMAs on the same operands as `quant_body`, in the same
+                accumulation order, so the same bits; only their overlap changes."""
+                if not reg_a:  # the twin: the same steps, one after the other
+                    new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
+                    slot2, a_k = k_tiles(i_next)
+                    return new_os, scores(a_k, qs_refs(slot2))
+                a_v = v_tiles(slot)
+
+                def run(accs):
+                    o_accs, s_accs = accs[:MTV * C], accs[MTV * C:]
+                    for mc in range(MTV):
+                        a = a_v(mc)
+                        for c in range(C):
+                            plgpu.wgmma(o_accs[mc * C + c], a, p_ref(slot)(c))
+                    slot2, a_k = k_tiles(i_next)
+                    b_refs = qs_refs(slot2)
+                    for ai, a in enumerate(a_k):
+                        for c in range(C):
+                            plgpu.wgmma(s_accs[ai * C + c], a, b_refs[c])
+
+                inits = tuple(plgpu.ACC.init(os_[c][mc]) for mc in range(MTV) for c in range(C))
+                inits += tuple(plgpu.ACC.init(zeros_t()) for _ in range(MTK * C))
+                flat = pl.run_state(run)(inits)
+                new_os = tuple(tuple(flat[mc * C + c] for mc in range(MTV)) for c in range(C))
+                return new_os, list(flat[MTV * C:])
+
+            def pipelined_body(j, carry):
+                """Block i = w + 2j with its scores computed; ends with block i + 2's scores."""
+                ms, ls, ys, os_, s_all = carry
+                i = w + 2 * j
+                slot = slot_of(i)
+                ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
+                os_, s_next = values_then_scores(os_, slot, i + 2)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return ms, ls, ys, os_, tuple(s_next)
 
             init = (tuple(neg_c() for _ in range(C)), tuple(zeros_t() for _ in range(C)),
                     tuple(zeros_t() for _ in range(C)),
                     tuple(tuple(zeros_t() for _ in range(MTV)) for _ in range(C)))
             nq = (n - w + 1) // 2
-            carry = lax.fori_loop(0, nq, quant_body, init)
+            if st.pipeline and st.diag != "stream":
+                def first_last(carry):
+                    slot, a_k = k_tiles(w)
+                    s0 = tuple(scores(a_k, qs_refs(slot)))
+                    ms, ls, ys, os_, s_all = lax.fori_loop(0, nq - 1, pipelined_body, (*carry, s0))
+                    return quant_body_tail(nq - 1, (ms, ls, ys, os_), s_all)
+
+                def quant_body_tail(j, carry, s_all):  # the last block: no next scores to issue
+                    ms, ls, ys, os_ = carry
+                    i = w + 2 * j
+                    slot = slot_of(i)
+                    ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
+                    new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return ms, ls, ys, new_os
+
+                carry = lax.cond(nq > 0, first_last, lambda carry: carry, init)
+            else:
+                carry = lax.fori_loop(0, nq, quant_body, init)
 
             # ------------------------------------------------------------------- FP ring
             # Operands in float16 (bf16 -> f16 is exact in float16's normal range, which the
@@ -697,9 +786,17 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     if not C <= c_max:
         raise ValueError(f"C={C} column tiles > c_max={c_max}")
     n_blocks = max(1, S_max // G)
-    np_ = config.num_splits or default_ctas(B, H, n_blocks)
+    np_ = config.num_splits or default_ctas(B, H, n_blocks, view)
+    # Software-pipelined consumers (a block's value MMA overlapping the next block's K conversion
+    # and score MMA) by default for the draft view only: the verify kernel's two planes and wider
+    # accumulators run out of registers (ptxas serializes its wgmmas; H100 run 2026-11-26: 128 vs
+    # 106 us at 128k, T = 5). A pipelined consumer holds both of its slots at once, so it gets three
+    # (6 stages) where they fit: with 4 it was slower than unpipelined (67 vs 59 us), with 6 faster (56.5).
+    pipeline = config.ws_pipeline if config.ws_pipeline is not None else view == "draft"
     stages = config.stages
-    if stages is None:
+    if stages is None and pipeline:
+        stages = 6 if ring_plan(view, D, G, c_max, 6, scale_dtype, fp_dtype) is not None else 4
+    elif stages is None:
         stages = 6 if ring_plan(view, D, G, c_max, 6, scale_dtype, fp_dtype) == 4 else 4
     if stages < 4 or stages % 2:
         raise ValueError(f"stages={stages}: the warp-specialized schedule needs an even count >= 4")
@@ -716,6 +813,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     return _WsStatic(view=view, B=B, H=H, D=D, G=G, R=R, C=C, NP=int(np_), stages=int(stages), ring_bufs=bufs,
                      seq_slots=seq_slots, seq_ring_slots=seq_ring_slots,
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
+                     pipeline=bool(pipeline),
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
 
 

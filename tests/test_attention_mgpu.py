@@ -340,6 +340,23 @@ def test_ws_lazy_reference_moves_and_stays_column_local(view):
     assert (np.abs(o5 - ref) <= error_bound(q5, pos5, cache, 0, view)).all()
 
 
+@pytest.mark.parametrize("view,window", [("draft", None), ("target", 60)])
+def test_ws_pipelined_consumers_same_bits(view, window):
+    """The software-pipelined consumer loop (a block's value MMA issued with the next block's score
+    MMA) computes what the one-block-after-the-other loop does, bit for bit, for CTAs whose
+    consumers own 0, 1, 2 or more blocks (one split over rows of 0 to 5 blocks, and 3 splits)."""
+    g = 64
+    cache = build_cache(13, 1, 2, 64, g, [5 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=8)
+    q, q_pos = _queries(jax.random.PRNGKey(8), cache, 5, 4, 64, jnp.float32)
+    for splits in (1, 3):
+        outs = [np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=mg.MgpuConfig(
+            register_a=False, schedule="ws", num_splits=splits, ws_pipeline=pipe))) for pipe in (True, False)]
+        assert np.isfinite(outs[0]).all()
+        np.testing.assert_array_equal(outs[0], outs[1])
+    ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
+    assert (np.abs(outs[0] - ref) <= error_bound(q, q_pos, cache, 0, view, window)).all()
+
+
 def test_mgpu_partials_written_and_neutral():
     """"legacy": every program writes its partial (outputs start as NaN in interpret mode);
     splits past a row's q_len are neutral (m = NEG, l = 0, o = 0)."""
@@ -354,6 +371,29 @@ def test_mgpu_partials_written_and_neutral():
     assert (m[0, :, 1:4] == np.float32(mg.NEG)).all() and (o[0, :, 1:4] == 0).all()
     assert (l[1, :, :2] > 0).all()  # row 1: two blocks
     assert (l[:, :, 4:] > 0).any()  # the ring programs see the ring
+
+
+def test_ws_default_schedule_per_view(monkeypatch):
+    """The ws defaults depend on (geometry, view), never on T: software-pipelined consumers with
+    three slots each for the draft, one block after the other for the verify (its wgmmas serialize
+    for lack of registers when pipelined); CTAs per (row, KV head) from the per-view fixed cost
+    (the SmolLM2 shape at batch 32 reads each pair's verify blocks in one CTA, its draft in 4)."""
+    monkeypatch.setattr(ws, "num_sms", lambda: 132)
+    assert ws.default_ctas(32, 3, 64, "target") == 1 and ws.default_ctas(32, 3, 64, "draft") == 4
+    assert ws.default_ctas(1, 8, 1024, "draft") == ws.default_ctas(1, 8, 1024, "target") == 16
+    statics = {}
+    for view in ("draft", "target"):
+        for c in (1, 2):
+            statics[view, c] = ws.static_config(1, 8, 128, 128, 64, 1024 * 128, c, 2, view, None, True, False,
+                                                jnp.float16, jnp.bfloat16, mg.MgpuConfig(schedule="ws"))
+    for view in ("draft", "target"):  # the same schedule for every column-tile count
+        one, two = statics[view, 1], statics[view, 2]
+        assert (one.pipeline, one.stages, one.ring_bufs, one.NP) == (two.pipeline, two.stages, two.ring_bufs, two.NP)
+    assert statics["draft", 1].pipeline and statics["draft", 1].stages == 6
+    assert not statics["target", 1].pipeline
+    forced = ws.static_config(1, 8, 128, 128, 64, 1024 * 128, 1, 2, "target", None, True, False, jnp.float16,
+                              jnp.bfloat16, mg.MgpuConfig(schedule="ws", ws_pipeline=True, num_splits=3))
+    assert forced.pipeline and forced.NP == 3
 
 
 def test_ws_partials_written_and_neutral():
@@ -487,6 +527,7 @@ LOWER_SCRIPT = textwrap.dedent("""
         txt = jax.jit(f).trace(q, qp, cache, jax.ShapeDtypeStruct((), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "custom_call @mosaic_gpu" in txt, view
+        assert "lop3.b32" in txt, "the code conversion is one lop3 per output word"
         print("lowered", schedule, view, d, group, t, flush=True)
     print("ALL OK", jax.__version__)
 """)

@@ -96,6 +96,11 @@ def test_floor_bytes_of_a_model():
     (["--draft-group", "48"], "--draft-group must be one of 32, 64, 128, got 48"),
     (["--quick", "--doc"], "--doc with --quick"),
     (["--doc"], "--doc: no GPU (cpu backend)"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--shape", "gpt2"], "argument --shape: invalid choice: 'gpt2'"),
+    (["--shape", "smollm2", "--doc"], "--doc: the report's profile section is the llama3-8b shape at batch 1, got "
+                                      "--shape smollm2 --batch 1"),
+    (["--batch", "8", "--doc"], "got --shape llama3-8b --batch 8; write this profile with --out only"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     """Every bad argument is refused before anything is measured: one line, exit status 2."""
@@ -140,3 +145,18 @@ def test_torch_decode_peer_step_runs_on_the_cpu():
     assert torch.equal(m["k"][:, :, :, :7], before[:, :, :, :7])
     if not torch.cuda.is_available():
         assert T.main(["--contexts", "64", "--weights", "bf16"]) == 0
+
+
+@pytest.mark.slow  # two tiny SmolLM2-layout draft programs (~30 CPU-s)
+def test_shape_and_batch_reach_the_programs(tmp_path):
+    """--shape and --batch build the caches and tokens the programs run on: the SmolLM2 layout's
+    attention floor doubles from batch 1 to 2 (every row reads its own cache)."""
+    floors = {}
+    for b in (1, 2):
+        out = tmp_path / f"b{b}"
+        assert cli.main(["profile", "--quick", "--shape", "smollm2", "--batch", str(b), "--programs", "draft",
+                         "--out", str(out)]) == 0
+        res = json.loads((out / "profile.json").read_text())
+        assert res["batch"] == b and res["config"].startswith("tiny SmolLM2-135M shape")
+        floors[b] = res["rows"][0]["floor_us"]["attention"]
+    assert floors[2] == pytest.approx(2 * floors[1])

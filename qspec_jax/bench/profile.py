@@ -15,7 +15,8 @@ weights of each linear (INT4 codes + f16 scale/zero per group, from the Mosaic k
 the cache bytes of the attention's view, none for glue (activations are a few KB per layer).
 
 Caches hold random data at the target context (synthetic.py); weights are random with the
-Llama-3.1-8B shape (`--quick`: tiny sizes, runs on a CPU where the trace has no GPU kernels).
+Llama-3.1-8B shape, or SmolLM2-135M's (`--shape smollm2`), at `--batch` rows (`--quick`: tiny sizes,
+runs on a CPU where the trace has no GPU kernels).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from qspec_jax import model as M
 from qspec_jax.bench import e2e, options, report
 from qspec_jax.bench.kernel import dense_bytes, quant_bytes
+from qspec_jax.bench.prefill import SMOLLM2
 from qspec_jax.cache import DEFAULT_GAMMA_MAX
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.planner import tree_bytes
@@ -44,6 +46,7 @@ from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
 READ_CEILING = 4.35e12  # bytes/s: the H200's measured bf16 GEMV read rate (SPEC §8)
 PROGRAMS = ("ar_bf16", "draft", "verify", "ar_loop", "spec_loop")
+SHAPES = {"llama3-8b": (e2e.LLAMA31_8B, "Llama-3.1-8B shape"), "smollm2": (SMOLLM2, "SmolLM2-135M shape")}
 CATEGORIES = ("linear", "attention", "glue", "copy")
 _MOSAIC_LINEAR = re.compile(r"(int4|bf16)_(mma|wgmma|smem)_skinny_k(\d+)_n(\d+)_g(\w+?)_s(\d+)")
 _CUBLAS = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas", re.I)
@@ -145,7 +148,10 @@ def _profile(call: Any, trace_dir: Path, per: int, trials: int) -> dict[str, Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = (e2e.QUICK if args.quick else e2e.LLAMA31_8B)
+    cfg, name = SHAPES[args.shape]
+    if args.quick:  # tiny sizes of the shape (the head layout kept)
+        cfg, name = (e2e.QUICK if args.shape == "llama3-8b" else
+                     cfg.replace(vocab_size=512, num_layers=2, intermediate_size=512)), f"tiny {name} (--quick)"
     key = jax.random.PRNGKey(0)
     dcfg = DraftWeightsConfig(group_size=args.draft_group, method="clip")  # random weights: the format, data-free
     params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
@@ -160,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if error is not None:  # a context that does not fit this device: recorded, and the next one runs
             log(f"context {c}: {error}")
             results.append({"context": c, "error": error})
-    return {"config": "Llama-3.1-8B shape" if not args.quick else "tiny (--quick)", "batch": 1,
+    return {"config": name, "batch": args.batch,
             "draft": dcfg.to_dict(), "gamma": args.gamma, "alpha": args.alpha, "verify_t": args.verify_t,
             "read_ceiling_bytes_per_s": READ_CEILING, "rows": results}
 
@@ -169,12 +175,13 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
                     floors: dict[str, int], trace_root: Path) -> list[dict[str, Any]]:
     """The programs of `args.programs` at context `c` (one row each)."""
     key = jax.random.PRNGKey(0)
-    first = jnp.array([7], jnp.int32)
+    B = args.batch
+    first = jnp.full((B,), 7, jnp.int32)
     ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
     spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
     results: list[dict[str, Any]] = []
-    dense = e2e.random_dense_cache(cfg, 1, c, jax.random.fold_in(key, c))
-    quant = e2e.random_quant_cache(cfg, 1, c, jax.random.fold_in(key, c + 1))
+    dense = e2e.random_dense_cache(cfg, B, c, jax.random.fold_in(key, c))
+    quant = e2e.random_quant_cache(cfg, B, c, jax.random.fold_in(key, c + 1))
     steps = {  # name: (params, cache kind, T, view, linear floor)
         "ar_bf16": (params, "dense", 1, "target", floors["target"]),
         "draft": (draft, "quant", 1, "draft", floors["draft"]),
@@ -184,7 +191,7 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
     for name, (p, ck, t, view, lin_floor) in steps.items():
         if name not in args.programs:
             continue
-        toks = jnp.full((1, t), 7, jnp.int32)
+        toks = jnp.full((B, t), 7, jnp.int32)
         state = {"cache": caches[ck]}
 
         def call(p=p, toks=toks, view=view, state=state):
@@ -239,7 +246,7 @@ def show(r: dict[str, Any], top: int, layers: int) -> None:
 
 def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: int) -> str:
     parts = [f"## Profile: where a step's time goes\n\n{report.env_line(env, command)}\n",
-             f"{results['config']}, batch 1; kernel times from the GPU trace of one call, per step (per token for "
+             f"{results['config']}, batch {results['batch']}; kernel times from the GPU trace of one call, per step (per token for "
              f"the loops); floors at {READ_CEILING / 1e12:.2f} TB/s. Draft: INT4 g{results['draft']['group_size']}; "
              f"verify at T = {results['verify_t']}; loops: AR width 1 over a bf16 cache, QuantSpec γ = "
              f"{results['gamma']} at forced α = {results['alpha']}.\n"]
@@ -275,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=comma_list(int), default="4096,131072", help="contexts (tokens)")
     p.add_argument("--programs", type=comma_choices(PROGRAMS), default=",".join(PROGRAMS),
                    help="comma-separated programs to profile")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b",
+                   help="model shape (random weights); the report's section is the default shape at batch 1")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together")
     p.add_argument("--steps", type=int, default=8, help="steps per profiled call")
     p.add_argument("--trials", type=int, default=3, help="timed calls for the wall time (the median is reported)")
     p.add_argument("--loop-tokens", type=int, default=128, help="tokens per profiled loop")
@@ -296,13 +306,16 @@ def check_args(args: argparse.Namespace) -> None:
     from qspec_jax.cli import fail, require
     from qspec_jax.weight_quant import WEIGHT_GROUPS
 
-    options.positive(PROG, args, "--contexts", "--steps", "--trials", "--loop-tokens", "--top")
+    options.positive(PROG, args, "--contexts", "--batch", "--steps", "--trials", "--loop-tokens", "--top")
     require(PROG, 1 <= args.gamma <= DEFAULT_GAMMA_MAX, "--gamma", args.gamma, f"in 1..{DEFAULT_GAMMA_MAX}")
     require(PROG, 0.0 <= args.alpha <= 1.0, "--alpha", args.alpha, "in [0, 1]")
     require(PROG, 1 <= args.verify_t <= DEFAULT_GAMMA_MAX + 1, "--verify-t", args.verify_t,
             f"in 1..{DEFAULT_GAMMA_MAX + 1}")
     require(PROG, args.draft_group in WEIGHT_GROUPS, "--draft-group", args.draft_group,
             f"one of {', '.join(map(str, WEIGHT_GROUPS))}")
+    if args.doc is not None and (args.shape, args.batch) != ("llama3-8b", 1):
+        fail(PROG, f"--doc: the report's profile section is the llama3-8b shape at batch 1, got --shape {args.shape} "
+                   f"--batch {args.batch}; write this profile with --out only")
     if args.doc is not None and jax.default_backend() != "gpu":
         fail(PROG, f"--doc: no GPU ({jax.default_backend()} backend): the trace would have no kernels to report")
 

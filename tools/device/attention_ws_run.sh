@@ -5,7 +5,9 @@
 #
 #   cd <repo> && OUT=/tmp/out bash tools/device/attention_ws_run.sh [STAGES]
 #
-# STAGES: comma-separated subset of check,tinv,time,time8,smol,dump (default: all, in that order).
+# STAGES: comma-separated subset of mapping,check,tinv,time,time8,smol,dump (default: all, in that order).
+# CONFIGS / CONFIGS8 / CONFIGS_SMOL: the MgpuConfig variants timed at B = 1 / B = 8 / SmolLM2 B = 32;
+# CHECK_CASES / TINV_CASES: check_attention.py's --cases of those stages; TS8: the B = 8 verify T's.
 # Run 1 (2026-11-24) ran check/tinv of both shapes at T 1 and 5 and the first timings; these
 # defaults are run 2's: the cases run 1 did not reach, kernel-alone times from a profiler trace,
 # the pipeline-only diagnostic, and the ptxas report.
@@ -13,8 +15,8 @@ set -u
 OUT=${OUT:-/tmp/attention_ws_out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-STAGES=${1:-check,tinv,time,time8,smol,dump}
-LIMITS=${LIMITS:-check=95,tinv=50,time=100,time8=35,smol=45,dump=60}
+STAGES=${1:-mapping,check,tinv,time,time8,smol,dump}
+LIMITS=${LIMITS:-mapping=60,check=95,tinv=50,time=100,time8=35,smol=45,dump=60}
 limit() { echo "$LIMITS" | tr ',' '\n' | sed -n "s/^$1=//p"; }
 
 stage() {
@@ -31,22 +33,24 @@ stage() {
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >> "$OUT/run.log" 2>&1
 CA="python3 tools/device/check_attention.py"
 
+# the register path's code conversion against the twin, bit for bit (both views, both lop3 forms)
+stage mapping $CA --parts mapping
 # correctness against the float32 reference (fresh random caches, poisoned memory): T = 9 (three
 # column tiles, the tightest shared memory) and the SmolLM2 shape
 stage check $CA --parts check --impls mosaic-ws --shapes llama3-8b,smollm2 \
-  --cases llama3-8b:target:9:none,smollm2:draft:1:none,smollm2:target:5:1000,smollm2:target:9:none
+  --cases "${CHECK_CASES:-llama3-8b:target:9:none,smollm2:draft:1:none,smollm2:target:5:1000,smollm2:target:9:none}"
 # bitwise T-invariance (T = 1 row == T = 5 row)
 stage tinv $CA --parts tinv --impls mosaic-ws --shapes llama3-8b,smollm2 \
-  --cases llama3-8b:target:bfloat16:none,llama3-8b:target:bfloat16:1000,smollm2:draft:float32:none,smollm2:target:float32:none
+  --cases "${TINV_CASES:-llama3-8b:target:bfloat16:none,llama3-8b:target:bfloat16:1000,smollm2:draft:float32:none,smollm2:target:float32:none}"
 # timings at 128k (8B shape), with the kernel alone from a profiler trace; "stream" = pipeline only
 stage time $CA --parts time --time-impls mosaic --contexts 131072 --batches 1 --time-ts 5 --no-torch \
   --trace-dir /tmp/ws_trace \
-  --mgpu-configs "schedule=legacy;schedule=ws;schedule=ws,stages=6;schedule=ws,ws_diag=stream"
-stage time8 $CA --parts time --time-impls mosaic --contexts 131072 --batches 8 --time-ts "" --no-torch \
-  --trace-dir /tmp/ws_trace8 --mgpu-configs "schedule=ws;schedule=ws,stages=6"
+  --mgpu-configs "${CONFIGS:-schedule=legacy;schedule=ws;schedule=ws,stages=6;schedule=ws,ws_diag=stream}"
+stage time8 $CA --parts time --time-impls mosaic --contexts 131072 --batches 8 --time-ts "${TS8-}" --no-torch \
+  --trace-dir /tmp/ws_trace8 --mgpu-configs "${CONFIGS8:-schedule=ws;schedule=ws,stages=6}"
 # SmolLM2 shape, batch 32 at 8k
 stage smol $CA --parts time --time-impls mosaic --time-shape smollm2 --contexts 8192 --batches 32 --time-ts 5 \
-  --no-torch --trace-dir /tmp/ws_trace2 --mgpu-configs "schedule=legacy;schedule=ws"
+  --no-torch --trace-dir /tmp/ws_trace2 --mgpu-configs "${CONFIGS_SMOL:-schedule=legacy;schedule=ws}"
 # ptxas registers / spills and SASS opcode counts of the ws kernels (compiled, not run)
 stage dump python3 tools/device/mgpu_dump.py /tmp/ws_dump --schedule ws --cases draft:1,target:8
 tar czf "$OUT/dump.tgz" -C /tmp ws_dump 2>/dev/null

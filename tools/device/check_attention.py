@@ -24,6 +24,7 @@ Prints one line per case and a summary table; exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import itertools
 import functools
 import math
 import sys
@@ -68,37 +69,36 @@ def part_mapping():
     from pallas_kernels import decode_attention_mgpu as mg
 
     rng = np.random.default_rng(0)
-    for view in ("draft", "target"):
-        for nb in (32, 64):
-            target = view == "target"
-            tr = mg._swizzle_transforms(nb, 1)
+    for view, nb, lop3 in itertools.product(("draft", "target"), (32, 64), (True, False)):
+        target = view == "target"
+        tr = mg._swizzle_transforms(nb, 1)
 
-            def body(hi_g, lo_g, o_g, hi_s, lo_s, bar):
-                plgpu.copy_gmem_to_smem(hi_g, hi_s, bar.at[0])
-                plgpu.copy_gmem_to_smem(lo_g, lo_s, bar.at[0])
-                plgpu.barrier_wait(bar.at[0])
-                h = mg._load_with_layout(hi_s, plgpu.Layout.WGMMA_8BIT)
-                l = mg._load_with_layout(lo_s, plgpu.Layout.WGMMA_8BIT) if target else None
-                o_g[...] = mg._register_operand(h, l, 64, nb)
+        def body(hi_g, lo_g, o_g, hi_s, lo_s, bar):
+            plgpu.copy_gmem_to_smem(hi_g, hi_s, bar.at[0])
+            plgpu.copy_gmem_to_smem(lo_g, lo_s, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+            h = mg._load_with_layout(hi_s, plgpu.Layout.WGMMA_8BIT)
+            l = mg._load_with_layout(lo_s, plgpu.Layout.WGMMA_8BIT) if target else None
+            o_g[...] = mg.register_operand(h, l, 64, nb, lop3=lop3)
 
-            f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 2 * nb), jnp.float16), grid=(1,),
-                             grid_names=("x",),
-                             scratch_types=dict(hi_s=plgpu.SMEM((64, nb), jnp.uint8, transforms=tr),
-                                                lo_s=plgpu.SMEM((64, nb), jnp.uint8, transforms=tr),
-                                                bar=plgpu.Barrier(num_arrivals=2, num_barriers=1)))
-            hi = jnp.asarray(rng.integers(0, 256, (64, nb)), jnp.uint8)
-            lo = jnp.asarray(rng.integers(0, 256, (64, nb)), jnp.uint8)
-            try:
-                got = np.asarray(jax.jit(f)(hi, lo)).view(np.uint16)
-                want = np.asarray(mg.twin_operand(hi, lo if target else None)).view(np.uint16)
-                bad = np.argwhere(got != want)
-                expect(bad.size == 0, f"mapping {view} nb={nb}: register operand == twin "
-                                      f"({len(bad)} mismatches{', first ' + str(bad[:4].tolist()) if len(bad) else ''})")
-                if len(bad):
-                    r, c = bad[0]
-                    log(f"    got {got[r, c]:#06x} want {want[r, c]:#06x}; row 0 got {got[0, :16]} want {want[0, :16]}")
-            except Exception as e:  # noqa: BLE001
-                expect(False, f"mapping {view} nb={nb}: {type(e).__name__}: {str(e)[:300]}")
+        f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 2 * nb), jnp.float16), grid=(1,),
+                         grid_names=("x",),
+                         scratch_types=dict(hi_s=plgpu.SMEM((64, nb), jnp.uint8, transforms=tr),
+                                            lo_s=plgpu.SMEM((64, nb), jnp.uint8, transforms=tr),
+                                            bar=plgpu.Barrier(num_arrivals=2, num_barriers=1)))
+        hi = jnp.asarray(rng.integers(0, 256, (64, nb)), jnp.uint8)
+        lo = jnp.asarray(rng.integers(0, 256, (64, nb)), jnp.uint8)
+        try:
+            got = np.asarray(jax.jit(f)(hi, lo)).view(np.uint16)
+            want = np.asarray(mg.twin_operand(hi, lo if target else None)).view(np.uint16)
+            bad = np.argwhere(got != want)
+            expect(bad.size == 0, f"mapping {view} nb={nb} lop3={lop3}: register operand == twin "
+                                  f"({len(bad)} mismatches{', first ' + str(bad[:4].tolist()) if len(bad) else ''})")
+            if len(bad):
+                r, c = bad[0]
+                log(f"    got {got[r, c]:#06x} want {want[r, c]:#06x}; row 0 got {got[0, :16]} want {want[0, :16]}")
+        except Exception as e:  # noqa: BLE001
+            expect(False, f"mapping {view} nb={nb} lop3={lop3}: {type(e).__name__}: {str(e)[:300]}")
 
 
 # ----------------------------------------------------------------------------------- check
@@ -235,7 +235,7 @@ def parse_configs(spec: str):
         kw = {}
         for kv in item.split(","):
             k, v = kv.split("=")
-            if k in ("auto_barriers", "register_a"):
+            if k in ("auto_barriers", "register_a", "ws_pipeline"):
                 kw[k] = bool(int(v))
             elif k in ("schedule", "ws_diag"):
                 kw[k] = v
