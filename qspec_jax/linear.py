@@ -41,7 +41,7 @@ class StackedLayer:
 
 def is_int4(w: Any) -> bool:
     """An INT4 weight in either format (the draft's linears)."""
-    from pallas_kernels.w4a16_layout import W4A16Packed
+    from pallas_kernels.linear.layout import W4A16Packed
 
     return isinstance(w, (QuantizedWeight, W4A16Packed))
 
@@ -83,7 +83,7 @@ def to_kernel_layout(w: Any) -> Any:
     other kinds, and shapes the kernel does not take, come back unchanged."""
     if not isinstance(w, QuantizedWeight):
         return w
-    from pallas_kernels import w4a16_layout as lay
+    from pallas_kernels.linear import layout as lay
 
     try:
         lay.check_shape(2 * w.packed.shape[-2], w.packed.shape[-1], w.group_size)
@@ -109,8 +109,8 @@ def fusable(w: Any, int4_impl: str, rows: int) -> bool:
     "mosaic" on Hopper, or "interpret", its CPU twin), at most MAX_FUSED_M rows, and
     `fusion_enabled()`. The decision depends on the row count, which for the draft (T = 1) is
     the batch: never on T."""
-    from pallas_kernels.w4a16_layout import W4A16Packed
-    from pallas_kernels.w4a16_mgpu import MAX_FUSED_M
+    from pallas_kernels.linear.layout import W4A16Packed
+    from pallas_kernels.linear.mosaic_gpu import MAX_FUSED_M
 
     inner = w.weight if isinstance(w, StackedLayer) else w
     if not isinstance(inner, W4A16Packed) or rows > MAX_FUSED_M or not fusion_enabled():
@@ -139,7 +139,7 @@ def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto"
     Fused glue, only where `fusable(w, int4_impl, rows)`: `norm` (an RMSNorm weight [Din], or a
     StackedLayer of [L, Din] at the weight's layer, read in place) normalizes x first with
     `norm_eps`; `swiglu` returns silu(gate) * up [..., Dout/2] of w's gate | up halves; `residual`
-    [..., Dout] is added to the output (`pallas_kernels.w4a16_mgpu.Epilogue`).
+    [..., Dout] is added to the output (`pallas_kernels.linear.mosaic_gpu.Epilogue`).
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
@@ -168,7 +168,7 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
         if layer is not None:  # one layer first: never unpack or dequantize the whole stack
             w = jax.tree.map(lambda a: a[layer], w)
         if not isinstance(w, QuantizedWeight):
-            from pallas_kernels.w4a16_layout import unpack_fields
+            from pallas_kernels.linear.layout import unpack_fields
 
             f = unpack_fields(w)
             w = QuantizedWeight(packed=f.packed, scale=f.scale, zero=f.zero)
@@ -184,7 +184,7 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
 
 def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any, norm: Any, norm_eps: float,
                 swiglu: bool, residual: Array | None) -> Array:
-    from pallas_kernels.w4a16_mgpu import MAX_FUSED_M
+    from pallas_kernels.linear.mosaic_gpu import MAX_FUSED_M
 
     rows = int(np.prod(x.shape[:-1]))
     if not fusable(w, impl, rows):

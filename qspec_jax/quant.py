@@ -53,7 +53,7 @@ def unpack_nibbles(packed: Array) -> Array:
 
 # ------------------------------------------------------------------- cache plane layout (SPEC §3)
 # The cache stores its nibble planes in the order the Hopper decode-attention kernels consume them
-# (pallas_kernels/decode_attention_mgpu.py; measurement in docs/kernel_notes.md):
+# (pallas_kernels/decode_attention/mosaic_gpu.py; measurement in docs/kernel_notes.md):
 #
 # * Byte order: within every 16-byte group of a plane row, stored byte 4j + i holds logical byte
 #   2j + i // 2 + 8 (i % 2) (j = 0..3, i = 0..3). A thread that loads the 32-bit word 4j..4j+3

@@ -1,5 +1,5 @@
-"""Mosaic GPU decode-attention kernels (pallas_kernels/decode_attention_mgpu.py, both schedules:
-"legacy" and the warp-specialized "ws" of decode_attention_mgpu_ws.py) on the CPU.
+"""Mosaic GPU decode-attention kernels (pallas_kernels/decode_attention/mosaic_gpu.py, both schedules:
+"legacy" and the warp-specialized "ws" of decode_attention/mosaic_gpu_ws.py) on the CPU.
 
 GPU interpret mode runs the kernels' SMEM-operand twin (register_a=False): the same program
 except that the codes -> float16 operand conversion happens in jnp (same 32-bit word formulas,
@@ -40,8 +40,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from pallas_kernels import decode_attention_mgpu as mg
-from pallas_kernels import decode_attention_mgpu_ws as ws
+from pallas_kernels.decode_attention import mosaic_gpu as mg
+from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
 from qspec_jax import attention as A
 from qspec_jax import quant
 from qspec_jax.cache import QuantSpecCache
@@ -511,7 +511,7 @@ LOWER_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from qspec_jax.cache import QuantSpecCache
     from qspec_jax.config import ModelConfig
-    from pallas_kernels import decode_attention_mgpu as mg
+    from pallas_kernels.decode_attention import mosaic_gpu as mg
     cases = [("legacy", "draft", 128, 128, 1, 4, None), ("legacy", "target", 128, 128, 9, 4, None),
              ("legacy", "target", 64, 64, 5, 3, 100), ("legacy", "draft", 64, 128, 1, 3, None),
              ("ws", "draft", 128, 128, 1, 4, None), ("ws", "target", 128, 128, 9, 4, None),

@@ -1,6 +1,6 @@
 """The fused draft layer (issue 32) through the model on the CPU.
 
-The fused INT4 kernels themselves are checked against `w4a16_mgpu.epilogue_reference` in
+The fused INT4 kernels themselves are checked against `mosaic_gpu.epilogue_reference` in
 tests/test_w4a16_mgpu.py (interpret mode) and on the GPU by tools/device/check_w4a16.py. Here:
 one layer with the interpret-mode kernels against the model's unfused math, `decode`'s wiring
 (stacked norms, the switch, the fallbacks) with the kernels replaced by their reference, and

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from pallas_kernels import decode_attention as da
+from pallas_kernels.decode_attention import triton as da
 from qspec_jax import attention as A
 from qspec_jax import model as M
 from qspec_jax.cache import DenseKVCache, QuantSpecCache

@@ -1,4 +1,4 @@
-"""Pallas W4A16 matmul (pallas_kernels/w4a16.py) in interpret mode, and its benchmark harness."""
+"""Pallas W4A16 matmul (pallas_kernels/linear/triton.py) in interpret mode, and its benchmark harness."""
 
 import functools
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import w4a16 as w4
-from pallas_kernels.w4a16 import default_config, w4a16_apply, w4a16_matmul
+from pallas_kernels.linear import triton as w4
+from pallas_kernels.linear.triton import default_config, w4a16_apply, w4a16_matmul
 from qspec_jax.linear import linear
 from qspec_jax.weight_quant import QuantizedWeight, quantize_weight
 
@@ -247,7 +247,7 @@ def test_linear_packs_once_and_reads_a_stacked_layer_with_the_mosaic_kernel():
     exactly when the configured implementation is the Mosaic kernel, and `linear` on a
     StackedLayer of the packed stack (the Mosaic SMEM twin, interpret mode) gives the XLA
     path's product of that layer."""
-    from pallas_kernels.w4a16_layout import W4A16Packed
+    from pallas_kernels.linear.layout import W4A16Packed
     from qspec_jax import model as M
     from qspec_jax.config import ModelConfig
     from qspec_jax.linear import StackedLayer

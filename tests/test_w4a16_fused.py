@@ -1,4 +1,4 @@
-"""The fused INT4 kernels of issue 32 (`w4a16_mgpu.Epilogue`: RMSNorm, SiLU(gate)·up and the
+"""The fused INT4 kernels of issue 32 (`mosaic_gpu.Epilogue`: RMSNorm, SiLU(gate)·up and the
 residual add inside the Mosaic W4A16 kernel) on the CPU: the SMEM twin in GPU interpret mode
 against `epilogue_reference` on fixed and random shapes, bitwise row invariance, the producer's
 pair addressing against the swizzled x tile, launch shapes, bad inputs, CUDA lowering under jax
@@ -26,8 +26,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import w4a16_layout as lay
-from pallas_kernels import w4a16_mgpu as mg
+from pallas_kernels.linear import layout as lay
+from pallas_kernels.linear import mosaic_gpu as mg
 
 
 def _load(name: str, path: Path):
@@ -212,7 +212,7 @@ def test_fused_bad_inputs_raise():
 
 FUSED_LOWER_SCRIPT = r'''
 import jax, jax.numpy as jnp
-from pallas_kernels import w4a16_mgpu as mg, w4a16_layout as lay
+from pallas_kernels.linear import layout as lay, mosaic_gpu as mg
 S = jax.ShapeDtypeStruct
 def W(lead, k, n, g=32):
     c = max(64, g)

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import linear
-from pallas_kernels import w4a16_layout as lay
-from pallas_kernels import w4a16_mgpu as mg
+from pallas_kernels.linear import layout as lay
+from pallas_kernels.linear import mosaic_gpu as mg
 from qspec_jax.weight_quant import QuantizedWeight, quantize_weight
 
 _spec = importlib.util.spec_from_file_location("ptx_emu", Path(__file__).parent / "helpers" / "ptx_emu.py")

@@ -239,7 +239,7 @@ def _decode_packed(qw: QuantizedWeight) -> np.ndarray:
 def test_new_methods_keep_the_kernel_format(method):
     """Same container and layout as round-to-nearest: uint8 split halves, float16 scale/zero;
     dequantize, the XLA linear and the Pallas W4A16 kernel (interpret mode) all agree."""
-    from pallas_kernels.w4a16 import w4a16_matmul
+    from pallas_kernels.linear.triton import w4a16_matmul
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((256, 128)).astype(np.float32) * 0.05

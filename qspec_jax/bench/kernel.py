@@ -78,7 +78,7 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
     also has "kernel_s" (the attention kernel alone, from a profiler trace) and "gpu_s" (every GPU
     kernel of the call: query preparation, the kernel, the split merge), per call."""
     import pallas_kernels as pk
-    from pallas_kernels import decode_attention_mgpu as mg
+    from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.cache import QuantSpecCache  # noqa: F401
     from qspec_jax.config import ModelConfig
 
@@ -443,7 +443,7 @@ def _main(argv: list[str] | None) -> int:
     log(f"copy bandwidth: {result['copy_bw_Bps'] / 1e12:.3f} TB/s")
     out = args.out
 
-    from pallas_kernels.decode_attention_mgpu import MgpuConfig
+    from pallas_kernels.decode_attention.mosaic_gpu import MgpuConfig
 
     # (impl, kind, T): the draft view at T = 1, the target view at T = gamma + 1 = 5 and 9.
     target_ts = list(args.target_ts)

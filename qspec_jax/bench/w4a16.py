@@ -6,10 +6,10 @@
 Implementations (`impl` in the records), timed on the same shapes, M and group sizes:
 
 * `bf16`         x @ W_bf16 through XLA (cuBLAS; the project appends --xla_gpu_enable_triton_gemm=false).
-* `mosaic_bf16`  `pallas_kernels.w4a16_mgpu.bf16_matmul_mgpu` (Hopper; rows independent of M).
-* `mosaic_int4`  `pallas_kernels.w4a16_mgpu.int4_matmul_mgpu` on the pre-packed layout (Hopper), its
+* `mosaic_bf16`  `pallas_kernels.linear.mosaic_gpu.bf16_matmul_mgpu` (Hopper; rows independent of M).
+* `mosaic_int4`  `pallas_kernels.linear.mosaic_gpu.int4_matmul_mgpu` on the pre-packed layout (Hopper), its
                  default config and, with --variants, the other split-K reduction and a neighbouring split.
-* `pallas`       the Triton W4A16 kernel `pallas_kernels.w4a16.w4a16_matmul` (older GPUs' path).
+* `pallas`       the Triton W4A16 kernel `pallas_kernels.linear.triton.w4a16_matmul` (older GPUs' path).
 * `tinygemm`     torch.ops.aten._weight_int4pack_mm (torch's int4 kernel, any of G = 32/64/128).
 * `gemlite`      gemlite's GemLiteLinear (A16W4, H100 kernel configs; Triton).
 * `xla_dq`       x @ qw.dequantize().astype(x.dtype) jitted (off by default outside --quick).
@@ -54,9 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import w4a16_layout as lay
-from pallas_kernels import w4a16_mgpu as mg
-from pallas_kernels.w4a16 import W4A16Config, default_config, w4a16_matmul
+from pallas_kernels.linear import layout as lay
+from pallas_kernels.linear import mosaic_gpu as mg
+from pallas_kernels.linear.triton import W4A16Config, default_config, w4a16_matmul
 from qspec_jax.bench.timing import copy_bandwidth
 from qspec_jax.weight_quant import QuantizedWeight
 

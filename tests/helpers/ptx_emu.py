@@ -1,6 +1,6 @@
 """A tiny interpreter for the PTX instruction subset the W4A16 register kernel's inline asm uses.
 
-It executes the asm *text* of `pallas_kernels.w4a16_mgpu` (operands $0.. bound to Python ints),
+It executes the asm *text* of `pallas_kernels.linear.mosaic_gpu` (operands $0.. bound to Python ints),
 so a typo in a mask, a LUT, a shift or an operand order changes its results: the CPU test that
 replays the register kernel's per-thread work against the layout's dequantization depends on it.
 Semantics (PTX ISA): lop3 evaluates the 8-bit truth table on (a, b, c) = (0xF0, 0xCC, 0xAA);

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 tools/device/check_attention.py [--parts mapping,check,tinv,time] [--impls mosaic,triton]
 
 Impls: "mosaic" (the Mosaic GPU kernel's default schedule), "mosaic-legacy", "mosaic-ws" (the
-warp-specialized schedule of decode_attention_mgpu_ws), "triton", "dense".
+warp-specialized schedule of decode_attention.mosaic_gpu_ws), "triton", "dense".
 
 * mapping: the register-operand conversion of the Mosaic kernels (codes -> float16 wgmma
   operands in registers) against its jnp twin, bit for bit, for both views and both row widths.
@@ -66,19 +66,19 @@ def expect(ok: bool, what: str):
 def part_mapping():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels import decode_attention_mgpu as mg
+    from pallas_kernels.decode_attention import mosaic_gpu as mg
 
     rng = np.random.default_rng(0)
     for view, nb, lop3 in itertools.product(("draft", "target"), (32, 64), (True, False)):
         target = view == "target"
-        tr = mg._swizzle_transforms(nb, 1)
+        tr = mg.swizzle_transforms(nb, 1)
 
         def body(hi_g, lo_g, o_g, hi_s, lo_s, bar):
             plgpu.copy_gmem_to_smem(hi_g, hi_s, bar.at[0])
             plgpu.copy_gmem_to_smem(lo_g, lo_s, bar.at[0])
             plgpu.barrier_wait(bar.at[0])
-            h = mg._load_with_layout(hi_s, plgpu.Layout.WGMMA_8BIT)
-            l = mg._load_with_layout(lo_s, plgpu.Layout.WGMMA_8BIT) if target else None
+            h = mg.load_with_layout(hi_s, plgpu.Layout.WGMMA_8BIT)
+            l = mg.load_with_layout(lo_s, plgpu.Layout.WGMMA_8BIT) if target else None
             o_g[...] = mg.register_operand(h, l, 64, nb, lop3=lop3)
 
         f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 2 * nb), jnp.float16), grid=(1,),
@@ -127,7 +127,7 @@ def run_impl(impl, q, q_pos, cache, view, window=None, partials=False):
     import pallas_kernels as pk
 
     if impl.startswith("mosaic"):
-        from pallas_kernels import decode_attention_mgpu as mg
+        from pallas_kernels.decode_attention import mosaic_gpu as mg
 
         schedule = impl.partition("-")[2] or None
         return mg.quantized_decode_attention_mgpu(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
@@ -225,7 +225,7 @@ def part_tinv(impls, quick=False, shapes_sel=None, dtypes=(jnp.float32, jnp.bflo
 def parse_configs(spec: str):
     """"default;stages=2;auto_barriers=1,stages=3;schedule=ws,ws_regs=216/48/40" ->
     [None, MgpuConfig(stages=2), ...]."""
-    from pallas_kernels.decode_attention_mgpu import MgpuConfig
+    from pallas_kernels.decode_attention.mosaic_gpu import MgpuConfig
 
     out = []
     for item in spec.split(";"):

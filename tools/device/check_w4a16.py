@@ -1,4 +1,4 @@
-"""GPU check of the Hopper skinny GEMMs (pallas_kernels/w4a16_mgpu.py), then timing. Not in CI.
+"""GPU check of the Hopper skinny GEMMs (pallas_kernels/linear/mosaic_gpu.py), then timing. Not in CI.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 PYTHONPATH=. python3 tools/device/check_w4a16.py --out $OUT
 
@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import qspec_jax  # noqa: E402,F401  (XLA flags: cuBLAS GEMMs)
-from pallas_kernels import w4a16_layout as lay  # noqa: E402
-from pallas_kernels import w4a16_mgpu as mg  # noqa: E402
+from pallas_kernels.linear import layout as lay  # noqa: E402
+from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench import w4a16 as bench  # noqa: E402
 
 CHECK_SHAPES = {**bench.LLAMA31_8B_FUSED, **bench.SMOLLM2_FUSED}
@@ -369,8 +369,8 @@ def dump_sass(out_dir, log):
     env = dict(os.environ, MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump,
                PATH=":".join([*cuda_bins, os.environ.get("PATH", "")]))
     code = ("import sys, os; sys.path.insert(0, os.getcwd()); import jax, jax.numpy as jnp\n"
-            "from pallas_kernels import w4a16_mgpu as mg; from qspec_jax.bench import w4a16 as b\n"
-            "from pallas_kernels import w4a16_layout as lay\n"
+            "from pallas_kernels.linear import mosaic_gpu as mg; from qspec_jax.bench import w4a16 as b\n"
+            "from pallas_kernels.linear import layout as lay\n"
             "k, n = 4096, 4096\n"
             "p = lay.pack_quantized(b._gen_int4(jax.random.PRNGKey(0), k=k, n=n, g=32))\n"
             "x = jnp.ones((1, k), jnp.bfloat16)\n"

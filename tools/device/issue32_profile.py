@@ -34,7 +34,7 @@ from qspec_jax.linear import FUSE_ENV  # noqa: E402
 from qspec_jax.speculative import SpecConfig, speculative_loop  # noqa: E402
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params  # noqa: E402
 
-VARIANTS = {  # name: environment (read at trace time by qspec_jax.linear / w4a16_mgpu.default_config)
+VARIANTS = {  # name: environment (read at trace time by qspec_jax.linear / linear.mosaic_gpu.default_config)
     "unfused": {FUSE_ENV: "0", "QSPEC_W4A16_PDL": "0"},
     "fused": {FUSE_ENV: "1", "QSPEC_W4A16_PDL": "0"},
     "fused_pdl": {FUSE_ENV: "1", "QSPEC_W4A16_PDL": "1"},

@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 
 
 def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5") -> int:
-    from pallas_kernels import decode_attention_mgpu as mg
+    from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.bench.synthetic import random_quant_cache
     from qspec_jax.config import ModelConfig
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
-from pallas_kernels.w4a16 import default_config, w4a16_matmul
+from pallas_kernels.linear.triton import default_config, w4a16_matmul
 
 SMALL = os.environ.get("SMALL") == "1"
 SHAPES = {"q_o": (4096, 4096), "gate_up": (4096, 14336), "down": (14336, 4096)} if not SMALL else {"t": (256, 256)}

@@ -1,4 +1,4 @@
-"""Launch-shape sweep of the Mosaic GPU INT4 skinny GEMM (pallas_kernels/w4a16_mgpu.py) on the
+"""Launch-shape sweep of the Mosaic GPU INT4 skinny GEMM (pallas_kernels/linear/mosaic_gpu.py) on the
 8B draft's shapes, to replace `default_config`'s cost model by measured choices. Not in CI.
 
     PYTHONPATH=. python3 tools/device/w4a16_config_sweep.py [--m 1] [--group 32] [--budget 240] > sweep.log
@@ -27,8 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 import qspec_jax  # noqa: E402,F401  (XLA flags)
-from pallas_kernels import w4a16_layout as lay  # noqa: E402
-from pallas_kernels import w4a16_mgpu as mg  # noqa: E402
+from pallas_kernels.linear import layout as lay  # noqa: E402
+from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "lm_head": (4096, 128256)}
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         ws = weights(key, k, n, g, copies)
         x = jax.random.normal(jax.random.fold_in(key, 99), (args.m, k), jnp.float32).astype(jnp.bfloat16)
         iters = max(2, int(2e-3 / (nbytes / 3e12) / copies))
-        default = mg.default_config(k, n, g, reduce=mg._reduce_mode(args.m, False))
+        default = mg.default_config(k, n, g, reduce=mg.reduce_mode(args.m, False))
         rows = []
         ref = None
         candidates = ([default, default.replace(pdl=not default.pdl)] if args.pdl_ab

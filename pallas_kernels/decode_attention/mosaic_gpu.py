@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU (Hopper, sm_90) decode attention over the QuantSpec cache.
 
 Two schedules of the same math (`MgpuConfig.schedule`, `resolve_schedule`): "ws", the default, the
-warp-specialized kernel of `decode_attention_mgpu_ws` (TMA / prep / two consumer warpgroups per CTA,
+warp-specialized kernel of `mosaic_gpu_ws` (TMA / prep / two consumer warpgroups per CTA,
 issue 31), and "legacy", this module's `_build` (one warpgroup per program, issue 13), which the
 docstring below describes; the wrapper, the code conversion and the merge are shared.
 
@@ -100,14 +100,14 @@ class MgpuConfig:
     # places its own (a barrier at the top of each step, commit_smem after the operand stores).
     auto_barriers: bool = False
     # "legacy": one warpgroup per program does everything (2 programs per SM); "ws": the
-    # warp-specialized schedule of decode_attention_mgpu_ws (TMA / prep / 2 consumer warpgroups,
+    # warp-specialized schedule of decode_attention.mosaic_gpu_ws (TMA / prep / 2 consumer warpgroups,
     # lazy softmax reference). None: $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE.
     schedule: str | None = None
     ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
     ws_diag: str | None = None  # "ws" timing diagnostics: "stream", "noprep" (wrong results), "and_or"
     # "ws": issue a block's value MMA, then the next block's K conversion and score MMA, before
     # waiting (software-pipelined consumers); False: one block after the other. Same bits.
-    # None: pipelined for the draft view only (see decode_attention_mgpu_ws.static_config).
+    # None: pipelined for the draft view only (see mosaic_gpu_ws.static_config).
     ws_pipeline: bool | None = None
 
 
@@ -252,7 +252,7 @@ def register_operand(hi, lo, rows: int, nb: int, *, lop3: bool = True):
 _LOAD_IDX_OPTIONAL = inspect.signature(plgpu.load).parameters["idx"].default is not inspect.Parameter.empty
 
 
-def _load_with_layout(ref, layout):
+def load_with_layout(ref, layout):
     if _LOAD_IDX_OPTIONAL:
         return plgpu.load(ref, layout=layout)
     return plgpu.load(ref, (), layout=layout)
@@ -262,19 +262,19 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a [64k, n] WGMMA array
 COL = plgpu.Layout.WGMMA.reduce(0)  # a value per column
 
 
-def _transpose_ref(ref):
+def transpose_ref(ref):
     return ref.transpose((1, 0)) if hasattr(ref, "transpose") else plgpu.transpose_ref(ref, (1, 0))
 
 
-def _bcast_row(v, shape):
+def bcast_row(v, shape):
     return lax.broadcast_in_dim(v, shape, [0])
 
 
-def _bcast_col(v, shape):
+def bcast_col(v, shape):
     return lax.broadcast_in_dim(v, shape, [1])
 
 
-def _swizzle_transforms(row_bytes: int, itemsize: int) -> tuple:
+def swizzle_transforms(row_bytes: int, itemsize: int) -> tuple:
     sw = min(128, row_bytes)
     if sw not in (32, 64, 128):
         raise ValueError(f"rows of {row_bytes} bytes cannot be swizzled")
@@ -319,7 +319,7 @@ def _build(st: _Static):
     reg_a = st.register_a
 
     def _load(ref, layout):  # interpret mode has no layouts: a plain read
-        return ref[...] if st.interpret else _load_with_layout(ref, layout)
+        return ref[...] if st.interpret else load_with_layout(ref, layout)
 
     def _cast(x, layout):
         return x if st.interpret else plgpu.layout_cast(x, layout)
@@ -347,10 +347,10 @@ def _build(st: _Static):
         mloc = functools.reduce(jnp.maximum, [jnp.max(s, axis=0) for s in s_tiles])
         m_new = jnp.maximum(m, mloc)
         alpha = jnp.exp2(m - m_new)
-        p = [jnp.exp2(s - _bcast_col(m_new, shape)) for s in s_tiles]
+        p = [jnp.exp2(s - bcast_col(m_new, shape)) for s in s_tiles]
         if vis_tiles is not None:
             p = [jnp.where(v, x, 0.0) for x, v in zip(p, vis_tiles)]
-        l_acc = l_acc * _bcast_col(alpha, shape) + functools.reduce(jnp.add, p)
+        l_acc = l_acc * bcast_col(alpha, shape) + functools.reduce(jnp.add, p)
         return p, m_new, alpha, l_acc
 
     def kernel(layer_ref, meta_ref, pos_ref, q_ref, *refs, q_s, pos_s, qbar):
@@ -378,8 +378,8 @@ def _build(st: _Static):
             for mc in range(MTV):
                 o_ref[b, h, p, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = o_tiles[mc]
             row = _iota((MT, NT), 0)
-            ml_ref[b, h, p, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, _bcast_col(m, (MT, NT)),
-                                                              _bcast_col(l, (MT, NT)))
+            ml_ref[b, h, p, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
+                                                              bcast_col(l, (MT, NT)))
 
         zeros_t = lambda: _cast(jnp.zeros((MT, NT), f32), plgpu.Layout.WGMMA)  # noqa: E731
         neg_c = lambda: _cast(jnp.full((NT,), NEG, f32), COL)  # noqa: E731
@@ -435,9 +435,9 @@ def _build(st: _Static):
                 biases = []
                 for c in range(C):
                     qt = q_tile(c)
-                    qs = (qt * _bcast_row(s_eff, (D, NT))).astype(f16)
+                    qs = (qt * bcast_row(s_eff, (D, NT))).astype(f16)
                     qs_s[c] = qs
-                    w = qt * _bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
+                    w = qt * bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
                     biases.append(jnp.sum(w, axis=0))  # [NT] q.z' - sum(off * qs)
                 plgpu.commit_smem()
 
@@ -462,16 +462,16 @@ def _build(st: _Static):
                     zv = [z - s * 8.0 for z, s in zip(zv, sv)]  # min - s/2 with sv = s/16
                 tok_off = [jnp.where(mt * MT + tok_row < Gh, off_lo, off_hi) for mt in range(MTK)]
                 for c in range(C):
-                    s_t = [s_all[mt * C + c] + _bcast_col(biases[c], (MT, NT)) for mt in range(MTK)]
+                    s_t = [s_all[mt * C + c] + bcast_col(biases[c], (MT, NT)) for mt in range(MTK)]
                     vis = None
                     if st.window is not None:
-                        vis = [_bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
+                        vis = [bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
                                for mt in range(MTK)]
                     pr, m_new, alpha, l_acc = softmax_step(s_t, vis, ms[c], ls[c])
-                    pp = [(pr[mt] * _bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
-                    y = ys[c] * _bcast_col(alpha, (MT, NT))
+                    pp = [(pr[mt] * bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
+                    y = ys[c] * bcast_col(alpha, (MT, NT))
                     for mt in range(MTK):
-                        y = y + pr[mt] * _bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
+                        y = y + pr[mt] * bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
                         pp_s[c, pl.ds(mt * MT, MT)] = pp[mt]
                     new_ms.append(m_new)
                     new_ls.append(l_acc)
@@ -493,7 +493,7 @@ def _build(st: _Static):
                     return [acc[...] for acc in accs]
 
                 pv_all = pl.run_scoped(pv, *[plgpu.ACC((MT, NT), f32) for _ in range(MTV * C)])
-                new_os = tuple(tuple(os_[c][mc] * _bcast_col(alphas[c], (MT, NT)) + pv_all[mc * C + c]
+                new_os = tuple(tuple(os_[c][mc] * bcast_col(alphas[c], (MT, NT)) + pv_all[mc * C + c]
                                      for mc in range(MTV)) for c in range(C))
 
                 return tuple(new_ms), tuple(new_ls), tuple(new_ys), new_os
@@ -504,7 +504,7 @@ def _build(st: _Static):
             ms, ls, ys, os_ = lax.fori_loop(0, n, body, init)
             for c in range(C):
                 y = jnp.sum(ys[c], axis=0)
-                o_tiles = [os_[c][mc] + _bcast_col(y, (MT, NT)) for mc in range(MTV)]
+                o_tiles = [os_[c][mc] + bcast_col(y, (MT, NT)) for mc in range(MTV)]
                 write(c, o_tiles, ms[c], jnp.sum(ls[c], axis=0))
 
         # ---------------------------------------------------------------------- FP ring
@@ -560,7 +560,7 @@ def _build(st: _Static):
                 fresh = slot_idx >= t * RING_TILE  # not already covered by the previous tile
                 new_ms, new_ls, alphas = [], [], []
                 for c in range(C):
-                    qpos = _bcast_col(pos_c[c], (MT, NT))
+                    qpos = bcast_col(pos_c[c], (MT, NT))
                     vis = (kpos <= qpos) & fresh
                     if st.window is not None:
                         vis = vis & (qpos - kpos < st.window)
@@ -575,7 +575,7 @@ def _build(st: _Static):
                     for mc in range(MTV):
                         vt = vr_s.at[slot, :, pl.ds(mc * MT, MT)]  # [slots, 64 channels]
                         if reg_a:
-                            a = plgpu.layout_cast(_load(_transpose_ref(vt), plgpu.Layout.WGMMA_TRANSPOSED),
+                            a = plgpu.layout_cast(_load(transpose_ref(vt), plgpu.Layout.WGMMA_TRANSPOSED),
                                                   plgpu.Layout.WGMMA)
                         else:
                             at_s[...] = vt[...].T
@@ -588,7 +588,7 @@ def _build(st: _Static):
                     return [acc[...] for acc in accs]
 
                 pv_all = pl.run_scoped(pv, *[plgpu.ACC((MT, NT), f32) for _ in range(MTV * C)])
-                new_os = tuple(tuple(os_[c][mc] * _bcast_col(alphas[c], (MT, NT)) + pv_all[mc * C + c]
+                new_os = tuple(tuple(os_[c][mc] * bcast_col(alphas[c], (MT, NT)) + pv_all[mc * C + c]
                                      for mc in range(MTV)) for c in range(C))
 
                 return tuple(new_ms), tuple(new_ls), new_os
@@ -602,25 +602,25 @@ def _build(st: _Static):
         sd = st.scale_dtype
         itemsize = jnp.dtype(sd).itemsize
         quant_scratch = dict(
-            k_s=plgpu.SMEM((st.stages, n_planes, G, Dh), jnp.uint8, transforms=_swizzle_transforms(Dh, 1)),
-            v_s=plgpu.SMEM((st.stages, n_planes, D, Gh), jnp.uint8, transforms=_swizzle_transforms(Gh, 1)),
+            k_s=plgpu.SMEM((st.stages, n_planes, G, Dh), jnp.uint8, transforms=swizzle_transforms(Dh, 1)),
+            v_s=plgpu.SMEM((st.stages, n_planes, D, Gh), jnp.uint8, transforms=swizzle_transforms(Gh, 1)),
             sk_s=plgpu.SMEM((st.stages, D), sd), zk_s=plgpu.SMEM((st.stages, D), sd),
             sv_s=plgpu.SMEM((st.stages, G), sd), zv_s=plgpu.SMEM((st.stages, G), sd),
-            qs_s=plgpu.SMEM((C, D, NT), f16, transforms=_swizzle_transforms(NT * 2, 2)),
-            pp_s=plgpu.SMEM((C, G, NT), f16, transforms=_swizzle_transforms(NT * 2, 2)),
-            ak_s=None if reg_a else plgpu.SMEM((MT, D), f16, transforms=_swizzle_transforms(D * 2, 2)),
-            av_s=None if reg_a else plgpu.SMEM((MT, G), f16, transforms=_swizzle_transforms(G * 2, 2)),
+            qs_s=plgpu.SMEM((C, D, NT), f16, transforms=swizzle_transforms(NT * 2, 2)),
+            pp_s=plgpu.SMEM((C, G, NT), f16, transforms=swizzle_transforms(NT * 2, 2)),
+            ak_s=None if reg_a else plgpu.SMEM((MT, D), f16, transforms=swizzle_transforms(D * 2, 2)),
+            av_s=None if reg_a else plgpu.SMEM((MT, G), f16, transforms=swizzle_transforms(G * 2, 2)),
             bar=plgpu.Barrier(num_arrivals=2 * n_planes + 4, num_barriers=st.stages),
         )
         del itemsize
         fp_item = jnp.dtype(st.fp_dtype).itemsize
         ring_scratch = dict(
-            kr_s=plgpu.SMEM((2, RING_TILE, D), st.fp_dtype, transforms=_swizzle_transforms(D * fp_item, fp_item)),
-            vr_s=plgpu.SMEM((2, RING_TILE, D), st.fp_dtype, transforms=_swizzle_transforms(D * fp_item, fp_item)),
-            qb_s=plgpu.SMEM((C, D, NT), st.fp_dtype, transforms=_swizzle_transforms(NT * fp_item, fp_item)),
-            pb_s=plgpu.SMEM((C, RING_TILE, NT), st.fp_dtype, transforms=_swizzle_transforms(NT * fp_item, fp_item)),
+            kr_s=plgpu.SMEM((2, RING_TILE, D), st.fp_dtype, transforms=swizzle_transforms(D * fp_item, fp_item)),
+            vr_s=plgpu.SMEM((2, RING_TILE, D), st.fp_dtype, transforms=swizzle_transforms(D * fp_item, fp_item)),
+            qb_s=plgpu.SMEM((C, D, NT), st.fp_dtype, transforms=swizzle_transforms(NT * fp_item, fp_item)),
+            pb_s=plgpu.SMEM((C, RING_TILE, NT), st.fp_dtype, transforms=swizzle_transforms(NT * fp_item, fp_item)),
             at_s=None if reg_a else plgpu.SMEM((MT, RING_TILE), st.fp_dtype,
-                                               transforms=_swizzle_transforms(RING_TILE * fp_item, fp_item)),
+                                               transforms=swizzle_transforms(RING_TILE * fp_item, fp_item)),
             bar=plgpu.Barrier(num_arrivals=2, num_barriers=2),
         )
 
@@ -650,8 +650,8 @@ def _build(st: _Static):
         grid=(NP, st.H, st.B),
         grid_names=("p", "h", "b"),
         scratch_types=dict(
-            q_s=plgpu.SMEM((D, CN), jnp.float32, transforms=_swizzle_transforms(NT * 4, 4)),
-            pos_s=plgpu.SMEM((_pos_width(CN),), jnp.int32),
+            q_s=plgpu.SMEM((D, CN), jnp.float32, transforms=swizzle_transforms(NT * 4, 4)),
+            pos_s=plgpu.SMEM((pos_width(CN),), jnp.int32),
             qbar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
         ),
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=st.no_auto_barriers),
@@ -660,7 +660,7 @@ def _build(st: _Static):
     )
 
 
-def _pos_width(cn: int) -> int:
+def pos_width(cn: int) -> int:
     return -(-cn // 32) * 32  # int32 rows of a multiple of 128 bytes (TMA copies)
 
 
@@ -714,7 +714,7 @@ def resolve_schedule(config: MgpuConfig | None, view: str, D: int, G: int, c_max
     cache's widest call, T = gamma_max + 1) only, never on T, so every T of a cache runs the same
     kernel. A "ws" that comes from the default (not the config) and cannot fit c_max column tiles
     in shared memory falls back to "legacy"; one the config asks for raises instead."""
-    from pallas_kernels import decode_attention_mgpu_ws as ws
+    from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
 
     name = schedule_of(config)
     if name == "ws" and (config is None or config.schedule != "ws") and not ws.fits(view, D, G, c_max, scale_dtype,
@@ -738,7 +738,7 @@ def kernel_inputs(q_pos: Array, cache: Any, n_rep: int) -> dict[str, Array]:
     b, t = q_pos.shape
     cn = column_tiles(n_rep, t) * NT
     pos = jnp.repeat(q_pos.astype(jnp.int32), n_rep, axis=1)
-    pos = jnp.pad(pos, ((0, 0), (0, _pos_width(cn) - t * n_rep)), constant_values=BIG_POS)
+    pos = jnp.pad(pos, ((0, 0), (0, pos_width(cn) - t * n_rep)), constant_values=BIG_POS)
     meta = jnp.stack([cache.q_len.astype(jnp.int32), cache.fp_start.astype(jnp.int32),
                       jnp.min(q_pos, axis=1).astype(jnp.int32)], axis=1)
     return {"meta": meta, "pos": pos}
@@ -805,7 +805,7 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     register_a = (not interpret) if cfg.register_a is None else bool(cfg.register_a)
     if register_a and interpret:
         raise ValueError("the register-operand path does not run in interpret mode; use register_a=False")
-    from pallas_kernels import decode_attention_mgpu_ws as ws
+    from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
 
     c_max = column_tiles(n_rep, max(t, cache.gamma_max + 1))
     ws_schedule = resolve_schedule(cfg, view, D, G, c_max, cache.k_scale.dtype, cache.k_fp.dtype) == "ws"
@@ -831,9 +831,9 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, CN - t * n_rep)))
     inputs = inputs if inputs is not None else kernel_inputs(q_pos, cache, n_rep)
     meta, pos = inputs["meta"], inputs["pos"]
-    if meta.shape != (B, 3) or pos.shape != (B, _pos_width(CN)):
+    if meta.shape != (B, 3) or pos.shape != (B, pos_width(CN)):
         raise ValueError(f"inputs do not match this call: meta {meta.shape}, pos {pos.shape}; expected "
-                         f"{(B, 3)} and {(B, _pos_width(CN))} (kernel_inputs(q_pos, cache, n_rep={n_rep}))")
+                         f"{(B, 3)} and {(B, pos_width(CN))} (kernel_inputs(q_pos, cache, n_rep={n_rep}))")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     lbh = L * B * hkv
     flat = lambda x: x.reshape(lbh, *x.shape[3:])  # noqa: E731  (free: row-major reshapes)

@@ -5,7 +5,7 @@ warpgroup, 16 per warp) and the activation rows, padded to M_pad = 8 * ceil(M / 
 operand (MMA N = M_pad; the INT4 "mma" kernel issues one n8 MMA per 8 columns), so M = 1..8 cost
 the same and M = 16 little more.
 
-* `int4_matmul_mgpu`: W in INT4 (`pallas_kernels.w4a16_layout.W4A16Packed`). Per 64-column k
+* `int4_matmul_mgpu`: W in INT4 (`pallas_kernels.linear.layout.W4A16Packed`). Per 64-column k
   block a thread loads its 32 codes with one 16-byte shared-memory load and turns them into its A
   fragment in registers: per bf16 pair one shift, one lop3 (128 + U exactly), one bf16x2
   subtraction (U - 8 exactly) and one bf16x2 fma with (bf16(s), bf16(z + 8 s)): 15 instructions
@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common
-from pallas_kernels import w4a16_layout as lay
+from pallas_kernels.linear import layout as lay
 
 Array = jax.Array
 
@@ -125,7 +125,7 @@ class Epilogue:
       output-dtype values, i.e. the unfused `linear(x, W) + res` bit for bit).
 
     The in-kernel parts exchange [64, M_pad] float32 tiles through shared memory in the WGMMA
-    layout, which Mosaic loads without bank conflicts only up to M_pad = 24 (`_reduce_mode`):
+    layout, which Mosaic loads without bank conflicts only up to M_pad = 24 (`reduce_mode`):
     fused calls take at most MAX_FUSED_M rows. Norm and swiglu need the whole K sum in one CTA
     (splits == 1) or a cluster (in-kernel split-K sum); a residual with split-K partials summed
     by XLA ("gmem") is added by XLA after the sum, with the same formula."""
@@ -1134,7 +1134,7 @@ def _check_cfg(cfg: MgpuConfig, k: int, n: int, c: int) -> None:
         raise ValueError(f"tma_view={cfg.tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
 
 
-def _reduce_mode(m: int, interpret: bool) -> str:
+def reduce_mode(m: int, interpret: bool) -> str:
     """The split-K sum: in-cluster (DSMEM) up to 24 rows; beyond, the float32 partial tiles
     [64, M_pad >= 32] have no bank-conflict-free WGMMA-layout load (Mosaic's transfer planner
     refuses it: H200, SmolLM2 w_down at M = 32), so the partials go through global memory.
@@ -1180,7 +1180,7 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; expected one of {VARIANTS}")
     if not isinstance(w, lay.W4A16Packed):
-        raise TypeError(f"w must be a W4A16Packed (pallas_kernels.w4a16_layout.pack_*), got {type(w).__name__}")
+        raise TypeError(f"w must be a W4A16Packed (pallas_kernels.linear.layout.pack_*), got {type(w).__name__}")
     n_lead = len(w.lead)
     g_stacked = norm_weight is not None and norm_weight.ndim == 2
     if n_lead > 1 or (layer is None) != (n_lead == 0 and not g_stacked):
@@ -1199,7 +1199,7 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     if interp and variant != "smem":
         raise ValueError(f"variant={variant!r} (register operand) does not run in GPU interpret mode "
                          "(inline Mosaic GPU code); use variant='smem' on the CPU")
-    cfg = config or default_config(k, n, g, reduce=_reduce_mode(m, interp), epilogue=epi)
+    cfg = config or default_config(k, n, g, reduce=reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.chunk_cols(g))
     qw_tma = w.qw.reshape(*w.qw.shape[:-2], *TMA_VIEWS[cfg.tma_view])  # same bytes
     return _call("int4", x, (qw_tma, w.sz), layer, k=k, n=n, g=g, cfg=cfg, out_dtype=out_dtype, variant=variant,
@@ -1220,7 +1220,7 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
         raise ValueError(f"W [K={k}, N={n}]: K must be a multiple of {lay.KB} and N of {lay.ROWS}")
     m = _check_x(x, k)
     interp = _common.interpret_default(interpret)
-    cfg = config or default_config(k, n, None, reduce=_reduce_mode(m, interp))
+    cfg = config or default_config(k, n, None, reduce=reduce_mode(m, interp))
     _check_cfg(cfg, k, n, lay.KB)
     return _call("bf16", x, (w,), layer, k=k, n=n, g=None, cfg=cfg,
                  out_dtype=jnp.dtype(out_dtype or x.dtype), variant="wgmma",

@@ -1,6 +1,6 @@
 """Pre-packed INT4 weight layout for the Hopper (Mosaic GPU) W4A16 kernel, and its exact inverse.
 
-The kernel (`pallas_kernels.w4a16_mgpu`) computes out^T = W^T x^T with the weight tile as the
+The kernel (`pallas_kernels.linear.mosaic_gpu`) computes out^T = W^T x^T with the weight tile as the
 wgmma A operand held in registers. On Hopper an A fragment of a 64-row warpgroup tile is fixed
 by the hardware: thread t = 32 w + 4 g + c (warp w, row group g, column pair c) holds, for every
 16-column k step j, rows R0 = 16 w + g and R1 = R0 + 8 at columns 16 j + 2 c + {0, 1} and

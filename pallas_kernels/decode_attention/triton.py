@@ -1,15 +1,13 @@
-"""Pallas (Triton lowering) decode attention over the QuantSpec hierarchical cache and a dense cache,
-and the dispatch between these kernels and the Mosaic GPU ones.
+"""Pallas (Triton lowering) decode attention over the QuantSpec hierarchical cache and a dense cache:
+the backend for GPUs before Hopper, and the dense AR-bf16 kernel on every GPU (`api` dispatches).
 
 * `quantized_decode_attention`: split-K flash-decoding over the quantized region of a
   `QuantSpecCache` (INT4 "draft" view: upper planes only; INT8 "target" view: both planes),
   fused with the FP ring in the same launch (the last `ring_splits` programs of each
   (row, KV head) attend to the ring). The kernel for GPUs before Hopper; on Hopper
-  `decode_attention_mgpu` is faster.
+  `mosaic_gpu` is faster.
 * `dense_decode_attention`: the same structure over a bf16 (or f32) dense cache; the AR-bf16
   baseline.
-* `cache_attention`: the entry `qspec_jax.attention.cache_attention` dispatches to; picks the
-  Mosaic GPU kernel on Hopper (sm_90) and this module's Triton kernels elsewhere (`impl=`).
 
 Both kernels return flash-decoding partials (o, m, l) that `merge_partials` combines by
 log-sum-exp.
@@ -74,7 +72,6 @@ MAGIC = 0x6400  # float16 bits of 1024.0; 0x6400 | n == 1024 + n for 0 <= n < 10
 SUPPORTED_HEAD_DIMS = (64, 128)
 NUM_WARPS = 4
 MAX_ROWS = 128  # n_rep * T
-IMPLS = ("auto", "mosaic", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,75 +575,3 @@ def dense_decode_attention(q: Array, q_pos: Array, k: Array, v: Array, layer: Ar
     if return_partials:
         return o, m, l
     return merge_partials(o, m, l, t, n_rep, q.dtype)
-
-
-# ================================================================================ dispatch
-def is_hopper() -> bool:
-    """The default device is an NVIDIA GPU of compute capability 9.x (the Mosaic GPU kernels)."""
-    try:
-        dev = jax.devices()[0]
-        return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-    except Exception:  # pragma: no cover - no devices
-        return False
-
-
-def choose_impl(impl: str, q: Array, cache: Any, view: str) -> str:
-    """"mosaic" or "triton" for a QuantSpecCache call. "auto": Mosaic GPU on Hopper when the call
-    fits it (16-bit activations and ring, head_dim 64/128, G a multiple of 64), else Triton."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    from pallas_kernels import decode_attention_mgpu as mg
-
-    ok = (is_hopper() and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and mg.unsupported_reason(q.shape, cache, view) is None)
-    return "mosaic" if ok else "triton"
-
-
-def attention_inputs(q: Any, q_pos: Array, cache: Any, *, view: str = "target", impl: str = "auto") -> dict[str, Array]:
-    """The per-pass inputs of the kernel `cache_attention` picks for this call (positions per
-    query row, per-row lengths), for a caller that attends every layer of a pass with the same
-    positions: computed once, outside the layer loop, and passed to each call as `inputs=`.
-    `q` may be a jax.ShapeDtypeStruct of the queries [B, T, Hq, D]."""
-    from qspec_jax.cache import QuantSpecCache  # lazy: keeps this module light
-
-    if isinstance(cache, QuantSpecCache):
-        hkv = cache.k_hi.shape[2]
-        if choose_impl(impl, q, cache, view) == "mosaic":
-            from pallas_kernels import decode_attention_mgpu as mg
-
-            return mg.kernel_inputs(q_pos, cache, q.shape[2] // hkv)
-        return kernel_inputs(q_pos, cache, q.shape[2] // hkv)
-    return kernel_inputs(q_pos, None, q.shape[2] // cache.k.shape[2])
-
-
-def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str = "target",
-                    sliding_window: int | None = None, interpret: bool | None = None,
-                    config: Any = None, impl: str = "auto", inputs: dict[str, Array] | None = None) -> Array:
-    """Same semantics as `qspec_jax.attention.cache_attention` for both cache types.
-
-    QuantSpecCache: `view` "draft" reads the upper planes only (INT4), "target" both (INT8);
-    the FP ring is attended in the same launch. `impl`: "auto" (Mosaic GPU on Hopper, Triton
-    elsewhere), "mosaic" or "triton"; `config` is that kernel's MgpuConfig / KernelConfig.
-    `interpret=None` interprets unless the default backend is a GPU (the Mosaic kernel then
-    runs its SMEM-operand twin). DenseKVCache: `view` is ignored (Triton dense kernel).
-    `inputs`: `attention_inputs(q, q_pos, cache, view=view, impl=impl)` of this pass, or None.
-    """
-    from qspec_jax.cache import DenseKVCache, QuantSpecCache  # lazy: keeps this module light
-
-    if isinstance(cache, QuantSpecCache):
-        if view not in ("draft", "target"):
-            raise ValueError(f"view={view!r}; expected 'draft' or 'target'")
-        if choose_impl(impl, q, cache, view) == "mosaic":
-            from pallas_kernels import decode_attention_mgpu as mg
-
-            return mg.quantized_decode_attention_mgpu(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
-                                                      interpret=interpret_default(interpret), config=config,
-                                                      inputs=inputs)
-        return quantized_decode_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
-                                          interpret=interpret, config=config, inputs=inputs)
-    if isinstance(cache, DenseKVCache):
-        return dense_decode_attention(q, q_pos, cache.k, cache.v, layer, sliding_window=sliding_window,
-                                      interpret=interpret, config=config, inputs=inputs)
-    raise TypeError(f"unsupported cache type {type(cache).__name__}")

@@ -1,6 +1,6 @@
 """Warp-specialized Mosaic GPU decode attention over the QuantSpec cache (issue 31).
 
-The same math, operands and cache layout as `decode_attention_mgpu` (its "legacy" schedule: one
+The same math, operands and cache layout as `decode_attention.mosaic_gpu` (its "legacy" schedule: one
 warpgroup per program does everything), on a schedule in which memory, not one warpgroup's
 dependency chain, is meant to bound the kernel. One CTA per SM, four warpgroups:
 
@@ -26,7 +26,7 @@ Exactness: the block partition, the consumer of each block, the ring-tile assign
 reduction order depend on (B, Hkv, n_rep, D, G, S_max, R, view, config), never on T; T only
 changes the number of column tiles C, each computed by the same instructions.
 
-Partials: 2 per CTA (one per consumer), merged by `decode_attention_mgpu.merge_partials`.
+Partials: 2 per CTA (one per consumer), merged by `mosaic_gpu.merge_partials`.
 
 Testing: as for the legacy schedule, ``register_a=False`` is the SMEM-operand twin GPU interpret
 mode runs on the CPU; the GPU-only pieces (register operands, `bar.red.or`, the cross-warp
@@ -49,13 +49,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import decode_attention_mgpu as mg
+from pallas_kernels.decode_attention import mosaic_gpu as mg
 from pallas_kernels._common import num_sms
 
 Array = jax.Array
 MT, NT, RT, NEG = mg.MT, mg.NT, mg.RING_TILE, mg.NEG
 COL, ROW = mg.COL, mg.ROW
-_bcast_col, _bcast_row = mg._bcast_col, mg._bcast_row
+bcast_col, bcast_row = mg.bcast_col, mg.bcast_row
 
 CONSUMERS = 2  # consumer warpgroups per CTA (wg 0, 1)
 WG_PREP, WG_TMA = 2, 3
@@ -110,7 +110,7 @@ def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, s
     n += stages * (2 * D + 2 * G) * sd  # key scale/zero, value scale/zero
     n += stages * C * qp_rows(D, G) * NT * 2  # qs / P operands
     n += stages * cn * 4  # bias
-    n += D * cn * 2 + mg._pos_width(cn) * 4  # q (bfloat16), positions
+    n += D * cn * 2 + mg.pos_width(cn) * 4  # q (bfloat16), positions
     n += ring_bufs * RT * D * fd  # ring K / V tiles
     n += CONSUMERS * RED_ELEMS * 4
     return n
@@ -230,7 +230,7 @@ def _build_ws(st: _WsStatic):
     cons_regs, prep_regs, tma_regs = st.regs
 
     def _load(ref, layout):
-        return ref[...] if interp else mg._load_with_layout(ref, layout)
+        return ref[...] if interp else mg.load_with_layout(ref, layout)
 
     def _cast(x, layout):
         return x if interp else plgpu.layout_cast(x, layout)
@@ -385,9 +385,9 @@ def _build_ws(st: _WsStatic):
                 z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
                 for c in range(C):
                     qt = q_tile(c)
-                    qs = (qt * _bcast_row(s_eff, (D, NT))).astype(f16)
+                    qs = (qt * bcast_row(s_eff, (D, NT))).astype(f16)
                     qp_s[slot, c, pl.ds(0, D)] = qs
-                    w = qt * _bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
+                    w = qt * bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
                     bias_s[slot, pl.ds(c * NT, NT)] = jnp.sum(w, axis=0)  # [NT] q.z' - sum(off * qs)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(prepped.at[slot])
@@ -449,7 +449,7 @@ def _build_ws(st: _WsStatic):
                 m + LAZY_TH; then it takes the block's exact max. The flag (any column changed)
                 costs one warpgroup barrier, which also orders this block's score-MMA reads of the
                 slot's B operand before its P stores."""
-                flag = any_positive([s - _bcast_col(m + LAZY_TH, (MT, NT)) for s_t, m in zip(s_by_c, ms) for s in s_t])
+                flag = any_positive([s - bcast_col(m + LAZY_TH, (MT, NT)) for s_t, m in zip(s_by_c, ms) for s in s_t])
 
                 def exact(ms):
                     out = []
@@ -466,7 +466,7 @@ def _build_ws(st: _WsStatic):
                 """(l, y, O) x alpha per column, skipped when no column's reference moved."""
                 def scale(args):
                     ls, ys, os_ = args
-                    a = [_bcast_col(x, (MT, NT)) for x in alphas]
+                    a = [bcast_col(x, (MT, NT)) for x in alphas]
                     return (tuple(x * a[c] for c, x in enumerate(ls)), tuple(x * a[c] for c, x in enumerate(ys)),
                             tuple(tuple(o * a[c] for o in oc) for c, oc in enumerate(os_)))
                 return lax.cond(flag > 0, scale, lambda args: args, (tuple(ls), tuple(ys), tuple(os_)))
@@ -520,10 +520,10 @@ def _build_ws(st: _WsStatic):
                 s_by_c, vis_by_c = [], []
                 for c in range(C):
                     bias = _load(bias_s.at[slot, pl.ds(c * NT, NT)], COL)
-                    s_t = [s_all[mt * C + c] + _bcast_col(bias, (MT, NT)) for mt in range(MTK)]
+                    s_t = [s_all[mt * C + c] + bcast_col(bias, (MT, NT)) for mt in range(MTK)]
                     vis = None
                     if st.window is not None:
-                        vis = [_bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
+                        vis = [bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
                                for mt in range(MTK)]
                         s_t = [jnp.where(v, s, NEG) for s, v in zip(s_t, vis)]
                     s_by_c.append(s_t)
@@ -532,13 +532,13 @@ def _build_ws(st: _WsStatic):
                 ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
                 new_ls, new_ys = [], []
                 for c in range(C):
-                    pr = [jnp.exp2(s - _bcast_col(new_ms[c], (MT, NT))) for s in s_by_c[c]]
+                    pr = [jnp.exp2(s - bcast_col(new_ms[c], (MT, NT))) for s in s_by_c[c]]
                     if vis_by_c[c] is not None:
                         pr = [jnp.where(v, x, 0.0) for x, v in zip(pr, vis_by_c[c])]
-                    pp = [(pr[mt] * _bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
+                    pp = [(pr[mt] * bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
                     y = ys[c]
                     for mt in range(MTK):
-                        y = y + pr[mt] * _bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
+                        y = y + pr[mt] * bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
                         qp_s[slot, c, pl.ds(mt * MT, MT)] = pp[mt]
                     new_ls.append(ls[c] + functools.reduce(jnp.add, pr))
                     new_ys.append(y)
@@ -674,7 +674,7 @@ def _build_ws(st: _WsStatic):
                 fresh = slot_idx >= t * RT  # not already covered by the previous tile
                 s_by_c, vis_by_c = [], []
                 for c in range(C):
-                    qpos = _bcast_col(pos_c[c], (MT, NT))
+                    qpos = bcast_col(pos_c[c], (MT, NT))
                     vis = (kpos <= qpos) & fresh
                     if st.window is not None:
                         vis = vis & (qpos - kpos < st.window)
@@ -684,7 +684,7 @@ def _build_ws(st: _WsStatic):
                 ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
                 new_ls = []
                 for c in range(C):
-                    pr = jnp.where(vis_by_c[c], jnp.exp2(s_by_c[c][0] - _bcast_col(new_ms[c], (MT, NT))), 0.0)
+                    pr = jnp.where(vis_by_c[c], jnp.exp2(s_by_c[c][0] - bcast_col(new_ms[c], (MT, NT))), 0.0)
                     qp_s[pslot, c, pl.ds(0, RT)] = pr.astype(f16)
                     new_ls.append(ls[c] + pr)
                 plgpu.commit_smem()
@@ -693,7 +693,7 @@ def _build_ws(st: _WsStatic):
                 def a_v(mc):
                     vt = kr_s.at[vslot, :, pl.ds(mc * MT, MT)]  # [slots, 64 channels] -> V^T [64, slots]
                     if reg_a:
-                        return plgpu.layout_cast(_load(mg._transpose_ref(vt), plgpu.Layout.WGMMA_TRANSPOSED),
+                        return plgpu.layout_cast(_load(mg.transpose_ref(vt), plgpu.Layout.WGMMA_TRANSPOSED),
                                                  plgpu.Layout.WGMMA).astype(f16)
                     return vt[...].T.astype(f16)
 
@@ -709,9 +709,9 @@ def _build_ws(st: _WsStatic):
                 y = colreduce(ys[c], red, "add")
                 l = colreduce(ls[c], red, "add")
                 for mc in range(MTV):
-                    o_ref[b, h, pi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = os_[c][mc] + _bcast_col(y, (MT, NT))
-                ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, _bcast_col(ms[c], (MT, NT)),
-                                                                   _bcast_col(l, (MT, NT)))
+                    o_ref[b, h, pi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = os_[c][mc] + bcast_col(y, (MT, NT))
+                ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(ms[c], (MT, NT)),
+                                                                   bcast_col(l, (MT, NT)))
 
         if seq:
             role_tma()
@@ -728,19 +728,19 @@ def _build_ws(st: _WsStatic):
     fp_item = jnp.dtype(st.fp_dtype).itemsize
     tw = None if reg_a else plgpu.SMEM  # the twin's operand tiles (interpret mode only)
     scratch = dict(
-        q_s=plgpu.SMEM((D, CN), jnp.bfloat16, transforms=mg._swizzle_transforms(NT * 2, 2)),
-        pos_s=plgpu.SMEM((mg._pos_width(CN),), jnp.int32),
-        k_s=plgpu.SMEM((SLOTS, n_planes, G, Dh), jnp.uint8, transforms=mg._swizzle_transforms(Dh, 1)),
-        v_s=plgpu.SMEM((SLOTS, n_planes, D, Gh), jnp.uint8, transforms=mg._swizzle_transforms(Gh, 1)),
+        q_s=plgpu.SMEM((D, CN), jnp.bfloat16, transforms=mg.swizzle_transforms(NT * 2, 2)),
+        pos_s=plgpu.SMEM((mg.pos_width(CN),), jnp.int32),
+        k_s=plgpu.SMEM((SLOTS, n_planes, G, Dh), jnp.uint8, transforms=mg.swizzle_transforms(Dh, 1)),
+        v_s=plgpu.SMEM((SLOTS, n_planes, D, Gh), jnp.uint8, transforms=mg.swizzle_transforms(Gh, 1)),
         sk_s=plgpu.SMEM((SLOTS, D), sd), zk_s=plgpu.SMEM((SLOTS, D), sd),
         sv_s=plgpu.SMEM((SLOTS, G), sd), zv_s=plgpu.SMEM((SLOTS, G), sd),
-        qp_s=plgpu.SMEM((SLOTS, C, QP, NT), f16, transforms=mg._swizzle_transforms(NT * 2, 2)),
+        qp_s=plgpu.SMEM((SLOTS, C, QP, NT), f16, transforms=mg.swizzle_transforms(NT * 2, 2)),
         bias_s=plgpu.SMEM((SLOTS, CN), f32),
-        kr_s=plgpu.SMEM((RSLOTS, RT, D), st.fp_dtype, transforms=mg._swizzle_transforms(D * fp_item, fp_item)),
+        kr_s=plgpu.SMEM((RSLOTS, RT, D), st.fp_dtype, transforms=mg.swizzle_transforms(D * fp_item, fp_item)),
         red_s=plgpu.SMEM((CONSUMERS, RED_ELEMS), f32),
-        ak_s=None if tw is None else tw((CONSUMERS, MT, D), f16, transforms=mg._swizzle_transforms(D * 2, 2)),
-        av_s=None if tw is None else tw((CONSUMERS, MT, G), f16, transforms=mg._swizzle_transforms(G * 2, 2)),
-        at_s=None if tw is None else tw((CONSUMERS, MT, RT), f16, transforms=mg._swizzle_transforms(RT * 2, 2)),
+        ak_s=None if tw is None else tw((CONSUMERS, MT, D), f16, transforms=mg.swizzle_transforms(D * 2, 2)),
+        av_s=None if tw is None else tw((CONSUMERS, MT, G), f16, transforms=mg.swizzle_transforms(G * 2, 2)),
+        at_s=None if tw is None else tw((CONSUMERS, MT, RT), f16, transforms=mg.swizzle_transforms(RT * 2, 2)),
         qbar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
         full=plgpu.Barrier(num_arrivals=2 * n_planes + 4, num_barriers=SLOTS),
         prepped=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
@@ -819,5 +819,5 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
 
 def build(st: _WsStatic):
     """The kernel for `st` (a `plgpu.kernel` callable; outputs the partials o, ml of
-    `decode_attention_mgpu.merge_partials`, 2 per CTA)."""
+    `mosaic_gpu.merge_partials`, 2 per CTA)."""
     return _build_ws(st)

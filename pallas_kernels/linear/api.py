@@ -7,8 +7,8 @@ Backends ("auto" picks by the default device):
 
 | backend    | int4_linear                                   | dense_linear                      |
 |------------|-----------------------------------------------|-----------------------------------|
-| "mosaic"   | Hopper (sm_90): `w4a16_mgpu.int4_matmul_mgpu` | `w4a16_mgpu.bf16_matmul_mgpu`     |
-| "triton"   | older GPUs: `w4a16.w4a16_matmul` (Triton)     | (n/a: "xla")                      |
+| "mosaic"   | Hopper (sm_90): `mosaic_gpu.int4_matmul_mgpu` | `mosaic_gpu.bf16_matmul_mgpu`     |
+| "triton"   | older GPUs: `triton.w4a16_matmul` (Triton)     | (n/a: "xla")                      |
 | "xla"      | CPU: dequantize -> dot (float32 weight)       | XLA dot (cuBLAS on GPU)           |
 | "interpret"| the Mosaic SMEM twin in GPU interpret mode    | the Mosaic kernel, interpreted    |
 | "reference"| the jnp oracle: x (f32) @ (U * s + z), HIGHEST| x (f32) @ W (f32), HIGHEST        |
@@ -18,7 +18,7 @@ kernels' range and (int4) a weight already in the Hopper layout; "triton" (int4)
 (bf16) on other GPUs; "xla" on the CPU. Shapes a kernel does not take (prefill-sized M, odd N)
 fall back to "xla".
 
-Weights: `int4_linear` takes the Hopper layout (`w4a16_layout.W4A16Packed`) or the
+Weights: `int4_linear` takes the Hopper layout (`layout.W4A16Packed`) or the
 QuantizedWeight fields (any object with .packed / .scale / .zero). Each backend reads its own
 format; given the other one it converts with the exact `pack_fields` / `unpack_fields`, which
 re-reads and re-writes the whole weight: convert once at load time, not per call. Stacked
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import w4a16_layout as lay
-from pallas_kernels import w4a16_mgpu as mg
+from pallas_kernels.linear import layout as lay
+from pallas_kernels.linear import mosaic_gpu as mg
 
 Array = jax.Array
 BACKENDS = ("auto", "mosaic", "triton", "xla", "interpret", "reference")
@@ -111,11 +111,11 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
     """x [..., K] @ W [K, N] with W in INT4 -> [..., N] (float32 accumulation; `out_dtype`
     defaults to x's dtype). See the module docstring for `backend` and the weight formats.
 
-    Fused glue (`w4a16_mgpu.Epilogue`): `norm_weight` [K] (or [L, K] read at `layer`) applies
+    Fused glue (`mosaic_gpu.Epilogue`): `norm_weight` [K] (or [L, K] read at `layer`) applies
     RMSNorm to x first, `swiglu` returns silu(gate) * up [..., N/2] of W's gate | up halves,
     `residual` [..., N] is added to the output. The Mosaic backends run them inside the kernel
     ("auto" picks them only where the kernel takes the call: bf16, Hopper, at most
-    `w4a16_mgpu.MAX_FUSED_M` rows); every other backend computes `w4a16_mgpu.epilogue_reference`."""
+    `mosaic_gpu.MAX_FUSED_M` rows); every other backend computes `mosaic_gpu.epilogue_reference`."""
     _check_backend(backend)
     k, n, wlead = _int4_shape(w)
     g_stacked = norm_weight is not None and norm_weight.ndim == 2
@@ -145,7 +145,7 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
                                 interpret=backend == "interpret", norm_weight=norm_weight, norm_eps=norm_eps,
                                 swiglu=swiglu, residual=res2)
     elif backend == "triton":
-        from pallas_kernels.w4a16 import w4a16_matmul  # Triton: imported only where used
+        from pallas_kernels.linear.triton import w4a16_matmul  # Triton: imported only where used
 
         f = _as_fields(w)
         y = w4a16_matmul(x2, f.packed, f.scale, f.zero, out_dtype=out_dtype, layer=layer)

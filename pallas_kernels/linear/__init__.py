@@ -1,0 +1,20 @@
+"""Decode-sized linears with INT4 (W4A16) and bf16 weights (one op, one folder).
+
+* `api`: the entry (`int4_linear`, `dense_linear`) and the dispatch by device (`pick_backend`); its
+  "reference" backend is the jnp oracle of every kernel test, "xla" the CPU path.
+* `layout`: the pre-packed Hopper INT4 layout and its exact inverse (`pack_fields` / `unpack_fields`).
+* `mosaic_gpu`: the Hopper (sm_90) skinny GEMMs, INT4 and bf16, with the fused draft-layer epilogues
+  (and `epilogue_reference`, their jnp oracle).
+* `triton`: the Triton W4A16 kernel for GPUs before Hopper.
+"""
+
+from pallas_kernels.linear.api import (
+    BACKENDS,
+    dense_linear,
+    device_arch,
+    int4_linear,
+    pick_backend,
+    supports,
+)
+
+__all__ = ["BACKENDS", "dense_linear", "device_arch", "int4_linear", "pick_backend", "supports"]
