@@ -12,7 +12,11 @@ dependency chain, is meant to bound the kernel. One CTA per SM, four warpgroups:
   into the block's slot before the consumer gets there. Done ahead, off the consumers' chain.
 * wg 0 and 1, consumers: block i of the program goes to consumer i % 2 (its own slots, i % 2 ==
   slot % 2), each with its own online-softmax state and its own partial; per block: codes ->
-  float16 operands in registers, score MMA, softmax, P, value MMA accumulated in place.
+  float16 operands in registers, score MMA, softmax, P, value MMA accumulated in place. Draft view
+  by default (`MgpuConfig.ws_pipeline`): software-pipelined, a block's value MMA issued together
+  with the K conversion and score MMA of the consumer's next block (`values_then_scores`), with 3
+  slots per consumer (6 stages); the verify view runs one block after the other (pipelined, its
+  wgmmas serialize for lack of registers).
 
 The softmax keeps a *lazy* reference max per column (FA4-style): a block's probabilities are
 exp2(s - m_ref) with the reference of the previous blocks, as long as no score of the block
