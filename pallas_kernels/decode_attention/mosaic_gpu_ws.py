@@ -141,7 +141,7 @@ def fits(view: str, D: int, G: int, c_max: int, scale_dtype: Any, fp_dtype: Any)
 CTA_FIXED_BLOCKS = {"draft": 7, "target": 16}
 
 
-def default_ctas(batch: int, hkv: int, n_blocks: int, view: str = "draft") -> int:
+def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
     """CTAs per (row, KV head): one CTA per SM, so pick the count whose waves x (blocks per CTA +
     the CTA's fixed cost in blocks) is smallest. Depends on the geometry and view only, never on T."""
     pairs = batch * hkv
@@ -476,24 +476,24 @@ def _build_ws(st: _WsStatic):
                 return lax.cond(flag > 0, scale, lambda args: args, (tuple(ls), tuple(ys), tuple(os_)))
 
             # ------------------------------------------------------------ quantized blocks
+            def code_operand(planes, slot, rows, nb):
+                """float16 A operand [MT, 2 nb] of the slot's code rows [rows, rows + MT) (upper
+                plane, and the lower one for the target): registers on the GPU, the twin else."""
+                hi = planes.at[slot, 0].at[pl.ds(rows, MT)]
+                lo = planes.at[slot, 1].at[pl.ds(rows, MT)] if target else None
+                if reg_a:
+                    return mg.register_operand(_load(hi, plgpu.Layout.WGMMA_8BIT),
+                                               None if lo is None else _load(lo, plgpu.Layout.WGMMA_8BIT),
+                                               MT, nb, lop3=st.diag != "and_or")
+                return mg.twin_operand(hi[...], None if lo is None else lo[...])
+
             def k_tiles(i):
                 """(slot, K operand tiles) of block i, once its slot is loaded and prepared."""
                 slot = slot_of(i)
                 if not seq:  # (interpret mode: the prep role waited)
                     plgpu.barrier_wait(full.at[slot])
                 plgpu.barrier_wait(prepped.at[slot])
-                kp = [k_s.at[slot, 0], k_s.at[slot, 1] if target else None]
-                a_k = []
-                for mt in range(MTK):
-                    rows = mt * MT
-                    if reg_a:
-                        hi = _load(kp[0].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
-                        lo = None if kp[1] is None else _load(kp[1].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
-                        a_k.append(mg.register_operand(hi, lo, MT, Dh, lop3=st.diag != "and_or"))
-                    else:
-                        a_k.append(mg.twin_operand(kp[0][pl.ds(rows, MT)],
-                                                   None if kp[1] is None else kp[1][pl.ds(rows, MT)]))
-                return slot, a_k
+                return slot, [code_operand(k_s, slot, mt * MT, Dh) for mt in range(MTK)]
 
             def qs_refs(slot):  # the score MMA's B operands: the slot's q s_k tiles
                 return [qp_s.at[slot, c, pl.ds(0, D)] for c in range(C)]
@@ -501,16 +501,8 @@ def _build_ws(st: _WsStatic):
             def p_ref(slot):  # the value MMA's B operand of column tile c: the slot's P s_v
                 return lambda c: qp_s.at[slot, c, pl.ds(0, G)]
 
-            def v_tiles(slot):
-                def a_v(mc):
-                    rows = mc * MT
-                    vp = [v_s.at[slot, 0], v_s.at[slot, 1] if target else None]
-                    if reg_a:
-                        hi = _load(vp[0].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
-                        lo = None if vp[1] is None else _load(vp[1].at[pl.ds(rows, MT)], plgpu.Layout.WGMMA_8BIT)
-                        return mg.register_operand(hi, lo, MT, Gh, lop3=st.diag != "and_or")
-                    return mg.twin_operand(vp[0][pl.ds(rows, MT)], None if vp[1] is None else vp[1][pl.ds(rows, MT)])
-                return a_v
+            def v_tiles(slot):  # the value MMA's A operand of channel tile mc, built when called
+                return lambda mc: code_operand(v_s, slot, mc * MT, Gh)
 
             def softmax_p(i, slot, s_all, ms, ls, ys, os_):
                 """Block i's masked scores -> new (m, l, y), O rescaled if a reference moved, and
@@ -561,8 +553,12 @@ def _build_ws(st: _WsStatic):
                     plgpu.barrier_arrive(consumed.at[slot])
                     return carry
                 slot, a_k = k_tiles(i)
-                s_all = scores(a_k, qs_refs(slot))
-                ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
+                return finish_block(i, carry, scores(a_k, qs_refs(slot)))
+
+            def finish_block(i, carry, s_all):
+                """Block i from its scores on: softmax, P, value MMA, release of its slot."""
+                slot = slot_of(i)
+                ms, ls, ys, os_ = softmax_p(i, slot, s_all, *carry)
                 new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return ms, ls, ys, new_os
@@ -615,16 +611,8 @@ def _build_ws(st: _WsStatic):
                     slot, a_k = k_tiles(w)
                     s0 = tuple(scores(a_k, qs_refs(slot)))
                     ms, ls, ys, os_, s_all = lax.fori_loop(0, nq - 1, pipelined_body, (*carry, s0))
-                    return quant_body_tail(nq - 1, (ms, ls, ys, os_), s_all)
-
-                def quant_body_tail(j, carry, s_all):  # the last block: no next scores to issue
-                    ms, ls, ys, os_ = carry
-                    i = w + 2 * j
-                    slot = slot_of(i)
-                    ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
-                    new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    return ms, ls, ys, new_os
+                    # the last block: no next scores to issue
+                    return finish_block(w + 2 * (nq - 1), (ms, ls, ys, os_), s_all)
 
                 carry = lax.cond(nq > 0, first_last, lambda carry: carry, init)
             else:
