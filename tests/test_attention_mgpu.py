@@ -344,15 +344,20 @@ def test_ws_lazy_reference_moves_and_stays_column_local(view):
 def test_ws_pipelined_consumers_same_bits(view, window):
     """The software-pipelined consumer loop (a block's value MMA issued with the next block's score
     MMA) computes what the one-block-after-the-other loop does, bit for bit, for CTAs whose
-    consumers own 0, 1, 2 or more blocks (one split over rows of 0 to 5 blocks, and 3 splits)."""
+    consumers own 0, 1, 2 or more blocks (one split over rows of 0 to 5 blocks, and 3 splits);
+    so do both loops unrolled over the slots (`ws_static_slots`: groups of 3 steps and a rest)."""
     g = 64
-    cache = build_cache(13, 1, 2, 64, g, [5 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=8)
+    # row 0: 7 quantized blocks, so one split's consumers run full groups of 3 steps and rests
+    cache = build_cache(13, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
+    assert int(cache.q_len[0]) >= 7 * g
     q, q_pos = _queries(jax.random.PRNGKey(8), cache, 5, 4, 64, jnp.float32)
     for splits in (1, 3):
         outs = [np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=mg.MgpuConfig(
-            register_a=False, schedule="ws", num_splits=splits, ws_pipeline=pipe))) for pipe in (True, False)]
+            register_a=False, schedule="ws", num_splits=splits, ws_pipeline=pipe, ws_static_slots=static, stages=6)))
+            for pipe, static in ((True, True), (False, True), (True, False), (False, False))]
         assert np.isfinite(outs[0]).all()
-        np.testing.assert_array_equal(outs[0], outs[1])
+        for other in outs[1:]:
+            np.testing.assert_array_equal(outs[0], other)
     ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
     assert (np.abs(outs[0] - ref) <= error_bound(q, q_pos, cache, 0, view, window)).all()
 
@@ -390,6 +395,7 @@ def test_ws_default_schedule_per_view(monkeypatch):
         one, two = statics[view, 1], statics[view, 2]
         assert (one.pipeline, one.stages, one.ring_bufs, one.NP) == (two.pipeline, two.stages, two.ring_bufs, two.NP)
     assert statics["draft", 1].pipeline and statics["draft", 1].stages == 6
+    assert all(st.tma_warp and not st.static_slots for st in statics.values())
     assert not statics["target", 1].pipeline
     forced = ws.static_config(1, 8, 128, 128, 64, 1024 * 128, 1, 2, "target", None, True, False, jnp.float16,
                               jnp.bfloat16, mg.MgpuConfig(schedule="ws", ws_pipeline=True, num_splits=3))

@@ -109,6 +109,11 @@ class MgpuConfig:
     # waiting (software-pipelined consumers); False: one block after the other. Same bits.
     # None: pipelined for the draft view only (see mosaic_gpu_ws.static_config).
     ws_pipeline: bool | None = None
+    # "ws": the consumer and prep loops unrolled over their slots, so that shared-memory addresses
+    # are compile-time offsets. Same bits either way; None: off (it spills, see mosaic_gpu_ws).
+    ws_static_slots: bool | None = None
+    # "ws": one warp of the TMA warpgroup issues the copies, the other three leave (None: on).
+    ws_tma_warp: bool | None = None
 
 
 # ----------------------------------------------------------------------------- code words

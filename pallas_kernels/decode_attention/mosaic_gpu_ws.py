@@ -95,6 +95,10 @@ class _WsStatic:
     # (right results) converts codes with and + or, two LOP3s per word where the default has one
     diag: str | None = None
     pipeline: bool = True  # software-pipelined consumers (`values_then_scores`)
+    # consumer and prep loops unrolled over their slots (`unrolled`); off by default: H100
+    # 2026-11-26, ptxas spills 196 / 420 bytes (draft / verify) and the kernels slow 17% / 65%
+    static_slots: bool = False
+    tma_warp: bool = True  # one warp of the TMA warpgroup issues the copies
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -294,7 +298,8 @@ def _build_ws(st: _WsStatic):
             if seq:
                 return m
             if NRB == 4:  # the pair of buffers of the tile's consumer
-                return 2 * lax.rem(m // 2 + ring_owner, 2) + lax.rem(m, 2)
+                # (lax.div, not //: floor division lowers through `sign`, which warp code cannot)
+                return 2 * lax.rem(lax.div(m, 2) + ring_owner, 2) + lax.rem(m, 2)
             return lax.rem(m, NRB)
 
         def slot_of(i):
@@ -302,8 +307,20 @@ def _build_ws(st: _WsStatic):
 
         # ------------------------------------------------------------------------- TMA
         def role_tma():
-            if not seq:
-                plgpu.set_max_registers(tma_regs, action="decrease")
+            if seq:
+                return tma_stream()
+            plgpu.set_max_registers(tma_regs, action="decrease")  # warpgroup-wide (setmaxnreg)
+            if not st.tma_warp:
+                return tma_stream()
+
+            # One warp runs the loop and issues the copies; the warpgroup's other three leave (the
+            # stream's waits, addresses and loop control cost 4x the issue slots when the whole
+            # warpgroup runs them: ~400 per block of 3600, ncu 2026-11-26).
+            @plgpu.warp_map
+            def _(warp):
+                pl.when(warp == 0)(tma_stream)
+
+        def tma_stream():
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, qbar.at[0])
             plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_s, qbar.at[0])
 
@@ -333,7 +350,7 @@ def _build_ws(st: _WsStatic):
                     issue(i, slot)
 
             def issue_ring(m, slot):
-                k = m // 2
+                k = lax.div(m, 2)
                 s0 = ring_start(r0 + k * st.NP)
 
                 @pl.when(lax.rem(m, 2) == 0)
@@ -376,9 +393,7 @@ def _build_ws(st: _WsStatic):
             ch_row = _iota((D, NT), 0)
             off_k = jnp.where(ch_row < Dh, off_lo, off_hi)  # [D, NT]
 
-            @pl.loop(0, n)
-            def _(i):
-                slot = slot_of(i)
+            def prep_block(i, slot):
                 plgpu.barrier_wait(full.at[slot])
                 if st.diag in ("stream", "noprep"):  # timing diagnostics: no qs / bias
                     plgpu.barrier_arrive(prepped.at[slot])
@@ -395,6 +410,17 @@ def _build_ws(st: _WsStatic):
                     bias_s[slot, pl.ds(c * NT, NT)] = jnp.sum(w, axis=0)  # [NT] q.z' - sum(off * qs)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(prepped.at[slot])
+
+            if seq or not st.static_slots:
+                pl.loop(0, n)(lambda i: prep_block(i, slot_of(i)))
+                return
+
+            @pl.loop(0, n // S)  # static slots (see the consumers' `unrolled`), then the rest
+            def _(k):
+                for u in range(S):
+                    prep_block(k * S + u, u)
+
+            pl.loop(n // S * S, n)(lambda i: prep_block(i, lax.rem(i, S)))
 
         # -------------------------------------------------------------------- consumers
         def role_consumer(w):
@@ -487,13 +513,12 @@ def _build_ws(st: _WsStatic):
                                                MT, nb, lop3=st.diag != "and_or")
                 return mg.twin_operand(hi[...], None if lo is None else lo[...])
 
-            def k_tiles(i):
-                """(slot, K operand tiles) of block i, once its slot is loaded and prepared."""
-                slot = slot_of(i)
+            def k_tiles(slot):
+                """K operand tiles of the block in `slot`, once the slot is loaded and prepared."""
                 if not seq:  # (interpret mode: the prep role waited)
                     plgpu.barrier_wait(full.at[slot])
                 plgpu.barrier_wait(prepped.at[slot])
-                return slot, [code_operand(k_s, slot, mt * MT, Dh) for mt in range(MTK)]
+                return [code_operand(k_s, slot, mt * MT, Dh) for mt in range(MTK)]
 
             def qs_refs(slot):  # the score MMA's B operands: the slot's q s_k tiles
                 return [qp_s.at[slot, c, pl.ds(0, D)] for c in range(C)]
@@ -541,37 +566,62 @@ def _build_ws(st: _WsStatic):
                 plgpu.commit_smem()
                 return tuple(new_ms), tuple(new_ls), tuple(new_ys), os_
 
-            def quant_body(j, carry):
+            # Slots: consumer w's j-th block (i = w + 2j) sits in slot w + 2 (j % S2). With
+            # `static_slots` the loops below are unrolled over the S2 slots, so that every shared-
+            # memory address of a step is a compile-time offset (a runtime slot costs ~1150 address
+            # and uniform-register instructions per block, ncu 2026-11-26); the last < S2 steps run
+            # with a runtime slot. Interpret mode: slot = block (see SLOTS).
+            S2 = S // 2
+
+            def slot_at(i, u):  # the slot of block i = w + 2j, u = j % S2 (static) or None
+                if seq:
+                    return i
+                return w + 2 * u if u is not None else lax.rem(i, S)
+
+            def unrolled(steps, body, carry):
+                """carry after body(j, carry, u) for j in [0, steps), u = j % S2 static for all
+                but the last steps % S2 steps (u = None there); the same steps in the same order."""
+                if not st.static_slots:
+                    return lax.fori_loop(0, steps, lambda j, c: body(j, c, None), carry)
+
+                def group(k, c):
+                    for u in range(S2):
+                        c = body(k * S2 + u, c, u)
+                    return c
+                full_groups = steps // S2
+                carry = lax.fori_loop(0, full_groups, group, carry)
+                return lax.fori_loop(full_groups * S2, steps, lambda j, c: body(j, c, None), carry)
+
+            def quant_body(j, carry, u):
                 """Block w + 2j, one after the other: K, scores, softmax, values, release."""
                 ms, ls, ys, os_ = carry
                 i = w + 2 * j
+                slot = slot_at(i, u)
                 if st.diag == "stream":  # timing diagnostic: the pipeline alone
-                    slot = slot_of(i)
                     if not seq:
                         plgpu.barrier_wait(full.at[slot])
                     plgpu.barrier_wait(prepped.at[slot])
                     plgpu.barrier_arrive(consumed.at[slot])
                     return carry
-                slot, a_k = k_tiles(i)
-                return finish_block(i, carry, scores(a_k, qs_refs(slot)))
+                a_k = k_tiles(slot)
+                return finish_block(i, slot, carry, scores(a_k, qs_refs(slot)))
 
-            def finish_block(i, carry, s_all):
-                """Block i from its scores on: softmax, P, value MMA, release of its slot."""
-                slot = slot_of(i)
+            def finish_block(i, slot, carry, s_all):
+                """Block i (in `slot`) from its scores on: softmax, P, value MMA, release."""
                 ms, ls, ys, os_ = softmax_p(i, slot, s_all, *carry)
                 new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return ms, ls, ys, new_os
 
-            def values_then_scores(os_, slot, i_next):
-                """Software pipelining: block i's value MMA is issued, then (while the tensor cores
-                run it) block i_next's slot is awaited, its K converted and its score MMA issued;
-                one wait for both. The same MMAs on the same operands as `quant_body`, in the same
-                accumulation order, so the same bits; only their overlap changes."""
+            def values_then_scores(os_, slot, slot2):
+                """Software pipelining: the value MMA of the block in `slot` is issued, then (while
+                the tensor cores run it) the consumer's next block's slot2 is awaited, its K
+                converted and its score MMA issued; one wait for both. The same MMAs on the same
+                operands as `quant_body`, in the same accumulation order, so the same bits; only
+                their overlap changes."""
                 if not reg_a:  # the twin: the same steps, one after the other
                     new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
-                    slot2, a_k = k_tiles(i_next)
-                    return new_os, scores(a_k, qs_refs(slot2))
+                    return new_os, scores(k_tiles(slot2), qs_refs(slot2))
                 a_v = v_tiles(slot)
 
                 def run(accs):
@@ -580,7 +630,7 @@ def _build_ws(st: _WsStatic):
                         a = a_v(mc)
                         for c in range(C):
                             plgpu.wgmma(o_accs[mc * C + c], a, p_ref(slot)(c))
-                    slot2, a_k = k_tiles(i_next)
+                    a_k = k_tiles(slot2)
                     b_refs = qs_refs(slot2)
                     for ai, a in enumerate(a_k):
                         for c in range(C):
@@ -592,13 +642,14 @@ def _build_ws(st: _WsStatic):
                 new_os = tuple(tuple(flat[mc * C + c] for mc in range(MTV)) for c in range(C))
                 return new_os, list(flat[MTV * C:])
 
-            def pipelined_body(j, carry):
+            def pipelined_body(j, carry, u):
                 """Block i = w + 2j with its scores computed; ends with block i + 2's scores."""
                 ms, ls, ys, os_, s_all = carry
                 i = w + 2 * j
-                slot = slot_of(i)
+                slot = slot_at(i, u)
+                slot2 = slot_at(i + 2, None if u is None else (u + 1) % S2)
                 ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
-                os_, s_next = values_then_scores(os_, slot, i + 2)
+                os_, s_next = values_then_scores(os_, slot, slot2)
                 plgpu.barrier_arrive(consumed.at[slot])
                 return ms, ls, ys, os_, tuple(s_next)
 
@@ -608,15 +659,16 @@ def _build_ws(st: _WsStatic):
             nq = (n - w + 1) // 2
             if st.pipeline and st.diag != "stream":
                 def first_last(carry):
-                    slot, a_k = k_tiles(w)
-                    s0 = tuple(scores(a_k, qs_refs(slot)))
-                    ms, ls, ys, os_, s_all = lax.fori_loop(0, nq - 1, pipelined_body, (*carry, s0))
+                    slot = slot_at(w, 0)
+                    s0 = tuple(scores(k_tiles(slot), qs_refs(slot)))
+                    ms, ls, ys, os_, s_all = unrolled(nq - 1, pipelined_body, (*carry, s0))
                     # the last block: no next scores to issue
-                    return finish_block(w + 2 * (nq - 1), (ms, ls, ys, os_), s_all)
+                    last = w + 2 * (nq - 1)
+                    return finish_block(last, slot_at(last, None), (ms, ls, ys, os_), s_all)
 
                 carry = lax.cond(nq > 0, first_last, lambda carry: carry, init)
             else:
-                carry = lax.fori_loop(0, nq, quant_body, init)
+                carry = unrolled(nq, quant_body, init)
 
             # ------------------------------------------------------------------- FP ring
             # Operands in float16 (bf16 -> f16 is exact in float16's normal range, which the
@@ -806,6 +858,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      seq_slots=seq_slots, seq_ring_slots=seq_ring_slots,
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      pipeline=bool(pipeline),
+                     static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
 
 

@@ -5,7 +5,7 @@
 #
 #   cd <repo> && OUT=/tmp/out bash tools/device/attention_ws_run.sh [STAGES]
 #
-# STAGES: comma-separated subset of mapping,check,tinv,time,time8,smol,dump (default: all, in that order).
+# STAGES: comma-separated subset of mapping,check,checkcfg,tinv,time,time8,smol,dump (default: all but checkcfg).
 # CONFIGS / CONFIGS8 / CONFIGS_SMOL: the MgpuConfig variants timed at B = 1 / B = 8 / SmolLM2 B = 32;
 # CHECK_CASES / TINV_CASES: check_attention.py's --cases of those stages; TS8: the B = 8 verify T's.
 # Run 1 (2026-11-24) ran check/tinv of both shapes at T 1 and 5 and the first timings; these
@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/attention_ws_out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 STAGES=${1:-mapping,check,tinv,time,time8,smol,dump}
-LIMITS=${LIMITS:-mapping=60,check=95,tinv=50,time=100,time8=35,smol=45,dump=60}
+LIMITS=${LIMITS:-mapping=60,check=95,checkcfg=60,tinv=50,time=100,time8=35,smol=45,dump=60}
 limit() { echo "$LIMITS" | tr ',' '\n' | sed -n "s/^$1=//p"; }
 
 stage() {
@@ -39,6 +39,9 @@ stage mapping $CA --parts mapping
 # column tiles, the tightest shared memory) and the SmolLM2 shape
 stage check $CA --parts check --impls mosaic-ws --shapes llama3-8b,smollm2 \
   --cases "${CHECK_CASES:-llama3-8b:target:9:none,smollm2:draft:1:none,smollm2:target:5:1000,smollm2:target:9:none}"
+# CHECK_CONFIG (e.g. stages=12): check and tinv of CHECK_CONFIG_CASES with that MgpuConfig (stage checkcfg)
+stage checkcfg $CA --parts check,tinv --impls mosaic-ws --shapes llama3-8b,smollm2 --check-config "${CHECK_CONFIG:-default}" \
+  --cases "${CHECK_CONFIG_CASES:-smollm2:draft:1:none,smollm2:draft:float32:none}"
 # bitwise T-invariance (T = 1 row == T = 5 row)
 stage tinv $CA --parts tinv --impls mosaic-ws --shapes llama3-8b,smollm2 \
   --cases "${TINV_CASES:-llama3-8b:target:bfloat16:none,llama3-8b:target:bfloat16:1000,smollm2:draft:float32:none,smollm2:target:float32:none}"

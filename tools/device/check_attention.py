@@ -24,6 +24,7 @@ Prints one line per case and a summary table; exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import functools
 import math
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 FAILS: list[str] = []
+CHECK_CONFIG = None  # the MgpuConfig of the mosaic impls in check / tinv (--check-config), schedule from the impl
 
 
 def log(*a):
@@ -130,8 +132,9 @@ def run_impl(impl, q, q_pos, cache, view, window=None, partials=False):
         from pallas_kernels.decode_attention import mosaic_gpu as mg
 
         schedule = impl.partition("-")[2] or None
+        config = dataclasses.replace(CHECK_CONFIG or mg.MgpuConfig(), schedule=schedule)
         return mg.quantized_decode_attention_mgpu(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
-                                                  return_partials=partials, config=mg.MgpuConfig(schedule=schedule))
+                                                  return_partials=partials, config=config)
     return pk.quantized_decode_attention(q, q_pos, cache, jnp.int32(1), view=view, sliding_window=window,
                                          interpret=False, return_partials=partials)
 
@@ -235,7 +238,7 @@ def parse_configs(spec: str):
         kw = {}
         for kv in item.split(","):
             k, v = kv.split("=")
-            if k in ("auto_barriers", "register_a", "ws_pipeline"):
+            if k in ("auto_barriers", "register_a", "ws_pipeline", "ws_static_slots", "ws_tma_warp"):
                 kw[k] = bool(int(v))
             elif k in ("schedule", "ws_diag"):
                 kw[k] = v
@@ -297,6 +300,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-impls", default="mosaic,triton")
     ap.add_argument("--quick", action="store_true", help="Llama shape only, fewer T and windows")
     ap.add_argument("--mgpu-configs", default="default", help="';'-separated MgpuConfig variants to time")
+    ap.add_argument("--check-config", default="default",
+                    help="check/tinv: one MgpuConfig variant for the mosaic impls (e.g. stages=12)")
     ap.add_argument("--time-shape", default="llama3-8b")
     ap.add_argument("--shapes", default=None, help="check/tinv shapes (default: all, or Llama with --quick)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="tinv query dtypes")
@@ -310,6 +315,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     jax.config.update("jax_default_matmul_precision", "highest")  # the reference in true float32
     log(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    global CHECK_CONFIG
+    (CHECK_CONFIG,) = parse_configs(args.check_config)
     parts = args.parts.split(",")
     sel = None if args.shapes is None else args.shapes.split(",")
     impls = args.impls.split(",")
