@@ -91,7 +91,8 @@ class _WsStatic:
     scale_dtype: Any
     fp_dtype: Any
     regs: tuple[int, int, int]
-    # timing diagnostics: "stream" (TMA + barriers only) and "noprep" give wrong results; "and_or"
+    # timing diagnostics: "stream" (TMA + barriers only), "stream_planes" (the same without the
+    # four scale/zero copies per block) and "noprep" give wrong results; "and_or"
     # (right results) converts codes with and + or, two LOP3s per word where the default has one
     diag: str | None = None
     pipeline: bool = True  # software-pipelined consumers (`values_then_scores`)
@@ -229,6 +230,7 @@ def _build_ws(st: _WsStatic):
     # barrier waits sit inside XLA:CPU callbacks, and on a 2-core machine the CPU runtime's
     # worker pool starves: the TMA warpgroup never ran, with or without async dispatch.)
     seq = st.interpret
+    stream_only = st.diag in ("stream", "stream_planes")
     SLOTS = st.seq_slots if seq else S
     RSLOTS = st.seq_ring_slots if seq else NRB
     QP = qp_rows(D, G)
@@ -330,6 +332,8 @@ def _build_ws(st: _WsStatic):
                     plgpu.copy_gmem_to_smem(r.at[lbh, pl.ds(blk * G, G)], k_s.at[slot, j], full.at[slot])
                 for j, r in enumerate(vp_refs):
                     plgpu.copy_gmem_to_smem(r.at[lbh, pl.ds(blk * D, D)], v_s.at[slot, j], full.at[slot])
+                if st.diag == "stream_planes":
+                    return
                 plgpu.copy_gmem_to_smem(ks_ref.at[lbh, blk], sk_s.at[slot], full.at[slot])
                 plgpu.copy_gmem_to_smem(kz_ref.at[lbh, blk], zk_s.at[slot], full.at[slot])
                 plgpu.copy_gmem_to_smem(vs_ref.at[lbh, pl.ds(blk * G, G)], sv_s.at[slot], full.at[slot])
@@ -395,7 +399,7 @@ def _build_ws(st: _WsStatic):
 
             def prep_block(i, slot):
                 plgpu.barrier_wait(full.at[slot])
-                if st.diag in ("stream", "noprep"):  # timing diagnostics: no qs / bias
+                if stream_only or st.diag == "noprep":  # timing diagnostics: no qs / bias
                     plgpu.barrier_arrive(prepped.at[slot])
                     return
                 sk = _load(sk_s.at[slot], ROW).astype(f32)  # [D] per-channel key scale
@@ -597,7 +601,7 @@ def _build_ws(st: _WsStatic):
                 ms, ls, ys, os_ = carry
                 i = w + 2 * j
                 slot = slot_at(i, u)
-                if st.diag == "stream":  # timing diagnostic: the pipeline alone
+                if stream_only:  # timing diagnostic: the pipeline alone
                     if not seq:
                         plgpu.barrier_wait(full.at[slot])
                     plgpu.barrier_wait(prepped.at[slot])
@@ -657,7 +661,7 @@ def _build_ws(st: _WsStatic):
                     tuple(zeros_t() for _ in range(C)),
                     tuple(tuple(zeros_t() for _ in range(MTV)) for _ in range(C)))
             nq = (n - w + 1) // 2
-            if st.pipeline and st.diag != "stream":
+            if st.pipeline and not stream_only:
                 def first_last(carry):
                     slot = slot_at(w, 0)
                     s0 = tuple(scores(k_tiles(slot), qs_refs(slot)))
@@ -697,7 +701,7 @@ def _build_ws(st: _WsStatic):
                 s0 = ring_start(t)
                 kslot = ring_item_slot(2 * k)
                 vslot = ring_item_slot(2 * k + 1)
-                if st.diag == "stream":  # timing diagnostic: the pipeline alone
+                if stream_only:  # timing diagnostic: the pipeline alone
                     for sl in (kslot, vslot):
                         plgpu.barrier_wait(rfull.at[sl])
                         plgpu.barrier_arrive(rconsumed.at[sl])
@@ -786,7 +790,7 @@ def _build_ws(st: _WsStatic):
         av_s=None if tw is None else tw((CONSUMERS, MT, G), f16, transforms=mg.swizzle_transforms(G * 2, 2)),
         at_s=None if tw is None else tw((CONSUMERS, MT, RT), f16, transforms=mg.swizzle_transforms(RT * 2, 2)),
         qbar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
-        full=plgpu.Barrier(num_arrivals=2 * n_planes + 4, num_barriers=SLOTS),
+        full=plgpu.Barrier(num_arrivals=2 * n_planes + (0 if st.diag == "stream_planes" else 4), num_barriers=SLOTS),
         prepped=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
         consumed=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
         rfull=plgpu.Barrier(num_arrivals=1, num_barriers=RSLOTS),
