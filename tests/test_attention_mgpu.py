@@ -24,6 +24,7 @@ The GPU itself is checked by tools/device/check_attention.py (not in CI).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -362,6 +363,29 @@ def test_ws_pipelined_consumers_same_bits(view, window):
     assert (np.abs(outs[0] - ref) <= error_bound(q, q_pos, cache, 0, view, window)).all()
 
 
+@pytest.mark.parametrize("view,window", [("draft", None), ("target", 60)])
+def test_ws_three_consumers(view, window):
+    """Three consumer warpgroups (`ws_consumers=3`: block i to consumer i % 3, two slots each, the
+    ring to one consumer): within the derived error bound of the reference, a row's T = 1 result
+    equal bit for bit to its row of the T = 5 call, pipelined == unpipelined bit for bit; for
+    CTAs whose consumers own 0 to 3 blocks (one split) and 3 splits."""
+    g = 64
+    cache = build_cache(17, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
+    q, q_pos = _queries(jax.random.PRNGKey(9), cache, 5, 4, 64, jnp.float32)
+    ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
+    bound = error_bound(q, q_pos, cache, 0, view, window)
+    for splits in (1, 3):
+        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, ws_consumers=3)
+        o5 = np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=cfg))
+        assert np.isfinite(o5).all() and (np.abs(o5 - ref) <= bound).all()
+        o1 = np.asarray(_mgpu(q[:, -1:], q_pos[:, -1:], cache, jnp.int32(0), view, window, config=cfg))
+        np.testing.assert_array_equal(o1[:, 0], o5[:, -1])
+        piped = dataclasses.replace(cfg, ws_pipeline=True)
+        np.testing.assert_array_equal(np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=piped)), o5)
+    _, ml = _mgpu(q, q_pos, cache, jnp.int32(0), view, window, partials=True, config=cfg)
+    assert ml.shape[2] == 3 * 3  # one partial per consumer of each CTA
+
+
 def test_mgpu_partials_written_and_neutral():
     """"legacy": every program writes its partial (outputs start as NaN in interpret mode);
     splits past a row's q_len are neutral (m = NEG, l = 0, o = 0)."""
@@ -521,15 +545,18 @@ LOWER_SCRIPT = textwrap.dedent("""
     cases = [("legacy", "draft", 128, 128, 1, 4, None), ("legacy", "target", 128, 128, 9, 4, None),
              ("legacy", "target", 64, 64, 5, 3, 100), ("legacy", "draft", 64, 128, 1, 3, None),
              ("ws", "draft", 128, 128, 1, 4, None), ("ws", "target", 128, 128, 9, 4, None),
-             ("ws", "target", 128, 128, 8, 4, 100), ("ws", "target", 64, 128, 5, 3, None)]
+             ("ws", "target", 128, 128, 8, 4, 100), ("ws", "target", 64, 128, 5, 3, None),
+             ("ws3", "draft", 128, 128, 1, 4, None), ("ws3", "target", 64, 128, 5, 3, 100)]
     for schedule, view, d, group, t, n_rep, window in cases:
+        config = (mg.MgpuConfig(schedule="ws", ws_consumers=3) if schedule == "ws3"
+                  else mg.MgpuConfig(schedule=schedule))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,
                           num_kv_heads=2, head_dim=d, dtype="bfloat16")
         cache = jax.eval_shape(lambda: QuantSpecCache.init(cfg, 2, 4 * group, group_size=group, gamma_max=8))
         q = jax.ShapeDtypeStruct((2, t, 2 * n_rep, d), jnp.bfloat16)
         qp = jax.ShapeDtypeStruct((2, t), jnp.int32)
         f = lambda q, qp, c, l: mg.quantized_decode_attention_mgpu(q, qp, c, l, view=view, sliding_window=window,
-                                                                   config=mg.MgpuConfig(schedule=schedule))
+                                                                   config=config)
         txt = jax.jit(f).trace(q, qp, cache, jax.ShapeDtypeStruct((), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "custom_call @mosaic_gpu" in txt, view

@@ -115,6 +115,8 @@ class MgpuConfig:
     ws_static_slots: bool | None = None
     # "ws": one warp of the TMA warpgroup issues the copies, the other three leave (None: on).
     ws_tma_warp: bool | None = None
+    # "ws": consumer warpgroups per CTA, 2 (default) or 3 (unpipelined, 2 slots and 144 registers each)
+    ws_consumers: int | None = None
 
 
 # ----------------------------------------------------------------------------- code words

@@ -61,14 +61,14 @@ MT, NT, RT, NEG = mg.MT, mg.NT, mg.RING_TILE, mg.NEG
 COL, ROW = mg.COL, mg.ROW
 bcast_col, bcast_row = mg.bcast_col, mg.bcast_row
 
-CONSUMERS = 2  # consumer warpgroups per CTA (wg 0, 1)
-WG_PREP, WG_TMA = 2, 3
-NUM_WG = 4
+CONSUMERS = 2  # consumer warpgroups per CTA by default (wg 0 .. NC - 1; then prep, then TMA)
 LAZY_TH = 4.0  # log2 units: p <= 16 with a stale reference; |p * s_v| stays far inside float16
 RED_ELEMS = 256  # float32 scratch per consumer for its cross-warp reductions (4 warps x 32 lanes x 2)
 SMEM_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.4 KB measured (lowering, jax 0.11.2)
-REGS = (208, 56, 40)  # setmaxnreg: consumers, prep, TMA (2 * 208 + 56 + 40 = 512 = 65536 / 512 threads)
+# setmaxnreg per consumer count: consumers, prep, TMA; NC x consumers + prep + TMA <= 512 (= 65536
+# registers / 128 threads per warpgroup). 24 is setmaxnreg's minimum (the TMA warp needs few).
+REGS = {2: (208, 56, 40), 3: (144, 56, 24)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +81,9 @@ class _WsStatic:
     R: int
     C: int  # column tiles (the only T-dependent number)
     NP: int  # CTAs per (row, KV head)
-    stages: int  # quantized slots (even: consumer w owns the slots s with s % 2 == w)
+    stages: int  # quantized slots (a multiple of NC: consumer w owns the slots s with s % NC == w)
     ring_bufs: int  # ring tile buffers (1, 2 or 4), see `ring_plan`; also decides who takes the ring
-    seq_slots: int  # interpret mode: one slot per block of a CTA (even, >= 4), see `_build_ws`
+    seq_slots: int  # interpret mode: one slot per block of a CTA (a multiple of NC, >= 2 NC), see `_build_ws`
     seq_ring_slots: int  # interpret mode: one buffer per ring item (K or V of a tile) of a CTA
     window: int | None
     register_a: bool
@@ -100,6 +100,7 @@ class _WsStatic:
     # 2026-11-26, ptxas spills 196 / 420 bytes (draft / verify) and the kernels slow 17% / 65%
     static_slots: bool = False
     tma_warp: bool = True  # one warp of the TMA warpgroup issues the copies
+    consumers: int = CONSUMERS  # consumer warpgroups (NC): block i goes to consumer i % NC
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -110,7 +111,7 @@ def qp_rows(D: int, G: int) -> int:
 
 
 def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, scale_dtype: Any,
-               fp_dtype: Any) -> int:
+               fp_dtype: Any, consumers: int = CONSUMERS) -> int:
     """Shared memory of the kernel's scratch (without alignment padding)."""
     n_planes = 2 if view == "target" else 1
     cn = C * NT
@@ -121,16 +122,17 @@ def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, s
     n += stages * cn * 4  # bias
     n += D * cn * 2 + mg.pos_width(cn) * 4  # q (bfloat16), positions
     n += ring_bufs * RT * D * fd  # ring K / V tiles
-    n += CONSUMERS * RED_ELEMS * 4
+    n += consumers * RED_ELEMS * 4
     return n
 
 
-def ring_plan(view: str, D: int, G: int, C: int, stages: int, scale_dtype: Any, fp_dtype: Any) -> int | None:
-    """Ring tile buffers that fit next to `stages` quantized slots: 4 (each consumer streams its own
-    ring tiles, K and V in flight together), 2 (one consumer, K and V together) or 1 (one consumer,
-    V loaded after the score MMA released K). None: not even one fits."""
-    for bufs in (4, 2, 1):
-        if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype) + SMEM_SLACK <= SMEM_BYTES:
+def ring_plan(view: str, D: int, G: int, C: int, stages: int, scale_dtype: Any, fp_dtype: Any,
+              consumers: int = CONSUMERS) -> int | None:
+    """Ring tile buffers that fit next to `stages` quantized slots: 4 (two consumers, each streaming
+    its own ring tiles, K and V in flight together), 2 (one consumer, K and V together) or 1 (one
+    consumer, V loaded after the score MMA released K). None: not even one fits."""
+    for bufs in ((4, 2, 1) if consumers == 2 else (2, 1)):
+        if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype, consumers) + SMEM_SLACK <= SMEM_BYTES:
             return bufs
     return None
 
@@ -238,6 +240,8 @@ def _build_ws(st: _WsStatic):
     reg_a = st.register_a
     interp = st.interpret
     cons_regs, prep_regs, tma_regs = st.regs
+    NC = st.consumers
+    WG_PREP, WG_TMA = NC, NC + 1
 
     def _load(ref, layout):
         return ref[...] if interp else mg.load_with_layout(ref, layout)
@@ -286,9 +290,10 @@ def _build_ws(st: _WsStatic):
             blk0, n = blk0 + skip, n - skip
         r0 = st.NP - 1 - p
         nrt = jnp.maximum((n_ring_tiles - r0 + st.NP - 1) // st.NP, 0)
-        # The consumer with fewer quantized blocks (consumer 1 if n is odd) takes the ring (< 4
-        # buffers) or its even tiles (4 buffers: tile k goes to consumer (k + ring_owner) % 2).
-        ring_owner = lax.rem(n, 2)
+        # A consumer with the fewest quantized blocks (the last one unless NC divides n) takes the
+        # ring (< 4 buffers), or, with 2 consumers and 4 buffers, its even tiles (tile k goes to
+        # consumer (k + ring_owner) % 2).
+        ring_owner = jnp.where(lax.rem(n, NC) == 0, 0, NC - 1)
 
         def q_tile(c):  # the raw query, float32 [D, NT] (exact: it is stored as bfloat16)
             return _load(q_s.at[:, pl.ds(c * NT, NT)], plgpu.Layout.WGMMA).astype(f32)
@@ -570,17 +575,17 @@ def _build_ws(st: _WsStatic):
                 plgpu.commit_smem()
                 return tuple(new_ms), tuple(new_ls), tuple(new_ys), os_
 
-            # Slots: consumer w's j-th block (i = w + 2j) sits in slot w + 2 (j % S2). With
+            # Slots: consumer w's j-th block (i = w + NC j) sits in slot w + NC (j % S2). With
             # `static_slots` the loops below are unrolled over the S2 slots, so that every shared-
             # memory address of a step is a compile-time offset (a runtime slot costs ~1150 address
             # and uniform-register instructions per block, ncu 2026-11-26); the last < S2 steps run
             # with a runtime slot. Interpret mode: slot = block (see SLOTS).
-            S2 = S // 2
+            S2 = S // NC
 
-            def slot_at(i, u):  # the slot of block i = w + 2j, u = j % S2 (static) or None
+            def slot_at(i, u):  # the slot of block i = w + NC j, u = j % S2 (static) or None
                 if seq:
                     return i
-                return w + 2 * u if u is not None else lax.rem(i, S)
+                return w + NC * u if u is not None else lax.rem(i, S)
 
             def unrolled(steps, body, carry):
                 """carry after body(j, carry, u) for j in [0, steps), u = j % S2 static for all
@@ -597,9 +602,9 @@ def _build_ws(st: _WsStatic):
                 return lax.fori_loop(full_groups * S2, steps, lambda j, c: body(j, c, None), carry)
 
             def quant_body(j, carry, u):
-                """Block w + 2j, one after the other: K, scores, softmax, values, release."""
+                """Block w + NC j, one after the other: K, scores, softmax, values, release."""
                 ms, ls, ys, os_ = carry
-                i = w + 2 * j
+                i = w + NC * j
                 slot = slot_at(i, u)
                 if stream_only:  # timing diagnostic: the pipeline alone
                     if not seq:
@@ -647,11 +652,11 @@ def _build_ws(st: _WsStatic):
                 return new_os, list(flat[MTV * C:])
 
             def pipelined_body(j, carry, u):
-                """Block i = w + 2j with its scores computed; ends with block i + 2's scores."""
+                """Block i = w + NC j with its scores computed; ends with block i + NC's scores."""
                 ms, ls, ys, os_, s_all = carry
-                i = w + 2 * j
+                i = w + NC * j
                 slot = slot_at(i, u)
-                slot2 = slot_at(i + 2, None if u is None else (u + 1) % S2)
+                slot2 = slot_at(i + NC, None if u is None else (u + 1) % S2)
                 ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
                 os_, s_next = values_then_scores(os_, slot, slot2)
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -660,14 +665,14 @@ def _build_ws(st: _WsStatic):
             init = (tuple(neg_c() for _ in range(C)), tuple(zeros_t() for _ in range(C)),
                     tuple(zeros_t() for _ in range(C)),
                     tuple(tuple(zeros_t() for _ in range(MTV)) for _ in range(C)))
-            nq = (n - w + 1) // 2
+            nq = (n - w + NC - 1) // NC  # this consumer's blocks
             if st.pipeline and not stream_only:
                 def first_last(carry):
                     slot = slot_at(w, 0)
                     s0 = tuple(scores(k_tiles(slot), qs_refs(slot)))
                     ms, ls, ys, os_, s_all = unrolled(nq - 1, pipelined_body, (*carry, s0))
                     # the last block: no next scores to issue
-                    last = w + 2 * (nq - 1)
+                    last = w + NC * (nq - 1)
                     return finish_block(last, slot_at(last, None), (ms, ls, ys, os_), s_all)
 
                 carry = lax.cond(nq > 0, first_last, lambda carry: carry, init)
@@ -677,8 +682,8 @@ def _build_ws(st: _WsStatic):
             # ------------------------------------------------------------------- FP ring
             # Operands in float16 (bf16 -> f16 is exact in float16's normal range, which the
             # float16 scales already assume). B operands in this consumer's own slots, free now:
-            # the query in slot w, the P of the current tile in slot w + 2.
-            qslot, pslot = w, w + 2
+            # the query in slot w, the P of the current tile in slot w + NC.
+            qslot, pslot = w, w + NC
             if NRB == 4:
                 k0 = lax.rem(w - ring_owner + 2, 2)  # this consumer's first ring tile
                 nr = (nrt - k0 + 1) // 2
@@ -751,7 +756,7 @@ def _build_ws(st: _WsStatic):
 
             ms, ls, ys, os_ = lax.fori_loop(0, nr, ring_body, carry)
 
-            pi = p * CONSUMERS + w
+            pi = p * NC + w
             row = _iota((MT, NT), 0)
             for c in range(C):
                 y = colreduce(ys[c], red, "add")
@@ -764,13 +769,13 @@ def _build_ws(st: _WsStatic):
         if seq:
             role_tma()
             role_prep()
-            for w in range(CONSUMERS):
+            for w in range(NC):
                 role_consumer(w)
         else:
             wg = lax.axis_index("wg")
             pl.when(wg == WG_TMA)(role_tma)
             pl.when(wg == WG_PREP)(role_prep)
-            pl.when(wg < CONSUMERS)(lambda: role_consumer(wg))
+            pl.when(wg < NC)(lambda: role_consumer(wg))
 
     sd = st.scale_dtype
     fp_item = jnp.dtype(st.fp_dtype).itemsize
@@ -785,10 +790,10 @@ def _build_ws(st: _WsStatic):
         qp_s=plgpu.SMEM((SLOTS, C, QP, NT), f16, transforms=mg.swizzle_transforms(NT * 2, 2)),
         bias_s=plgpu.SMEM((SLOTS, CN), f32),
         kr_s=plgpu.SMEM((RSLOTS, RT, D), st.fp_dtype, transforms=mg.swizzle_transforms(D * fp_item, fp_item)),
-        red_s=plgpu.SMEM((CONSUMERS, RED_ELEMS), f32),
-        ak_s=None if tw is None else tw((CONSUMERS, MT, D), f16, transforms=mg.swizzle_transforms(D * 2, 2)),
-        av_s=None if tw is None else tw((CONSUMERS, MT, G), f16, transforms=mg.swizzle_transforms(G * 2, 2)),
-        at_s=None if tw is None else tw((CONSUMERS, MT, RT), f16, transforms=mg.swizzle_transforms(RT * 2, 2)),
+        red_s=plgpu.SMEM((NC, RED_ELEMS), f32),
+        ak_s=None if tw is None else tw((NC, MT, D), f16, transforms=mg.swizzle_transforms(D * 2, 2)),
+        av_s=None if tw is None else tw((NC, MT, G), f16, transforms=mg.swizzle_transforms(G * 2, 2)),
+        at_s=None if tw is None else tw((NC, MT, RT), f16, transforms=mg.swizzle_transforms(RT * 2, 2)),
         qbar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
         full=plgpu.Barrier(num_arrivals=2 * n_planes + (0 if st.diag == "stream_planes" else 4), num_barriers=SLOTS),
         prepped=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
@@ -801,7 +806,7 @@ def _build_ws(st: _WsStatic):
     def entry(*args, **refs):
         kernel(*args, **{k: refs.get(k) for k in scratch})
 
-    NPP = st.NP * CONSUMERS
+    NPP = st.NP * NC
     out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, D, CN), jnp.float32),
                 jax.ShapeDtypeStruct((st.B, st.H, NPP, MT, CN), jnp.float32))
     kw = {}
@@ -815,7 +820,7 @@ def _build_ws(st: _WsStatic):
         out_type=out_type,
         grid=(st.NP, st.H, st.B),
         grid_names=("p", "h", "b"),
-        num_threads=None if seq else NUM_WG,
+        num_threads=None if seq else NC + 2,
         thread_name=None if seq else "wg",
         scratch_types=live,
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=reg_a),
@@ -840,21 +845,29 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     # accumulators run out of registers (ptxas serializes its wgmmas; H100 run 2026-11-26: 128 vs
     # 106 us at 128k, T = 5). A pipelined consumer holds both of its slots at once, so it gets three
     # (6 stages) where they fit: with 4 it was slower than unpipelined (67 vs 59 us), with 6 faster (56.5).
-    pipeline = config.ws_pipeline if config.ws_pipeline is not None else view == "draft"
+    nc = config.ws_consumers or CONSUMERS
+    if nc not in REGS:
+        raise ValueError(f"ws_consumers={nc}: the warp-specialized schedule has {sorted(REGS)} consumer warpgroups")
+    pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2)
+    plan = functools.partial(ring_plan, view, D, G, c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
+                             consumers=nc)
     stages = config.stages
-    if stages is None and pipeline:
-        stages = 6 if ring_plan(view, D, G, c_max, 6, scale_dtype, fp_dtype) is not None else 4
+    if stages is None and nc == 3:  # two slots per consumer
+        stages = 6
+    elif stages is None and pipeline:
+        stages = 6 if plan(6) is not None else 4
     elif stages is None:
-        stages = 6 if ring_plan(view, D, G, c_max, 6, scale_dtype, fp_dtype) == 4 else 4
-    if stages < 4 or stages % 2:
-        raise ValueError(f"stages={stages}: the warp-specialized schedule needs an even count >= 4")
-    bufs = ring_plan(view, D, G, c_max, stages, scale_dtype, fp_dtype)
+        stages = 6 if plan(6) == 4 else 4
+    if stages < 2 * nc or stages % nc:
+        raise ValueError(f"stages={stages}: the warp-specialized schedule with {nc} consumers needs a multiple of "
+                         f"{nc} >= {2 * nc}")
+    bufs = plan(stages)
     if bufs is None:
-        raise ValueError(f"Mosaic GPU decode attention (ws): {view} D={D} G={G} with {c_max} column tiles and "
-                         f"{stages} stages does not fit in {SMEM_BYTES} bytes of shared memory")
-    regs = tuple(config.ws_regs) if config.ws_regs else REGS
+        raise ValueError(f"Mosaic GPU decode attention (ws): {view} D={D} G={G} with {c_max} column tiles, "
+                         f"{stages} stages and {nc} consumers does not fit in {SMEM_BYTES} bytes of shared memory")
+    regs = tuple(config.ws_regs) if config.ws_regs else REGS[nc]
     per = -(-n_blocks // np_)
-    seq_slots = max(4, per + per % 2)
+    seq_slots = max(2 * nc, -(-per // nc) * nc)  # every block its slot; the ring's B operands in 2 per consumer
     n_ring_tiles = -(-R // RT)
     ring_tiles_per_cta = -(-n_ring_tiles // np_)
     seq_ring_slots = 2 * ring_tiles_per_cta
@@ -863,10 +876,11 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      pipeline=bool(pipeline),
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
+                     consumers=nc,
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
 
 
 def build(st: _WsStatic):
     """The kernel for `st` (a `plgpu.kernel` callable; outputs the partials o, ml of
-    `mosaic_gpu.merge_partials`, 2 per CTA)."""
+    `mosaic_gpu.merge_partials`, one per consumer warpgroup of each CTA)."""
     return _build_ws(st)
