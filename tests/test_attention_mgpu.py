@@ -386,6 +386,20 @@ def test_ws_three_consumers(view, window):
     assert ml.shape[2] == 3 * 3  # one partial per consumer of each CTA
 
 
+def test_ws_register_budget():
+    """setmaxnreg can only redistribute the registers a CTA launched with: the defaults use at most
+    the pool (2 consumers: 4 x 128; 3: 5 x 96), and a budget over it is refused (it would hang)."""
+    assert ws.register_pool(2) == 512 and ws.register_pool(3) == 480
+    for nc, (c, p, t) in ws.REGS.items():
+        assert nc * c + p + t <= ws.register_pool(nc)
+    args = (1, 8, 128, 128, 64, 1024 * 128, 1, 2, "draft", None, True, False, jnp.float16, jnp.bfloat16)
+    with pytest.raises(ValueError, match="register pool"):
+        ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=3, ws_regs=(144, 56, 24)))
+    with pytest.raises(ValueError, match="register pool"):
+        ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_regs=(216, 56, 40)))
+    assert ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=3)).regs == ws.REGS[3]
+
+
 def test_mgpu_partials_written_and_neutral():
     """"legacy": every program writes its partial (outputs start as NaN in interpret mode);
     splits past a row's q_len are neutral (m = NEG, l = 0, o = 0)."""

@@ -66,9 +66,18 @@ LAZY_TH = 4.0  # log2 units: p <= 16 with a stale reference; |p * s_v| stays far
 RED_ELEMS = 256  # float32 scratch per consumer for its cross-warp reductions (4 warps x 32 lanes x 2)
 SMEM_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.4 KB measured (lowering, jax 0.11.2)
-# setmaxnreg per consumer count: consumers, prep, TMA; NC x consumers + prep + TMA <= 512 (= 65536
-# registers / 128 threads per warpgroup). 24 is setmaxnreg's minimum (the TMA warp needs few).
-REGS = {2: (208, 56, 40), 3: (144, 56, 24)}
+# setmaxnreg per consumer count: consumers, prep, TMA. A CTA's register pool is what it launched with,
+# (NC + 2) warpgroups x the entry count (65536 / threads, rounded down to 8: 128 for 4 warpgroups, 96
+# for 5), so NC x consumers + prep + TMA must not exceed (NC + 2) x entry: a larger increase waits
+# forever (the first 3-consumer try asked for 3 x 144 + 56 + 24 = 512 > 480 and hung on the H200).
+# 24 is setmaxnreg's minimum (the TMA warp needs few).
+REGS = {2: (208, 56, 40), 3: (136, 48, 24)}
+
+
+def register_pool(consumers: int) -> int:
+    """setmaxnreg budget per thread of one warpgroup, summed over the CTA's warpgroups."""
+    n_wg = consumers + 2
+    return n_wg * (65536 // (128 * n_wg) // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -866,6 +875,9 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
         raise ValueError(f"Mosaic GPU decode attention (ws): {view} D={D} G={G} with {c_max} column tiles, "
                          f"{stages} stages and {nc} consumers does not fit in {SMEM_BYTES} bytes of shared memory")
     regs = tuple(config.ws_regs) if config.ws_regs else REGS[nc]
+    if nc * regs[0] + regs[1] + regs[2] > register_pool(nc) or min(regs) < 24 or any(r % 8 for r in regs):
+        raise ValueError(f"ws_regs={regs}: with {nc} consumers, {nc} x consumers + prep + TMA must be <= "
+                         f"{register_pool(nc)} (the CTA's register pool), each a multiple of 8 >= 24")
     per = -(-n_blocks // np_)
     seq_slots = max(2 * nc, -(-per // nc) * nc)  # every block its slot; the ring's B operands in 2 per consumer
     n_ring_tiles = -(-R // RT)
