@@ -363,19 +363,21 @@ def test_ws_pipelined_consumers_same_bits(view, window):
     assert (np.abs(outs[0] - ref) <= error_bound(q, q_pos, cache, 0, view, window)).all()
 
 
-@pytest.mark.parametrize("view,window", [("draft", None), ("target", 60)])
-def test_ws_three_consumers(view, window):
+@pytest.mark.parametrize("view,window,nc,npr", [("draft", None, 3, 1), ("target", 60, 3, 1), ("draft", 60, 2, 2),
+                                                ("target", None, 2, 2)])
+def test_ws_more_warpgroups(view, window, nc, npr):
     """Three consumer warpgroups (`ws_consumers=3`: block i to consumer i % 3, two slots each, the
-    ring to one consumer): within the derived error bound of the reference, a row's T = 1 result
-    equal bit for bit to its row of the T = 5 call, pipelined == unpipelined bit for bit; for
-    CTAs whose consumers own 0 to 3 blocks (one split) and 3 splits."""
+    ring to one consumer) or two prep warpgroups (`ws_preps=2`: block i prepared by i % 2, each
+    reducing on its own scratch): within the derived error bound of the reference, a row's T = 1
+    result equal bit for bit to its row of the T = 5 call, pipelined == unpipelined bit for bit;
+    for CTAs whose consumers own 0 to 4 blocks (one split) and 3 splits."""
     g = 64
     cache = build_cache(17, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
     q, q_pos = _queries(jax.random.PRNGKey(9), cache, 5, 4, 64, jnp.float32)
     ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
     bound = error_bound(q, q_pos, cache, 0, view, window)
     for splits in (1, 3):
-        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, ws_consumers=3)
+        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, ws_consumers=nc, ws_preps=npr)
         o5 = np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=cfg))
         assert np.isfinite(o5).all() and (np.abs(o5 - ref) <= bound).all()
         o1 = np.asarray(_mgpu(q[:, -1:], q_pos[:, -1:], cache, jnp.int32(0), view, window, config=cfg))
@@ -383,21 +385,23 @@ def test_ws_three_consumers(view, window):
         piped = dataclasses.replace(cfg, ws_pipeline=True)
         np.testing.assert_array_equal(np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=piped)), o5)
     _, ml = _mgpu(q, q_pos, cache, jnp.int32(0), view, window, partials=True, config=cfg)
-    assert ml.shape[2] == 3 * 3  # one partial per consumer of each CTA
+    assert ml.shape[2] == 3 * nc  # one partial per consumer of each CTA
 
 
 def test_ws_register_budget():
     """setmaxnreg can only redistribute the registers a CTA launched with: the defaults use at most
     the pool (2 consumers: 4 x 128; 3: 5 x 96), and a budget over it is refused (it would hang)."""
-    assert ws.register_pool(2) == 512 and ws.register_pool(3) == 480
-    for nc, (c, p, t) in ws.REGS.items():
-        assert nc * c + p + t <= ws.register_pool(nc)
+    assert ws.register_pool(2) == 512 and ws.register_pool(3) == ws.register_pool(2, 2) == 480
+    for (nc, npr), (c, p, t) in ws.REGS.items():
+        assert nc * c + npr * p + t <= ws.register_pool(nc, npr)
     args = (1, 8, 128, 128, 64, 1024 * 128, 1, 2, "draft", None, True, False, jnp.float16, jnp.bfloat16)
     with pytest.raises(ValueError, match="register pool"):
         ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=3, ws_regs=(144, 56, 24)))
     with pytest.raises(ValueError, match="register pool"):
         ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_regs=(216, 56, 40)))
-    assert ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=3)).regs == ws.REGS[3]
+    assert ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=3)).regs == ws.REGS[3, 1]
+    with pytest.raises(ValueError, match="register pool"):  # 2 preps: 5 warpgroups, the 4-warpgroup budget
+        ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_preps=2, ws_regs=(208, 56, 40)))
 
 
 def test_mgpu_partials_written_and_neutral():
@@ -560,10 +564,11 @@ LOWER_SCRIPT = textwrap.dedent("""
              ("legacy", "target", 64, 64, 5, 3, 100), ("legacy", "draft", 64, 128, 1, 3, None),
              ("ws", "draft", 128, 128, 1, 4, None), ("ws", "target", 128, 128, 9, 4, None),
              ("ws", "target", 128, 128, 8, 4, 100), ("ws", "target", 64, 128, 5, 3, None),
-             ("ws3", "draft", 128, 128, 1, 4, None), ("ws3", "target", 64, 128, 5, 3, 100)]
+             ("ws3", "draft", 128, 128, 1, 4, None), ("ws3", "target", 64, 128, 5, 3, 100),
+             ("ws2p", "draft", 128, 128, 1, 4, None), ("ws2p", "target", 128, 128, 5, 4, 100)]
+    variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2)}
     for schedule, view, d, group, t, n_rep, window in cases:
-        config = (mg.MgpuConfig(schedule="ws", ws_consumers=3) if schedule == "ws3"
-                  else mg.MgpuConfig(schedule=schedule))
+        config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,
                           num_kv_heads=2, head_dim=d, dtype="bfloat16")
         cache = jax.eval_shape(lambda: QuantSpecCache.init(cfg, 2, 4 * group, group_size=group, gamma_max=8))

@@ -61,22 +61,22 @@ MT, NT, RT, NEG = mg.MT, mg.NT, mg.RING_TILE, mg.NEG
 COL, ROW = mg.COL, mg.ROW
 bcast_col, bcast_row = mg.bcast_col, mg.bcast_row
 
-CONSUMERS = 2  # consumer warpgroups per CTA by default (wg 0 .. NC - 1; then prep, then TMA)
+CONSUMERS = 2  # consumer warpgroups per CTA by default (wg 0 .. NC - 1; then the prep ones, then TMA)
 LAZY_TH = 4.0  # log2 units: p <= 16 with a stale reference; |p * s_v| stays far inside float16
 RED_ELEMS = 256  # float32 scratch per consumer for its cross-warp reductions (4 warps x 32 lanes x 2)
 SMEM_BYTES = 227 * 1024  # opt-in shared memory per block on sm_90
 SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.4 KB measured (lowering, jax 0.11.2)
-# setmaxnreg per consumer count: consumers, prep, TMA. A CTA's register pool is what it launched with,
-# (NC + 2) warpgroups x the entry count (65536 / threads, rounded down to 8: 128 for 4 warpgroups, 96
-# for 5), so NC x consumers + prep + TMA must not exceed (NC + 2) x entry: a larger increase waits
-# forever (the first 3-consumer try asked for 3 x 144 + 56 + 24 = 512 > 480 and hung on the H200).
-# 24 is setmaxnreg's minimum (the TMA warp needs few).
-REGS = {2: (208, 56, 40), 3: (136, 48, 24)}
+# setmaxnreg per (consumer, prep) warpgroup counts: consumers, prep, TMA. A CTA's register pool is
+# what it launched with, its warpgroups x the entry count (65536 / threads, rounded down to 8: 128 for
+# 4 warpgroups, 96 for 5), so NC x consumers + NPREP x prep + TMA must not exceed it: a larger increase
+# waits forever (the first 3-consumer try asked for 3 x 144 + 56 + 24 = 512 > 480 and hung on the
+# H200). 24 is setmaxnreg's minimum (the TMA warp needs few).
+REGS = {(2, 1): (208, 56, 40), (3, 1): (136, 48, 24), (2, 2): (176, 48, 32)}
 
 
-def register_pool(consumers: int) -> int:
+def register_pool(consumers: int, preps: int = 1) -> int:
     """setmaxnreg budget per thread of one warpgroup, summed over the CTA's warpgroups."""
-    n_wg = consumers + 2
+    n_wg = consumers + preps + 1
     return n_wg * (65536 // (128 * n_wg) // 8 * 8)
 
 
@@ -110,6 +110,7 @@ class _WsStatic:
     static_slots: bool = False
     tma_warp: bool = True  # one warp of the TMA warpgroup issues the copies
     consumers: int = CONSUMERS  # consumer warpgroups (NC): block i goes to consumer i % NC
+    preps: int = 1  # prep warpgroups (NPREP): block i is prepared by prep warpgroup i % NPREP
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -120,7 +121,7 @@ def qp_rows(D: int, G: int) -> int:
 
 
 def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, scale_dtype: Any,
-               fp_dtype: Any, consumers: int = CONSUMERS) -> int:
+               fp_dtype: Any, consumers: int = CONSUMERS, preps: int = 1) -> int:
     """Shared memory of the kernel's scratch (without alignment padding)."""
     n_planes = 2 if view == "target" else 1
     cn = C * NT
@@ -131,17 +132,17 @@ def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, s
     n += stages * cn * 4  # bias
     n += D * cn * 2 + mg.pos_width(cn) * 4  # q (bfloat16), positions
     n += ring_bufs * RT * D * fd  # ring K / V tiles
-    n += consumers * RED_ELEMS * 4
+    n += (consumers + (preps if preps > 1 else 0)) * RED_ELEMS * 4
     return n
 
 
 def ring_plan(view: str, D: int, G: int, C: int, stages: int, scale_dtype: Any, fp_dtype: Any,
-              consumers: int = CONSUMERS) -> int | None:
+              consumers: int = CONSUMERS, preps: int = 1) -> int | None:
     """Ring tile buffers that fit next to `stages` quantized slots: 4 (two consumers, each streaming
     its own ring tiles, K and V in flight together), 2 (one consumer, K and V together) or 1 (one
     consumer, V loaded after the score MMA released K). None: not even one fits."""
     for bufs in ((4, 2, 1) if consumers == 2 else (2, 1)):
-        if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype, consumers) + SMEM_SLACK <= SMEM_BYTES:
+        if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype, consumers, preps) + SMEM_SLACK <= SMEM_BYTES:
             return bufs
     return None
 
@@ -249,8 +250,8 @@ def _build_ws(st: _WsStatic):
     reg_a = st.register_a
     interp = st.interpret
     cons_regs, prep_regs, tma_regs = st.regs
-    NC = st.consumers
-    WG_PREP, WG_TMA = NC, NC + 1
+    NC, NPREP = st.consumers, st.preps
+    WG_PREP, WG_TMA = NC, NC + NPREP  # prep warpgroups WG_PREP .. WG_TMA - 1
 
     def _load(ref, layout):
         return ref[...] if interp else mg.load_with_layout(ref, layout)
@@ -404,10 +405,13 @@ def _build_ws(st: _WsStatic):
                 plgpu.barrier_wait(rconsumed.at[ring_item_slot(m)])
 
         # ------------------------------------------------------------------------ prep
-        def role_prep():
+        def role_prep(r):
+            """Prep warpgroup r: blocks r, r + NPREP, ... (their slots are r's alone: NPREP | S)."""
             if not seq:
                 plgpu.set_max_registers(prep_regs, action="decrease")
-            plgpu.barrier_wait(qbar.at[0])
+                plgpu.barrier_wait(qbar.at[0])
+            elif r == 0:  # interpret mode: one waiter per barrier completion (see SLOTS)
+                plgpu.barrier_wait(qbar.at[0])
             ch_row = _iota((D, NT), 0)
             off_k = jnp.where(ch_row < Dh, off_lo, off_hi)  # [D, NT]
 
@@ -425,10 +429,15 @@ def _build_ws(st: _WsStatic):
                     qs = (qt * bcast_row(s_eff, (D, NT))).astype(f16)
                     qp_s[slot, c, pl.ds(0, D)] = qs
                     w = qt * bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
-                    bias_s[slot, pl.ds(c * NT, NT)] = jnp.sum(w, axis=0)  # [NT] q.z' - sum(off * qs)
+                    # [NT] q.z' - sum(off * qs); with several prep warpgroups, each on its own scratch
+                    bias_s[slot, pl.ds(c * NT, NT)] = (jnp.sum(w, axis=0) if NPREP == 1
+                                                      else colreduce(w, red_s.at[NC + r], "add"))
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(prepped.at[slot])
 
+            if NPREP > 1:
+                pl.loop(0, (n - r + NPREP - 1) // NPREP)(lambda j: prep_block(r + NPREP * j, slot_of(r + NPREP * j)))
+                return
             if seq or not st.static_slots:
                 pl.loop(0, n)(lambda i: prep_block(i, slot_of(i)))
                 return
@@ -777,13 +786,14 @@ def _build_ws(st: _WsStatic):
 
         if seq:
             role_tma()
-            role_prep()
+            for r in range(NPREP):
+                role_prep(r)
             for w in range(NC):
                 role_consumer(w)
         else:
             wg = lax.axis_index("wg")
             pl.when(wg == WG_TMA)(role_tma)
-            pl.when(wg == WG_PREP)(role_prep)
+            pl.when((wg >= WG_PREP) & (wg < WG_TMA))(lambda: role_prep(wg - WG_PREP))
             pl.when(wg < NC)(lambda: role_consumer(wg))
 
     sd = st.scale_dtype
@@ -799,7 +809,7 @@ def _build_ws(st: _WsStatic):
         qp_s=plgpu.SMEM((SLOTS, C, QP, NT), f16, transforms=mg.swizzle_transforms(NT * 2, 2)),
         bias_s=plgpu.SMEM((SLOTS, CN), f32),
         kr_s=plgpu.SMEM((RSLOTS, RT, D), st.fp_dtype, transforms=mg.swizzle_transforms(D * fp_item, fp_item)),
-        red_s=plgpu.SMEM((NC, RED_ELEMS), f32),
+        red_s=plgpu.SMEM((NC + (NPREP if NPREP > 1 else 0), RED_ELEMS), f32),
         ak_s=None if tw is None else tw((NC, MT, D), f16, transforms=mg.swizzle_transforms(D * 2, 2)),
         av_s=None if tw is None else tw((NC, MT, G), f16, transforms=mg.swizzle_transforms(G * 2, 2)),
         at_s=None if tw is None else tw((NC, MT, RT), f16, transforms=mg.swizzle_transforms(RT * 2, 2)),
@@ -829,7 +839,7 @@ def _build_ws(st: _WsStatic):
         out_type=out_type,
         grid=(st.NP, st.H, st.B),
         grid_names=("p", "h", "b"),
-        num_threads=None if seq else NC + 2,
+        num_threads=None if seq else NC + NPREP + 1,
         thread_name=None if seq else "wg",
         scratch_types=live,
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=reg_a),
@@ -854,12 +864,13 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     # accumulators run out of registers (ptxas serializes its wgmmas; H100 run 2026-11-26: 128 vs
     # 106 us at 128k, T = 5). A pipelined consumer holds both of its slots at once, so it gets three
     # (6 stages) where they fit: with 4 it was slower than unpipelined (67 vs 59 us), with 6 faster (56.5).
-    nc = config.ws_consumers or CONSUMERS
-    if nc not in REGS:
-        raise ValueError(f"ws_consumers={nc}: the warp-specialized schedule has {sorted(REGS)} consumer warpgroups")
+    nc, npr = config.ws_consumers or CONSUMERS, config.ws_preps or 1
+    if (nc, npr) not in REGS:
+        raise ValueError(f"ws_consumers={nc}, ws_preps={npr}: the warp-specialized schedule has (consumers, preps) "
+                         f"in {sorted(REGS)}")
     pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2)
     plan = functools.partial(ring_plan, view, D, G, c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
-                             consumers=nc)
+                             consumers=nc, preps=npr)
     stages = config.stages
     if stages is None and nc == 3:  # two slots per consumer
         stages = 6
@@ -867,17 +878,18 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
         stages = 6 if plan(6) is not None else 4
     elif stages is None:
         stages = 6 if plan(6) == 4 else 4
-    if stages < 2 * nc or stages % nc:
-        raise ValueError(f"stages={stages}: the warp-specialized schedule with {nc} consumers needs a multiple of "
-                         f"{nc} >= {2 * nc}")
+    if stages < 2 * nc or stages % nc or stages % npr:
+        raise ValueError(f"stages={stages}: the warp-specialized schedule with {nc} consumers and {npr} prep "
+                         f"warpgroups needs a multiple of {math.lcm(nc, npr)} >= {2 * nc}")
     bufs = plan(stages)
     if bufs is None:
         raise ValueError(f"Mosaic GPU decode attention (ws): {view} D={D} G={G} with {c_max} column tiles, "
                          f"{stages} stages and {nc} consumers does not fit in {SMEM_BYTES} bytes of shared memory")
-    regs = tuple(config.ws_regs) if config.ws_regs else REGS[nc]
-    if nc * regs[0] + regs[1] + regs[2] > register_pool(nc) or min(regs) < 24 or any(r % 8 for r in regs):
-        raise ValueError(f"ws_regs={regs}: with {nc} consumers, {nc} x consumers + prep + TMA must be <= "
-                         f"{register_pool(nc)} (the CTA's register pool), each a multiple of 8 >= 24")
+    regs = tuple(config.ws_regs) if config.ws_regs else REGS[nc, npr]
+    pool = register_pool(nc, npr)
+    if nc * regs[0] + npr * regs[1] + regs[2] > pool or min(regs) < 24 or any(r % 8 for r in regs):
+        raise ValueError(f"ws_regs={regs}: with {nc} consumers and {npr} prep warpgroups, {nc} x consumers + {npr} x "
+                         f"prep + TMA must be <= {pool} (the CTA's register pool), each a multiple of 8 >= 24")
     per = -(-n_blocks // np_)
     seq_slots = max(2 * nc, -(-per // nc) * nc)  # every block its slot; the ring's B operands in 2 per consumer
     n_ring_tiles = -(-R // RT)
@@ -888,7 +900,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      pipeline=bool(pipeline),
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
-                     consumers=nc,
+                     consumers=nc, preps=npr,
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
 
 

@@ -55,6 +55,6 @@ stage time8 $CA --parts time --time-impls mosaic --contexts 131072 --batches 8 -
 stage smol $CA --parts time --time-impls mosaic --time-shape smollm2 --contexts 8192 --batches 32 --time-ts 5 \
   --no-torch --trace-dir /tmp/ws_trace2 --mgpu-configs "${CONFIGS_SMOL:-schedule=legacy;schedule=ws}"
 # ptxas registers / spills and SASS opcode counts of the ws kernels (compiled, not run)
-stage dump python3 tools/device/mgpu_dump.py /tmp/ws_dump --schedule ws --cases "${DUMP_CASES:-draft:1,target:8}" ${DUMP_CONSUMERS:+--consumers $DUMP_CONSUMERS}
+stage dump python3 tools/device/mgpu_dump.py /tmp/ws_dump --schedule ws --cases "${DUMP_CASES:-draft:1,target:8}" ${DUMP_CONSUMERS:+--consumers $DUMP_CONSUMERS} ${DUMP_PREPS:+--preps $DUMP_PREPS}
 tar czf "$OUT/dump.tgz" -C /tmp ws_dump 2>/dev/null
 echo "done $(date +%T)" >> "$OUT/run.log"

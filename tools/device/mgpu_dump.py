@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 
-def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5", consumers: int | None = None) -> int:
+def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5", consumers: int | None = None,
+         preps: int | None = None) -> int:
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.bench.synthetic import random_quant_cache
     from qspec_jax.config import ModelConfig
@@ -34,7 +35,7 @@ def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target
     cfg = ModelConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_layers=1, num_heads=32,
                       num_kv_heads=8, head_dim=128, dtype="bfloat16")
     cache = random_quant_cache(cfg, 1, 8192, jax.random.PRNGKey(0), layers=1)
-    conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers)
+    conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps)
     for case in cases.split(","):
         view, t = case.split(":")
         t = int(t)
@@ -78,5 +79,6 @@ if __name__ == "__main__":
     ap.add_argument("--schedule", default=None)
     ap.add_argument("--cases", default="draft:1,target:5")
     ap.add_argument("--consumers", type=int, default=None, help="ws: consumer warpgroups (MgpuConfig.ws_consumers)")
+    ap.add_argument("--preps", type=int, default=None, help="ws: prep warpgroups (MgpuConfig.ws_preps)")
     a = ap.parse_args()
-    sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers))
+    sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers, a.preps))
