@@ -2,11 +2,12 @@
 
 The same math, operands and cache layout as `decode_attention.mosaic_gpu` (its "legacy" schedule: one
 warpgroup per program does everything), on a schedule in which memory, not one warpgroup's
-dependency chain, is meant to bound the kernel. One CTA per SM, four warpgroups:
+dependency chain, is meant to bound the kernel. One CTA per SM; by default four warpgroups:
 
 * wg 3, TMA: streams the program's quantized blocks through `stages` shared-memory slots (and
   the FP-ring tiles through their own buffers), refilling a slot when its consumer releases it;
-  40 registers (`setmaxnreg`).
+  40 registers (`setmaxnreg`). One warp of it runs the stream (`plgpu.warp_map`), the other three
+  leave after `setmaxnreg`.
 * wg 2, prep: per block, the key scale folded into the query (the B operand ``qs`` of the score
   MMA, float16) and the per-column bias ``q.z' - sum_c off_c qs_c`` (one cross-warp sum), written
   into the block's slot before the consumer gets there. Done ahead, off the consumers' chain.
@@ -17,6 +18,12 @@ dependency chain, is meant to bound the kernel. One CTA per SM, four warpgroups:
   with the K conversion and score MMA of the consumer's next block (`values_then_scores`), with 3
   slots per consumer (6 stages); the verify view runs one block after the other (pipelined, its
   wgmmas serialize for lack of registers).
+
+Options measured and left off (H100 / H200, 2026-11-26; docs/kernel_notes.md): three consumer
+warpgroups (`ws_consumers=3`, block i to consumer i % 3), two prep warpgroups (`ws_preps=2`), and
+loops unrolled over their slots (`ws_static_slots`). The register budgets of every variant are
+checked against the CTA's pool (`register_pool`): setmaxnreg cannot hand out more than a CTA
+launched with, and asking for more hangs.
 
 The softmax keeps a *lazy* reference max per column (FA4-style): a block's probabilities are
 exp2(s - m_ref) with the reference of the previous blocks, as long as no score of the block
@@ -30,12 +37,12 @@ Exactness: the block partition, the consumer of each block, the ring-tile assign
 reduction order depend on (B, Hkv, n_rep, D, G, S_max, R, view, config), never on T; T only
 changes the number of column tiles C, each computed by the same instructions.
 
-Partials: 2 per CTA (one per consumer), merged by `mosaic_gpu.merge_partials`.
+Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_partials`.
 
 Testing: as for the legacy schedule, ``register_a=False`` is the SMEM-operand twin GPU interpret
 mode runs on the CPU; the GPU-only pieces (register operands, `bar.red.or`, the cross-warp
 reductions on a per-consumer scratch, the value MMA accumulated in place) each have a jnp twin of
-the same math there. Interpret mode runs the four roles one after another in one thread (see
+the same math there. Interpret mode runs the roles one after another in one thread (see
 `_build_ws`), so the slot reuse and barrier protocol are checked on the GPU
 (tools/device/check_attention.py, impl "mosaic-ws").
 """
