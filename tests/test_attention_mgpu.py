@@ -497,9 +497,16 @@ def test_unsupported_geometries_raise():
     with pytest.raises(ValueError, match="register-operand path"):
         mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True,
                                            config=mg.MgpuConfig(register_a=True))
-    with pytest.raises(ValueError, match="even count"):
+    with pytest.raises(ValueError, match="stages=3: .* 2 consumers .* multiple of 2 >= 4"):
         mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True,
                                            config=mg.MgpuConfig(register_a=False, schedule="ws", stages=3))
+    with pytest.raises(ValueError, match="stages=4: .* 3 consumers .* multiple of 3 >= 6"):
+        mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True,
+                                           config=mg.MgpuConfig(register_a=False, schedule="ws", stages=4,
+                                                                ws_consumers=3))
+    with pytest.raises(ValueError, match="ws_consumers=4"):
+        mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True,
+                                           config=mg.MgpuConfig(register_a=False, schedule="ws", ws_consumers=4))
     with pytest.raises(ValueError, match="schedule"):
         mg.quantized_decode_attention_mgpu(q, jnp.zeros((1, 1), jnp.int32), cache, 0, view="draft", interpret=True,
                                            config=mg.MgpuConfig(register_a=False, schedule="fa3"))
