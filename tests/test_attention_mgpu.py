@@ -345,7 +345,7 @@ def test_ws_lazy_reference_moves_and_stays_column_local(view):
 def test_ws_pipelined_consumers_same_bits(view, window):
     """The software-pipelined consumer loop (a block's value MMA issued with the next block's score
     MMA) computes what the one-block-after-the-other loop does, bit for bit, for CTAs whose
-    consumers own 0, 1, 2 or more blocks (one split over rows of 0 to 5 blocks, and 3 splits);
+    consumers own 0, 1, 2 or more blocks (one split over rows of 0 to 7 blocks, and 3 splits);
     so do both loops unrolled over the slots (`ws_static_slots`: groups of 3 steps and a rest)."""
     g = 64
     # row 0: 7 quantized blocks, so one split's consumers run full groups of 3 steps and rests

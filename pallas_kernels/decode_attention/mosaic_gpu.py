@@ -115,7 +115,7 @@ class MgpuConfig:
     ws_static_slots: bool | None = None
     # "ws": one warp of the TMA warpgroup issues the copies, the other three leave (None: on).
     ws_tma_warp: bool | None = None
-    # "ws": consumer warpgroups per CTA, 2 (default) or 3 (unpipelined, 2 slots and 144 registers each)
+    # "ws": consumer warpgroups per CTA, 2 (default) or 3 (unpipelined, 2 slots and 136 registers each)
     ws_consumers: int | None = None
     # "ws": prep warpgroups per CTA (block i prepared by i % ws_preps), 1 (default) or 2 (with 2 consumers)
     ws_preps: int | None = None

@@ -81,6 +81,12 @@ SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.
 REGS = {(2, 1): (208, 56, 40), (3, 1): (136, 48, 24), (2, 2): (176, 48, 32)}
 
 
+def red_rows(consumers: int, preps: int = 1) -> int:
+    """Rows of RED_ELEMS float32 reduction scratch: one per consumer, and one per prep warpgroup
+    when there are several (a single prep uses Pallas' built-in reduction scratch)."""
+    return consumers + (preps if preps > 1 else 0)
+
+
 def register_pool(consumers: int, preps: int = 1) -> int:
     """setmaxnreg budget per thread of one warpgroup, summed over the CTA's warpgroups."""
     n_wg = consumers + preps + 1
@@ -139,7 +145,7 @@ def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, s
     n += stages * cn * 4  # bias
     n += D * cn * 2 + mg.pos_width(cn) * 4  # q (bfloat16), positions
     n += ring_bufs * RT * D * fd  # ring K / V tiles
-    n += (consumers + (preps if preps > 1 else 0)) * RED_ELEMS * 4
+    n += red_rows(consumers, preps) * RED_ELEMS * 4
     return n
 
 
@@ -442,11 +448,10 @@ def _build_ws(st: _WsStatic):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(prepped.at[slot])
 
-            if NPREP > 1:
-                pl.loop(0, (n - r + NPREP - 1) // NPREP)(lambda j: prep_block(r + NPREP * j, slot_of(r + NPREP * j)))
-                return
-            if seq or not st.static_slots:
-                pl.loop(0, n)(lambda i: prep_block(i, slot_of(i)))
+            if NPREP > 1 or seq or not st.static_slots:  # blocks r, r + NPREP, ... with runtime slots
+                count = n if NPREP == 1 else (n - r + NPREP - 1) // NPREP
+                block = (lambda j: j) if NPREP == 1 else (lambda j: r + NPREP * j)
+                pl.loop(0, count)(lambda j: prep_block(block(j), slot_of(block(j))))
                 return
 
             @pl.loop(0, n // S)  # static slots (see the consumers' `unrolled`), then the rest
@@ -816,7 +821,7 @@ def _build_ws(st: _WsStatic):
         qp_s=plgpu.SMEM((SLOTS, C, QP, NT), f16, transforms=mg.swizzle_transforms(NT * 2, 2)),
         bias_s=plgpu.SMEM((SLOTS, CN), f32),
         kr_s=plgpu.SMEM((RSLOTS, RT, D), st.fp_dtype, transforms=mg.swizzle_transforms(D * fp_item, fp_item)),
-        red_s=plgpu.SMEM((NC + (NPREP if NPREP > 1 else 0), RED_ELEMS), f32),
+        red_s=plgpu.SMEM((red_rows(NC, NPREP), RED_ELEMS), f32),
         ak_s=None if tw is None else tw((NC, MT, D), f16, transforms=mg.swizzle_transforms(D * 2, 2)),
         av_s=None if tw is None else tw((NC, MT, G), f16, transforms=mg.swizzle_transforms(G * 2, 2)),
         at_s=None if tw is None else tw((NC, MT, RT), f16, transforms=mg.swizzle_transforms(RT * 2, 2)),
