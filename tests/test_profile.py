@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from qspec_jax.bench import profile as P
@@ -118,15 +119,61 @@ def test_quick_run_on_the_cpu(tmp_path, capsys):
     from qspec_jax.bench import report
 
     out = tmp_path / "prof"
-    assert cli.main(["profile", "--quick", "--programs", "draft,ar_loop", "--out", str(out)]) == 0
+    assert cli.main(["profile", "--quick", "--programs", "draft,ar_loop,spec_loop", "--out", str(out)]) == 0
     res = json.loads((out / "profile.json").read_text())
-    assert [r["program"] for r in res["rows"]] == ["draft", "ar_loop"]
+    assert [r["program"] for r in res["rows"]] == ["draft", "ar_loop", "spec_loop"]
     assert all(r["wall_us"] > 0 and r["launches"] == 0 for r in res["rows"])
     assert "no GPU kernel events" in capsys.readouterr().out
     doc = tmp_path / "B.md"
     report.update_section("profile", P.markdown(res, res["command"], res["environment"], 5), doc)
     text = doc.read_text()
     assert "<!-- profile:begin -->" in text and "| draft | 512 |" in text and res["command"] in text
+
+
+def test_a_program_that_does_not_fit_keeps_the_others(tmp_path, monkeypatch, capsys):
+    """A program that runs out of memory (the AR loop at batch 8 and 32k on the H200, after the
+    three step programs had been measured) gets its own "does not fit" row: the programs measured
+    before it stay, the ones after it run, and the report names the program."""
+    real = P._profile
+
+    def oom_for_draft(call, trace_dir, per, trials):
+        if trace_dir.name.startswith("draft_"):
+            raise MemoryError("Out of memory allocating 34932285696 bytes")
+        return real(call, trace_dir, per, trials)
+
+    monkeypatch.setattr(P, "_profile", oom_for_draft)
+    out = tmp_path / "prof"
+    assert cli.main(["profile", "--quick", "--programs", "ar_bf16,draft,ar_loop", "--out", str(out)]) == 0
+    rows = json.loads((out / "profile.json").read_text())["rows"]
+    assert [r["program"] for r in rows] == ["ar_bf16", "draft", "ar_loop"]
+    assert rows[0]["wall_us"] > 0 and rows[2]["wall_us"] > 0 and "error" not in rows[0] and "error" not in rows[2]
+    assert rows[1]["error"].startswith("does not fit in memory: XLA ran out of memory")
+    assert "draft at context 512: does not fit in memory" in capsys.readouterr().out
+    res = json.loads((out / "profile.json").read_text())
+    md = P.markdown(res, res["command"], res["environment"], 3)
+    assert "- draft at context 512: does not fit in memory" in md and "| ar_bf16 | 512 |" in md
+
+
+def test_loops_donate_the_cache_and_restart_from_its_lengths():
+    """`restarted` donates the cache to the loop (no second copy in memory: batch 8 at 32k ran out
+    of memory without it) and keeps the returned one at the starting lengths, so every timed call
+    decodes the same tokens from the same context."""
+    from qspec_jax import model as M
+    from qspec_jax.bench import e2e
+    from qspec_jax.generation import GenerationConfig, autoregressive_loop
+
+    cfg = e2e.QUICK
+    params = M.init_random_params(cfg, jax.random.PRNGKey(1))
+    caches = {"dense": e2e.random_dense_cache(cfg, 2, 96, jax.random.PRNGKey(2))}
+    start, given = np.asarray(caches["dense"].lengths), caches["dense"]
+    first, key = jax.numpy.array([3, 5], jax.numpy.int32), jax.random.PRNGKey(0)
+    call = P.restarted(caches, "dense", lambda c: autoregressive_loop(
+        params, c, first, key, eos_ids=(), return_cache=True, gen=GenerationConfig(max_new_tokens=6, kv="bf16")))
+    a = call().tokens
+    assert given.k.is_deleted()  # donated
+    assert (caches["dense"].lengths == start).all()
+    b = call().tokens
+    assert a.shape == (2, 6) and (a == b).all()
 
 
 def test_torch_decode_peer_step_runs_on_the_cpu():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import re
@@ -33,12 +34,13 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.bench import e2e, options, report
 from qspec_jax.bench.kernel import dense_bytes, quant_bytes
 from qspec_jax.bench.prefill import SMOLLM2
-from qspec_jax.cache import DEFAULT_GAMMA_MAX
+from qspec_jax.cache import DEFAULT_GAMMA_MAX, QuantSpecCache
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.planner import tree_bytes
 from qspec_jax.speculative import SpecConfig, speculative_loop
@@ -161,9 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trace_root = args.out / "traces"
     results: list[dict[str, Any]] = []
     for c in args.contexts:
-        error = options.run_case(lambda c=c: results.extend(profile_context(args, cfg, c, params, draft, floors,
-                                                                            trace_root)))
-        if error is not None:  # a context that does not fit this device: recorded, and the next one runs
+        error = options.run_case(lambda c=c: profile_context(args, cfg, c, params, draft, floors, trace_root, results))
+        if error is not None:  # a context whose caches do not fit this device: recorded, and the next one runs
             log(f"context {c}: {error}")
             results.append({"context": c, "error": error})
     return {"config": name, "batch": args.batch,
@@ -172,56 +173,96 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params, draft: M.Params,
-                    floors: dict[str, int], trace_root: Path) -> list[dict[str, Any]]:
-    """The programs of `args.programs` at context `c` (one row each)."""
+                    floors: dict[str, int], trace_root: Path, results: list[dict[str, Any]]) -> None:
+    """Appends to `results` one row per program of `args.programs` at context `c`, as each is
+    measured. A program that does not fit this device gets a row with its "error" and the next one
+    runs (the loops need memory the step programs do not: batch 8 at 32k on the H200 measured the
+    three steps, then the AR loop ran out of memory); caches that do not fit raise (the caller
+    records the whole context)."""
     key = jax.random.PRNGKey(0)
     B = args.batch
     first = jnp.full((B,), 7, jnp.int32)
-    ar_loop = jax.jit(autoregressive_loop, static_argnames=("gen", "eos_ids"))
-    spec_loop = jax.jit(speculative_loop, static_argnames=("spec", "eos_ids"))
-    results: list[dict[str, Any]] = []
-    dense = e2e.random_dense_cache(cfg, B, c, jax.random.fold_in(key, c))
-    quant = e2e.random_quant_cache(cfg, B, c, jax.random.fold_in(key, c + 1))
+
+    def measured(name: str, measure: Any) -> None:
+        error = options.run_case(measure)
+        if error is not None:
+            log(f"{name} at context {c}: {error}")
+            results.append({"program": name, "context": c, "error": error})
+
+    caches = jax.block_until_ready({  # allocated here (caches that do not fit: the whole context); donated call by call
+        "dense": e2e.random_dense_cache(cfg, B, c, jax.random.fold_in(key, c)),
+        "quant": e2e.random_quant_cache(cfg, B, c, jax.random.fold_in(key, c + 1))})
     steps = {  # name: (params, cache kind, T, view, linear floor)
         "ar_bf16": (params, "dense", 1, "target", floors["target"]),
         "draft": (draft, "quant", 1, "draft", floors["draft"]),
         "verify": (params, "quant", args.verify_t, "target", floors["target"]),
     }
-    caches = {"dense": dense, "quant": quant}
     for name, (p, ck, t, view, lin_floor) in steps.items():
         if name not in args.programs:
             continue
         toks = jnp.full((B, t), 7, jnp.int32)
-        state = {"cache": caches[ck]}
 
-        def call(p=p, toks=toks, view=view, state=state):
-            out, state["cache"] = e2e.decode_steps(p, state["cache"], toks, n=args.steps, view=view)
+        def call(p=p, toks=toks, view=view, ck=ck):
+            out, caches[ck] = e2e.decode_steps(p, caches[ck], toks, n=args.steps, view=view)
             return out
 
-        log(f"{name} at context {c}")
-        r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
-        caches[ck] = state["cache"]
-        r.update(program=name, context=c, t=t, unit="step",
-                 floor_us={"linear": lin_floor / READ_CEILING * 1e6,
-                           "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / READ_CEILING * 1e6,
-                           "glue": 0.0, "copy": 0.0})
-        results.append(r)
-        show(r, args.top, cfg.num_layers)
-    loops = {
-        "ar_loop": (lambda c=caches["dense"]: ar_loop(params, c, first, key, eos_ids=(), gen=GenerationConfig(
-            max_new_tokens=args.loop_tokens, kv="bf16", width=1))),
-        "spec_loop": (lambda c=caches["quant"]: spec_loop(params, draft, c, first, key, eos_ids=(), spec=SpecConfig(
-            gamma=args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha, eos_token_ids=()))),
+        def step_row(name=name, call=call, ck=ck, t=t, view=view, lin_floor=lin_floor) -> None:
+            log(f"{name} at context {c}")
+            r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
+            r.update(program=name, context=c, t=t, unit="step",
+                     floor_us={"linear": lin_floor / READ_CEILING * 1e6,
+                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / READ_CEILING * 1e6,
+                               "glue": 0.0, "copy": 0.0})
+            results.append(r)
+            show(r, args.top, cfg.num_layers)
+
+        measured(name, step_row)
+    loops = {  # name: () -> the loop's call
+        "ar_loop": lambda: restarted(caches, "dense", lambda c: autoregressive_loop(
+            params, c, first, key, eos_ids=(), return_cache=True,
+            gen=GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1))),
+        "spec_loop": lambda: restarted(caches, "quant", lambda c: speculative_loop(
+            params, draft, c, first, key, eos_ids=(), return_cache=True,
+            spec=SpecConfig(gamma=args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha,
+                            eos_token_ids=()))),
     }
-    for name, call in loops.items():
+    for name, make in loops.items():
         if name not in args.programs:
             continue
-        log(f"{name} at context {c}")
-        r = _profile(call, trace_root / f"{name}_{c}", args.loop_tokens, args.trials)
-        r.update(program=name, context=c, unit="token", floor_us={})
-        results.append(r)
-        show(r, args.top, cfg.num_layers)
-    return results
+
+        def loop_row(name=name, make=make) -> None:
+            log(f"{name} at context {c}")
+            r = _profile(make(), trace_root / f"{name}_{c}", args.loop_tokens, args.trials)
+            r.update(program=name, context=c, unit="token", floor_us={})
+            results.append(r)
+            show(r, args.top, cfg.num_layers)
+
+        measured(name, loop_row)
+
+
+def bookkeeping(cache: Any) -> dict[str, jax.Array]:
+    """A cache's per-row length fields: all a generation loop moves but the contents."""
+    names = ("q_len", "fp_len", "fp_start") if isinstance(cache, QuantSpecCache) else ("lengths",)
+    return {n: getattr(cache, n) for n in names}
+
+
+def restarted(caches: dict[str, Any], kind: str, loop: Any) -> Any:
+    """A call of `loop(cache) -> (result, cache)` that donates `caches[kind]` and puts the cache
+    it returns back there with the lengths it started from, so that every call (warm-up, timed
+    trials, trace) decodes from the same context. Without the donation XLA copies the cache into
+    the loop's state: a second 32.5 GB dense cache at batch 8 and 32k, out of memory on the H200."""
+    marks = {n: np.asarray(v) for n, v in bookkeeping(caches[kind]).items()}  # host copies (the donation deletes)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def run(cache: Any) -> tuple[Any, Any]:
+        result, cache = loop(cache)
+        return result, cache.replace(**marks)
+
+    def call() -> Any:
+        result, caches[kind] = run(caches[kind])
+        return result
+
+    return call
 
 
 # ---------------------------------------------------------------------------------- output
@@ -260,7 +301,8 @@ def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: in
         rows.append(cells)
     parts.append(report.table(["program", "context", "wall ms", "kernels ms", "launches"]
                               + [f"{c} ms (% of floor)" for c in CATEGORIES], rows))
-    parts += [f"\n- context {r['context']}: {r['error']}" for r in results["rows"] if "error" in r]
+    parts += [f"\n- {r['program'] + ' at ' if 'program' in r else ''}context {r['context']}: {r['error']}"
+              for r in results["rows"] if "error" in r]
     for r in measured:
         if r["program"] != "draft":
             continue
