@@ -1,7 +1,8 @@
 """Launch-shape sweep of the Mosaic GPU INT4 skinny GEMM (pallas_kernels/linear/mosaic_gpu.py) on the
-8B draft's shapes, to replace `default_config`'s cost model by measured choices. Not in CI.
+8B and SmolLM2 drafts' shapes, to replace `default_config`'s cost model by measured choices. Not in CI.
 
     PYTHONPATH=. python3 tools/device/w4a16_config_sweep.py [--m 1] [--group 32] [--budget 240] > sweep.log
+    PYTHONPATH=. python3 tools/device/w4a16_config_sweep.py --shapes s_qkv,s_o,s_gate_up,s_down --m 32 --stages 4,6,9
 
 For each shape and each valid MgpuConfig (warpgroups, k tile, splits, reduction, pipeline depth)
 it times the kernel in an in-device loop over enough weight copies to defeat the 60 MB L2 (each
@@ -31,7 +32,8 @@ from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
-          "lm_head": (4096, 128256)}
+          "lm_head": (4096, 128256),  # the 8B draft's; SmolLM2-135M's (K = 576 allows k_tile 64 only):
+          "s_qkv": (576, 960), "s_o": (576, 576), "s_gate_up": (576, 3072), "s_down": (1536, 576)}
 L2_DEFEAT = 240 << 20
 
 
@@ -76,20 +78,24 @@ def time_config(cfg, x, ws, iters, trials=5):
     return statistics.median(ts), ys[0]
 
 
-def configs(k, n, g):
+def configs(k, n, g, stage_counts=(4, 6)):
+    """Every valid launch shape; pipeline depths from `stage_counts`, each at most a CTA's k steps
+    (deeper only adds empty buffers), the smallest always."""
     c = lay.chunk_cols(g)
     for wgs in (2, 1):
         if n % (lay.ROWS * wgs):
             continue
-        for kt in (256, 128):
+        for kt in (256, 128, 64):
             if kt % c or k % kt:
                 continue
             steps = k // kt
-            for s in (1, 2, 4, 8, 16):
+            for s in (1, 2, 3, 4, 6, 8, 9, 12, 16):
                 if steps % s or (s > 1 and steps // s < 2):
                     continue
                 for reduce in (("cluster", "gmem") if 1 < s <= mg.MAX_CLUSTER else ("gmem",)):
-                    for stages in (4, 6):
+                    for stages in sorted(set(stage_counts)):
+                        if stages > steps // s and stages != min(stage_counts):
+                            continue
                         yield mg.MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce, stages=stages,
                                             tma_view="wide")
 
@@ -100,9 +106,12 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole sweep")
+    ap.add_argument("--stages", default="4,6",
+                    help="pipeline depths swept (comma-separated; e.g. 4,6,9 for SmolLM2's 9-step K = 576)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time only the default config, with and without programmatic dependent launch")
     args = ap.parse_args(argv)
+    stage_counts = tuple(int(v) for v in args.stages.split(","))
     t_start = time.perf_counter()
     key = jax.random.PRNGKey(0)
     best_all = {}
@@ -118,7 +127,7 @@ def main(argv=None) -> int:
         rows = []
         ref = None
         candidates = ([default, default.replace(pdl=not default.pdl)] if args.pdl_ab
-                      else [default, *[c for c in configs(k, n, g) if c != default]])
+                      else [default, *[c for c in configs(k, n, g, stage_counts) if c != default]])
         for cfg in candidates:
             if time.perf_counter() - t_start > args.budget:
                 print(f"  budget reached; {name} partially swept", flush=True)
