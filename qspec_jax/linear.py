@@ -106,14 +106,15 @@ def fusable(w: Any, int4_impl: str, rows: int) -> bool:
     """Whether `linear(x, w, norm=..., swiglu=..., residual=...)` runs that glue inside the INT4
     kernel for `rows` activation rows: an INT4 weight in the Hopper layout (W4A16Packed, which
     `to_kernel_layout` makes only for bf16 models), the Mosaic kernel (impl "auto"/"pallas"/
-    "mosaic" on Hopper, or "interpret", its CPU twin), at most MAX_FUSED_M rows, and
+    "mosaic" on Hopper, or "interpret", its CPU twin), at most AUTO_FUSED_M rows (those checked
+    on a GPU), and
     `fusion_enabled()`. The decision depends on the row count, which for the draft (T = 1) is
     the batch: never on T."""
     from pallas_kernels.linear.layout import W4A16Packed
-    from pallas_kernels.linear.mosaic_gpu import MAX_FUSED_M
+    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M
 
     inner = w.weight if isinstance(w, StackedLayer) else w
-    if not isinstance(inner, W4A16Packed) or rows > MAX_FUSED_M or not fusion_enabled():
+    if not isinstance(inner, W4A16Packed) or rows > AUTO_FUSED_M or not fusion_enabled():
         return False
     if int4_impl == "interpret":
         return True
@@ -184,12 +185,12 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
 
 def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any, norm: Any, norm_eps: float,
                 swiglu: bool, residual: Array | None) -> Array:
-    from pallas_kernels.linear.mosaic_gpu import MAX_FUSED_M
+    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M
 
     rows = int(np.prod(x.shape[:-1]))
     if not fusable(w, impl, rows):
         raise ValueError(f"fused glue needs an INT4 weight in the Hopper layout on the Mosaic kernel with at most "
-                         f"{MAX_FUSED_M} rows and {FUSE_ENV} not 0 (linear.fusable); got {type(w).__name__}, {impl!r}, "
+                         f"{AUTO_FUSED_M} rows and {FUSE_ENV} not 0 (linear.fusable); got {type(w).__name__}, {impl!r}, "
                          f"{rows} rows")
     from pallas_kernels.linear import int4_linear
 

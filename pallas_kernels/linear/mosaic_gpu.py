@@ -67,6 +67,7 @@ Array = jax.Array
 
 MAX_M = 64  # rows per call (M_pad <= 64; larger M is prefill: use a dense GEMM)
 SMEM_BUDGET = 200 * 1024  # bytes of pipeline buffers per CTA (the H100/H200 limit is 227 KB)
+SMEM_LIMIT = 219 * 1024  # all of a CTA's scratch: the 227 KB opt-in limit less barriers and alignment
 REDUCE_MODES = ("gmem", "cluster")
 MAX_CLUSTER = 8  # portable cluster size: the most CTAs a "cluster" split-K reduction spans
 VARIANTS = ("mma", "wgmma", "smem")  # register A + mma.sync | register A + wgmma | SMEM twin
@@ -106,7 +107,12 @@ class MgpuConfig:
         return dataclasses.replace(self, **kw)
 
 
-MAX_FUSED_M = 24  # rows of a call with a fused epilogue (M_pad <= 24; see `Epilogue`)
+MAX_FUSED_M = MAX_M  # rows of a call with a fused epilogue (see `Epilogue`: above 24, the wide exchange)
+PLAIN_EXCHANGE_MP = 24  # M_pad up to which [64, M_pad] float32 tiles go through shared memory untransformed
+# Rows up to which "auto" dispatch and the model fuse glue into the kernel: the fused kernels were
+# checked on the H200 up to 24 rows (tools/device/check_w4a16.py check_fused); the wide exchange
+# above (`exchange_transforms`) is lowered and interpret-tested only, so it runs when asked for.
+AUTO_FUSED_M = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +131,9 @@ class Epilogue:
       output-dtype values, i.e. the unfused `linear(x, W) + res` bit for bit).
 
     The in-kernel parts exchange [64, M_pad] float32 tiles through shared memory in the WGMMA
-    layout, which Mosaic loads without bank conflicts only up to M_pad = 24 (`reduce_mode`):
-    fused calls take at most MAX_FUSED_M rows. Norm and swiglu need the whole K sum in one CTA
+    layout: untransformed up to M_pad = 24, above in swizzled tiles (`exchange_transforms`; the
+    norm's row sums then as one [M_pad] vector, broadcast over the 64 rows). The split-K sum in a
+    cluster stays at M_pad <= 24 (`reduce_mode`). Norm and swiglu need the whole K sum in one CTA
     (splits == 1) or a cluster (in-kernel split-K sum); a residual with split-K partials summed
     by XLA ("gmem") is added by XLA after the sum, with the same formula."""
 
@@ -168,6 +175,18 @@ def epilogue_reference(x: Array, w: Array, epi: Epilogue, *, norm_weight: Array 
     return out
 
 
+def exchange_transforms(mp: int) -> tuple:
+    """Shared-memory transforms of a [64, M_pad] float32 tile that a warpgroup stores and another
+    loads in the WGMMA layout. Up to PLAIN_EXCHANGE_MP none (Mosaic plans a conflict-free plain
+    transfer); above, it finds none ("Failed to synthesize a transfer pattern that avoids bank
+    conflicts"), but one for the tile in 8 x w tiles with a 4w-byte swizzle (w = 32, 16 or 8,
+    the widest dividing M_pad; lowered for CUDA at M_pad 8..64, jax 0.10.2 and 0.11.2)."""
+    if mp <= PLAIN_EXCHANGE_MP:
+        return ()
+    w = next(w for w in (32, 16, 8) if mp % w == 0)
+    return (plgpu.TilingTransform((8, w)), plgpu.SwizzleTransform(4 * w))
+
+
 def rows_for(m: int) -> int:
     """M_pad: the wgmma N for M activation rows (a multiple of 8)."""
     return 8 * max(1, -(-m // 8))
@@ -183,9 +202,28 @@ def _w_stage_bytes(kind: str, wgs: int, kt: int, g: int | None) -> int:
     return wgs * (kt * lay.ROWS // 2 + lay.ROWS * (kt // g) * 4)
 
 
-def _stages_for(kind: str, cfg: MgpuConfig, mp: int, g: int | None) -> int:
+def _stages_for(kind: str, cfg: MgpuConfig, mp: int, g: int | None, other: int = 0) -> int:
+    """Pipeline depth: cfg.stages, within SMEM_BUDGET for the stage buffers and within the CTA's
+    shared memory with `other` bytes of further scratch (the output and epilogue tiles: up to
+    ~60 KB at M_pad 64 with a fused norm)."""
     per = _w_stage_bytes(kind, cfg.wgs, cfg.k_tile, g) + _x_stage_bytes(mp, cfg.k_tile)
-    return max(2, min(cfg.stages, SMEM_BUDGET // per))
+    return max(2, min(cfg.stages, SMEM_BUDGET // per, (SMEM_LIMIT - other) // per))
+
+
+def _other_smem_bytes(epi: "Epilogue", wgs: int, m: int, mp: int, kt: int, stages: int, o_item: int,
+                      reduce: str, interpret: bool) -> int:
+    """Shared memory of `_call`'s scratch besides the stage buffers (as `_call` declares it)."""
+    f32 = 4
+    b = wgs * mp * lay.ROWS * o_item  # o_smem
+    if reduce == "cluster":
+        b += wgs * lay.ROWS * mp * f32
+    if epi.norm:
+        b += stages * kt * 2 + (mp if interpret else m * lay.THREADS) * f32 + 4 * mp * f32 + lay.ROWS * mp * f32
+    if epi.residual:
+        b += wgs * mp * lay.ROWS * o_item
+    if epi.swiglu:
+        b += lay.ROWS * mp * f32
+    return b
 
 
 SM_BYTES_PER_US = 4.35e6 / 132  # bytes one SM streams per microsecond at the read ceiling
@@ -882,7 +920,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             ss = None
             if epi.norm:
                 plgpu.barrier_wait(norm_bar.at[0])
-                ss = _load_acc(ss_ref, interpret)
+                ss = _load_row_sums(ss_ref, mp, interpret)
             final(acc, ss)
 
     @pl.when(wg < wgs)
@@ -1008,6 +1046,18 @@ def _load_acc(ref: Any, interpret: bool) -> Array:
     return ref[...] if interpret else _load_wgmma(ref)
 
 
+def _load_row_sums(ss_ref: Any, mp: int, interpret: bool) -> Array:
+    """The norm's row sums ss [64, M_pad] (every row the same) in the WGMMA layout. Above
+    PLAIN_EXCHANGE_MP the tile cannot be loaded in that layout (see `exchange_transforms`): its
+    row 0 is loaded as a per-column vector and broadcast (the same values)."""
+    if interpret or mp <= PLAIN_EXCHANGE_MP:
+        return _load_acc(ss_ref, interpret)
+    col = plgpu.Layout.WGMMA.reduce(0)
+    row0 = plgpu.load(ss_ref.at[0], (), layout=col) if jax.__version_info__ < (0, 11) else \
+        plgpu.load(ss_ref.at[0], layout=col)
+    return lax.broadcast_in_dim(row0, (lay.ROWS, mp), (1,))
+
+
 def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: int, n: int,
           g: int | None, cfg: MgpuConfig, out_dtype: Any, variant: str, interpret: bool,
           n_layers: int, w_stacked: bool, epi: Epilogue = Epilogue(), norm_weight: Array | None = None,
@@ -1016,14 +1066,16 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     mp = rows_for(m)
     kt, wgs, s = cfg.k_tile, cfg.wgs, cfg.splits
     steps = k // (kt * s)
-    stages = _stages_for(kind, cfg, mp, g)
     reduce = cfg.reduce if s > 1 else "gmem"
+    whole = s == 1 or reduce == "cluster"  # the kernel writes [M, N] (else float32 partials [S, M, N])
+    o_item = jnp.dtype(out_dtype if whole else jnp.float32).itemsize
+    stages = _stages_for(kind, cfg, mp, g, _other_smem_bytes(epi, wgs, m, mp, kt, cfg.stages, o_item,
+                                                             reduce, interpret))
     if interpret and reduce == "cluster":
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
     if not epilogue_allows(epi, wgs, s, reduce):
         raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1 or the cluster sum; "
                          f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
-    whole = s == 1 or reduce == "cluster"  # the kernel writes [M, N] (else float32 partials [S, M, N])
     res_in_kernel = epi.residual and whole
     use_twin = variant == "smem" or interpret
     o_dtype = jnp.dtype(out_dtype) if whole else jnp.dtype(jnp.float32)
@@ -1059,7 +1111,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         scratch["res_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
         scratch["res_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=wgs)
     if epi.swiglu:
-        scratch["pair"] = plgpu.SMEM((lay.ROWS, mp), f32)
+        scratch["pair"] = plgpu.SMEM((lay.ROWS, mp), f32, transforms=() if interpret else exchange_transforms(mp))
         scratch["pair_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
     n_out = n // 2 if epi.swiglu else n
     out_shape = (m, n_out) if whole else (s, m, n)
@@ -1140,7 +1192,7 @@ def reduce_mode(m: int, interpret: bool) -> str:
     refuses it: H200, SmolLM2 w_down at M = 32), so the partials go through global memory.
     Interpret mode has no clusters. Both sum p[0] + p[1] + ... in that order, so a row's bits
     do not depend on the mode (tools/device/check_w4a16.py, check 2)."""
-    return "gmem" if interpret or rows_for(m) > 24 else "cluster"
+    return "gmem" if interpret or rows_for(m) > PLAIN_EXCHANGE_MP else "cluster"
 
 
 def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype: Any,
@@ -1227,5 +1279,5 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
 
 
-__all__ = ["MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "bf16_matmul_mgpu", "default_config",
+__all__ = ["AUTO_FUSED_M", "MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "bf16_matmul_mgpu", "default_config",
            "epilogue_reference", "int4_matmul_mgpu", "interpret_params", "rows_for"]

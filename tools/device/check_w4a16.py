@@ -211,6 +211,12 @@ FUSED_CASES = (  # (shape, K, N, epilogue): the 8B draft layer's four linears, a
     ("gate_up", 4096, 28672, mg.Epilogue(norm=True, swiglu=True)),
     ("down", 14336, 4096, mg.Epilogue(residual=True)),
 )
+SMOL_FUSED_CASES = (  # SmolLM2-135M's draft layer (batch 32 needs M_pad 32: the wide exchange)
+    ("s_qkv", 576, 960, mg.Epilogue(norm=True)),
+    ("s_o", 576, 576, mg.Epilogue(residual=True)),
+    ("s_gate_up", 576, 3072, mg.Epilogue(norm=True, swiglu=True)),
+    ("s_down", 1536, 576, mg.Epilogue(residual=True)),
+)
 
 
 def _fused_inputs(key, k, n, m, g=32):
@@ -395,6 +401,9 @@ def main(argv=None) -> int:
     ap.add_argument("--check-m", default="5,16")
     ap.add_argument("--skip", default="", help="comma list of: correctness,rows,sass,diag,fused,fused_timing,timing")
     ap.add_argument("--fused-budget", type=float, default=60.0, help="seconds for the fused kernels' timing")
+    ap.add_argument("--fused-m", default="1,16",
+                    help="rows of the fused checks (above 24: the wide exchange, e.g. 1,16,32,64)")
+    ap.add_argument("--fused-cases", default="8b", help="comma list of: 8b, smollm2 (the fused checks' shapes)")
     ap.add_argument("--rows-m", default="5,8,16,24")
     ap.add_argument("--bench-shapes", default="qkv,o,gate_up,down,lm_head,s_qkv,s_gate_up")
     ap.add_argument("--bench-m", default="1,16")
@@ -440,7 +449,9 @@ def main(argv=None) -> int:
             check_fused(results, log, cases=(("tiny", 128, 256, mg.Epilogue(norm=True, swiglu=True)),
                                              ("tiny", 128, 128, mg.Epilogue(residual=True))), ms=(3,))
         else:
-            check_fused(results, log)
+            cases = {"8b": FUSED_CASES, "smollm2": SMOL_FUSED_CASES}
+            check_fused(results, log, cases=sum((cases[c] for c in args.fused_cases.split(",")), ()),
+                        ms=tuple(int(m) for m in args.fused_m.split(",")))
     if "fused_timing" not in skip and not DRY["interpret"]:
         time_fused(results, log, budget_s=args.fused_budget)
     log(f"checks done in {time.perf_counter() - t0:.1f} s")
