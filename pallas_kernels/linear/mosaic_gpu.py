@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import Any
 
@@ -202,28 +203,18 @@ def _w_stage_bytes(kind: str, wgs: int, kt: int, g: int | None) -> int:
     return wgs * (kt * lay.ROWS // 2 + lay.ROWS * (kt // g) * 4)
 
 
-def _stages_for(kind: str, cfg: MgpuConfig, mp: int, g: int | None, other: int = 0) -> int:
-    """Pipeline depth: cfg.stages, within SMEM_BUDGET for the stage buffers and within the CTA's
-    shared memory with `other` bytes of further scratch (the output and epilogue tiles: up to
-    ~60 KB at M_pad 64 with a fused norm)."""
+def _stages_for(kind: str, cfg: MgpuConfig, mp: int, g: int | None, fit: tuple[int, int] | None = None) -> int:
+    """Pipeline depth: cfg.stages, within SMEM_BUDGET for the weight and x stage buffers and, with
+    `fit` = (bytes of the other scratch, bytes of all scratch per stage), within SMEM_LIMIT for the
+    CTA's whole scratch (the output and epilogue tiles are up to ~60 KB at M_pad 64 with a norm)."""
     per = _w_stage_bytes(kind, cfg.wgs, cfg.k_tile, g) + _x_stage_bytes(mp, cfg.k_tile)
-    return max(2, min(cfg.stages, SMEM_BUDGET // per, (SMEM_LIMIT - other) // per))
+    limit = SMEM_BUDGET // per if fit is None else min(SMEM_BUDGET // per, (SMEM_LIMIT - fit[0]) // fit[1])
+    return max(2, min(cfg.stages, limit))
 
 
-def _other_smem_bytes(epi: "Epilogue", wgs: int, m: int, mp: int, kt: int, stages: int, o_item: int,
-                      reduce: str, interpret: bool) -> int:
-    """Shared memory of `_call`'s scratch besides the stage buffers (as `_call` declares it)."""
-    f32 = 4
-    b = wgs * mp * lay.ROWS * o_item  # o_smem
-    if reduce == "cluster":
-        b += wgs * lay.ROWS * mp * f32
-    if epi.norm:
-        b += stages * kt * 2 + (mp if interpret else m * lay.THREADS) * f32 + 4 * mp * f32 + lay.ROWS * mp * f32
-    if epi.residual:
-        b += wgs * mp * lay.ROWS * o_item
-    if epi.swiglu:
-        b += lay.ROWS * mp * f32
-    return b
+def _smem_bytes(scratch: dict[str, Any]) -> int:
+    """Shared-memory bytes of a scratch declaration (barriers not counted: SMEM_LIMIT leaves room)."""
+    return sum(math.prod(v.shape) * jnp.dtype(v.dtype).itemsize for v in scratch.values() if hasattr(v, "shape"))
 
 
 SM_BYTES_PER_US = 4.35e6 / 132  # bytes one SM streams per microsecond at the read ceiling
@@ -1067,52 +1058,56 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     kt, wgs, s = cfg.k_tile, cfg.wgs, cfg.splits
     steps = k // (kt * s)
     reduce = cfg.reduce if s > 1 else "gmem"
-    whole = s == 1 or reduce == "cluster"  # the kernel writes [M, N] (else float32 partials [S, M, N])
-    o_item = jnp.dtype(out_dtype if whole else jnp.float32).itemsize
-    stages = _stages_for(kind, cfg, mp, g, _other_smem_bytes(epi, wgs, m, mp, kt, cfg.stages, o_item,
-                                                             reduce, interpret))
     if interpret and reduce == "cluster":
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
     if not epilogue_allows(epi, wgs, s, reduce):
         raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1 or the cluster sum; "
                          f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
+    whole = s == 1 or reduce == "cluster"  # the kernel writes [M, N] (else float32 partials [S, M, N])
     res_in_kernel = epi.residual and whole
     use_twin = variant == "smem" or interpret
     o_dtype = jnp.dtype(out_dtype) if whole else jnp.dtype(jnp.float32)
     f32 = jnp.float32
     x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-    scratch: dict[str, Any] = {"x_smem": plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)}
-    if kind == "int4":
-        c = lay.chunk_cols(g)
-        scratch["w_smem"] = plgpu.SMEM((stages, wgs, kt // lay.KB, *TMA_VIEWS[cfg.tma_view]), jnp.uint32)
-        scratch["sz_smem"] = plgpu.SMEM((stages, wgs, kt // c, 64 * c // g), jnp.uint32)
-        n_full = 1 + (2 * wgs if epi.swiglu else 2)  # x (or the producer's norm pass) + weight copies
-    else:
-        scratch["w_smem"] = plgpu.SMEM((stages, wgs, kt, lay.ROWS), jnp.bfloat16, transforms=x_tf)
-        n_full = 1 + wgs
-    if use_twin:
-        a_tf = () if interpret else x_tf
-        scratch["a_twin"] = plgpu.SMEM((wgs, lay.ROWS, lay.KB), jnp.bfloat16, transforms=a_tf)
-        scratch["xt_twin"] = plgpu.SMEM((wgs, lay.KB, mp), jnp.bfloat16)
-    scratch["o_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
-    scratch["full"] = plgpu.Barrier(num_barriers=stages, num_arrivals=n_full)
-    scratch["empty"] = plgpu.Barrier(num_barriers=stages, num_arrivals=wgs)
-    if reduce == "cluster":
-        scratch["red"] = plgpu.SMEM((wgs, lay.ROWS, mp), f32)
-    if epi.norm:
-        scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2)  # x and g tiles
-        scratch["g_smem"] = plgpu.SMEM((stages, kt), jnp.bfloat16)
-        scratch["part"] = plgpu.SMEM((mp,) if interpret else (m, lay.THREADS), f32)
-        if not interpret:
-            scratch["ssw"] = plgpu.SMEM((4, mp), f32)
-        scratch["ss"] = plgpu.SMEM((lay.ROWS, mp), f32)
-        scratch["norm_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
-    if res_in_kernel:
-        scratch["res_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
-        scratch["res_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=wgs)
-    if epi.swiglu:
-        scratch["pair"] = plgpu.SMEM((lay.ROWS, mp), f32, transforms=() if interpret else exchange_transforms(mp))
-        scratch["pair_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
+    n_full = 1 + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)  # x (or the norm pass) + weights
+
+    def declare_scratch(stages: int) -> dict[str, Any]:
+        scratch: dict[str, Any] = {"x_smem": plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)}
+        if kind == "int4":
+            c = lay.chunk_cols(g)
+            scratch["w_smem"] = plgpu.SMEM((stages, wgs, kt // lay.KB, *TMA_VIEWS[cfg.tma_view]), jnp.uint32)
+            scratch["sz_smem"] = plgpu.SMEM((stages, wgs, kt // c, 64 * c // g), jnp.uint32)
+        else:
+            scratch["w_smem"] = plgpu.SMEM((stages, wgs, kt, lay.ROWS), jnp.bfloat16, transforms=x_tf)
+        if use_twin:
+            a_tf = () if interpret else x_tf
+            scratch["a_twin"] = plgpu.SMEM((wgs, lay.ROWS, lay.KB), jnp.bfloat16, transforms=a_tf)
+            scratch["xt_twin"] = plgpu.SMEM((wgs, lay.KB, mp), jnp.bfloat16)
+        scratch["o_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
+        scratch["full"] = plgpu.Barrier(num_barriers=stages, num_arrivals=n_full)
+        scratch["empty"] = plgpu.Barrier(num_barriers=stages, num_arrivals=wgs)
+        if reduce == "cluster":
+            scratch["red"] = plgpu.SMEM((wgs, lay.ROWS, mp), f32)
+        if epi.norm:
+            scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2)  # x and g tiles
+            scratch["g_smem"] = plgpu.SMEM((stages, kt), jnp.bfloat16)
+            scratch["part"] = plgpu.SMEM((mp,) if interpret else (m, lay.THREADS), f32)
+            if not interpret:
+                scratch["ssw"] = plgpu.SMEM((4, mp), f32)
+            scratch["ss"] = plgpu.SMEM((lay.ROWS, mp), f32)
+            scratch["norm_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
+        if res_in_kernel:
+            scratch["res_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
+            scratch["res_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=wgs)
+        if epi.swiglu:
+            scratch["pair"] = plgpu.SMEM((lay.ROWS, mp), f32, transforms=() if interpret else exchange_transforms(mp))
+            scratch["pair_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
+        return scratch
+
+    # Pipeline depth: the declaration at 0 and 1 stages gives the other scratch and a stage's.
+    other = _smem_bytes(declare_scratch(0))
+    stages = _stages_for(kind, cfg, mp, g, (other, _smem_bytes(declare_scratch(1)) - other))
+    scratch = declare_scratch(stages)
     n_out = n // 2 if epi.swiglu else n
     out_shape = (m, n_out) if whole else (s, m, n)
     if m > 8 and m % 8:  # the TMA view of x tiles rows by 8: above 8 rows, M must be a multiple

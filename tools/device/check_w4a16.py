@@ -211,12 +211,10 @@ FUSED_CASES = (  # (shape, K, N, epilogue): the 8B draft layer's four linears, a
     ("gate_up", 4096, 28672, mg.Epilogue(norm=True, swiglu=True)),
     ("down", 14336, 4096, mg.Epilogue(residual=True)),
 )
-SMOL_FUSED_CASES = (  # SmolLM2-135M's draft layer (batch 32 needs M_pad 32: the wide exchange)
-    ("s_qkv", 576, 960, mg.Epilogue(norm=True)),
-    ("s_o", 576, 576, mg.Epilogue(residual=True)),
-    ("s_gate_up", 576, 3072, mg.Epilogue(norm=True, swiglu=True)),
-    ("s_down", 1536, 576, mg.Epilogue(residual=True)),
-)
+SMOL_FUSED_CASES = tuple(  # SmolLM2-135M's draft layer (batch 32 needs M_pad 32: the wide exchange)
+    (name, *bench.SMOLLM2_FUSED[name], epi) for name, epi in (
+        ("s_qkv", mg.Epilogue(norm=True)), ("s_o", mg.Epilogue(residual=True)),
+        ("s_gate_up", mg.Epilogue(norm=True, swiglu=True)), ("s_down", mg.Epilogue(residual=True))))
 
 
 def _fused_inputs(key, k, n, m, g=32):

@@ -31,9 +31,9 @@ import qspec_jax  # noqa: E402,F401  (XLA flags)
 from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
-          "lm_head": (4096, 128256),  # the 8B draft's; SmolLM2-135M's (K = 576 allows k_tile 64 only):
-          "s_qkv": (576, 960), "s_o": (576, 576), "s_gate_up": (576, 3072), "s_down": (1536, 576)}
+# The 8B draft's shapes (the default) and SmolLM2-135M's (K = 576: k_tile 64 only), as `qspec-bench w4a16` names them.
+from qspec_jax.bench.w4a16 import BENCH_SHAPES as SHAPES, LLAMA31_8B_FUSED  # noqa: E402
+
 L2_DEFEAT = 240 << 20
 
 
@@ -102,7 +102,7 @@ def configs(k, n, g, stage_counts=(4, 6)):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(LLAMA31_8B_FUSED))
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole sweep")
