@@ -102,19 +102,21 @@ def fusion_enabled() -> bool:
     return os.environ.get(FUSE_ENV, "1") == "1"
 
 
-def fusable(w: Any, int4_impl: str, rows: int) -> bool:
+def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bool = False,
+            residual: bool = False) -> bool:
     """Whether `linear(x, w, norm=..., swiglu=..., residual=...)` runs that glue inside the INT4
     kernel for `rows` activation rows: an INT4 weight in the Hopper layout (W4A16Packed, which
     `to_kernel_layout` makes only for bf16 models), the Mosaic kernel (impl "auto"/"pallas"/
-    "mosaic" on Hopper, or "interpret", its CPU twin), at most AUTO_FUSED_M rows (those checked
-    on a GPU), and
+    "mosaic" on Hopper, or "interpret", its CPU twin), at most `auto_fused_rows` of that glue
+    (24 rows with the norm or SiLU·up, 64 for a residual alone: where fusing measured faster), and
     `fusion_enabled()`. The decision depends on the row count, which for the draft (T = 1) is
     the batch: never on T."""
     from pallas_kernels.linear.layout import W4A16Packed
-    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M
+    from pallas_kernels.linear.mosaic_gpu import Epilogue, auto_fused_rows
 
     inner = w.weight if isinstance(w, StackedLayer) else w
-    if not isinstance(inner, W4A16Packed) or rows > AUTO_FUSED_M or not fusion_enabled():
+    limit = auto_fused_rows(Epilogue(norm=norm, swiglu=swiglu, residual=residual))
+    if not isinstance(inner, W4A16Packed) or rows > limit or not fusion_enabled():
         return False
     if int4_impl == "interpret":
         return True
@@ -185,13 +187,12 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
 
 def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any, norm: Any, norm_eps: float,
                 swiglu: bool, residual: Array | None) -> Array:
-    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M
-
     rows = int(np.prod(x.shape[:-1]))
-    if not fusable(w, impl, rows):
-        raise ValueError(f"fused glue needs an INT4 weight in the Hopper layout on the Mosaic kernel with at most "
-                         f"{AUTO_FUSED_M} rows and {FUSE_ENV} not 0 (linear.fusable); got {type(w).__name__}, {impl!r}, "
-                         f"{rows} rows")
+    glue = dict(norm=norm is not None, swiglu=swiglu, residual=residual is not None)
+    if not fusable(w, impl, rows, **glue):
+        raise ValueError(f"fused glue {glue} needs an INT4 weight in the Hopper layout on the Mosaic kernel, at most "
+                         f"auto_fused_rows of that glue and {FUSE_ENV} not 0 (linear.fusable); got "
+                         f"{type(w).__name__}, {impl!r}, {rows} rows")
     from pallas_kernels.linear import int4_linear
 
     if isinstance(norm, StackedLayer):  # read in place at the weight's own layer, else one slice

@@ -227,7 +227,7 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
 def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: Any,
          norm: Any = None) -> tuple[Array, Array, Array]:
     """Normed x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k.
-    With `norm` (the fused draft layer, `_fuse_draft`), h is the layer input x and the attention
+    With `norm` (the fused draft layer, `_draft_fusion`), h is the layer input x and the attention
     norm with that weight runs inside the qkv kernel."""
     b, t, _ = h.shape
     inv_freq = rope_inv_freq(cfg)
@@ -246,29 +246,37 @@ def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: An
     return q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
 
+@struct.dataclass
+class LayerFusion:
+    """Which glue a draft layer runs inside its INT4 kernels (`_draft_fusion`); the default, none."""
+    norm: bool = struct.field(pytree_node=False, default=False)  # attention norm in qkv, MLP norm + SiLU·up in gate_up
+    residual: bool = struct.field(pytree_node=False, default=False)  # the residual adds in o and down
+
+
 def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
-                      mesh: Any, fuse: bool = False) -> tuple[Array, Array | None, Array]:
+                      mesh: Any, fusion: LayerFusion = LayerFusion()) -> tuple[Array, Array | None, Array]:
     """Residual adds of the attention output projection and the SwiGLU MLP.
 
     attn: [B, T, Hq*Dh]. Returns (x [B, T, D], the MLP's normed input [B, T, D], its down
-    projection's input [B, T, F]); the last two are what calibration measures. `fuse` (the
-    draft layer, `_fuse_draft`): the residual adds, the MLP norm and SiLU(gate)·up run inside the
-    o, gate_up and down kernels, and the normed input is not formed (None).
+    projection's input [B, T, F]); the last two are what calibration measures. `fusion` (the
+    draft layer, `_draft_fusion`): `residual`, the residual adds run inside the o and down
+    kernels; `norm`, the MLP norm and SiLU(gate)·up inside the gate_up kernel, and the normed
+    input is not formed (None).
     """
     col = _matmul(cfg, mesh)
     row = _matmul(cfg, mesh, row_parallel=True)
-    if fuse:
-        x = row(attn, lp.wo, residual=x)
-        act = col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_eps=cfg.rms_norm_eps, swiglu=True)
-        return row(act, lp.w_down, residual=x), None, act
-    x = x + row(attn, lp.wo)
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    if lp.w_gate_up is not None:
-        gate, up = jnp.split(col(h, lp.w_gate_up), 2, axis=-1)
+    x = row(attn, lp.wo, residual=x) if fusion.residual else x + row(attn, lp.wo)
+    if fusion.norm:
+        h, act = None, col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_eps=cfg.rms_norm_eps, swiglu=True)
     else:
-        gate, up = col(h, lp.w_gate), col(h, lp.w_up)
-    act = jax.nn.silu(gate) * up
-    return x + row(act, lp.w_down), h, act
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        if lp.w_gate_up is not None:
+            gate, up = jnp.split(col(h, lp.w_gate_up), 2, axis=-1)
+        else:
+            gate, up = col(h, lp.w_gate), col(h, lp.w_up)
+        act = jax.nn.silu(gate) * up
+    out = row(act, lp.w_down, residual=x) if fusion.residual else x + row(act, lp.w_down)
+    return out, h, act
 
 
 def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, *, mesh: Any = None,
@@ -334,16 +342,18 @@ def _logits(params: Params, x: Array) -> Array:
     return _matmul(cfg, params.mesh, out_dtype=jnp.float32)(h, params.lm_head)
 
 
-def _fuse_draft(params: Params, rows: int) -> bool:
-    """Whether `decode` runs each layer's glue inside its INT4 kernels (`linear.fusable`: the
-    draft on Hopper; QSPEC_W4A16_FUSE=0 turns it off): the attention norm in the qkv kernel, the
-    residual adds in the o and down kernels, the MLP norm and SiLU(gate)·up in the gate_up
-    kernel. `rows` = B x T."""
+def _draft_fusion(params: Params, rows: int) -> LayerFusion:
+    """The glue `decode` runs inside each layer's INT4 kernels (`linear.fusable`: the draft on
+    Hopper; QSPEC_W4A16_FUSE=0 turns it off): the residual adds in the o and down kernels, and
+    the attention norm in the qkv kernel, the MLP norm and SiLU(gate)·up in the gate_up kernel,
+    each where its kernels fuse `rows` = B x T rows (the norm up to 24, the residual up to 64)."""
     lp, cfg = params.layers, params.config
-    if params.mesh is not None and params.mesh.size > 1:
-        return False
-    return all(w is not None and fusable(w, cfg.int4_matmul_impl, rows) for w in (lp.wqkv, lp.wo, lp.w_gate_up,
-                                                                                 lp.w_down))
+    ws = (lp.wqkv, lp.wo, lp.w_gate_up, lp.w_down)
+    if (params.mesh is not None and params.mesh.size > 1) or any(w is None for w in ws):
+        return LayerFusion()
+    ok = functools.partial(fusable, int4_impl=cfg.int4_matmul_impl, rows=rows)
+    return LayerFusion(norm=ok(lp.wqkv, norm=True) and ok(lp.w_gate_up, norm=True, swiglu=True),
+                       residual=ok(lp.wo, residual=True) and ok(lp.w_down, residual=True))
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -490,18 +500,18 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     b, w = tokens.shape
     q_struct = jax.ShapeDtypeStruct((b, w, cfg.num_heads, cfg.head_dim), x.dtype)
     inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
-    fuse = _fuse_draft(params, b * w)
+    fusion = _draft_fusion(params, b * w)
 
     def layer(lp, x, cache, i):
-        if fuse:
+        if fusion.norm:
             q, k, v = _qkv(cfg, lp, x, positions, params.mesh, norm=lp.attn_norm)
         else:
             q, k, v = _qkv(cfg, lp, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), positions, params.mesh)
         cache = cache.append_layer(i, k, v)
         attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                mesh=params.mesh, inputs=inputs)
-        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh, fuse)[0], cache
+        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh, fusion)[0], cache
 
-    x, cache = _scan_layers(params, x, cache, layer, stack_norms=fuse)
+    x, cache = _scan_layers(params, x, cache, layer, stack_norms=fusion.norm)
     # The lm_head runs over all `width` columns too (its shape must not depend on T).
     return _logits(params, x)[:, :t], cache.advance(t)

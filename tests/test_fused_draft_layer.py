@@ -74,9 +74,10 @@ def _case_layer() -> None:
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 128), jnp.float32).astype(jnp.bfloat16)
     attn = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 128), jnp.float32).astype(jnp.bfloat16)
     pos = jnp.asarray([[7], [3]], jnp.int32)
-    assert M._fuse_draft(draft, 2)
+    full = M.LayerFusion(norm=True, residual=True)
+    assert M._draft_fusion(draft, 2) == full
     q, k, v = M._qkv(CFG, lp, x, pos, None, norm=lp.attn_norm)
-    out, h, act = M._attn_out_and_mlp(CFG, lp, x, attn, None, fuse=True)
+    out, h, act = M._attn_out_and_mlp(CFG, lp, x, attn, None, full)
     assert h is None and act.shape == (2, 1, 128)
     plain = draft.replace(config=CFG.replace(int4_matmul_impl="xla"))  # dequantize -> dot, unfused
     norm1 = lambda w: w.weight[w.layer]  # noqa: E731
@@ -86,8 +87,12 @@ def _case_layer() -> None:
     for a, b in ((q, q0), (k, k0), (v, v0), (act, act0), (out, out0)):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert _rel(a, b) < 2e-2
-    other = M._attn_out_and_mlp(CFG, _layer(draft, jnp.int32(0)), x, attn, None, fuse=True)[0]
+    other = M._attn_out_and_mlp(CFG, _layer(draft, jnp.int32(0)), x, attn, None, full)[0]
     assert _rel(other, out0) > 10 * _rel(out, out0)  # it read layer 1's weights and norms
+    # the residual adds alone in the kernels (above 24 rows): the MLP norm and SiLU·up in XLA
+    lp1 = lp.replace(mlp_norm=norm1(lp.mlp_norm))
+    out_r, h_r, act_r = M._attn_out_and_mlp(CFG, lp1, x, attn, None, M.LayerFusion(residual=True))
+    assert h_r is not None and _rel(out_r, out0) < 2e-2 and _rel(act_r, act0) < 2e-2
 
 
 @pytest.fixture
@@ -115,7 +120,7 @@ def _draft_logits(draft, b):
 
 def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, monkeypatch):
     monkeypatch.delenv(qlinear.FUSE_ENV, raising=False)
-    assert qlinear.fusion_enabled() and M._fuse_draft(draft, 1)  # on by default (checked on the H200)
+    assert qlinear.fusion_enabled() and M._draft_fusion(draft, 1) == M.LayerFusion(norm=True, residual=True)
     monkeypatch.setenv(qlinear.FUSE_ENV, "0")
     off = _draft_logits(draft, 2)
     assert reference_kernels == []
@@ -128,9 +133,19 @@ def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, 
 
 
 def test_decode_falls_back_beyond_the_fused_rows(draft, reference_kernels, monkeypatch):
+    """Above 24 rows only the residual adds stay in the kernels (o, down); above 64 nothing."""
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
-    assert M._fuse_draft(draft, 24) and not M._fuse_draft(draft, 25)
-    _draft_logits(draft, 25)
+    assert M._draft_fusion(draft, 24) == M.LayerFusion(norm=True, residual=True)
+    assert M._draft_fusion(draft, 25) == M._draft_fusion(draft, 64) == M.LayerFusion(residual=True)
+    assert M._draft_fusion(draft, 65) == M.LayerFusion()
+    on = _draft_logits(draft, 25)
+    assert reference_kernels == [(False, False, True), (False, False, True)]
+    monkeypatch.setenv(qlinear.FUSE_ENV, "0")
+    off = _draft_logits(draft, 25)
+    assert _rel(on, off) < 2e-2
+    reference_kernels.clear()
+    monkeypatch.setenv(qlinear.FUSE_ENV, "1")
+    _draft_logits(draft, 65)
     assert reference_kernels == []
 
 
@@ -143,6 +158,6 @@ def test_target_path_is_unchanged(monkeypatch):
     out = {}
     for flag in ("0", "1"):
         monkeypatch.setenv(qlinear.FUSE_ENV, flag)
-        assert not M._fuse_draft(params, 4)
+        assert M._draft_fusion(params, 4) == M.LayerFusion()
         out[flag] = np.asarray(M.decode(params, toks, cache, view="target")[0])
     np.testing.assert_array_equal(out["0"], out["1"])

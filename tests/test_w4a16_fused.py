@@ -170,6 +170,29 @@ def test_norm_pair_offsets_address_the_swizzled_tile():
                 assert img[off:off + 4].tobytes() == x[r, 2 * q:2 * q + 2].tobytes(), (kt, r, q)
 
 
+def test_norm_threads_cover_every_pair_once():
+    """The producer's norm pass: over its 128 threads every (row < M, pair < KT / 2) is handled
+    exactly once, a warp's 32 threads share their row (one 128-byte tile row per load), and the
+    kernel's split of a row's address (static `norm_row_offset(R j)` + 128 x the thread's row
+    lane) is the row's offset."""
+    for kt in (64, 128, 256):
+        lanes = mg.norm_row_lanes(kt)
+        for m in (1, 3, 5, 8, 13, 32, 37, 64):
+            seen = set()
+            for t in range(128):
+                q, rows = mg.norm_thread_rows(t, m, kt)
+                assert q < kt // 2 and all(r < m for r in rows)
+                seen |= {(r, q) for r in rows}
+                warp0 = mg.norm_thread_rows(32 * (t // 32), m, kt)[1]
+                assert rows == warp0
+            assert seen == {(r, q) for r in range(m) for q in range(kt // 2)}, (kt, m)
+        for r0 in range(0, 64, lanes):
+            for lr in range(lanes):
+                assert mg.norm_row_offset(r0, kt) + 128 * lr == mg.norm_row_offset(r0 + lr, kt)
+    with pytest.raises(ValueError, match="k_tile"):
+        mg.norm_row_lanes(512)
+
+
 def test_default_config_honours_the_epilogue():
     for k, n in LLAMA[:4] + SMOL[:4]:
         for epi in (mg.Epilogue(norm=True), mg.Epilogue(norm=True, swiglu=True), mg.Epilogue(residual=True)):
@@ -240,8 +263,10 @@ for m in (1, 13, 24, 32, 40, 64):  # above 24 rows the wide exchange (no cluster
                                                     interpret=False), (x, W((3,), 1024, 256), g1, i)),
             (lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, config=mg.MgpuConfig(
                 wgs=2, k_tile=128, pdl=True), swiglu=True, variant=variant, interpret=False), (x, W((), 1024, 512), g1)),
+            (lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, config=mg.MgpuConfig(  # 4 rows at once
+                wgs=1, k_tile=64), variant=variant, interpret=False), (x, W((), 1024, 256), g1)),
         ]
-        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5)]):
+        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5, 6)]):
             text = lower(f, *a)
             assert "mosaic_gpu" in text
             n_ok += 1
@@ -250,8 +275,9 @@ print("ALL OK", n_ok, jax.__version__)
 
 
 def test_fused_kernels_lower_for_cuda():
-    """Every epilogue on both register kernels (one CTA, the cluster sum, PDL) at M = 1, 13, 24,
-    and the one-CTA ones at M = 32, 40, 64 (the wide exchange: swizzled [64, M_pad] tiles, the
+    """Every epilogue on both register kernels (one CTA, the cluster sum, PDL; the norm at k tiles
+    256, 128 and 64: 1, 2 and 4 rows per producer pass) at M = 1, 13, 24, and the one-CTA ones at
+    M = 32, 40, 64 (the wide exchange: swizzled [64, M_pad] tiles, the
     norm's row sums as a vector; a plain tile there fails Mosaic's transfer planning), lowers to
     a Mosaic GPU custom call without a GPU (jax 0.10 here)."""
     r = subproc.run_script(sys.executable, FUSED_LOWER_SCRIPT)
@@ -267,10 +293,11 @@ def test_fused_kernels_lower_for_cuda_jax011():
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on PATH")
 def test_fused_inline_ptx_assembles():
-    """The producer's inline PTX (norm stage, first and later; the finish's shuffles and
-    predicated stores) assembles for sm_90a, each block in a kernel of its own."""
-    blocks = [(mg._NORM_ASM.format(**mg._NORM_FIRST), "r,r,r,r"), (mg._NORM_ASM.format(**mg._NORM_NEXT), "r,r,r,r"),
-              (mg._SHFL_ASM.format(16), "=f,f"), (mg._LD_F32_ASM, "=f,r"), (mg._ST_LANE0_ASM, "r,f,r"),
+    """The producer's inline PTX (the norm stage's loads, predicated stores, product and x^2
+    partials, first and later; the finish's shuffles and predicated stores) assembles for sm_90a, each block in a kernel of its own."""
+    blocks = [(mg._LD_B32_ASM, "=r,r"), (mg._LD_F32_IF_ASM, "=f,r,r"), (mg._ST_B32_IF_ASM, "r,r,r"),
+              (mg._ST_F32_IF_ASM, "r,f,r"), (mg._MUL_BF16X2_ASM, "=r,r,r"), (mg._SQ_FIRST_ASM, "=f,r"),
+              (mg._SQ_NEXT_ASM, "=f,r,f"), (mg._SHFL_ASM.format(16), "=f,f"), (mg._LD_F32_ASM, "=f,r"), (mg._ST_LANE0_ASM, "r,f,r"),
               (mg._ST_F32_ASM, "r,f")]
     body, regs = [], {"r": 0, "f": 0}
     for asm, cons in blocks:

@@ -92,7 +92,7 @@ def _random_fields(seed: int, lead: tuple[int, ...], k: int, n: int, g: int) -> 
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 1000), lead=st.sampled_from([(), (2,)]), g=st.sampled_from([32, 64, 128]),
+@given(seed=st.integers(0, 1000), lead=st.sampled_from([(), (2,), (2, 3)]), g=st.sampled_from([32, 64, 128]),
        kc=st.integers(1, 3), nt=st.integers(1, 3))
 def test_pack_roundtrip_is_exact(seed, lead, g, kc, nt):
     k, n = kc * max(64, g), 64 * nt

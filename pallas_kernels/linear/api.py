@@ -115,7 +115,7 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
     RMSNorm to x first, `swiglu` returns silu(gate) * up [..., N/2] of W's gate | up halves,
     `residual` [..., N] is added to the output. The Mosaic backends run them inside the kernel
     ("auto" picks them only where the kernel takes the call: bf16, Hopper, at most
-    `mosaic_gpu.AUTO_FUSED_M` rows; "mosaic" up to `MAX_FUSED_M`); every other backend computes
+    `mosaic_gpu.auto_fused_rows(epilogue)` rows; "mosaic" up to `MAX_FUSED_M`); every other backend computes
     `mosaic_gpu.epilogue_reference`."""
     _check_backend(backend)
     k, n, wlead = _int4_shape(w)
@@ -130,7 +130,7 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
     n_out = n // 2 if swiglu else n
     if backend == "auto":
         backend = pick_backend("int4", m, k, n, x.dtype, hopper_layout=isinstance(w, lay.W4A16Packed))
-        if epi and backend == "mosaic" and m > mg.AUTO_FUSED_M:
+        if epi and backend == "mosaic" and m > mg.auto_fused_rows(epi):
             backend = "xla"
     if epi and backend not in ("mosaic", "interpret"):
         if layer is not None:

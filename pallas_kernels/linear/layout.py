@@ -221,7 +221,18 @@ def pack_fields(packed: Array, scale: Array, zero: Array) -> W4A16Packed:
     ng = scale.shape[-2]
     if ng == 0 or k % ng or (k // ng) % 2:
         raise ValueError(f"scale rows {ng} do not divide K={k} into even groups (packed {packed.shape})")
+    if packed.ndim > 2:  # layer by layer: a stack's int32 codes and uint32 gathers are 8x its bytes
+        return _map_layers(lambda p, s, z: pack_codes(_codes_from_fields(p, k // ng), s, z), packed, scale, zero)
     return pack_codes(_codes_from_fields(packed, k // ng), scale, zero)
+
+
+def _map_layers(f: Callable[..., Any], *arrays: Array) -> Any:
+    """f over the leading axes of [..., A, B] arrays one [A, B] slice at a time (`lax.map`), its
+    outputs stacked back on those axes: only one slice's temporaries are alive at a time (the
+    8B's gate_up stack as uint32 codes would be 14 GiB)."""
+    lead = arrays[0].shape[:-2]
+    out = jax.lax.map(lambda xs: f(*xs), tuple(a.reshape(-1, *a.shape[-2:]) for a in arrays))
+    return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
 
 
 def pack_quantized(qw: Any) -> W4A16Packed:

@@ -110,10 +110,15 @@ class MgpuConfig:
 
 MAX_FUSED_M = MAX_M  # rows of a call with a fused epilogue (see `Epilogue`: above 24, the wide exchange)
 PLAIN_EXCHANGE_MP = 24  # M_pad up to which [64, M_pad] float32 tiles go through shared memory untransformed
-# Rows up to which "auto" dispatch and the model fuse glue into the kernel: the fused kernels were
-# checked on the H200 up to 24 rows (tools/device/check_w4a16.py check_fused); the wide exchange
-# above (`exchange_transforms`) is lowered and interpret-tested only, so it runs when asked for.
-AUTO_FUSED_M = 24
+# Rows up to which "auto" dispatch and the model fuse an epilogue into the kernel (`auto_fused_rows`).
+# Every fused kernel is checked on the GPU up to 64 rows (tools/device/check_w4a16.py --fused-m
+# 1,16,32,64 --fused-cases 8b,smollm2; H100, 2026-11-27), but above 24 rows (the wide exchange) only
+# the residual pays for itself: SmolLM2 at batch 32 (H100, in the draft step) o / down with the
+# residual 4.6 / 6.4 us against 4.3 / 6.1 plain plus a ~1.3 us XLA add each; qkv with the norm 6.7
+# us and gate_up with norm and SiLU·up 8.4 us against 4.2 / 4.4 plus ~3 us of XLA glue, a wash that
+# measured slower in the speculative loop (docs/kernel_notes.md).
+AUTO_FUSED_M = 24  # epilogues with the norm or SiLU·up
+AUTO_RESIDUAL_M = MAX_FUSED_M  # a residual add alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +157,12 @@ class Epilogue:
     def tag(self) -> str:
         """Kernel-name suffix ("" for the plain kernel)."""
         return "".join(t for t, on in (("_norm", self.norm), ("_swiglu", self.swiglu), ("_res", self.residual)) if on)
+
+
+def auto_fused_rows(epi: Epilogue) -> int:
+    """Rows up to which "auto" dispatch (and the model, `qspec_jax.linear.fusable`) runs `epi`
+    inside the kernel: AUTO_FUSED_M with the norm or SiLU·up, AUTO_RESIDUAL_M for a residual alone."""
+    return AUTO_FUSED_M if (epi.norm or epi.swiglu) else AUTO_RESIDUAL_M
 
 
 def epilogue_reference(x: Array, w: Array, epi: Epilogue, *, norm_weight: Array | None = None,
@@ -590,85 +601,116 @@ def _mma_stage(group_size: int, kt: int, mp: int, diag: str = ""):
 # ------------------------------------------------------------------- the fused RMSNorm (producer)
 def norm_pair_offset(r: int, q: int, kt: int) -> int:
     """Byte offset of x[r, 2q : 2q + 2] (one bf16 pair) in a stage's x tile [M_pad, KT] (8 x 64
-    tiles, 128-byte swizzle, as TMA writes it). The producer's thread t handles pair q = t of
-    every row r < M (KT <= 256: at most 128 pairs per row), i.e. k block q // 32 = its warp and
-    lane q % 32: a warp reads one 128-byte tile row, conflict-free. The kernel adds the static
-    `norm_row_offset` and the per-thread `norm_lane_offset`."""
+    tiles, 128-byte swizzle, as TMA writes it). The producer's thread handling pair q of row r
+    (`norm_thread_rows`) reads k block q // 32 at lane q % 32: the 32 threads of a warp share r
+    and read one 128-byte tile row, conflict-free. The kernel adds the static `norm_row_offset`
+    and the per-thread `norm_lane_offset`."""
     rr, lane = r % 8, q % 32
     return x_tile_offset(r // 8, q // 32, kt) + rr * 128 + (((lane // 4) ^ rr) & 7) * 16 + 4 * (lane % 4)
 
 
 def norm_row_offset(r: int, kt: int) -> int:
-    """The part of `norm_pair_offset(r, t, kt)` that does not depend on the thread."""
+    """The part of `norm_pair_offset(r, q, kt)` that does not depend on the pair (`_norm_stage`
+    adds it for r = R j and 128 lane_row in the thread's base: R divides 8)."""
     return x_tile_offset(r // 8, 0, kt) + (r % 8) * 128
 
 
-def norm_lane_offset(t: int, rr: int) -> int:
-    """The part that does (thread t, row r with r % 8 == rr); `_norm_stage` computes it in MLIR."""
-    warp, lane = t // 32, t % 32
+def norm_lane_offset(q: int, rr: int) -> int:
+    """The part that does (pair q, row r with r % 8 == rr); `_norm_stage` computes it in MLIR."""
+    warp, lane = q // 32, q % 32
     return warp * 1024 + (((lane // 4) ^ rr) & 7) * 16 + 4 * (lane % 4)
 
 
-# Per (row, thread): x pair -> bf16(x g) in place (mul.rn.bf16x2: the correctly rounded product,
-# as float32 x g rounded to bf16) and the thread's float32 partial of sum x^2 (lo^2 then hi^2).
-# $0 x address, $1 g address, $2 partial address, $3 nonzero if the thread owns a pair.
-_NORM_ASM = """{{
-.reg .pred p;
-.reg .b32 xv, gv, yv, t;
-.reg .f32 lo, hi, acc;
-setp.ne.u32 p, $3, 0;
-@p ld.shared.b32 xv, [$0];
-@p ld.shared.b32 gv, [$1];
-@p mul.rn.bf16x2 yv, xv, gv;
-@p st.shared.b32 [$0], yv;
-shl.b32 t, xv, 16;
-mov.b32 lo, t;
-and.b32 t, xv, 0xFFFF0000;
-mov.b32 hi, t;
-{acc}
-fma.rn.f32 acc, hi, hi, acc;
-{store}
-}}"""
-_NORM_FIRST = dict(acc="mul.rn.f32 acc, lo, lo;",  # zeros for threads without a pair: the finish sums all 128
-                   store="selp.f32 acc, acc, 0f00000000, p;\nst.shared.f32 [$2], acc;")
-_NORM_NEXT = dict(acc="@p ld.shared.f32 acc, [$2];\nfma.rn.f32 acc, lo, lo, acc;", store="@p st.shared.f32 [$2], acc;")
+# The producer's norm pass, as small asm pieces the kernel emits in an interleaved order (all of a
+# batch's loads, then its arithmetic, then its stores) so that a thread has up to NORM_BATCH rows'
+# shared-memory round trips in flight; one side-effecting asm per row (load, multiply, store, load,
+# fma, store: ~80 cycles of dependent latency) made the pass ~12 us at M 32, K 576.
+_LD_B32_ASM = "ld.shared.b32 $0, [$1];"
+_LD_F32_IF_ASM = "{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\nmov.f32 $0, 0f00000000;\n@p ld.shared.f32 $0, [$1];\n}"
+_ST_B32_IF_ASM = "{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.shared.b32 [$0], $1;\n}"
+_ST_F32_IF_ASM = "{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p st.shared.f32 [$0], $1;\n}"
+_MUL_BF16X2_ASM = "mul.rn.bf16x2 $0, $1, $2;"  # bf16(x g): the correctly rounded product
+# A pair's x^2 partial, lo^2 then hi^2 (the first stage's, or added to the running one $2)
+_SQ_FIRST_ASM = ("{\n.reg .b32 t;\n.reg .f32 lo, hi;\nshl.b32 t, $1, 16;\nmov.b32 lo, t;\n"
+                 "and.b32 t, $1, 0xFFFF0000;\nmov.b32 hi, t;\nmul.rn.f32 $0, lo, lo;\nfma.rn.f32 $0, hi, hi, $0;\n}")
+_SQ_NEXT_ASM = ("{\n.reg .b32 t;\n.reg .f32 lo, hi, a;\nshl.b32 t, $1, 16;\nmov.b32 lo, t;\n"
+                "and.b32 t, $1, 0xFFFF0000;\nmov.b32 hi, t;\nfma.rn.f32 a, lo, lo, $2;\nfma.rn.f32 $0, hi, hi, a;\n}")
+NORM_BATCH = 8  # rows per thread whose loads are in flight together
+
+
+def norm_row_lanes(kt: int) -> int:
+    """Rows of a stage the producer's 128 threads normalize at once: a row has KT / 2 bf16 pairs,
+    thread t takes pair t % (KT / 2) of rows t // (KT / 2) + R j (R = 256 / KT: 1, 2 or 4)."""
+    if kt not in (64, 128, 256):
+        raise ValueError(f"k_tile={kt}: the fused norm takes k_tile in (64, 128, 256)")
+    return (2 * lay.THREADS) // kt
+
+
+def norm_thread_rows(t: int, m: int, kt: int) -> tuple[int, list[int]]:
+    """(pair q, rows r < M) that the producer's thread t normalizes in every stage (`_norm_stage`
+    computes the same in MLIR): q = t % (KT / 2), r = t // (KT / 2) + R j."""
+    lanes, pairs = norm_row_lanes(kt), kt // 2
+    return t % pairs, [r0 + t // pairs for r0 in range(0, m, lanes) if r0 + t // pairs < m]
 
 
 def _norm_stage(m: int, kt: int, first: bool):
     """inline_mgpu function run by the producer warpgroup on a landed stage: (x_ref bf16 [M_pad,
     KT] (swizzled tiles), g_ref bf16 [KT], part_ref float32 [M, 128]) -> x rows < M multiplied by
-    g in place, part[r, t] (+)= thread t's sum of x[r, pair t]^2 (`first`: the stage that
-    initializes part). Ends with a proxy fence (the wgmma variants read x through the async
-    proxy); each thread's mbarrier arrive afterwards releases its own stores."""
-    if kt > 2 * lay.THREADS:
-        raise ValueError(f"k_tile={kt}: the fused norm takes k_tile <= {2 * lay.THREADS}")
-    x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-    asm = _NORM_ASM.format(**(_NORM_FIRST if first else _NORM_NEXT))
+    g in place, part[r, q] (+)= the sum of x[r, pair q]^2 for the KT / 2 pairs q of the stage
+    (`first`: the stage that initializes part, and zeroes part[r, q >= KT / 2], which the finish
+    sums too). Thread t handles pair q = t % (KT / 2) of rows r = t // (KT / 2) + R j (see
+    `norm_row_lanes`); a row's partials are the same whichever thread computes them, so the
+    sums do not depend on M. Ends with a proxy fence (the wgmma variants read x through the
+    async proxy); each thread's mbarrier arrive afterwards releases its own stores."""
+    lanes = norm_row_lanes(kt)
+    pairs = kt // 2
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=x_tf), plgpu.RefType(), plgpu.RefType()))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(plgpu.TilingTransform((8, SWIZZLE // 2)),
+                                                            plgpu.SwizzleTransform(SWIZZLE))),
+                                  plgpu.RefType(), plgpu.RefType()))
     def fn(ctx, x_ref, g_ref, part_ref):
         del ctx
         ir, arith, llvm, _, _, mu = _mgpu_modules()
-        i32 = ir.IntegerType.get_signless(32)
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        void = ir.Type.parse("!llvm.void")
         c = lambda v: mu.c(v, i32)  # noqa: E731
+        asm = lambda ty, args, text, cons, side=False: llvm.inline_asm(  # noqa: E731
+            ty, args, text, cons, has_side_effects=side)
         tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
-        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
-        owns = arith.extui(i32, arith.cmpi(arith.CmpIPredicate.ult, tid, c(kt // 2)))
-        x_base = arith.addi(_smem_addr(x_ref), arith.addi(arith.muli(warp, c(1024)),
-                                                          arith.muli(arith.remui(lane, c(4)), c(4))))
-        g_addr = arith.addi(_smem_addr(g_ref), arith.muli(tid, c(4)))
-        p_base = arith.addi(_smem_addr(part_ref), arith.muli(tid, c(4)))
-        quad = arith.divui(lane, c(4))
-        for r in range(m):
-            rr = r % 8
-            # norm_lane_offset(t, rr) = 1024 warp + 4 (lane % 4) [x_base] + (((lane // 4) ^ rr) & 7) 16 [swz]
-            swz = arith.muli(arith.andi(arith.xori(quad, c(rr)), c(7)), c(16))
-            x_addr = arith.addi(x_base, arith.addi(swz, c(norm_row_offset(r, kt))))
-            p_addr = arith.addi(p_base, c(4 * lay.THREADS * r))
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), [x_addr, g_addr, p_addr, owns], asm, "r,r,r,r",
-                            has_side_effects=True)
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.proxy.async.shared::cta;", "",
-                        has_side_effects=True)
+        lane_row, q = arith.divui(tid, c(pairs)), arith.remui(tid, c(pairs))
+        # norm_lane_offset(q, r % 8) with r % 8 = (R j) % 8 + lane_row (R divides 8)
+        qwarp, qlane = arith.divui(q, c(32)), arith.remui(q, c(32))
+        quad = arith.divui(qlane, c(4))
+        x_base = arith.addi(_smem_addr(x_ref), arith.addi(
+            arith.muli(qwarp, c(1024)), arith.addi(arith.muli(arith.remui(qlane, c(4)), c(4)),
+                                                   arith.muli(lane_row, c(128)))))
+        g_val = asm(i32, [arith.addi(_smem_addr(g_ref), arith.muli(q, c(4)))], _LD_B32_ASM, "=r,r", True)
+        p_base = arith.addi(_smem_addr(part_ref), arith.addi(arith.muli(q, c(4)),
+                                                             arith.muli(lane_row, c(4 * lay.THREADS))))
+        rows = list(range(0, m, lanes))  # r0 = R j: this thread's row is r0 + lane_row
+        for b in range(0, len(rows), NORM_BATCH):
+            batch = []
+            for r0 in rows[b:b + NORM_BATCH]:
+                rr = arith.addi(c(r0 % 8), lane_row)
+                swz = arith.muli(arith.andi(arith.xori(quad, rr), c(7)), c(16))
+                x_addr = arith.addi(x_base, arith.addi(swz, c(norm_row_offset(r0, kt))))  # + 128 lane_row in x_base
+                ok = c(1) if r0 + lanes <= m else arith.extui(
+                    i32, arith.cmpi(arith.CmpIPredicate.ult, lane_row, c(m - r0)))
+                batch.append((x_addr, arith.addi(p_base, c(4 * lay.THREADS * r0)), ok))
+            xs = [asm(i32, [xa], _LD_B32_ASM, "=r,r", True) for xa, _, _ in batch]
+            if not first:
+                accs = [asm(f32, [pa, ok], _LD_F32_IF_ASM, "=f,r,r", True) for _, pa, ok in batch]
+            ys = [asm(i32, [xv, g_val], _MUL_BF16X2_ASM, "=r,r,r") for xv in xs]
+            sq = ([asm(f32, [xv], _SQ_FIRST_ASM, "=f,r") for xv in xs] if first else
+                  [asm(f32, [xv, a], _SQ_NEXT_ASM, "=f,r,f") for xv, a in zip(xs, accs)])
+            zero = arith.constant(f32, 0.0)
+            for (xa, pa, ok), y, v in zip(batch, ys, sq):
+                asm(void, [xa, y, ok], _ST_B32_IF_ASM, "r,r,r", True)
+                asm(void, [pa, v, ok], _ST_F32_IF_ASM, "r,f,r", True)
+                if first:  # the slots of pairs this K tile does not have (the finish sums all 128)
+                    for i in range(1, lanes):
+                        asm(void, [arith.addi(pa, c(4 * pairs * i)), zero, ok], _ST_F32_IF_ASM, "r,f,r", True)
+        asm(void, [], "fence.proxy.async.shared::cta;", "", True)
 
     return fn
 
@@ -697,26 +739,32 @@ def _norm_finish(m: int, mp: int):
         warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
         part, ssw, ss = _smem_addr(part_ref), _smem_addr(ssw_ref), _smem_addr(ss_ref)
         ld = lambda addr: llvm.inline_asm(f32, [addr], _LD_F32_ASM, "=f,r", has_side_effects=True)  # noqa: E731
-        for r in range(mp):
-            if r < m:
-                v = ld(arith.addi(part, arith.muli(arith.addi(tid, c(lay.THREADS * r)), c(4))))
-                for sh in (16, 8, 4, 2, 1):
-                    o = llvm.inline_asm(f32, [v], _SHFL_ASM.format(sh), "=f,f", has_side_effects=True)
-                    v = arith.addf(v, o)
-            else:
-                v = arith.constant(f32, 0.0)
-            addr = arith.addi(ssw, arith.muli(arith.addi(arith.muli(warp, c(mp)), c(r)), c(4)))
-            llvm.inline_asm(void, [addr, v, lane], _ST_LANE0_ASM, "r,f,r", has_side_effects=True)
+        # rows in batches whose loads and butterfly steps interleave (independent chains in flight)
+        for b in range(0, mp, 2 * NORM_BATCH):
+            rows = range(b, min(b + 2 * NORM_BATCH, mp))
+            vals = {r: ld(arith.addi(part, arith.muli(arith.addi(tid, c(lay.THREADS * r)), c(4))))
+                    for r in rows if r < m}
+            for sh in (16, 8, 4, 2, 1):
+                other = {r: llvm.inline_asm(f32, [v], _SHFL_ASM.format(sh), "=f,f", has_side_effects=True)
+                         for r, v in vals.items()}
+                vals = {r: arith.addf(v, other[r]) for r, v in vals.items()}
+            for r in rows:
+                v = vals[r] if r < m else arith.constant(f32, 0.0)
+                addr = arith.addi(ssw, arith.muli(arith.addi(arith.muli(warp, c(mp)), c(r)), c(4)))
+                llvm.inline_asm(void, [addr, v, lane], _ST_LANE0_ASM, "r,f,r", has_side_effects=True)
         mu.warpgroup_barrier()
-        for j in range(lay.ROWS * mp // lay.THREADS):  # element e = t + 128 j of ss [64, M_pad]
-            e = arith.addi(tid, c(lay.THREADS * j))
-            col4 = arith.muli(arith.remui(e, c(mp)), c(4))
-            tot = None
-            for w in range(4):
-                v = ld(arith.addi(ssw, arith.addi(col4, c(4 * w * mp))))
-                tot = v if tot is None else arith.addf(tot, v)
-            llvm.inline_asm(void, [arith.addi(ss, arith.muli(e, c(4))), tot], _ST_F32_ASM, "r,f",
-                            has_side_effects=True)
+        elems = range(lay.ROWS * mp // lay.THREADS)  # element e = t + 128 j of ss [64, M_pad]
+        for b in range(0, len(elems), NORM_BATCH):
+            js = elems[b:b + NORM_BATCH]
+            es = {j: arith.addi(tid, c(lay.THREADS * j)) for j in js}
+            parts = {j: [ld(arith.addi(ssw, arith.addi(arith.muli(arith.remui(es[j], c(mp)), c(4)), c(4 * w * mp))))
+                         for w in range(4)] for j in js}
+            for j in js:
+                tot = parts[j][0]
+                for v in parts[j][1:]:  # warps 0 + 1 + 2 + 3, in that order
+                    tot = arith.addf(tot, v)
+                llvm.inline_asm(void, [arith.addi(ss, arith.muli(es[j], c(4))), tot], _ST_F32_ASM, "r,f",
+                                has_side_effects=True)
 
     return fn
 
@@ -1274,5 +1322,6 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
 
 
-__all__ = ["AUTO_FUSED_M", "MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "bf16_matmul_mgpu", "default_config",
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "auto_fused_rows",
+           "bf16_matmul_mgpu", "default_config",
            "epilogue_reference", "int4_matmul_mgpu", "interpret_params", "rows_for"]

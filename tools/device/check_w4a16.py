@@ -280,10 +280,12 @@ def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=("mma", "wg
                                     detail=detail, s=time.perf_counter() - t0))
                 log(f"fused {name:8s}{epi.tag():14s} M={m:2d} {kern:5s} {detail} {status} "
                     f"({time.perf_counter() - t0:.1f} s)")
-        # row invariance at M = 5 and 16 (the default kernel)
+        # row invariance at M = 5 and 16 (the default kernel), and at the first M above 24 asked for
+        # (the wide exchange: swizzled [64, M_pad] tiles, row sums broadcast from a vector)
+        row_ms = (5, 16) + tuple(m for m in ms if m > mg.PLAIN_EXCHANGE_MP)[:1]
         bad, status = 0, "ok"
         try:
-            for m in (5, 16):
+            for m in row_ms:
                 key, kk = jax.random.split(key)
                 p, x, gw, res = _fused_inputs(kk, k, n, m)
                 f = jax.jit(lambda x, res, p=p, gw=gw, epi=epi: _fused(x, p, epi, gw, res))
@@ -294,15 +296,16 @@ def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=("mma", "wg
             status = "ok" if bad == 0 else f"FAIL ({bad} rows differ)"
         except Exception as e:  # noqa: BLE001
             status = f"ERROR {type(e).__name__}: {str(e)[:300]}"
-        results.append(dict(check="fused_rows", shape=name, epi=epi.tag(), status=status))
-        log(f"fused row invariance {name}{epi.tag()} M=5,16: {status}")
+        results.append(dict(check="fused_rows", shape=name, epi=epi.tag(), M=list(row_ms), status=status))
+        log(f"fused row invariance {name}{epi.tag()} M={','.join(map(str, row_ms))}: {status}")
 
 
-def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0):
-    """M = 1, G = 32: each fused kernel against the unfused kernel plus the XLA glue it replaces
-    (rms_norm before, silu(gate) * up after, the residual add after), in-device loops over
-    rotating weights; the plain kernel and each part of the epilogue alone on the same launch
-    shape; the fused kernel with PDL (back to back); split-K and 8 stages for qkv and o."""
+def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
+    """G = 32, M rows (1 by default): each fused kernel against the unfused kernel plus the XLA
+    glue it replaces (rms_norm before, silu(gate) * up after, the residual add after), in-device
+    loops over rotating weights; the plain kernel; at M = 1 also each part of the epilogue alone
+    on the same launch shape, the fused kernel with PDL (back to back), split-K and 8 stages for
+    qkv and o."""
     key = jax.random.PRNGKey(6)
     t_start = time.perf_counter()
     order = ("gate_up", "down", "qkv", "o")  # the largest overheads first (issue 32 run 1)
@@ -315,9 +318,9 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0):
         c = bench._copies(nbytes)
         u = max(c, 4)
         ws = tuple(lay.pack_quantized(bench._gen_int4(kk, k=k, n=n, g=32)) for kk in jax.random.split(kw, c))
-        xs = bench._gen_x(kx, m=1, k=k, u=u, dtype=jnp.bfloat16)
+        xs = bench._gen_x(kx, m=m, k=k, u=u, dtype=jnp.bfloat16)
         gw = jnp.ones((k,), jnp.bfloat16) * 1.1
-        res = jnp.ones((1, n), jnp.bfloat16)
+        res = jnp.ones((m, n), jnp.bfloat16)
 
         def unfused(x, p, epi=epi):
             if epi.norm:
@@ -334,10 +337,11 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0):
         # (where the fused kernel's time goes), PDL, and for the small shapes more bytes in flight
         # (split-K summed in the cluster, deeper rings)
         runs = [("fused", epi, base), ("plain", mg.Epilogue(), base)]
-        if epi.norm and epi.swiglu:
+        if m == 1 and epi.norm and epi.swiglu:
             runs += [("norm_only", mg.Epilogue(norm=True), base), ("swiglu_only", mg.Epilogue(swiglu=True), base)]
-        runs.append(("fused_pdl", epi, base.replace(pdl=True)))
-        if name in ("qkv", "o"):
+        if m == 1:
+            runs.append(("fused_pdl", epi, base.replace(pdl=True)))
+        if name in ("qkv", "o") and m == 1:
             runs += [(f"fused_s{sp}", epi, base.replace(splits=sp, reduce="cluster")) for sp in (2, 4)
                      if sp != base.splits]
             runs.append(("fused_st8", epi, base.replace(stages=8)))
@@ -350,14 +354,14 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0):
                 break
             try:
                 iters = bench._iters_for(nbytes / 2.0e12 + 3e-6, u, 5e-3, False)
-                _, per_op, _ = bench._time_loop(op, xs, ws, (1, n_out), jnp.bfloat16, iters=iters, trials=5,
+                _, per_op, _ = bench._time_loop(op, xs, ws, (m, n_out), jnp.bfloat16, iters=iters, trials=5,
                                                 calls=2)
                 t, status = float(np.median(per_op)), "ok"
             except Exception as e:  # noqa: BLE001
                 t, status = float("nan"), f"ERROR {type(e).__name__}: {str(e)[:300]}"
-            results.append(dict(check="time_fused", shape=name, epi=epi.tag(), variant=label, us=t * 1e6,
+            results.append(dict(check="time_fused", shape=name, epi=epi.tag(), M=m, variant=label, us=t * 1e6,
                                 floor_us=nbytes / bench.READ_CEILING_TB_S / 1e6, status=status))
-            log(f"time {name:8s}{epi.tag():14s} {label:13s} {t * 1e6:8.2f} us (floor "
+            log(f"time {name:8s}{epi.tag():14s} M={m:2d} {label:13s} {t * 1e6:8.2f} us (floor "
                 f"{nbytes / bench.READ_CEILING_TB_S / 1e6:.2f}) {status}")
 
 
@@ -398,7 +402,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-groups", default="32,64,128")
     ap.add_argument("--check-m", default="5,16")
     ap.add_argument("--skip", default="", help="comma list of: correctness,rows,sass,diag,fused,fused_timing,timing")
-    ap.add_argument("--fused-budget", type=float, default=60.0, help="seconds for the fused kernels' timing")
+    ap.add_argument("--fused-budget", type=float, default=60.0, help="seconds for the fused kernels' timing (per M)")
+    ap.add_argument("--fused-time-m", default="1", help="comma list of row counts for the fused kernels' timing")
     ap.add_argument("--fused-m", default="1,16",
                     help="rows of the fused checks (above 24: the wide exchange, e.g. 1,16,32,64)")
     ap.add_argument("--fused-cases", default="8b", help="comma list of: 8b, smollm2 (the fused checks' shapes)")
@@ -451,7 +456,8 @@ def main(argv=None) -> int:
             check_fused(results, log, cases=sum((cases[c] for c in args.fused_cases.split(",")), ()),
                         ms=tuple(int(m) for m in args.fused_m.split(",")))
     if "fused_timing" not in skip and not DRY["interpret"]:
-        time_fused(results, log, budget_s=args.fused_budget)
+        for m in (int(v) for v in args.fused_time_m.split(",")):
+            time_fused(results, log, budget_s=args.fused_budget, m=m)
     log(f"checks done in {time.perf_counter() - t0:.1f} s")
     records = []
     if "timing" not in skip:

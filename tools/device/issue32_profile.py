@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                 continue
             os.environ.update(VARIANTS[name])
             jax.clear_caches()  # the switches are read at trace time
-            fused = M._fuse_draft(draft, 1)
+            fused = M._draft_fusion(draft, 1).norm
             state = {"cache": quant}
 
             def call(state=state):
