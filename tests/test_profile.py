@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -156,8 +157,9 @@ def test_a_program_that_does_not_fit_keeps_the_others(tmp_path, monkeypatch, cap
 
 def test_loops_donate_the_cache_and_restart_from_its_lengths():
     """`restarted` donates the cache to the loop (no second copy in memory: batch 8 at 32k ran out
-    of memory without it) and keeps the returned one at the starting lengths, so every timed call
-    decodes the same tokens from the same context."""
+    of memory without it), passes the weights as arguments (not captured constants: 16 GB of them
+    for the 8B) and keeps the returned one at the starting lengths, so every timed call decodes
+    the same tokens from the same context."""
     from qspec_jax import model as M
     from qspec_jax.bench import e2e
     from qspec_jax.generation import GenerationConfig, autoregressive_loop
@@ -167,9 +169,18 @@ def test_loops_donate_the_cache_and_restart_from_its_lengths():
     caches = {"dense": e2e.random_dense_cache(cfg, 2, 96, jax.random.PRNGKey(2))}
     start, given = np.asarray(caches["dense"].lengths), caches["dense"]
     first, key = jax.numpy.array([3, 5], jax.numpy.int32), jax.random.PRNGKey(0)
-    call = P.restarted(caches, "dense", lambda c: autoregressive_loop(
-        params, c, first, key, eos_ids=(), return_cache=True, gen=GenerationConfig(max_new_tokens=6, kv="bf16")))
-    a = call().tokens
+    call = P.restarted(caches, "dense", lambda c, p, f, k: autoregressive_loop(
+        p, c, f, k, eos_ids=(), return_cache=True, gen=GenerationConfig(max_new_tokens=6, kv="bf16")),
+        (params, first, key))
+    limit = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 4096)  # the weights are ~1 MB: as constants they warn
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = call().tokens
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", limit)
+    assert not [w for w in caught if "constants were captured" in str(w.message)]  # weights are jit arguments
     assert given.k.is_deleted()  # donated
     assert (caches["dense"].lengths == start).all()
     b = call().tokens

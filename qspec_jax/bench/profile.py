@@ -218,13 +218,13 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
 
         measured(name, step_row)
     loops = {  # name: () -> the loop's call
-        "ar_loop": lambda: restarted(caches, "dense", lambda c: autoregressive_loop(
-            params, c, first, key, eos_ids=(), return_cache=True,
-            gen=GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1))),
-        "spec_loop": lambda: restarted(caches, "quant", lambda c: speculative_loop(
-            params, draft, c, first, key, eos_ids=(), return_cache=True,
+        "ar_loop": lambda: restarted(caches, "dense", lambda c, p, f, k: autoregressive_loop(
+            p, c, f, k, eos_ids=(), return_cache=True,
+            gen=GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1)), (params, first, key)),
+        "spec_loop": lambda: restarted(caches, "quant", lambda c, p, d, f, k: speculative_loop(
+            p, d, c, f, k, eos_ids=(), return_cache=True,
             spec=SpecConfig(gamma=args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha,
-                            eos_token_ids=()))),
+                            eos_token_ids=())), (params, draft, first, key)),
     }
     for name, make in loops.items():
         if name not in args.programs:
@@ -246,20 +246,22 @@ def bookkeeping(cache: Any) -> dict[str, jax.Array]:
     return {n: getattr(cache, n) for n in names}
 
 
-def restarted(caches: dict[str, Any], kind: str, loop: Any) -> Any:
-    """A call of `loop(cache) -> (result, cache)` that donates `caches[kind]` and puts the cache
-    it returns back there with the lengths it started from, so that every call (warm-up, timed
-    trials, trace) decodes from the same context. Without the donation XLA copies the cache into
-    the loop's state: a second 32.5 GB dense cache at batch 8 and 32k, out of memory on the H200."""
+def restarted(caches: dict[str, Any], kind: str, loop: Any, operands: tuple[Any, ...] = ()) -> Any:
+    """A call of `loop(cache, *operands) -> (result, cache)` that donates `caches[kind]` and puts
+    the cache it returns back there with the lengths it started from, so that every call (warm-up,
+    timed trials, trace) decodes from the same context. Without the donation XLA copies the cache
+    into the loop's state: a second 32.5 GB dense cache at batch 8 and 32k, out of memory on the
+    H200. The weights go in as `operands` (jit arguments): a loop that closed over them captured
+    them as constants of the program (16 GB for the 8B; its compile outran a ten-minute call)."""
     marks = {n: np.asarray(v) for n, v in bookkeeping(caches[kind]).items()}  # host copies (the donation deletes)
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def run(cache: Any) -> tuple[Any, Any]:
-        result, cache = loop(cache)
+    def run(cache: Any, operands: tuple[Any, ...]) -> tuple[Any, Any]:
+        result, cache = loop(cache, *operands)
         return result, cache.replace(**marks)
 
     def call() -> Any:
-        result, caches[kind] = run(caches[kind])
+        result, caches[kind] = run(caches[kind], operands)
         return result
 
     return call

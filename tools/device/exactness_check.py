@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,3")
     ap.add_argument("--gamma", type=int, default=4)
     args = ap.parse_args(argv)
+    if args.prompt < 2 or args.new < 1 or args.layers < 1:
+        ap.error(f"--prompt >= 2, --new >= 1 and --layers >= 1; got {args.prompt}, {args.new}, {args.layers}")
     cfg = LLAMA31_8B.replace(num_layers=args.layers, max_position_embeddings=65536)
     params = jax.jit(lambda k: M.init_random_params(cfg, k, scale=0.05))(jax.random.PRNGKey(0))
     model = Model(config=cfg, params=params)
@@ -49,7 +51,9 @@ def main(argv=None) -> int:
                            return_logits=True)
     bad = 0
     for b in (int(x) for x in args.batches.split(",")):
-        prompts = [rng.integers(0, cfg.vocab_size, args.prompt - 137 * i).tolist() for i in range(b)]
+        # lengths spread over [prompt / 2, prompt] (137-token steps, wrapping), so any batch size works
+        prompts = [rng.integers(0, cfg.vocab_size, args.prompt - (137 * i) % (args.prompt // 2 + 1)).tolist()
+                   for i in range(b)]
         ar = generate_autoregressive(model, prompts, gen)
         sp = generate(model, prompts, spec, draft_params=draft)
         same_tokens = ar.to_lists() == sp.to_lists()
