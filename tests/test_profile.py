@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from qspec_jax.bench import profile as P
+from qspec_jax.bench.timing import read_ceiling_bps
 from qspec_jax.cli import bench as cli
 
 NAMES = {  # real kernel names from the H200 traces (docs/bench/profile_h200.json)
@@ -73,8 +74,19 @@ def test_trace_summary_per_step(tmp_path):
     top = s["labels"][0]
     assert top["category"] == "attention" and top["us"] == pytest.approx(20.0)
     lin_row = next(r for r in s["labels"] if r["category"] == "linear")
-    assert lin_row["floor_us"] == pytest.approx(4096 * 4096 * (0.5 + 4 / 32) / P.READ_CEILING * 1e6)
+    assert lin_row["floor_us"] == pytest.approx(4096 * 4096 * (0.5 + 4 / 32) / 4.35e12 * 1e6)  # the CPU: the H200's
+    h100 = P.summarize(events, per=2, ceiling=read_ceiling_bps("NVIDIA H100 80GB HBM3"))
+    assert next(r for r in h100["labels"] if r["category"] == "linear")["floor_us"] == pytest.approx(
+        4096 * 4096 * (0.5 + 4 / 32) / 3.35e12 * 1e6)
     assert P.kernel_events(tmp_path / "nothing-here") == []
+
+
+def test_read_ceiling_by_device():
+    """Floors are against the device's read ceiling: the H200's measured one, the H100's datasheet
+    one, the H200's for anything else (a CPU run has no GPU kernels to compare)."""
+    assert read_ceiling_bps("NVIDIA H200") == 4.35e12
+    assert read_ceiling_bps("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert read_ceiling_bps("cpu") == 4.35e12 == read_ceiling_bps()  # this machine
 
 
 def test_floor_bytes_of_a_model():

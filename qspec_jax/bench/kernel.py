@@ -36,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 L2_BYTES = 50 * 2**20
 from qspec_jax.bench import options, report
 from qspec_jax.bench.synthetic import random_quant_cache
-from qspec_jax.bench.timing import copy_bandwidth, time_loop
+from qspec_jax.bench.timing import copy_bandwidth, read_ceiling_bps, time_loop
 
 MAX_COPIES = 8
 SHAPES = {  # name: (query heads, kv heads, head_dim)
@@ -296,16 +296,14 @@ def write_outputs(out: Path, result: dict) -> None:
     plot(out / "kernel_speedup.png", result)
 
 
-READ_CEILING_BPS = 4.35e12  # H200: bf16 GEMV through cuBLAS (SPEC §8), the ceiling for bytes read
-
-
 def markdown(result: dict) -> str:
+    ceiling = read_ceiling_bps(result["device"])
     lines = [
         f"Device: {result['device']}; jax {result['jax']}; {result['date']}; command: `{result['command']}`.",
         f"Device-to-device copy measured in the run: {result['copy_bw_Bps'] / 1e12:.2f} TB/s (read + write). Times "
         f"are medians of {result['trials']} trials of a jitted loop (the kernel's XLA query preparation and merge "
-        "included). `% ceiling` is bytes moved / time against the 4.35 TB/s read ceiling; `vs flash` is torch SDPA "
-        "FlashAttention (bf16, T = 1) time / this row's time at the same shape, batch and context.",
+        f"included). `% ceiling` is bytes moved / time against the {ceiling / 1e12:.2f} TB/s read ceiling; `vs flash` "
+        "is torch SDPA FlashAttention (bf16, T = 1) time / this row's time at the same shape, batch and context.",
         "",
         "| shape | B | context | variant | T | ms | MB moved | TB/s | % ceiling | vs flash |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -317,7 +315,7 @@ def markdown(result: dict) -> str:
         vf = r.get("vs_flash")
         lines.append(f"| {r['shape']} | {r['batch']} | {_ctx(r['ctx'])} | {r['variant']} | {r['t']} | "
                      f"{r['s'] * 1e3:.4f} | {r['bytes'] / 1e6:.1f} | {tbs:.2f} | "
-                     f"{100 * r['bytes'] / r['s'] / READ_CEILING_BPS:.0f}% | "
+                     f"{100 * r['bytes'] / r['s'] / ceiling:.0f}% | "
                      f"{'' if vf is None else f'{vf:.2f}x'} |")
     errs = [r for r in result["rows"] if "error" in r]
     if errs:
@@ -499,7 +497,7 @@ def _main(argv: list[str] | None) -> int:
                 else:
                     log(f"  {shape} B={batch} ctx={ctx} {r['variant']:>24} T={r['t']} {r.get('config', ''):>20} "
                         f"{r['s'] * 1e3:8.4f} ms {r['bytes'] / r['s'] / 1e12:5.2f} TB/s "
-                        f"{100 * r['bytes'] / r['s'] / READ_CEILING_BPS:4.0f}% "
+                        f"{100 * r['bytes'] / r['s'] / read_ceiling_bps():4.0f}% "
                         f"{'' if r.get('vs_flash') is None else format(r['vs_flash'], '.2f') + 'x'}")
             log(f"{shape} B={batch} ctx={ctx}: {time.time() - t0:.1f}s")
             write_outputs(out, result)  # after every shape: a killed run keeps what it measured

@@ -10,7 +10,8 @@ and reports per step (per token for the loops):
     categories   linear (each INT4 / bf16 Mosaic shape, cuBLAS), attention, glue (every other
                  XLA fusion), copies; each against its byte floor at the read ceiling
 
-The byte floor of a category is the fewest bytes it must read over `READ_CEILING` bytes/s: the
+The byte floor of a category is the fewest bytes it must read over the device's read ceiling
+(`timing.read_ceiling_bps`: the H200's measured 4.35 TB/s, the H100's datasheet 3.35 TB/s): the
 weights of each linear (INT4 codes + f16 scale/zero per group, from the Mosaic kernel's name),
 the cache bytes of the attention's view, none for glue (activations are a few KB per layer).
 
@@ -40,13 +41,13 @@ from qspec_jax import model as M
 from qspec_jax.bench import e2e, options, report
 from qspec_jax.bench.kernel import dense_bytes, quant_bytes
 from qspec_jax.bench.prefill import SMOLLM2
+from qspec_jax.bench.timing import read_ceiling_bps
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, QuantSpecCache
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.planner import tree_bytes
 from qspec_jax.speculative import SpecConfig, speculative_loop
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
-READ_CEILING = 4.35e12  # bytes/s: the H200's measured bf16 GEMV read rate (SPEC §8)
 PROGRAMS = ("ar_bf16", "draft", "verify", "ar_loop", "spec_loop")
 SHAPES = {"llama3-8b": (e2e.LLAMA31_8B, "Llama-3.1-8B shape"), "smollm2": (SMOLLM2, "SmolLM2-135M shape")}
 CATEGORIES = ("linear", "attention", "glue", "copy")
@@ -99,9 +100,11 @@ def classify(name: str) -> tuple[str, str, int | None]:
     return "glue", name, None
 
 
-def summarize(events: list[dict[str, Any]], per: int) -> dict[str, Any]:
+def summarize(events: list[dict[str, Any]], per: int, ceiling: float | None = None) -> dict[str, Any]:
     """Per-step totals of `events` (a trace of `per` steps): busy time, launches, time by
-    category and by label, each label's launches per step and (Mosaic linears) byte floor."""
+    category and by label, each label's launches per step and (Mosaic linears) byte floor at
+    `ceiling` bytes/s (default: this device's `read_ceiling_bps`)."""
+    ceiling = ceiling or read_ceiling_bps()
     by_label: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
     for e in events:
         cat, label, nbytes = classify(e["name"])
@@ -110,7 +113,7 @@ def summarize(events: list[dict[str, Any]], per: int) -> dict[str, Any]:
         a[1] += 1
         a[2] = nbytes or 0
     labels = [{"category": cat, "label": label, "us": a[0] / per, "launches": a[1] / per,
-               "floor_us": a[2] * (a[1] / per) / READ_CEILING * 1e6 if a[2] else None}
+               "floor_us": a[2] * (a[1] / per) / ceiling * 1e6 if a[2] else None}
               for (cat, label), a in by_label.items()]
     labels.sort(key=lambda r: -r["us"])
     cats = {c: {"us": sum(r["us"] for r in labels if r["category"] == c),
@@ -169,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results.append({"context": c, "error": error})
     return {"config": name, "batch": args.batch,
             "draft": dcfg.to_dict(), "gamma": args.gamma, "alpha": args.alpha, "verify_t": args.verify_t,
-            "read_ceiling_bytes_per_s": READ_CEILING, "rows": results}
+            "read_ceiling_bytes_per_s": read_ceiling_bps(), "rows": results}
 
 
 def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params, draft: M.Params,
@@ -210,8 +213,8 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             log(f"{name} at context {c}")
             r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
             r.update(program=name, context=c, t=t, unit="step",
-                     floor_us={"linear": lin_floor / READ_CEILING * 1e6,
-                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / READ_CEILING * 1e6,
+                     floor_us={"linear": lin_floor / read_ceiling_bps() * 1e6,
+                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / read_ceiling_bps() * 1e6,
                                "glue": 0.0, "copy": 0.0})
             results.append(r)
             show(r, args.top, cfg.num_layers)
@@ -290,7 +293,7 @@ def show(r: dict[str, Any], top: int, layers: int) -> None:
 def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: int) -> str:
     parts = [f"## Profile: where a step's time goes\n\n{report.env_line(env, command)}\n",
              f"{results['config']}, batch {results['batch']}; kernel times from the GPU trace of one call, per step (per token for "
-             f"the loops); floors at {READ_CEILING / 1e12:.2f} TB/s. Draft: INT4 g{results['draft']['group_size']}; "
+             f"the loops); floors at {results['read_ceiling_bytes_per_s'] / 1e12:.2f} TB/s. Draft: INT4 g{results['draft']['group_size']}; "
              f"verify at T = {results['verify_t']}; loops: AR width 1 over a bf16 cache, QuantSpec γ = "
              f"{results['gamma']} at forced α = {results['alpha']}.\n"]
     rows = []

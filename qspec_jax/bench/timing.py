@@ -11,6 +11,18 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+# Bytes/s a kernel can read at best, by GPU: the H200's measured (a bf16 GEMV through cuBLAS reads
+# the 1.05 GB lm_head at 4.35 TB/s, SPEC §8) and the H100 SXM's datasheet bandwidth (3.35 TB/s; not
+# measured here). Any other device (a CPU run, where no GPU kernel is timed) reports against the H200's.
+READ_CEILINGS_BPS = {"H200": 4.35e12, "H100": 3.35e12}
+
+
+def read_ceiling_bps(device_kind: str | None = None) -> float:
+    """The read ceiling (bytes/s) of `device_kind` (a `Device.device_kind` such as "NVIDIA H100
+    80GB HBM3"; default: the first device's) from READ_CEILINGS_BPS; the H200's for others."""
+    kind = (device_kind if device_kind is not None else jax.devices()[0].device_kind).upper()
+    return next((bps for name, bps in READ_CEILINGS_BPS.items() if name in kind), READ_CEILINGS_BPS["H200"])
+
 
 def time_loop(step: Callable, q0: Any, reps: int, trials: int, target_s: float = 0.03, data: Any = (),
               trace_dir: Any = None) -> dict:

@@ -39,6 +39,7 @@ import qspec_jax  # noqa: E402,F401  (XLA flags: cuBLAS GEMMs)
 from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench import w4a16 as bench  # noqa: E402
+from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 
 CHECK_SHAPES = {**bench.LLAMA31_8B_FUSED, **bench.SMOLLM2_FUSED}
 DRY = {"interpret": False}  # --cpu-dry-run: the same script logic on the interpret-mode twins
@@ -360,9 +361,9 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
             except Exception as e:  # noqa: BLE001
                 t, status = float("nan"), f"ERROR {type(e).__name__}: {str(e)[:300]}"
             results.append(dict(check="time_fused", shape=name, epi=epi.tag(), M=m, variant=label, us=t * 1e6,
-                                floor_us=nbytes / bench.READ_CEILING_TB_S / 1e6, status=status))
+                                floor_us=nbytes / read_ceiling_bps() * 1e6, status=status))
             log(f"time {name:8s}{epi.tag():14s} M={m:2d} {label:13s} {t * 1e6:8.2f} us (floor "
-                f"{nbytes / bench.READ_CEILING_TB_S / 1e6:.2f}) {status}")
+                f"{nbytes / read_ceiling_bps() * 1e6:.2f}) {status}")
 
 
 def dump_sass(out_dir, log):

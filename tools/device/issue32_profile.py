@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from qspec_jax import model as M  # noqa: E402
 from qspec_jax.bench import e2e, profile  # noqa: E402
+from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 from qspec_jax.generation import GenerationConfig, autoregressive_loop  # noqa: E402
 from qspec_jax.linear import FUSE_ENV  # noqa: E402
 from qspec_jax.speculative import SpecConfig, speculative_loop  # noqa: E402
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
                 print(f"[issue32] {name} at {c}: ERROR {type(e).__name__}: {str(e)[:2000]}", flush=True)
                 continue
             r.update(program=f"draft/{name}", context=c, unit="step", fused=fused,
-                     floor_us={"linear": profile.linear_floor_bytes(draft) / profile.READ_CEILING * 1e6})
+                     floor_us={"linear": profile.linear_floor_bytes(draft) / read_ceiling_bps() * 1e6})
             rows.append(r)
             profile.show(r, 30, cfg.num_layers)
             print(f"[issue32] {name} at {c}: fused={fused} ({time.perf_counter() - ts:.1f} s)", flush=True)
