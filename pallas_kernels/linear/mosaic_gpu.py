@@ -1323,5 +1323,5 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
 
 
 __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "auto_fused_rows",
-           "bf16_matmul_mgpu", "default_config",
-           "epilogue_reference", "int4_matmul_mgpu", "interpret_params", "rows_for"]
+           "bf16_matmul_mgpu", "default_config", "epilogue_reference", "int4_matmul_mgpu", "interpret_params",
+           "rows_for"]
