@@ -170,6 +170,31 @@ def test_norm_pair_offsets_address_the_swizzled_tile():
                 assert img[off:off + 4].tobytes() == x[r, 2 * q:2 * q + 2].tobytes(), (kt, r, q)
 
 
+def test_norm_lookahead_keeps_the_bits():
+    """The producer's norm pass `norm_ahead` steps ahead of the consumers (1, 2, 3, and 9 clamped
+    to stages - 1) over 4 K steps in 4 stages: the same bits (interpret twin: the prologue's and
+    the loop's pass order; 0 is refused). Interpret mode wants every phase of a barrier a thread
+    waits on observed by it, which a producer refilling fewer slots than the consumers release
+    does not do: with refills (steps > stages) the lookahead runs on the GPU only
+    (tools/device/check_w4a16.py time_fused compares its bits there)."""
+    _child("_case_lookahead")
+
+
+def _case_lookahead() -> None:
+    p, x, gw, _ = _fused_case(7, 5, 256, 128, 32)
+    outs = []
+    for ahead in (1, 2, 3, 9):
+        cfg = mg.MgpuConfig(wgs=2, k_tile=64, stages=4, norm_ahead=ahead)
+        outs.append(np.asarray(mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True, norm_weight=gw,
+                                                   swiglu=True, out_dtype=jnp.float32)))
+    assert not np.isnan(outs[0]).any()
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+    with pytest.raises(ValueError, match="norm_ahead"):
+        mg.int4_matmul_mgpu(x, p, config=mg.MgpuConfig(wgs=2, k_tile=64, norm_ahead=0), variant="smem",
+                            interpret=True, norm_weight=gw)
+
+
 def test_norm_threads_cover_every_pair_once():
     """The producer's norm pass: over its 128 threads every (row < M, pair < KT / 2) is handled
     exactly once, a warp's 32 threads share their row (one 128-byte tile row per load), and the

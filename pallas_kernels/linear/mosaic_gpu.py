@@ -103,6 +103,11 @@ class MgpuConfig:
     # draft step measured 3.25 ms with it and 3.17 ms without (docs/kernel_notes.md). Never in
     # interpret mode.
     pdl: bool = False
+    # Fused norm: steps the producer's norm pass runs ahead of the consumers (at most stages - 1).
+    # 1: step j + 1 is normalized while the consumers work on step j, so the pass sits on their
+    # path once per step (SmolLM2 at M 32: consumers waiting 10x as often as without the norm,
+    # Nsight Compute 2026-11-27); more leaves the TMA fewer steps of slack. Being measured.
+    norm_ahead: int = 1
 
     def replace(self, **kw: Any) -> "MgpuConfig":
         return dataclasses.replace(self, **kw)
@@ -810,9 +815,10 @@ def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
 def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int,
             wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
             n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
-            k_total: int = 0, half_tiles: int = 0):
+            k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
-    `epi` the fused glue (`Epilogue`). `names` names the refs (inputs, output, scratch: `_call`)."""
+    `epi` the fused glue (`Epilogue`; `norm_ahead`: `MgpuConfig.norm_ahead`). `names` names the
+    refs (inputs, output, scratch: `_call`)."""
     r = dict(zip(names, refs))
     x_gmem, w_gmem, sz_gmem, g_gmem, res_gmem = (r.get(k) for k in ("x", "w", "sz", "g", "res"))
     out_gmem, x_smem, w_smem, sz_smem = r["out"], r["x_smem"], r["w_smem"], r.get("sz_smem")
@@ -900,14 +906,17 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         if not epi.norm:
             lax.fori_loop(first, steps, step, 0)
             return
-        # norm: step j + 1 is processed while the consumers work on step j; then the slot of
-        # step j is refilled with step j + stages once they release it
-        process(0, True)
+        # norm: step j + ahead is processed while the consumers work on step j (its x was issued
+        # when step j + ahead - stages was released); then the slot of step j is refilled with
+        # step j + stages once they release it
+        ahead = min(norm_ahead, stages - 1)
+        for j in range(min(ahead, steps)):
+            process(j, j == 0)
 
         def norm_step(i, carry):
-            @pl.when(i + 1 < steps)
+            @pl.when(i + ahead < steps)
             def _():
-                process(i + 1, False)
+                process(i + ahead, False)
 
             @pl.when(i + stages < steps)
             def _():
@@ -1108,6 +1117,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     reduce = cfg.reduce if s > 1 else "gmem"
     if interpret and reduce == "cluster":
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
+    if cfg.norm_ahead < 1:
+        raise ValueError(f"norm_ahead={cfg.norm_ahead}: the norm pass runs at least one step ahead (>= 1)")
     if not epilogue_allows(epi, wgs, s, reduce):
         raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1 or the cluster sum; "
                          f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
@@ -1175,7 +1186,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
-        half_tiles=n // 2 // lay.ROWS)
+        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()

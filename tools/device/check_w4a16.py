@@ -340,6 +340,8 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
         runs = [("fused", epi, base), ("plain", mg.Epilogue(), base)]
         if m == 1 and epi.norm and epi.swiglu:
             runs += [("norm_only", mg.Epilogue(norm=True), base), ("swiglu_only", mg.Epilogue(swiglu=True), base)]
+        if epi.norm:  # the norm pass further ahead of the consumers (MgpuConfig.norm_ahead)
+            runs += [(f"fused_ahead{a}", epi, base.replace(norm_ahead=a)) for a in (2, 3) if a < base.stages]
         if m == 1:
             runs.append(("fused_pdl", epi, base.replace(pdl=True)))
         if name in ("qkv", "o") and m == 1:
@@ -347,6 +349,16 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
                      if sp != base.splits]
             runs.append(("fused_st8", epi, base.replace(stages=8)))
         ops = {"unfused+glue": (unfused, n // 2 if epi.swiglu else n)}
+        ahead = [(lab, c) for lab, _, c in runs if lab.startswith("fused_ahead")]
+        if ahead:  # the lookahead must not change the bits: each against the default, on one input
+            one = lambda c: np.asarray(jax.jit(lambda x, p, c=c: _fused(x, p, epi, gw, res, cfg=c))(  # noqa: E731
+                xs[0], ws[0])).view(np.uint16)
+            y0 = one(base)
+            for lab, c in ahead:
+                bad = int((one(c) != y0).sum())
+                results.append(dict(check="fused_ahead_bits", shape=name, M=m, variant=lab,
+                                    status="ok" if bad == 0 else f"FAIL ({bad} differ)"))
+                log(f"bits {name:8s}{epi.tag():14s} M={m:2d} {lab}: {bad} elements differ from norm_ahead=1")
         for lab, e, c in runs:
             ops[lab] = ((lambda x, p, c=c, e=e: _fused(x, p, e, gw, res, cfg=c)), n // 2 if e.swiglu else n)
         for label, (op, n_out) in ops.items():
@@ -405,6 +417,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of: correctness,rows,sass,diag,fused,fused_timing,timing")
     ap.add_argument("--fused-budget", type=float, default=60.0, help="seconds for the fused kernels' timing (per M)")
     ap.add_argument("--fused-time-m", default="1", help="comma list of row counts for the fused kernels' timing")
+    ap.add_argument("--fused-time-cases", default="8b", help="comma list of: 8b, smollm2 (the fused timing's shapes)")
     ap.add_argument("--fused-m", default="1,16",
                     help="rows of the fused checks (above 24: the wide exchange, e.g. 1,16,32,64)")
     ap.add_argument("--fused-cases", default="8b", help="comma list of: 8b, smollm2 (the fused checks' shapes)")
@@ -457,8 +470,10 @@ def main(argv=None) -> int:
             check_fused(results, log, cases=sum((cases[c] for c in args.fused_cases.split(",")), ()),
                         ms=tuple(int(m) for m in args.fused_m.split(",")))
     if "fused_timing" not in skip and not DRY["interpret"]:
+        cases = {"8b": FUSED_CASES, "smollm2": SMOL_FUSED_CASES}
         for m in (int(v) for v in args.fused_time_m.split(",")):
-            time_fused(results, log, budget_s=args.fused_budget, m=m)
+            time_fused(results, log, cases=sum((cases[c] for c in args.fused_time_cases.split(",")), ()),
+                       budget_s=args.fused_budget, m=m)
     log(f"checks done in {time.perf_counter() - t0:.1f} s")
     records = []
     if "timing" not in skip:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Nsight Compute on the fused W4A16 norm kernel against the plain one (issue 32): SmolLM2's qkv shape
+# (K 576, N 960, G 32) at M = ${M:-32}, one launch each of plain / norm-fused (and the 8B qkv at M = 8 with
+# CASES=8b): speed of light, warp states, scheduler statistics and per-SASS-instruction stall samples.
+#   cd <repo> && OUT=/tmp/out bash tools/device/ncu_w4a16_fused.sh
+set -u
+export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+cat > /tmp/ncu_w4_driver.py <<'PY'
+import os, sys
+sys.path.insert(0, os.getcwd())
+import jax, jax.numpy as jnp
+import qspec_jax  # noqa: F401  (XLA flags)
+from pallas_kernels.linear import layout as lay, mosaic_gpu as mg
+from qspec_jax.bench import w4a16 as bench
+k, n, m = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+p = lay.pack_quantized(bench._gen_int4(jax.random.PRNGKey(0), k=k, n=n, g=32))
+x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.float32).astype(jnp.bfloat16)
+g = jnp.ones((k,), jnp.bfloat16) * 1.1
+plain = jax.jit(lambda x, p: mg.int4_matmul_mgpu(x, p))
+fused = jax.jit(lambda x, p, g: mg.int4_matmul_mgpu(x, p, norm_weight=g, out_dtype=jnp.float32))
+for _ in range(3):  # launches: plain, fused, plain, fused, plain, fused
+    jax.block_until_ready(plain(x, p)); jax.block_until_ready(fused(x, p, g))
+print("driver done", k, n, m)
+PY
+for c in ${CASES:-smollm2}; do
+  case $c in smollm2) k=576; n=960; m=${M:-32};; 8b) k=4096; n=6144; m=${M8:-8};; esac
+  name=w4a16_${c}_m$m
+  timeout 240 "$NCU" --clock-control none --target-processes all -k "regex:mosaic" \
+    --launch-skip 2 --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section SourceCounters --import-source no -f -o /tmp/ncu_$name \
+    python3 /tmp/ncu_w4_driver.py $k $n $m > /tmp/ncu_$name.log 2>&1
+  echo "== $name rc=$?"; tail -2 /tmp/ncu_$name.log
+  "$NCU" -i /tmp/ncu_$name.ncu-rep --page details --print-details all > "$OUT/ncu_$name.txt" 2>&1
+  "$NCU" -i /tmp/ncu_$name.ncu-rep --page source --print-source sass --csv > "$OUT/ncu_${name}_src.csv" 2>&1
+  grep -E "^  [a-z_]|Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Eligible Warps|Warp Cycles Per Issued" \
+    "$OUT/ncu_$name.txt" | head -40
+done
+gzip -f $OUT/*_src.csv 2>/dev/null
