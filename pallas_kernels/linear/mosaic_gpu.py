@@ -693,6 +693,7 @@ def _norm_stage(m: int, kt: int, first: bool):
         p_base = arith.addi(_smem_addr(part_ref), arith.addi(arith.muli(q, c(4)),
                                                              arith.muli(lane_row, c(4 * lay.THREADS))))
         rows = list(range(0, m, lanes))  # r0 = R j: this thread's row is r0 + lane_row
+        zero = arith.constant(f32, 0.0)
         for b in range(0, len(rows), NORM_BATCH):
             batch = []
             for r0 in rows[b:b + NORM_BATCH]:
@@ -708,7 +709,6 @@ def _norm_stage(m: int, kt: int, first: bool):
             ys = [asm(i32, [xv, g_val], _MUL_BF16X2_ASM, "=r,r,r") for xv in xs]
             sq = ([asm(f32, [xv], _SQ_FIRST_ASM, "=f,r") for xv in xs] if first else
                   [asm(f32, [xv, a], _SQ_NEXT_ASM, "=f,r,f") for xv, a in zip(xs, accs)])
-            zero = arith.constant(f32, 0.0)
             for (xa, pa, ok), y, v in zip(batch, ys, sq):
                 asm(void, [xa, y, ok], _ST_B32_IF_ASM, "r,r,r", True)
                 asm(void, [pa, v, ok], _ST_F32_IF_ASM, "r,f,r", True)

@@ -185,6 +185,7 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
     key = jax.random.PRNGKey(0)
     B = args.batch
     first = jnp.full((B,), 7, jnp.int32)
+    ceiling = read_ceiling_bps()  # bytes/s, this device's
 
     def measured(name: str, measure: Any) -> None:
         error = options.run_case(measure)
@@ -213,8 +214,8 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             log(f"{name} at context {c}")
             r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
             r.update(program=name, context=c, t=t, unit="step",
-                     floor_us={"linear": lin_floor / read_ceiling_bps() * 1e6,
-                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / read_ceiling_bps() * 1e6,
+                     floor_us={"linear": lin_floor / ceiling * 1e6,
+                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / ceiling * 1e6,
                                "glue": 0.0, "copy": 0.0})
             results.append(r)
             show(r, args.top, cfg.num_layers)

@@ -30,8 +30,9 @@ Correctness on the device before timing: every output is compared with a float32
 same W as U * scale + zero, x @ W in float32); a variant that disagrees is FAIL with no time.
 
 bytes: what the op must move at least (int4: packed codes + scale + zero + x + out; bf16: W + x +
-out). TB/s = bytes / time; %ceil = TB/s over the 4.35 TB/s read ceiling (SPEC §8); floor = bytes /
-4.35 TB/s; %copy against a device-to-device copy measured in the same run.
+out). TB/s = bytes / time; %ceil = TB/s over the device's read ceiling (`timing.read_ceiling_bps`: the
+H200's measured 4.35 TB/s, SPEC §8); floor = bytes / that ceiling; %copy against a device-to-device
+copy measured in the same run.
 Run the GPU benchmark with XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 when torch shares the device.
 """
 
@@ -522,10 +523,10 @@ def run(shapes: dict[str, tuple[int, int]] | None = None, m_values: tuple[int, .
 
 
 def _finish(rec: dict, per_op: list[float], nbytes: int, copy_tb_s: float, quick: bool) -> dict:
-    t = statistics.median(per_op)
+    t, ceiling = statistics.median(per_op), read_ceiling_bps()
     rec.update(status=rec.get("status") or "ok", ms=t * 1e3, bytes=nbytes, tb_s=nbytes / t / 1e12,
-               frac_copy=nbytes / t / 1e12 / copy_tb_s, frac_ceiling=nbytes / t / read_ceiling_bps(),
-               floor_ms=nbytes / read_ceiling_bps() * 1e3, trial_ms=[p * 1e3 for p in per_op])
+               frac_copy=nbytes / t / 1e12 / copy_tb_s, frac_ceiling=nbytes / t / ceiling,
+               floor_ms=nbytes / ceiling * 1e3, trial_ms=[p * 1e3 for p in per_op])
     if not quick and rec["tb_s"] > 1.15 * copy_tb_s:
         rec["status"] = "SUSPECT (faster than the copy roofline: cached or hoisted?)"
     return rec
