@@ -24,5 +24,14 @@ def num_sms() -> int:
     return 132
 
 
+def device_kind() -> str:
+    """The first device's kind ("NVIDIA H100 80GB HBM3", ...); "" off the GPU."""
+    try:
+        dev = jax.devices()[0]
+        return str(dev.device_kind) if dev.platform == "gpu" else ""
+    except Exception:  # pragma: no cover - no devices
+        return ""
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

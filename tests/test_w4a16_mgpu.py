@@ -422,6 +422,35 @@ def test_default_config_is_valid(k, n, g, reduce):
     assert cfg == mg.default_config(k, n, g, num_sms=132, reduce=reduce)  # no hidden state
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
+    """A measured shape (`TUNED_SHAPES`) replaces the cost model's on the device it was measured
+    on, only for its (K, N, G), only where it can run the call's epilogue and reduction, and never
+    with QSPEC_W4A16_TUNED=0; every entry is a valid launch shape of its weight."""
+    monkeypatch.delenv("QSPEC_W4A16_TUNED", raising=False)
+    for kind, table in mg.TUNED_SHAPES.items():
+        for (k, n, g), (wgs, kt, splits, red) in table.items():
+            cfg = mg.tuned_config(k, n, g, device_kind=f"NVIDIA {kind} SXM")
+            assert (cfg.wgs, cfg.k_tile, cfg.splits, cfg.reduce) == (wgs, kt, splits, red)
+            mg._check_cfg(cfg, k, n, lay.chunk_cols(g))
+            assert cfg == mg.default_config(k, n, g, device_kind=f"NVIDIA {kind} SXM")
+    down = (14336, 4096, 32)
+    model = mg.default_config(*down, device_kind="", num_sms=132)
+    tuned = mg.default_config(*down, device_kind=H100, num_sms=132)
+    assert (tuned.wgs, tuned.splits, tuned.reduce) == (2, 4, "gmem") and tuned != model
+    assert mg.default_config(*down, device_kind="NVIDIA H200", num_sms=132) == model  # not measured there
+    assert mg.default_config(14336, 4096, 128, device_kind=H100, num_sms=132) == mg.default_config(
+        14336, 4096, 128, device_kind="", num_sms=132)  # another group size: the model
+    # a residual runs after a global-memory split sum; the norm and SiLU·up need the whole K in the kernel
+    assert mg.default_config(*down, device_kind=H100, epilogue=mg.Epilogue(residual=True)) == tuned
+    normed = mg.default_config(*down, device_kind=H100, epilogue=mg.Epilogue(norm=True))
+    assert normed.splits == 1 or normed.reduce == "cluster"
+    monkeypatch.setenv("QSPEC_W4A16_TUNED", "0")
+    assert mg.default_config(*down, device_kind=H100, num_sms=132) == model
+
+
 def test_dispatch_backends_agree_on_cpu():
     qw = _qweight(31, (2,), 128, 128, 32)
     x = _x(32, 4, 128).reshape(2, 2, 128)

@@ -20,7 +20,8 @@ the same and M = 16 little more.
 * `bf16_matmul_mgpu`: W in bf16 [K, N] as stored (the wgmma reads the [k, 64] tile from shared
   memory transposed), for the target's dense linears.
 
-Schedule (`MgpuConfig`, chosen by `default_config` from (K, N, G) only): a grid of
+Schedule (`MgpuConfig`, chosen by `default_config` from (K, N, G) and the device only, never
+from M: a measured shape from `TUNED_SHAPES` where there is one, else the cost model): a grid of
 (N / (64 wgs), splits) CTAs; each CTA has `wgs` compute warpgroups (64 rows each) and one
 producer warpgroup that streams the weight tiles, the scale records and the x tile with TMA
 through a `stages`-deep ring of shared-memory buffers (full / empty mbarriers). CTA (j, s) sums
@@ -265,21 +266,66 @@ def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) ->
     return not epi.swiglu or wgs == 2
 
 
-def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | None = None,
-                   reduce: str = "cluster", epilogue: Epilogue | None = None) -> MgpuConfig:
-    """The launch shape for a [K, N] weight (`group_size` None: bf16 weights); from (K, N, G) and
-    the SM count only, never from M. Minimises `predicted_us` over wgs in (2, 1), k_tile and
-    splits (dividing K / k_tile, each split >= 2 steps and >= 512 columns; at most 8 splits for
-    the cluster reduction); ties go to fewer splits, then two warpgroups, then larger k_tile.
-    Only shapes that can run `epilogue` are considered (`epilogue_allows`)."""
-    sms = num_sms or _common.num_sms()
-    kind = "bf16" if group_size is None else "int4"
+# Measured launch shapes that beat the cost model, per device kind (a substring of
+# `jax.Device.device_kind`) and INT4 weight (K, N, G): (wgs, k_tile, splits, reduce). Each entry
+# comes from `tools/device/w4a16_config_sweep.py` (every valid shape timed, 4 stages, the split's
+# XLA sum included) and is used where it can run the call's epilogue (`epilogue_allows`) and its
+# reduction (a "cluster" entry only where the call allows cluster sums). From (K, N, G) only, never
+# from M, like the model. Not yet measured on the H200 (its sweep of 2026-11-22 kept the model's
+# shapes for o and gate_up).
+TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple[int, int, int, str]]] = {
+    # H100 SXM, jax 0.11.2, 2026-11-27 (docs/bench/w4a16_config_sweep_h100_2026-11-27.log), M = 1 / 8:
+    # the 8B draft's down 19.6 / 21.8 us against 22.1 / 22.2 for the model's wgs 1, S 2 cluster (the
+    # same shape with a cluster sum: 27.1 / 28.3). In the draft step (4k) down went 615 -> 508 us at
+    # batch 1 and 606 -> 517 at batch 8 for ~42 us of XLA sums. o's best (wgs 2, S 8, gmem: 9.1 us
+    # against 10.0) saved 38-42 us of kernel time and cost as much in XLA sums: not taken.
+    "H100": {(14336, 4096, 32): (2, 256, 4, "gmem")},
+}
+
+
+def tuned_config(k: int, n: int, group_size: int | None, *, device_kind: str | None = None,
+                 reduce: str = "cluster", epilogue: Epilogue | None = None) -> "MgpuConfig | None":
+    """The TUNED_SHAPES entry for this device and weight, if one applies, else None."""
+    kind = _common.device_kind() if device_kind is None else device_kind
+    for key, table in TUNED_SHAPES.items():
+        if key in kind and (k, n, group_size) in table:
+            wgs, kt, splits, red = table[k, n, group_size]
+            if (red == "cluster" and reduce != "cluster") or not epilogue_allows(epilogue, wgs, splits, red):
+                return None
+            return MgpuConfig(wgs=wgs, k_tile=kt, splits=splits, reduce=red, stages=4, tma_view=_tma_view(),
+                              pdl=_pdl())
+    return None
+
+
+def _tma_view() -> str:
     # The code words' TMA view: "wide" (1-KB rows) by default, checked and timed on the H200
     # (gate_up M=1 G=32: 28.2 us vs 39.7 for "thread"); QSPEC_W4A16_TMA_VIEW=thread restores the old one.
     tma_view = os.environ.get("QSPEC_W4A16_TMA_VIEW", "wide")
     if tma_view not in TMA_VIEWS:
         raise ValueError(f"QSPEC_W4A16_TMA_VIEW={tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
-    pdl = os.environ.get("QSPEC_W4A16_PDL", "0") == "1"  # QSPEC_W4A16_PDL=1: programmatic launch (A/B)
+    return tma_view
+
+
+def _pdl() -> bool:
+    return os.environ.get("QSPEC_W4A16_PDL", "0") == "1"  # QSPEC_W4A16_PDL=1: programmatic launch (A/B)
+
+
+def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | None = None,
+                   reduce: str = "cluster", epilogue: Epilogue | None = None,
+                   device_kind: str | None = None) -> MgpuConfig:
+    """The launch shape for a [K, N] weight (`group_size` None: bf16 weights); from (K, N, G),
+    the device and its SM count only, never from M. A measured shape (`tuned_config`, set
+    QSPEC_W4A16_TUNED=0 to skip) where there is one; else the minimum of `predicted_us` over wgs
+    in (2, 1), k_tile and splits (dividing K / k_tile, each split >= 2 steps and >= 512 columns;
+    at most 8 splits for the cluster reduction); ties go to fewer splits, then two warpgroups,
+    then larger k_tile. Only shapes that can run `epilogue` are considered (`epilogue_allows`)."""
+    if os.environ.get("QSPEC_W4A16_TUNED", "1") != "0":
+        tuned = tuned_config(k, n, group_size, device_kind=device_kind, reduce=reduce, epilogue=epilogue)
+        if tuned is not None:
+            return tuned
+    sms = num_sms or _common.num_sms()
+    kind = "bf16" if group_size is None else "int4"
+    tma_view, pdl = _tma_view(), _pdl()
     c = lay.KB if group_size is None else lay.chunk_cols(group_size)
     tiles_k = (256, 128, 64) if kind == "int4" else (128, 64)
     best, best_key = None, None
@@ -1335,4 +1381,4 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
 
 __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "auto_fused_rows",
            "bf16_matmul_mgpu", "default_config", "epilogue_reference", "int4_matmul_mgpu", "interpret_params",
-           "rows_for"]
+           "rows_for", "tuned_config"]
