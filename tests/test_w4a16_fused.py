@@ -137,6 +137,34 @@ def _case_stacked() -> None:
         assert _rel(f(x, jnp.int32(i)), np.asarray(ref, np.float64)) < 1e-5
 
 
+def test_sem_split_sum_matches_gmem_bitwise():
+    """reduce="sem" (the last split of each column tile adds the others' partials from global
+    memory) gives the bits of the XLA sum of the same splits ("gmem": same order of additions),
+    plain and with the residual, at plain and wide row counts, and runs SiLU·up on its sum."""
+    _child("_case_sem")
+
+
+def _case_sem() -> None:
+    for m, g, kt, wgs, splits, epi, nt in ((3, 32, 64, 1, 2, "", 2), (5, 32, 64, 2, 3, "res", 1),
+                                           (40, 32, 64, 1, 4, "res", 1)):
+        k, n = splits * 2 * max(kt, g), 64 * wgs * nt
+        p, x, _, res = _fused_case(m + splits, m, k, n, g)
+        ys = [np.asarray(mg.int4_matmul_mgpu(
+            x, p, config=mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2, reduce=red),
+            variant="smem", interpret=True, residual=res if epi else None)).view(np.uint16) for red in ("gmem", "sem")]
+        np.testing.assert_array_equal(ys[0], ys[1])
+    k, n = 2 * 2 * 128, 128
+    p, x, gw, res = _fused_case(34, 16, k, n, 64)
+    cfg = mg.MgpuConfig(wgs=2, k_tile=128, splits=2, stages=2, reduce="sem")
+    y = mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True, swiglu=True, out_dtype=jnp.float32)
+    ref = mg.epilogue_reference(x, lay.dequantize_bf16(p).astype(jnp.float32), mg.Epilogue(swiglu=True),
+                                out_dtype=jnp.float32)
+    assert _rel(np.asarray(y, np.float64), np.asarray(ref, np.float64)) < 1e-5
+    # the norm's row sums are not carried across the splits: the "sem" sum refuses it
+    assert not mg.epilogue_allows(mg.Epilogue(norm=True), 2, 2, "sem")
+    assert mg.epilogue_allows(mg.Epilogue(swiglu=True, residual=True), 2, 2, "sem")
+
+
 @pytest.mark.parametrize("name", ["norm+swiglu", "res"])
 def test_fused_rows_are_independent_bitwise(name):
     _child("_case_rows", name)
@@ -270,6 +298,7 @@ def W(lead, k, n, g=32):
 def lower(f, *a):
     return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
 cl = mg.MgpuConfig(wgs=1, k_tile=256, splits=2, reduce="cluster", tma_view="wide")
+sm = mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="sem", tma_view="wide")  # the last split sums
 n_ok = 0
 for m in (1, 13, 24, 32, 40, 64):  # above 24 rows the wide exchange (no cluster sum there)
     x, i = S((m, 1024), jnp.bfloat16), S((), jnp.int32)
@@ -290,8 +319,12 @@ for m in (1, 13, 24, 32, 40, 64):  # above 24 rows the wide exchange (no cluster
                 wgs=2, k_tile=128, pdl=True), swiglu=True, variant=variant, interpret=False), (x, W((), 1024, 512), g1)),
             (lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, config=mg.MgpuConfig(  # 4 rows at once
                 wgs=1, k_tile=64), variant=variant, interpret=False), (x, W((), 1024, 256), g1)),
+            (lambda x, w, r, l: mg.int4_matmul_mgpu(x, w, layer=l, residual=r, config=sm, variant=variant,
+                                                    interpret=False), (x, W((3,), 1024, 256), res, i)),
+            (lambda x, w: mg.int4_matmul_mgpu(x, w, swiglu=True, config=sm, variant=variant, interpret=False),
+             (x, W((), 1024, 512))),
         ]
-        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5, 6)]):
+        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5, 6, 7, 8)]):
             text = lower(f, *a)
             assert "mosaic_gpu" in text
             n_ok += 1
@@ -300,8 +333,9 @@ print("ALL OK", n_ok, jax.__version__)
 
 
 def test_fused_kernels_lower_for_cuda():
-    """Every epilogue on both register kernels (one CTA, the cluster sum, PDL; the norm at k tiles
-    256, 128 and 64: 1, 2 and 4 rows per producer pass) at M = 1, 13, 24, and the one-CTA ones at
+    """Every epilogue on both register kernels (one CTA, the cluster sum, the last split's sum
+    through global memory ("sem": residual and SiLU·up), PDL; the norm at k tiles 256, 128 and 64:
+    1, 2 and 4 rows per producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at
     M = 32, 40, 64 (the wide exchange: swizzled [64, M_pad] tiles, the
     norm's row sums as a vector; a plain tile there fails Mosaic's transfer planning), lowers to
     a Mosaic GPU custom call without a GPU (jax 0.10 here)."""

@@ -27,9 +27,12 @@ producer warpgroup that streams the weight tiles, the scale records and the x ti
 through a `stages`-deep ring of shared-memory buffers (full / empty mbarriers). CTA (j, s) sums
 k in [s K/S, (s+1) K/S) in order, 16 columns per MMA step, into a float32 accumulator.
 With splits S > 1 the partials are summed in a fixed order, p[0] + p[1] + ... + p[S-1], either by
-an unrolled XLA sum of float32 partials [S, M, N] ("gmem") or inside the kernel across the CTAs
-of a thread-block cluster through distributed shared memory ("cluster", the default): never
-atomics. Both orders are the same, so both give the same bits.
+an unrolled XLA sum of float32 partials [S, M, N] ("gmem"), inside the kernel across the CTAs
+of a thread-block cluster through distributed shared memory ("cluster", the model's default), or
+inside the kernel by the last split of each column tile, which waits on a global-memory semaphore
+for the other splits' partials and reads them from a global workspace ("sem": no cluster to
+co-schedule and no XLA kernel; checked bit for bit against "gmem" on the H100): never atomics on
+the data. The orders are the same, so all three give the same bits.
 
 Fused glue (issue 32, `Epilogue`; `epilogue_reference` is its math): the INT4 kernel can fold an
 RMSNorm of x into the product (the producer warpgroup scales each landed x tile and sums x^2),
@@ -70,7 +73,7 @@ Array = jax.Array
 MAX_M = 64  # rows per call (M_pad <= 64; larger M is prefill: use a dense GEMM)
 SMEM_BUDGET = 200 * 1024  # bytes of pipeline buffers per CTA (the H100/H200 limit is 227 KB)
 SMEM_LIMIT = 219 * 1024  # all of a CTA's scratch: the 227 KB opt-in limit less barriers and alignment
-REDUCE_MODES = ("gmem", "cluster")
+REDUCE_MODES = ("gmem", "cluster", "sem")
 MAX_CLUSTER = 8  # portable cluster size: the most CTAs a "cluster" split-K reduction spans
 VARIANTS = ("mma", "wgmma", "smem")  # register A + mma.sync | register A + wgmma | SMEM twin
 SWIZZLE = 128  # bytes: 64 bf16 per swizzled row, the wgmma k group
@@ -92,7 +95,9 @@ class MgpuConfig:
     k_tile: int = 256  # k columns per pipeline stage (a multiple of 64 and of the group size)
     splits: int = 1  # split-K factor S (divides K / k_tile)
     stages: int = 4  # pipeline depth (shared-memory buffers in flight)
-    reduce: str = "gmem"  # split-K partial sum: "gmem" (XLA, fixed order) | "cluster" (in-kernel)
+    # split-K partial sum, in a fixed order: "gmem" (XLA) | "cluster" (in-kernel, DSMEM) | "sem" (in-kernel,
+    # the last split of each tile adds the others' partials from global memory once a semaphore says so)
+    reduce: str = "gmem"
     tma_view: str = "thread"  # TMA view of the code words: "thread" [128, 4] | "wide" [2, 256]
     diag: str = ""  # timing experiments on the "mma" kernel only (see _mma_stage); "" in real use
     # Programmatic dependent launch (jax >= 0.11 launches a kernel that waits on its grid
@@ -236,7 +241,7 @@ def _smem_bytes(scratch: dict[str, Any]) -> int:
 
 SM_BYTES_PER_US = 4.35e6 / 132  # bytes one SM streams per microsecond at the read ceiling
 CTA_FIXED_US = 1.5  # per-CTA fill + drain (first TMA round trip, epilogue) not hidden by others
-REDUCE_US = {"gmem": 2.0, "cluster": 0.5}  # the split-K sum: an XLA kernel, or in-kernel DSMEM
+REDUCE_US = {"gmem": 2.0, "cluster": 0.5, "sem": 1.0}  # the split-K sum: an XLA kernel, in-kernel DSMEM or global
 
 
 def predicted_us(k: int, n: int, group_size: int | None, cfg: MgpuConfig, num_sms: int = 132) -> float:
@@ -260,7 +265,7 @@ def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) ->
     whole K sum inside the kernel (one split, or the cluster sum); swiglu pairs warpgroups 0 and 1."""
     if not epi:
         return True
-    whole_k = splits == 1 or reduce == "cluster"
+    whole_k = splits == 1 or reduce == "cluster" or (reduce == "sem" and not epi.norm)
     if (epi.norm or epi.swiglu) and not whole_k:
         return False
     return not epi.swiglu or wgs == 2
@@ -867,7 +872,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     refs (inputs, output, scratch: `_call`)."""
     r = dict(zip(names, refs))
     x_gmem, w_gmem, sz_gmem, g_gmem, res_gmem = (r.get(k) for k in ("x", "w", "sz", "g", "res"))
-    out_gmem, x_smem, w_smem, sz_smem = r["out"], r["x_smem"], r["w_smem"], r.get("sz_smem")
+    out_gmem, ws_gmem, x_smem, w_smem, sz_smem = r["out"], r.get("ws"), r["x_smem"], r["w_smem"], r.get("sz_smem")
     twin = (r["a_twin"], r["xt_twin"]) if "a_twin" in r else None
     o_smem, full, empty, red = r["o_smem"], r["full"], r["empty"], r.get("red")
     xfull, g_smem, part, ssw, ss_ref, norm_bar = (r.get(k) for k in ("xfull", "g_smem", "part", "ssw", "ss",
@@ -876,6 +881,9 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     nt = lax.axis_index("nt")
     ks = lax.axis_index("ks")
     wg = lax.axis_index("wg")
+    # reduce == "sem": one semaphore per column tile of one warpgroup (zeroed by Pallas per call)
+    sem = (pl.get_global(plgpu.SemaphoreType.REGULAR((ws_gmem.shape[1],)))
+           if ws_gmem is not None and not interpret else None)
     col0 = (nt * wgs + wg) * lay.ROWS  # this warpgroup's first output column
     k_split = steps * kt
     layer_idx = jnp.clip(r["layer"][0], 0, n_layers - 1) if "layer" in r else None
@@ -940,7 +948,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         if pdl:
             plgpu.griddepcontrol_wait()  # x, written by the previous kernel, is visible after this
         if res_smem is not None:
-            @pl.when(ks == 0)  # only the CTA that stores the output reads the residual
+            # only the CTA that stores the output reads the residual: cluster rank 0, or the last split
+            @pl.when(ks == (splits - 1 if ws_gmem is not None else 0))
             def _():
                 for cw in range(wgs):
                     plgpu.copy_gmem_to_smem(res_gmem.at[pl.ds(0, m), pl.ds((nt * wgs + cw) * lay.ROWS, lay.ROWS)],
@@ -1005,9 +1014,11 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
     def finish(acc):
         """A consumer warpgroup after its main loop: publish the cluster partial, store the
-        split-K partial (XLA sums), or run the epilogue."""
+        split-K partial (XLA sums; "sem": the last split sums), or run the epilogue."""
         if red is not None:  # publish the partial; rank 0 sums them below
             red.at[wg][...] = acc
+        elif ws_gmem is not None:
+            sem_sum(acc)
         elif splits > 1:
             _store_tile(acc, o_smem, out_gmem.at[ks], wg=wg, col0=col0, m=m, interpret=interpret)
         else:
@@ -1016,6 +1027,35 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 plgpu.barrier_wait(norm_bar.at[0])
                 ss = _load_row_sums(ss_ref, mp, interpret)
             final(acc, ss)
+
+    def sem_sum(acc):
+        """reduce == "sem": splits 0 .. S-2 of column tile `tile` store their partial in the
+        workspace and count up its semaphore (after a warpgroup barrier: every thread's stores
+        first; release at gpu scope); split S-1 waits for S-1 counts (acquire; it leaves the
+        semaphore at 0 for the next call), adds p[0] + p[1] + ... + p[S-1] in that order (the
+        "gmem" sum's order: the same bits) and runs the epilogue. Split S-1 has the highest linear
+        CTA index of its tile (grid (nt, ks), nt fastest), so under in-order dispatch every CTA it
+        waits for has started, and none of them waits. Interpret mode runs the grid in order (ks
+        fastest) without the semaphore."""
+        tile = nt * wgs + wg
+
+        @pl.when(ks < splits - 1)
+        def _():
+            if interpret:
+                ws_gmem.at[ks, tile][...] = acc
+                return
+            ws_gmem.at[ks, tile][...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
+            plgpu.commit_smem()  # warpgroup barrier
+            plgpu.semaphore_signal(sem.at[tile], memory_scope="gpu")
+
+        @pl.when(ks == splits - 1)
+        def _():
+            if not interpret:
+                plgpu.semaphore_wait(sem.at[tile], splits - 1, memory_scope="gpu")
+            tot = _load_partial(ws_gmem.at[0, tile], interpret)
+            for i in range(1, splits - 1):
+                tot = tot + _load_partial(ws_gmem.at[i, tile], interpret)
+            final(tot + acc, None)
 
     @pl.when(wg < wgs)
     def _compute():
@@ -1135,6 +1175,16 @@ def _load_wgmma(ref: Any) -> Array:
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
 
 
+def _load_partial(ref: Any, interpret: bool) -> Array:
+    """A [64, M_pad] float32 partial from global memory in the WGMMA layout (plain loads: Mosaic
+    has no optimized transfer from global memory); a plain load in interpret mode."""
+    if interpret:
+        return ref[...]
+    if jax.__version_info__ >= (0, 11):
+        return plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
+
+
 def _load_acc(ref: Any, interpret: bool) -> Array:
     """`_load_wgmma` on the GPU; a plain load in interpret mode."""
     return ref[...] if interpret else _load_wgmma(ref)
@@ -1168,7 +1218,9 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     if not epilogue_allows(epi, wgs, s, reduce):
         raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1 or the cluster sum; "
                          f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
-    whole = s == 1 or reduce == "cluster"  # the kernel writes [M, N] (else float32 partials [S, M, N])
+    # the kernel writes [M, N] (else float32 partials [S, M, N]); "sem" also the workspace of the
+    # partials of splits 0 .. S-2, [S-1, N/64, 64, M_pad] float32 tiles in the accumulator's layout
+    whole = s == 1 or reduce in ("cluster", "sem")
     res_in_kernel = epi.residual and whole
     use_twin = variant == "smem" or interpret
     o_dtype = jnp.dtype(out_dtype) if whole else jnp.dtype(jnp.float32)
@@ -1227,7 +1279,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     g_stacked = epi.norm and norm_weight.ndim == 2
     if w_stacked or g_stacked:
         inputs["layer"] = jnp.asarray(layer, jnp.int32).reshape(1)
-    names = (*inputs, "out", *scratch)
+    sem_ws = reduce == "sem" and s > 1
+    names = (*inputs, "out", *(("ws",) if sem_ws else ()), *scratch)
     kernel = functools.partial(
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
@@ -1240,12 +1293,17 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         kw.update(grid=(n // (lay.ROWS * wgs),), grid_names=("nt",), cluster=(s,), cluster_names=("ks",))
     else:
         kw.update(grid=(n // (lay.ROWS * wgs), s), grid_names=("nt", "ks"))
+    out_type = jax.ShapeDtypeStruct(out_shape, o_dtype)
+    if sem_ws:
+        out_type = (out_type, jax.ShapeDtypeStruct((s - 1, n // lay.ROWS, lay.ROWS, mp), f32))
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct(out_shape, o_dtype), num_threads=wgs + 1,
+        kernel, out_type=out_type, num_threads=wgs + 1,
         thread_name="wg", scratch_types=list(scratch.values()),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         kernel_name=f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}{epi.tag()}", **kw)
     y = call(*inputs.values())
+    if sem_ws:
+        y = y[0]
     if not whole:  # fixed-order sum of the split-K partials: p[0] + p[1] + ... + p[S-1]
         acc = y[0]
         for i in range(1, s):
