@@ -151,7 +151,8 @@ class Epilogue:
     layout: untransformed up to M_pad = 24, above in swizzled tiles (`exchange_transforms`; the
     norm's row sums then as one [M_pad] vector, broadcast over the 64 rows). The split-K sum in a
     cluster stays at M_pad <= 24 (`reduce_mode`). Norm and swiglu need the whole K sum in one CTA
-    (splits == 1) or a cluster (in-kernel split-K sum); a residual with split-K partials summed
+    (splits == 1) or a cluster (in-kernel split-K sum), swiglu also the last split's ("sem"); the
+    residual runs in every in-kernel sum; a residual with split-K partials summed
     by XLA ("gmem") is added by XLA after the sum, with the same formula."""
 
     norm: bool = False
@@ -262,7 +263,8 @@ def predicted_us(k: int, n: int, group_size: int | None, cfg: MgpuConfig, num_sm
 
 def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) -> bool:
     """Whether a launch shape can run epilogue `epi` (see `Epilogue`): norm and swiglu need the
-    whole K sum inside the kernel (one split, or the cluster sum); swiglu pairs warpgroups 0 and 1."""
+    whole K sum inside the kernel (one split, or the cluster sum; swiglu also the last split's
+    "sem" sum, which does not carry the norm's row sums); swiglu pairs warpgroups 0 and 1."""
     if not epi:
         return True
     whole_k = splits == 1 or reduce == "cluster" or (reduce == "sem" and not epi.norm)
@@ -1216,8 +1218,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     if cfg.norm_ahead < 1:
         raise ValueError(f"norm_ahead={cfg.norm_ahead}: the norm pass runs at least one step ahead (>= 1)")
     if not epilogue_allows(epi, wgs, s, reduce):
-        raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1 or the cluster sum; "
-                         f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
+        raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1, the cluster sum, or for "
+                         f"swiglu the 'sem' sum; swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
     # the kernel writes [M, N] (else float32 partials [S, M, N]); "sem" also the workspace of the
     # partials of splits 0 .. S-2, [S-1, N/64, 64, M_pad] float32 tiles in the accumulator's layout
     whole = s == 1 or reduce in ("cluster", "sem")
