@@ -63,13 +63,14 @@ def _epi_kwargs(epi: mg.Epilogue, gw, res) -> dict:
     return dict(norm_weight=gw if epi.norm else None, swiglu=epi.swiglu, residual=res if epi.residual else None)
 
 
-def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi: mg.Epilogue, nt: int = 1) -> None:
+def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi: mg.Epilogue, nt: int = 1,
+                 reduce: str = "gmem") -> None:
     """The interpret-mode twin with epilogue `epi` against `epilogue_reference` on the kernel's own
     bf16 weight: float32 outputs to 1e-5 (only float32 summation order differs); a residual,
     added in bf16, against the unfused kernel's output plus the residual, bit for bit."""
     k, n = 2 * splits * max(kt, g), 64 * wgs * nt
     p, x, gw, res = _fused_case(seed, m, k, n, g)
-    cfg = mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2)
+    cfg = mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2, reduce=reduce)
     wb = lay.dequantize_bf16(p).astype(jnp.float32)
     run = functools.partial(mg.int4_matmul_mgpu, x, p, config=cfg, variant="smem", interpret=True)
     if epi.residual:
@@ -140,7 +141,8 @@ def _case_stacked() -> None:
 def test_sem_split_sum_matches_gmem_bitwise():
     """reduce="sem" (the last split of each column tile adds the others' partials from global
     memory) gives the bits of the XLA sum of the same splits ("gmem": same order of additions),
-    plain and with the residual, at plain and wide row counts, and runs SiLU·up on its sum."""
+    plain and with the residual, at plain and wide row counts; and runs SiLU·up and the norm (the
+    splits' row sums x^2 added the same way) on its sums, against `epilogue_reference`."""
     _child("_case_sem")
 
 
@@ -153,16 +155,11 @@ def _case_sem() -> None:
             x, p, config=mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2, reduce=red),
             variant="smem", interpret=True, residual=res if epi else None)).view(np.uint16) for red in ("gmem", "sem")]
         np.testing.assert_array_equal(ys[0], ys[1])
-    k, n = 2 * 2 * 128, 128
-    p, x, gw, res = _fused_case(34, 16, k, n, 64)
-    cfg = mg.MgpuConfig(wgs=2, k_tile=128, splits=2, stages=2, reduce="sem")
-    y = mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True, swiglu=True, out_dtype=jnp.float32)
-    ref = mg.epilogue_reference(x, lay.dequantize_bf16(p).astype(jnp.float32), mg.Epilogue(swiglu=True),
-                                out_dtype=jnp.float32)
-    assert _rel(np.asarray(y, np.float64), np.asarray(ref, np.float64)) < 1e-5
-    # the norm's row sums are not carried across the splits: the "sem" sum refuses it
-    assert not mg.epilogue_allows(mg.Epilogue(norm=True), 2, 2, "sem")
-    assert mg.epilogue_allows(mg.Epilogue(swiglu=True, residual=True), 2, 2, "sem")
+    for seed, m, g, kt, wgs, splits, name in ((34, 16, 64, 128, 2, 2, "swiglu"), (35, 5, 32, 64, 1, 3, "norm"),
+                                              (36, 13, 64, 128, 2, 2, "norm+swiglu"), (37, 40, 32, 64, 1, 2, "norm+res")):
+        _check_fused(seed, m, g, kt, wgs, splits, _epi(name), reduce="sem")
+    assert mg.epilogue_allows(mg.Epilogue(norm=True, swiglu=True), 2, 4, "sem")
+    assert not mg.epilogue_allows(mg.Epilogue(norm=True), 2, 4, "gmem")
 
 
 @pytest.mark.parametrize("name", ["norm+swiglu", "res"])
@@ -323,8 +320,10 @@ for m in (1, 13, 24, 32, 40, 64):  # above 24 rows the wide exchange (no cluster
                                                     interpret=False), (x, W((3,), 1024, 256), res, i)),
             (lambda x, w: mg.int4_matmul_mgpu(x, w, swiglu=True, config=sm, variant=variant, interpret=False),
              (x, W((), 1024, 512))),
+            (lambda x, w, g, l: mg.int4_matmul_mgpu(x, w, layer=l, norm_weight=g, config=sm, variant=variant,
+                                                    interpret=False), (x, W((3,), 1024, 256), gs, i)),
         ]
-        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5, 6, 7, 8)]):
+        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5, 6, 7, 8, 9)]):
             text = lower(f, *a)
             assert "mosaic_gpu" in text
             n_ok += 1

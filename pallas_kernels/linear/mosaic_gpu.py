@@ -151,8 +151,8 @@ class Epilogue:
     layout: untransformed up to M_pad = 24, above in swizzled tiles (`exchange_transforms`; the
     norm's row sums then as one [M_pad] vector, broadcast over the 64 rows). The split-K sum in a
     cluster stays at M_pad <= 24 (`reduce_mode`). Norm and swiglu need the whole K sum in one CTA
-    (splits == 1) or a cluster (in-kernel split-K sum), swiglu also the last split's ("sem"); the
-    residual runs in every in-kernel sum; a residual with split-K partials summed
+    (splits == 1) or an in-kernel split-K sum (a cluster, or the last split's: "sem", which also
+    adds the splits' row sums x^2 in rank order); a residual with split-K partials summed
     by XLA ("gmem") is added by XLA after the sum, with the same formula."""
 
     norm: bool = False
@@ -263,11 +263,11 @@ def predicted_us(k: int, n: int, group_size: int | None, cfg: MgpuConfig, num_sm
 
 def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) -> bool:
     """Whether a launch shape can run epilogue `epi` (see `Epilogue`): norm and swiglu need the
-    whole K sum inside the kernel (one split, or the cluster sum; swiglu also the last split's
-    "sem" sum, which does not carry the norm's row sums); swiglu pairs warpgroups 0 and 1."""
+    whole K sum inside the kernel (one split, the cluster sum or the last split's "sem" sum);
+    swiglu pairs warpgroups 0 and 1."""
     if not epi:
         return True
-    whole_k = splits == 1 or reduce == "cluster" or (reduce == "sem" and not epi.norm)
+    whole_k = splits == 1 or reduce in ("cluster", "sem")
     if (epi.norm or epi.swiglu) and not whole_k:
         return False
     return not epi.swiglu or wgs == 2
@@ -874,7 +874,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     refs (inputs, output, scratch: `_call`)."""
     r = dict(zip(names, refs))
     x_gmem, w_gmem, sz_gmem, g_gmem, res_gmem = (r.get(k) for k in ("x", "w", "sz", "g", "res"))
-    out_gmem, ws_gmem, x_smem, w_smem, sz_smem = r["out"], r.get("ws"), r["x_smem"], r["w_smem"], r.get("sz_smem")
+    out_gmem, ws_gmem, wss_gmem = r["out"], r.get("ws"), r.get("wss")
+    x_smem, w_smem, sz_smem = r["x_smem"], r["w_smem"], r.get("sz_smem")
     twin = (r["a_twin"], r["xt_twin"]) if "a_twin" in r else None
     o_smem, full, empty, red = r["o_smem"], r["full"], r["empty"], r.get("red")
     xfull, g_smem, part, ssw, ss_ref, norm_bar = (r.get(k) for k in ("xfull", "g_smem", "part", "ssw", "ss",
@@ -1031,33 +1032,42 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             final(acc, ss)
 
     def sem_sum(acc):
-        """reduce == "sem": splits 0 .. S-2 of column tile `tile` store their partial in the
-        workspace and count up its semaphore (after a warpgroup barrier: every thread's stores
-        first; release at gpu scope); split S-1 waits for S-1 counts (acquire; it leaves the
-        semaphore at 0 for the next call), adds p[0] + p[1] + ... + p[S-1] in that order (the
-        "gmem" sum's order: the same bits) and runs the epilogue. Split S-1 has the highest linear
+        """reduce == "sem": splits 0 .. S-2 of column tile `tile` store their partial (with the
+        norm also their row sums x^2) in the workspace and count up its semaphore (after a
+        warpgroup barrier: every thread's stores first; release at gpu scope); split S-1 waits for
+        S-1 counts (acquire; it leaves the semaphore at 0 for the next call), adds p[0] + p[1] +
+        ... + p[S-1] in that order (the "gmem" sum's order: the same bits; the row sums in the
+        cluster sum's order) and runs the epilogue. Split S-1 has the highest linear
         CTA index of its tile (grid (nt, ks), nt fastest), so under in-order dispatch every CTA it
         waits for has started, and none of them waits. Interpret mode runs the grid in order (ks
         fastest) without the semaphore."""
         tile = nt * wgs + wg
+        ss = None
+        if epi.norm:  # this split's row sums of x^2 over its k range (norm: they travel with the partial)
+            plgpu.barrier_wait(norm_bar.at[0])
+            ss = _load_row_sums(ss_ref, mp, interpret)
 
         @pl.when(ks < splits - 1)
         def _():
-            if interpret:
-                ws_gmem.at[ks, tile][...] = acc
-                return
-            ws_gmem.at[ks, tile][...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
-            plgpu.commit_smem()  # warpgroup barrier
-            plgpu.semaphore_signal(sem.at[tile], memory_scope="gpu")
+            for ws, v in ((ws_gmem, acc), (wss_gmem, ss)):
+                if ws is not None:
+                    ws.at[ks, tile][...] = v if interpret else plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+            if not interpret:
+                plgpu.commit_smem()  # warpgroup barrier
+                plgpu.semaphore_signal(sem.at[tile], memory_scope="gpu")
 
         @pl.when(ks == splits - 1)
         def _():
             if not interpret:
                 plgpu.semaphore_wait(sem.at[tile], splits - 1, memory_scope="gpu")
-            tot = _load_partial(ws_gmem.at[0, tile], interpret)
-            for i in range(1, splits - 1):
-                tot = tot + _load_partial(ws_gmem.at[i, tile], interpret)
-            final(tot + acc, None)
+
+            def total(ws, own):  # p[0] + p[1] + ... + p[S-1], this split's last
+                t = _load_partial(ws.at[0, tile], interpret)
+                for i in range(1, splits - 1):
+                    t = t + _load_partial(ws.at[i, tile], interpret)
+                return t + own
+
+            final(total(ws_gmem, acc), total(wss_gmem, ss) if epi.norm else None)
 
     @pl.when(wg < wgs)
     def _compute():
@@ -1218,10 +1228,11 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     if cfg.norm_ahead < 1:
         raise ValueError(f"norm_ahead={cfg.norm_ahead}: the norm pass runs at least one step ahead (>= 1)")
     if not epilogue_allows(epi, wgs, s, reduce):
-        raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1, the cluster sum, or for "
-                         f"swiglu the 'sem' sum; swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
+        raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1, the cluster or the 'sem' sum; "
+                         f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
     # the kernel writes [M, N] (else float32 partials [S, M, N]); "sem" also the workspace of the
     # partials of splits 0 .. S-2, [S-1, N/64, 64, M_pad] float32 tiles in the accumulator's layout
+    # (and with the norm their row sums x^2, the same shape)
     whole = s == 1 or reduce in ("cluster", "sem")
     res_in_kernel = epi.residual and whole
     use_twin = variant == "smem" or interpret
@@ -1282,7 +1293,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     if w_stacked or g_stacked:
         inputs["layer"] = jnp.asarray(layer, jnp.int32).reshape(1)
     sem_ws = reduce == "sem" and s > 1
-    names = (*inputs, "out", *(("ws",) if sem_ws else ()), *scratch)
+    ws_names = (("ws", "wss") if epi.norm else ("ws",)) if sem_ws else ()  # partials (and row sums x^2)
+    names = (*inputs, "out", *ws_names, *scratch)
     kernel = functools.partial(
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
@@ -1297,7 +1309,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         kw.update(grid=(n // (lay.ROWS * wgs), s), grid_names=("nt", "ks"))
     out_type = jax.ShapeDtypeStruct(out_shape, o_dtype)
     if sem_ws:
-        out_type = (out_type, jax.ShapeDtypeStruct((s - 1, n // lay.ROWS, lay.ROWS, mp), f32))
+        out_type = (out_type, *[jax.ShapeDtypeStruct((s - 1, n // lay.ROWS, lay.ROWS, mp), f32) for _ in ws_names])
     call = plgpu.kernel(
         kernel, out_type=out_type, num_threads=wgs + 1,
         thread_name="wg", scratch_types=list(scratch.values()),
