@@ -1,7 +1,8 @@
 """The in-kernel split-K sum through global memory (MgpuConfig.reduce = "sem", issue 32) on the GPU: for the
 8B draft's linears, each split launch shape with its partials summed by XLA ("gmem"), in a cluster and by the
 last split ("sem"): time, and the "sem" output against the "gmem" one of the same shape bit for bit (the same
-order of additions), with and without the residual epilogue.
+order of additions), with and without the residual epilogue; and with the fused norm (qkv's, gate_up's
+glue), "sem" against the cluster sum bit for bit (partials and row sums x^2 added in the same order).
 
     PYTHONPATH=. python3 tools/device/w4a16_sem_gpu.py [--m 1,8] [--shapes down,o,qkv]
 """
@@ -41,6 +42,7 @@ def main() -> int:
         for m in (int(v) for v in args.m.split(",")):
             x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.float32).astype(jnp.bfloat16)
             res = jax.random.normal(jax.random.PRNGKey(2), (m, n), jnp.float32).astype(jnp.bfloat16)
+            gw = (1.0 + 0.2 * jax.random.normal(jax.random.PRNGKey(3), (k,), jnp.float32)).astype(jnp.bfloat16)
             iters = max(2, int(2e-3 / (nbytes / 3e12) / copies))
             d = mg.default_config(k, n, g, reduce=mg.reduce_mode(m, False))
             s_d, _ = time_config(d, x, ws, iters)
@@ -61,8 +63,15 @@ def main() -> int:
                     yr = mg.int4_matmul_mgpu(x, ws[0], config=cfg, residual=res)
                     outs[red + "+res"] = np.asarray(yr.astype(jnp.float32))
                     line.append(f"{red} {sec * 1e6:7.2f} us")
+                    if red != "gmem" and m <= 24:  # the norm needs an in-kernel sum
+                        yn = mg.int4_matmul_mgpu(x, ws[0], config=cfg, norm_weight=gw)
+                        outs[red + "+norm"] = np.asarray(yn.astype(jnp.float32))
                 ok = all(np.array_equal(outs["gmem" + t], outs["sem" + t]) for t in ("", "+res")
                          if "sem" + t in outs and "gmem" + t in outs)
+                if "sem+norm" in outs and "cluster+norm" in outs:
+                    norm_ok = np.array_equal(outs["sem+norm"], outs["cluster+norm"])
+                    line.append(f"norm: sem == cluster bitwise {norm_ok}")
+                    bad += not norm_ok
                 bad += not ok
                 print(f"{name:7s} M={m} wgs{wgs} kt{kt} S{s}: " + ", ".join(line)
                       + f"; sem == gmem bitwise (plain, residual): {ok}", flush=True)
