@@ -1180,21 +1180,17 @@ def _cluster_sync() -> None:
     fn()
 
 
-def _load_wgmma(ref: Any) -> Array:
-    """A [64, M_pad] float32 partial from (local or peer) shared memory in the WGMMA layout."""
+def _load_wgmma(ref: Any, optimized: bool = True) -> Array:
+    """A [64, M_pad] float32 partial in the WGMMA layout from (local or peer) shared memory, or with
+    optimized=False from global memory (plain loads: Mosaic has no optimized transfer from there)."""
     if jax.__version_info__ >= (0, 11):
-        return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+        return plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=optimized)
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=optimized)
 
 
 def _load_partial(ref: Any, interpret: bool) -> Array:
-    """A [64, M_pad] float32 partial from global memory in the WGMMA layout (plain loads: Mosaic
-    has no optimized transfer from global memory); a plain load in interpret mode."""
-    if interpret:
-        return ref[...]
-    if jax.__version_info__ >= (0, 11):
-        return plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
+    """A partial from the "sem" workspace in global memory; a plain load in interpret mode."""
+    return ref[...] if interpret else _load_wgmma(ref, optimized=False)
 
 
 def _load_acc(ref: Any, interpret: bool) -> Array:
