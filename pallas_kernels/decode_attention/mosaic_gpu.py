@@ -75,6 +75,14 @@ VIEWS = ("draft", "target")
 PROGRAMS_PER_SM = 2  # resident programs per SM (register-bound: ~200 registers x 128 threads)
 SCHEDULES = ("legacy", "ws")
 DEFAULT_SCHEDULE = "ws"  # checked and timed on the H200 (docs/kernel_notes.md, issue 31): 1.3-2x legacy
+# The split merge (`merge_heads`): "channels", the weighted sum over the partials' O^T [D, n] layout, then a
+# transpose to [B, T, Hq, D]; "heads", the same arithmetic (the same bits) over the partials read in the
+# output's [n, D] order, so that no transpose kernel follows at T = 1; "pairwise", flash-decoding's
+# pairwise combine (each tree node rescales its two children to their own max), which needs no global max,
+# so XLA fuses it into one kernel where the other two take two (H100, 8B draft step at 4k, batch 1: the step's
+# kernels 3.050 -> 2.987 ms, one launch fewer per layer; docs/kernel_notes.md).
+MERGES = ("channels", "heads", "pairwise")
+DEFAULT_MERGE = "pairwise"
 
 
 def schedule_of(config: "MgpuConfig | None") -> str:
@@ -119,6 +127,18 @@ class MgpuConfig:
     ws_consumers: int | None = None
     # "ws": prep warpgroups per CTA (block i prepared by i % ws_preps), 1 (default) or 2 (with 2 consumers)
     ws_preps: int | None = None
+    # the split merge, one of MERGES (None: $QSPEC_MGPU_MERGE, else DEFAULT_MERGE); see `merge_heads`
+    merge: str | None = None
+
+
+def merge_of(config: "MgpuConfig | None") -> str:
+    """The split merge a call runs: the config's, else $QSPEC_MGPU_MERGE, else DEFAULT_MERGE."""
+    import os
+
+    name = (config.merge if config is not None else None) or os.environ.get("QSPEC_MGPU_MERGE") or DEFAULT_MERGE
+    if name not in MERGES:
+        raise ValueError(f"Mosaic GPU decode attention: merge={name!r}; expected one of {MERGES}")
+    return name
 
 
 # ----------------------------------------------------------------------------- code words
@@ -782,6 +802,36 @@ def merge_partials(o: Array, ml: Array, n_rows: int) -> Array:
     return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[:, :, None, :]
 
 
+def merge_heads(o: Array, ml: Array, t: int, n_rep: int, how: str = DEFAULT_MERGE) -> Array:
+    """The partials (o, ml) of `merge_partials` merged into float32 [B, T, Hkv * n_rep, D] (query
+    column n = t * n_rep + r is head h * n_rep + r of token t). `how` (MERGES) picks the
+    formulation; each is a fixed expression per output element whatever T is (T-invariant), and
+    "channels" and "heads" give the same bits."""
+    b, hkv, n_p, d, _ = o.shape
+    n = t * n_rep
+    if how == "channels":
+        out = merge_partials(o, ml, n)  # [B, H, D, n]
+        return jnp.transpose(out.reshape(b, hkv, d, t, n_rep), (0, 3, 1, 4, 2)).reshape(b, t, hkv * n_rep, d)
+    if how not in MERGES:
+        raise ValueError(f"merge={how!r}; expected one of {MERGES}")
+    m = ml[:, :, :, 0, :n]  # [B, H, P, n] (log2 units)
+    l = ml[:, :, :, MT // 2, :n]
+    ot = jnp.swapaxes(o[..., :n], -1, -2)  # [B, H, P, n, D]
+    if how == "heads":
+        m_max = _tree([m[:, :, i] for i in range(n_p)], jnp.maximum)
+        w = [jnp.exp2(m[:, :, i] - m_max) for i in range(n_p)]
+        l_tot = _tree([w[i] * l[:, :, i] for i in range(n_p)], jnp.add)
+        o_tot = _tree([w[i][..., None] * ot[:, :, i] for i in range(n_p)], jnp.add)
+    else:
+        def combine(x: tuple, y: tuple) -> tuple:
+            mx = jnp.maximum(x[0], y[0])
+            wx, wy = jnp.exp2(x[0] - mx), jnp.exp2(y[0] - mx)  # NEG - NEG == 0: two neutral partials stay neutral
+            return mx, wx * x[1] + wy * y[1], wx[..., None] * x[2] + wy[..., None] * y[2]
+        _, l_tot, o_tot = _tree([(m[:, :, i], l[:, :, i], ot[:, :, i]) for i in range(n_p)], combine)
+    out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]  # [B, H, n, D]
+    return jnp.transpose(out.reshape(b, hkv, t, n_rep, d), (0, 2, 1, 3, 4)).reshape(b, t, hkv * n_rep, d)
+
+
 def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str,
                                     sliding_window: int | None = None, interpret: bool = False,
                                     config: MgpuConfig | None = None, return_partials: bool = False,
@@ -858,6 +908,4 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     o, ml = kernel(*args)
     if return_partials:
         return o, ml
-    out = merge_partials(o, ml, t * n_rep)  # [B, H, D, T * n_rep]
-    out = jnp.transpose(out.reshape(b, hkv, D, t, n_rep), (0, 3, 1, 4, 2)).reshape(b, t, hq, D)
-    return out.astype(q.dtype)
+    return merge_heads(o, ml, t, n_rep, merge_of(cfg)).astype(q.dtype)

@@ -1,0 +1,65 @@
+"""Run `qspec-bench` with a candidate W4A16 `TUNED_SHAPES` table (issue 32): the table of the checkout with
+entries added, replaced or dropped for this process only, so that several tables can be compared in the model on
+one warm machine without editing the tree between runs.
+
+    PYTHONPATH=. python3 tools/device/tuned_table_run.py [--set KIND:K,N,G=WGS,KT,S,REDUCE ...] \
+        [--drop KIND:K,N,G ...] [--attn-splits VIEW=N ...] -- profile --batch 1 --contexts 4096 ...
+
+--attn-splits draft=8 fixes the quantized attention's CTAs per (row, KV head) of one view (the cost model's
+`default_ctas` otherwise), for the same kind of A/B of the attention's split count.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())
+
+from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
+
+
+def _entry(spec: str) -> tuple[str, tuple[int, int, int], str]:
+    kind, _, rest = spec.partition(":")
+    key, _, value = rest.partition("=")
+    k, n, g = (int(v) for v in key.split(","))
+    return kind, (k, n, g), value
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--set", action="append", default=[], help="KIND:K,N,G=WGS,KT,S,REDUCE")
+    ap.add_argument("--drop", action="append", default=[], help="KIND:K,N,G")
+    ap.add_argument("--attn-splits", action="append", default=[], help="VIEW=N (draft or target)")
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    for spec in args.drop:
+        kind, key, _ = _entry(spec)
+        mg.TUNED_SHAPES.get(kind, {}).pop(key, None)
+    for spec in args.set:
+        kind, key, value = _entry(spec)
+        wgs, kt, s, red = value.split(",")
+        if red not in mg.REDUCE_MODES:
+            raise SystemExit(f"--set {spec}: reduce {red!r} not in {mg.REDUCE_MODES}")
+        mg.TUNED_SHAPES.setdefault(kind, {})[key] = (int(wgs), int(kt), int(s), red)
+    print(f"TUNED_SHAPES = {mg.TUNED_SHAPES}", flush=True)
+    if args.attn_splits:
+        from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
+
+        fixed = {v: int(n) for v, _, n in (s.partition("=") for s in args.attn_splits)}
+        base = ws.default_ctas
+
+        def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
+            return min(fixed[view], max(1, n_blocks)) if view in fixed else base(batch, hkv, n_blocks, view)
+
+        ws.default_ctas = default_ctas
+        print(f"attention CTAs per (row, KV head): {fixed}", flush=True)
+    from qspec_jax.cli import bench
+
+    sys.argv = ["qspec-bench", *rest]
+    return bench.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
