@@ -460,48 +460,48 @@ def test_ws_partials_written_and_neutral():
     assert (l[:, :, 1] == 0).all()  # CTA 0, consumer 1: no block, no ring tile
     neutral = l == 0
     assert np.array_equal(neutral, m == np.float32(mg.NEG))
-    assert (o.transpose(0, 1, 2, 4, 3)[:, :, :, :2][neutral] == 0).all()
+    assert (o[:, :, :, :2][neutral] == 0).all()  # o: [B, H, P, CN, D]
     assert (l > 0).sum() >= 4  # the ring's visible tiles are someone's too
 
 
 def _merge_reference(o: np.ndarray, ml: np.ndarray, t: int, n_rep: int) -> np.ndarray:
-    """float64 log-sum-exp merge of partials (o [B, H, P, D, CN] unnormalized O^T, m in log2 units
+    """float64 log-sum-exp merge of partials (o [B, H, P, CN, D] unnormalized O, m in log2 units
     in ml row 0, l in row MT / 2) into [B, T, H * n_rep, D]."""
     n = t * n_rep
     m, l = ml[:, :, :, 0, :n].astype(np.float64), ml[:, :, :, mg.MT // 2, :n].astype(np.float64)
     w = np.exp2(m - m.max(axis=2, keepdims=True))  # [B, H, P, n]
-    num = (w[:, :, :, None, :] * o[..., :n]).sum(axis=2)  # [B, H, D, n]
-    out = num / (w * l).sum(axis=2)[:, :, None, :]
-    b, h, d = out.shape[:3]
-    return out.reshape(b, h, d, t, n_rep).transpose(0, 3, 1, 4, 2).reshape(b, t, h * n_rep, d)
+    num = (w[..., None] * o[:, :, :, :n]).sum(axis=2)  # [B, H, n, D]
+    out = num / (w * l).sum(axis=2)[..., None]
+    b, h, _, d = out.shape
+    return out.reshape(b, h, t, n_rep, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h * n_rep, d)
 
 
 @pytest.mark.parametrize("t,n_rep,n_p", [(1, 4, 33), (3, 2, 6), (5, 3, 1)])
 def test_merges_agree(t, n_rep, n_p):
     """The split merges (MERGES) on random partials with neutral ones among them (m = NEG, l = 0,
-    o = 0: an empty split) against a float64 merge: "channels" and "heads" are the same arithmetic
-    in two layouts, so the same bits; "pairwise" rescales per tree node, so float32 rounding apart
-    (each output is a convex combination of the partials' o / l: a relative error of a few ulps
-    per tree level, log2(P) levels). A partial's weight is exp2(m - max), so a merge that took its
-    m from the wrong column or partial is O(1) off."""
+    o = 0: an empty split) against a float64 merge. Each output is a convex combination of the
+    partials' o / l, so float32 rounding keeps it within a few ulps per tree level (log2(P)
+    levels); a merge that took its m from the wrong column or partial, or read o's rows and
+    channels the wrong way round, is O(1) off. The padding columns n >= T * n_rep hold garbage
+    that must not leak."""
     b, h, d, cn = 2, 3, 16, 16
     rng = np.random.default_rng(t * 100 + n_p)
     m = rng.normal(0.0, 3.0, (b, h, n_p, cn)).astype(np.float32)
     l = rng.uniform(0.5, 40.0, (b, h, n_p, cn)).astype(np.float32)
-    o = (rng.normal(0.0, 1.0, (b, h, n_p, d, cn)) * l[:, :, :, None, :]).astype(np.float32)
+    o = (rng.normal(0.0, 1.0, (b, h, n_p, cn, d)) * l[..., None]).astype(np.float32)
     if n_p > 1:
         empty = rng.random((b, h, n_p)) < 0.3
         empty[:, :, 0] = False
         m[empty], l[empty], o[empty] = mg.NEG, 0.0, 0.0
+    n = t * n_rep
+    m[..., n:], l[..., n:], o[:, :, :, n:] = 1e4, np.nan, np.nan  # padding columns
     ml = np.zeros((b, h, n_p, mg.MT, cn), np.float32)
     ml[:, :, :, 0], ml[:, :, :, mg.MT // 2] = m, l
     ref = _merge_reference(o, ml, t, n_rep)
-    outs = {how: np.asarray(jax.jit(mg.merge_heads, static_argnums=(2, 3, 4))(o, ml, t, n_rep, how))
-            for how in mg.MERGES}
-    for how, out in outs.items():
+    for how in mg.MERGES:
+        out = np.asarray(jax.jit(mg.merge_heads, static_argnums=(2, 3, 4))(o, ml, t, n_rep, how))
         assert out.shape == (b, t, h * n_rep, d), how
         np.testing.assert_allclose(out, ref, rtol=2e-6 * (1 + np.log2(n_p)), atol=1e-6, err_msg=how)
-    np.testing.assert_array_equal(outs["channels"], outs["heads"])
     with pytest.raises(ValueError, match="merge="):
         mg.merge_heads(o, ml, t, n_rep, "serial")
 
@@ -512,7 +512,7 @@ def test_merge_resolution(monkeypatch):
     assert mg.merge_of(None) == mg.DEFAULT_MERGE
     monkeypatch.setenv("QSPEC_MGPU_MERGE", "pairwise")
     assert mg.merge_of(mg.MgpuConfig()) == "pairwise"
-    assert mg.merge_of(mg.MgpuConfig(merge="heads")) == "heads"
+    assert mg.merge_of(mg.MgpuConfig(merge="global")) == "global"
     monkeypatch.setenv("QSPEC_MGPU_MERGE", "bogus")
     with pytest.raises(ValueError, match="QSPEC_MGPU_MERGE|merge='bogus'"):
         mg.merge_of(None)

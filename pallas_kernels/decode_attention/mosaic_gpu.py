@@ -75,13 +75,11 @@ VIEWS = ("draft", "target")
 PROGRAMS_PER_SM = 2  # resident programs per SM (register-bound: ~200 registers x 128 threads)
 SCHEDULES = ("legacy", "ws")
 DEFAULT_SCHEDULE = "ws"  # checked and timed on the H200 (docs/kernel_notes.md, issue 31): 1.3-2x legacy
-# The split merge (`merge_heads`): "channels", the weighted sum over the partials' O^T [D, n] layout, then a
-# transpose to [B, T, Hq, D]; "heads", the same arithmetic (the same bits) over the partials read in the
-# output's [n, D] order, so that no transpose kernel follows at T = 1; "pairwise", flash-decoding's
-# pairwise combine (each tree node rescales its two children to their own max), which needs no global max,
-# so XLA fuses it into one kernel where the other two take two (H100, 8B draft step at 4k, batch 1: the step's
-# kernels 3.050 -> 2.987 ms, one launch fewer per layer; docs/kernel_notes.md).
-MERGES = ("channels", "heads", "pairwise")
+# The split merge (`merge_heads`): "global", each partial weighted by exp2(m_i - max_j m_j); "pairwise",
+# flash-decoding's pairwise combine (each tree node rescales its two children to their own max), which needs no
+# global max, so XLA fuses it into one kernel where "global" takes two (H100, 8B draft step at 4k, batch 1: the
+# step's kernels 3.050 -> 2.987 ms, one launch fewer per layer; docs/kernel_notes.md).
+MERGES = ("global", "pairwise")
 DEFAULT_MERGE = "pairwise"
 
 
@@ -296,6 +294,29 @@ def transpose_ref(ref):
     return ref.transpose((1, 0)) if hasattr(ref, "transpose") else plgpu.transpose_ref(ref, (1, 0))
 
 
+def store_transposed(dst, tile: Array, interpret: bool) -> None:
+    """Store the float32 [64, NT] WGMMA tile (rows: channels, columns: query columns) transposed
+    into dst, a float32 [NT, 64] view of a global-memory partial, so that the merge reads the
+    partials in the output's [query column, channel] order (no transpose kernel after it). On the
+    GPU each thread stores its own elements (8 per tile; no relayout and no shared memory)."""
+    if interpret:
+        dst[...] = tile.T
+        return
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, a, ref):
+        del ctx
+        index = ir.IndexType.get()
+        for (row, col), reg in zip(a.layout.thread_idxs(a.shape), a.registers.flat):
+            for e in range(ir.VectorType(reg.type).shape[0]):
+                v = vector.extract(reg, dynamic_position=[], static_position=[e])
+                memref.store(v, ref, [arith.addi(col, arith.constant(index, e)), row])
+
+    store(tile, dst)
+
+
 def bcast_row(v, shape):
     return lax.broadcast_in_dim(v, shape, [0])
 
@@ -406,7 +427,7 @@ def _build(st: _Static):
 
         def write(c, o_tiles, m, l):
             for mc in range(MTV):
-                o_ref[b, h, p, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = o_tiles[mc]
+                store_transposed(o_ref.at[b, h, p, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)], o_tiles[mc], st.interpret)
             row = _iota((MT, NT), 0)
             ml_ref[b, h, p, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
                                                               bcast_col(l, (MT, NT)))
@@ -666,7 +687,7 @@ def _build(st: _Static):
         def _():
             scoped(ring_part, ring_scratch)
 
-    out_type = (jax.ShapeDtypeStruct((st.B, st.H, NP, D, CN), jnp.float32),
+    out_type = (jax.ShapeDtypeStruct((st.B, st.H, NP, CN, D), jnp.float32),
                 jax.ShapeDtypeStruct((st.B, st.H, NP, MT, CN), jnp.float32))
     kw = {}
     if st.interpret:
@@ -784,50 +805,34 @@ def _tree(xs: list, op: Any) -> Any:
     return xs[0]
 
 
-def merge_partials(o: Array, ml: Array, n_rows: int) -> Array:
-    """Log-sum-exp merge of the programs' partials: unrolled elementwise operations summed as a
-    fixed binary tree over the programs (`_tree`), so every output element is the same
-    expression whatever the shape (T never changes it).
-
-    o: float32 [B, H, P, D, CN] unnormalized O^T; ml: [B, H, P, 64, CN] with m (log2 units) in
-    row 0 and l in row 32. Returns float32 [B, H, D, n_rows]."""
-    n_p = o.shape[2]
-    m = ml[:, :, :, 0, :n_rows]
-    l = ml[:, :, :, MT // 2, :n_rows]
-    o = o[..., :n_rows]
-    m_max = _tree([m[:, :, i] for i in range(n_p)], jnp.maximum)
-    w = [jnp.exp2(m[:, :, i] - m_max) for i in range(n_p)]  # neutral partials (m = NEG, l = 0, o = 0) weigh 0
-    l_tot = _tree([w[i] * l[:, :, i] for i in range(n_p)], jnp.add)
-    o_tot = _tree([w[i][:, :, None, :] * o[:, :, i] for i in range(n_p)], jnp.add)
-    return o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[:, :, None, :]
-
-
 def merge_heads(o: Array, ml: Array, t: int, n_rep: int, how: str = DEFAULT_MERGE) -> Array:
-    """The partials (o, ml) of `merge_partials` merged into float32 [B, T, Hkv * n_rep, D] (query
-    column n = t * n_rep + r is head h * n_rep + r of token t). `how` (MERGES) picks the
-    formulation; each is a fixed expression per output element whatever T is (T-invariant), and
-    "channels" and "heads" give the same bits."""
-    b, hkv, n_p, d, _ = o.shape
-    n = t * n_rep
-    if how == "channels":
-        out = merge_partials(o, ml, n)  # [B, H, D, n]
-        return jnp.transpose(out.reshape(b, hkv, d, t, n_rep), (0, 3, 1, 4, 2)).reshape(b, t, hkv * n_rep, d)
+    """Log-sum-exp merge of the programs' partials into float32 [B, T, Hkv * n_rep, D] (query
+    column n = t * n_rep + r is head h * n_rep + r of token t).
+
+    o: float32 [B, H, P, CN, D], unnormalized O with the query columns as rows (the kernels store
+    it transposed, `store_transposed`); ml: [B, H, P, 64, CN] with m (log2 units) in row 0 and l
+    in row 32. Neutral partials (m = NEG, l = 0, o = 0) weigh 0. `how` (MERGES): "global", the
+    weights exp2(m_i - max_j m_j); "pairwise", each node of the tree rescales its two children to
+    their own max. Both sum over the partials as a fixed binary tree (`_tree`), so every output
+    element is the same expression whatever T is (T-invariant)."""
     if how not in MERGES:
         raise ValueError(f"merge={how!r}; expected one of {MERGES}")
-    m = ml[:, :, :, 0, :n]  # [B, H, P, n] (log2 units)
+    b, hkv, n_p, _, d = o.shape
+    n = t * n_rep
+    m = ml[:, :, :, 0, :n]  # [B, H, P, n]
     l = ml[:, :, :, MT // 2, :n]
-    ot = jnp.swapaxes(o[..., :n], -1, -2)  # [B, H, P, n, D]
-    if how == "heads":
+    o = o[:, :, :, :n]  # [B, H, P, n, D]
+    if how == "global":
         m_max = _tree([m[:, :, i] for i in range(n_p)], jnp.maximum)
         w = [jnp.exp2(m[:, :, i] - m_max) for i in range(n_p)]
         l_tot = _tree([w[i] * l[:, :, i] for i in range(n_p)], jnp.add)
-        o_tot = _tree([w[i][..., None] * ot[:, :, i] for i in range(n_p)], jnp.add)
+        o_tot = _tree([w[i][..., None] * o[:, :, i] for i in range(n_p)], jnp.add)
     else:
         def combine(x: tuple, y: tuple) -> tuple:
             mx = jnp.maximum(x[0], y[0])
             wx, wy = jnp.exp2(x[0] - mx), jnp.exp2(y[0] - mx)  # NEG - NEG == 0: two neutral partials stay neutral
             return mx, wx * x[1] + wy * y[1], wx[..., None] * x[2] + wy[..., None] * y[2]
-        _, l_tot, o_tot = _tree([(m[:, :, i], l[:, :, i], ot[:, :, i]) for i in range(n_p)], combine)
+        _, l_tot, o_tot = _tree([(m[:, :, i], l[:, :, i], o[:, :, i]) for i in range(n_p)], combine)
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]  # [B, H, n, D]
     return jnp.transpose(out.reshape(b, hkv, t, n_rep, d), (0, 2, 1, 3, 4)).reshape(b, t, hkv * n_rep, d)
 

@@ -37,7 +37,7 @@ Exactness: the block partition, the consumer of each block, the ring-tile assign
 reduction order depend on (B, Hkv, n_rep, D, G, S_max, R, view, config), never on T; T only
 changes the number of column tiles C, each computed by the same instructions.
 
-Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_partials`.
+Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_heads`.
 
 Testing: as for the legacy schedule, ``register_a=False`` is the SMEM-operand twin GPU interpret
 mode runs on the CPU; the GPU-only pieces (register operands, `bar.red.or`, the cross-warp
@@ -792,7 +792,8 @@ def _build_ws(st: _WsStatic):
                 y = colreduce(ys[c], red, "add")
                 l = colreduce(ls[c], red, "add")
                 for mc in range(MTV):
-                    o_ref[b, h, pi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = os_[c][mc] + bcast_col(y, (MT, NT))
+                    mg.store_transposed(o_ref.at[b, h, pi, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)],
+                                        os_[c][mc] + bcast_col(y, (MT, NT)), interp)
                 ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(ms[c], (MT, NT)),
                                                                    bcast_col(l, (MT, NT)))
 
@@ -838,7 +839,7 @@ def _build_ws(st: _WsStatic):
         kernel(*args, **{k: refs.get(k) for k in scratch})
 
     NPP = st.NP * NC
-    out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, D, CN), jnp.float32),
+    out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, CN, D), jnp.float32),
                 jax.ShapeDtypeStruct((st.B, st.H, NPP, MT, CN), jnp.float32))
     kw = {}
     if interp:
@@ -918,5 +919,5 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
 
 def build(st: _WsStatic):
     """The kernel for `st` (a `plgpu.kernel` callable; outputs the partials o, ml of
-    `mosaic_gpu.merge_partials`, one per consumer warpgroup of each CTA)."""
+    `mosaic_gpu.merge_heads`, one per consumer warpgroup of each CTA)."""
     return _build_ws(st)

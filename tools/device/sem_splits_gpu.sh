@@ -42,8 +42,8 @@ if stage model; then
   declare -A V=([base]="" [sem3]="$SEM3" [sem3_a4]="$SEM3 --attn-splits draft=4"
                 [sem3_a8]="$SEM3 --attn-splits draft=8" [sem3_gu]="$SEM3 --set $G=2,256,2,sem"
                 [a6]="--attn-splits draft=6" [a8]="--attn-splits draft=8" [a10]="--attn-splits draft=10"
-                [heads]="QSPEC_MGPU_MERGE=heads" [channels]="QSPEC_MGPU_MERGE=channels" [pairwise]="QSPEC_MGPU_MERGE=pairwise"
-                [a8_heads]="QSPEC_MGPU_MERGE=heads --attn-splits draft=8"
+                [global]="QSPEC_MGPU_MERGE=global" [pairwise]="QSPEC_MGPU_MERGE=pairwise"
+                [a8_global]="QSPEC_MGPU_MERGE=global --attn-splits draft=8"
                 [a8_pairwise]="QSPEC_MGPU_MERGE=pairwise --attn-splits draft=8")
   for item in ${VARIANTS:-base sem3 sem3_a4 sem3_a8}; do
     tag=${item%@*} ctx=4096
