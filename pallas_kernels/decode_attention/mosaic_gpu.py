@@ -28,7 +28,9 @@ computed from the same float16-rounded operands. The cache stores the planes so 
 32-bit word turns into its operand registers with one or two integer instructions per two
 elements and no shuffles (`quant.kernel_byte_order`; values transposed within a flushed block).
 The bf16 FP ring is attended by the last programs of each (row, KV head) in the same launch
-(64-slot tiles, bf16 operands) and merged with the quantized splits by log-sum-exp in XLA.
+(64-slot tiles, bf16 operands) and merged with the quantized splits by log-sum-exp in XLA
+(`merge_heads`, one fusion). Each program stores its O^T accumulator transposed, as O [cols, D]
+(`store_transposed`), so the merge writes the output's [B, T, Hq, D] order directly.
 
 Exactness (issue 11): tile sizes, the split count and boundaries, the ring partition and the merge
 order depend on (B, Hkv, n_rep, D, G, S_max, R, view), never on T. T only changes how many
@@ -849,7 +851,8 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     inputs: `kernel_inputs(q_pos, cache, n_rep)` of this call's q_pos and cache, computed once per
     pass by a caller that attends every layer with the same positions (default: computed here);
     their shapes are checked, their values cannot be.
-    Returns [B, T, Hq, D] in q's dtype, or the raw partials (o, ml) with return_partials.
+    Returns [B, T, Hq, D] in q's dtype, or the raw partials (o [B, Hkv, P, CN, D], ml
+    [B, Hkv, P, 64, CN]; see `merge_heads`) with return_partials.
     """
     reason = unsupported_reason(q.shape, cache, view)
     if reason:

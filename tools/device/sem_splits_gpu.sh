@@ -52,6 +52,7 @@ if stage model; then
     for w in ${V[$tag]}; do [[ $w == QSPEC_*=* ]] && envs+=("$w") || args+=("$w"); done
     for b in ${BATCHES:-1}; do
       name=${tag}_b${b}_$ctx
+      [ "${PROGRAMS:-draft}" != draft ] && name=${name}_${PROGRAMS//,/_}
       env "${envs[@]}" timeout ${LIMIT:-120} python3 tools/device/tuned_table_run.py "${args[@]}" -- profile \
         --batch $b --contexts $ctx --programs ${PROGRAMS:-draft} --verify-t 5 --steps 8 --trials 3 \
         --out $OUT/profile_$name 2>&1 | tee $OUT/profile_8b_$name.log | grep -v "^W[0-9]" \

@@ -19,6 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench.w4a16 import BENCH_SHAPES as SHAPES  # noqa: E402
 from w4a16_config_sweep import L2_DEFEAT, time_config, weights  # noqa: E402
@@ -71,6 +72,16 @@ def main() -> int:
                 if "sem+norm" in outs and "cluster+norm" in outs:
                     norm_ok = np.array_equal(outs["sem+norm"], outs["cluster+norm"])
                     line.append(f"norm: sem == cluster bitwise {norm_ok}")
+                    if not norm_ok:  # which one is off: each against the float32 reference
+                        ref = np.asarray(mg.epilogue_reference(x, lay.dequantize_bf16(ws[0]).astype(jnp.float32),
+                                                               mg.Epilogue(norm=True), norm_weight=gw
+                                                               ).astype(jnp.float32))
+                        scale = np.abs(ref).max()
+                        for red in ("sem", "cluster"):
+                            got = outs[red + "+norm"]
+                            line.append(f"{red}+norm max |err| / max |ref| {np.abs(got - ref).max() / scale:.2e}")
+                        line.append(f"{int((outs['sem+norm'] != outs['cluster+norm']).sum())} of "
+                                    f"{ref.size} elements differ")
                     bad += not norm_ok
                 bad += not ok
                 print(f"{name:7s} M={m} wgs{wgs} kt{kt} S{s}: " + ", ".join(line)
