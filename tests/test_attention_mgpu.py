@@ -388,6 +388,28 @@ def test_ws_more_warpgroups(view, window, nc, npr):
     assert ml.shape[2] == 3 * nc  # one partial per consumer of each CTA
 
 
+@pytest.mark.parametrize("view,window,nc", [("draft", None, 2), ("target", 60, 2), ("draft", 60, 3)])
+def test_ws_pair_merge(view, window, nc):
+    """`ws_pair_merge`: the last consumer warpgroup of each CTA merges the CTA's partials (the others
+    leave theirs in global memory) and the CTA stores one: NP partials instead of NP x consumers,
+    within the derived error bound of the reference, a row's T = 1 result equal bit for bit to its
+    row of the T = 5 call; for CTAs whose consumers own 0 to 4 blocks (one split) and 3 splits."""
+    g = 64
+    cache = build_cache(19, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
+    q, q_pos = _queries(jax.random.PRNGKey(10), cache, 5, 4, 64, jnp.float32)
+    ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
+    bound = error_bound(q, q_pos, cache, 0, view, window)
+    for splits in (1, 3):
+        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, ws_consumers=nc, ws_pair_merge=True)
+        o5 = np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=cfg))
+        assert np.isfinite(o5).all() and (np.abs(o5 - ref) <= bound).all()
+        o1 = np.asarray(_mgpu(q[:, -1:], q_pos[:, -1:], cache, jnp.int32(0), view, window, config=cfg))
+        np.testing.assert_array_equal(o1[:, 0], o5[:, -1])
+        o, ml = _mgpu(q, q_pos, cache, jnp.int32(0), view, window, partials=True, config=cfg)
+        assert o.shape[2] == ml.shape[2] == splits  # one partial per CTA
+        assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(ml)).all()
+
+
 def test_ws_register_budget():
     """setmaxnreg can only redistribute the registers a CTA launched with: the defaults use at most
     the pool (2 consumers: 4 x 128; 3: 5 x 96), and a budget over it is refused (it would hang)."""
@@ -634,8 +656,10 @@ LOWER_SCRIPT = textwrap.dedent("""
              ("ws", "draft", 128, 128, 1, 4, None), ("ws", "target", 128, 128, 9, 4, None),
              ("ws", "target", 128, 128, 8, 4, 100), ("ws", "target", 64, 128, 5, 3, None),
              ("ws3", "draft", 128, 128, 1, 4, None), ("ws3", "target", 64, 128, 5, 3, 100),
-             ("ws2p", "draft", 128, 128, 1, 4, None), ("ws2p", "target", 128, 128, 5, 4, 100)]
-    variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2)}
+             ("ws2p", "draft", 128, 128, 1, 4, None), ("ws2p", "target", 128, 128, 5, 4, 100),
+             ("wspm", "draft", 128, 128, 1, 4, None), ("wspm", "target", 64, 128, 5, 3, 100)]
+    variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2),
+                "wspm": dict(schedule="ws", ws_pair_merge=True)}
     for schedule, view, d, group, t, n_rep, window in cases:
         config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,

@@ -127,6 +127,9 @@ class MgpuConfig:
     ws_consumers: int | None = None
     # "ws": prep warpgroups per CTA (block i prepared by i % ws_preps), 1 (default) or 2 (with 2 consumers)
     ws_preps: int | None = None
+    # "ws": the last consumer warpgroup of each CTA merges the CTA's partials before the store (one
+    # partial per CTA for the XLA merge instead of one per consumer). None: off (not yet timed on a GPU)
+    ws_pair_merge: bool | None = None
     # the split merge, one of MERGES (None: $QSPEC_MGPU_MERGE, else DEFAULT_MERGE); see `merge_heads`
     merge: str | None = None
 
@@ -282,10 +285,11 @@ def register_operand(hi, lo, rows: int, nb: int, *, lop3: bool = True):
 _LOAD_IDX_OPTIONAL = inspect.signature(plgpu.load).parameters["idx"].default is not inspect.Parameter.empty
 
 
-def load_with_layout(ref, layout):
+def load_with_layout(ref, layout, optimized: bool = True):
+    """plgpu.load in `layout` (optimized=False: global memory, which has no optimized WGMMA-layout load)."""
     if _LOAD_IDX_OPTIONAL:
-        return plgpu.load(ref, layout=layout)
-    return plgpu.load(ref, (), layout=layout)
+        return plgpu.load(ref, layout=layout, optimized=optimized)
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a [64k, n] WGMMA array
@@ -913,7 +917,7 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
             flat(cache.k_scale), flat(cache.k_zero),
             cache.v_scale.reshape(lbh, S), cache.v_zero.reshape(lbh, S),
             flat(cache.k_fp), flat(cache.v_fp)]
-    o, ml = kernel(*args)
+    o, ml = kernel(*args)[:2]  # ("ws" with ws_pair_merge: the consumers' exchange buffers follow)
     if return_partials:
         return o, ml
     return merge_heads(o, ml, t, n_rep, merge_of(cfg)).astype(q.dtype)

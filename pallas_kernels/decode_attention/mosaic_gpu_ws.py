@@ -124,6 +124,9 @@ class _WsStatic:
     tma_warp: bool = True  # one warp of the TMA warpgroup issues the copies
     consumers: int = CONSUMERS  # consumer warpgroups (NC): block i goes to consumer i % NC
     preps: int = 1  # prep warpgroups (NPREP): block i is prepared by prep warpgroup i % NPREP
+    # the last consumer merges the CTA's NC partials (pairwise, in consumer order) and stores one:
+    # consumers 0 .. NC-2 leave theirs in exchange outputs (global memory, L2-resident), see `_build_ws`
+    pair_merge: bool = False
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -272,6 +275,22 @@ def _build_ws(st: _WsStatic):
     def _cast(x, layout):
         return x if interp else plgpu.layout_cast(x, layout)
 
+    def _load_gmem(ref, layout):  # another warpgroup's partial, from global memory
+        return ref[...] if interp else mg.load_with_layout(ref, layout, optimized=False)
+
+    def _when(cond):  # pl.when, also for a Python bool (interpret mode runs the roles with static w)
+        if isinstance(cond, bool):
+            return (lambda f: f()) if cond else (lambda f: None)
+        return pl.when(cond)
+
+    def combine(x, y):
+        """Two partials (m [NT], l [NT], O^T [MTV][64, NT]) as one: flash-decoding's pairwise
+        combine, each rescaled to their max (NEG - NEG == 0: two neutral partials stay neutral)."""
+        mx = jnp.maximum(x[0], y[0])
+        wx, wy = jnp.exp2(x[0] - mx), jnp.exp2(y[0] - mx)
+        bx, by = bcast_col(wx, (MT, NT)), bcast_col(wy, (MT, NT))
+        return mx, wx * x[1] + wy * y[1], [ox * bx + oy * by for ox, oy in zip(x[2], y[2])]
+
     def _iota(shape, dim):
         if interp:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
@@ -288,9 +307,9 @@ def _build_ws(st: _WsStatic):
         return _wg_colreduce(x, scratch, op)
 
     def kernel(layer_ref, meta_ref, pos_ref, q_ref, *refs, q_s, pos_s, k_s, v_s, sk_s, zk_s, sv_s, zv_s, qp_s,
-               bias_s, kr_s, red_s, ak_s, av_s, at_s, qbar, full, prepped, consumed, rfull, rconsumed):
+               bias_s, kr_s, red_s, ak_s, av_s, at_s, qbar, full, prepped, consumed, rfull, rconsumed, pdone):
         planes = refs[: 2 * n_planes]
-        ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref, o_ref, ml_ref = refs[2 * n_planes:]
+        ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref, o_ref, ml_ref, *x_refs = refs[2 * n_planes:]
         kp_refs, vp_refs = planes[:n_planes], planes[n_planes:]
         p = lax.axis_index("p")
         h = lax.axis_index("h")
@@ -786,16 +805,53 @@ def _build_ws(st: _WsStatic):
 
             ms, ls, ys, os_ = lax.fori_loop(0, nr, ring_body, carry)
 
-            pi = p * NC + w
             row = _iota((MT, NT), 0)
+            parts = []  # per column tile: (m [NT], l [NT], O^T tiles [MTV][64, NT]) of this consumer
             for c in range(C):
                 y = colreduce(ys[c], red, "add")
                 l = colreduce(ls[c], red, "add")
+                parts.append((ms[c], l, [os_[c][mc] + bcast_col(y, (MT, NT)) for mc in range(MTV)]))
+
+            def store(pi, c, part):
+                m, l, o_tiles = part
                 for mc in range(MTV):
-                    mg.store_transposed(o_ref.at[b, h, pi, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)],
-                                        os_[c][mc] + bcast_col(y, (MT, NT)), interp)
-                ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(ms[c], (MT, NT)),
+                    mg.store_transposed(o_ref.at[b, h, pi, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)], o_tiles[mc],
+                                        interp)
+                ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
                                                                    bcast_col(l, (MT, NT)))
+
+            if not st.pair_merge:
+                for c in range(C):
+                    store(p * NC + w, c, parts[c])
+                return
+            xo_ref, xml_ref = x_refs  # [B, H, NP (NC-1), D, CN], [B, H, NP (NC-1), 64, CN] float32
+
+            @_when(w < NC - 1)
+            def _():  # leave this partial for the last consumer (O^T as accumulated), then signal
+                xi = p * (NC - 1) + w
+                for c, (m, l, o_tiles) in enumerate(parts):
+                    for mc in range(MTV):
+                        xo_ref[b, h, xi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = o_tiles[mc]
+                    xml_ref[b, h, xi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
+                                                                        bcast_col(l, (MT, NT)))
+                if not seq:
+                    plgpu.commit_smem()  # warpgroup barrier: every thread's stores precede the arrival
+                plgpu.barrier_arrive(pdone.at[0])
+
+            @_when(w == NC - 1)
+            def _():  # merge the CTA's partials in consumer order, pairwise (`merge_heads`' combine)
+                plgpu.barrier_wait(pdone.at[0])
+                for c in range(C):
+                    cols = pl.ds(c * NT, NT)
+                    acc = None
+                    for v in range(NC - 1):
+                        xi = p * (NC - 1) + v
+                        other = (_load_gmem(xml_ref.at[b, h, xi, 0, cols], COL),
+                                 _load_gmem(xml_ref.at[b, h, xi, MT // 2, cols], COL),
+                                 [_load_gmem(xo_ref.at[b, h, xi, pl.ds(mc * MT, MT), cols], plgpu.Layout.WGMMA)
+                                  for mc in range(MTV)])
+                        acc = other if acc is None else combine(acc, other)
+                    store(p, c, combine(acc, parts[c]))
 
         if seq:
             role_tma()
@@ -832,15 +888,19 @@ def _build_ws(st: _WsStatic):
         consumed=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
         rfull=plgpu.Barrier(num_arrivals=1, num_barriers=RSLOTS),
         rconsumed=plgpu.Barrier(num_arrivals=1, num_barriers=RSLOTS),
+        pdone=plgpu.Barrier(num_arrivals=NC - 1, num_barriers=1) if st.pair_merge else None,
     )
     live = {k: v for k, v in scratch.items() if v is not None}
 
     def entry(*args, **refs):
         kernel(*args, **{k: refs.get(k) for k in scratch})
 
-    NPP = st.NP * NC
+    NPP = st.NP if st.pair_merge else st.NP * NC  # partials per (row, KV head)
     out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, CN, D), jnp.float32),
                 jax.ShapeDtypeStruct((st.B, st.H, NPP, MT, CN), jnp.float32))
+    if st.pair_merge:  # consumers 0 .. NC-2 of each CTA leave their partials here for the last one
+        out_type += (jax.ShapeDtypeStruct((st.B, st.H, st.NP * (NC - 1), D, CN), jnp.float32),
+                     jax.ShapeDtypeStruct((st.B, st.H, st.NP * (NC - 1), MT, CN), jnp.float32))
     kw = {}
     if interp:
         params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
@@ -913,7 +973,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      pipeline=bool(pipeline),
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
-                     consumers=nc, preps=npr,
+                     consumers=nc, preps=npr, pair_merge=bool(config.ws_pair_merge),
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
 
 

@@ -44,7 +44,8 @@ if stage model; then
                 [a6]="--attn-splits draft=6" [a8]="--attn-splits draft=8" [a10]="--attn-splits draft=10"
                 [global]="QSPEC_MGPU_MERGE=global" [pairwise]="QSPEC_MGPU_MERGE=pairwise"
                 [a8_global]="QSPEC_MGPU_MERGE=global --attn-splits draft=8"
-                [a8_pairwise]="QSPEC_MGPU_MERGE=pairwise --attn-splits draft=8")
+                [a8_pairwise]="QSPEC_MGPU_MERGE=pairwise --attn-splits draft=8"
+                [pm]="--attn-config ws_pair_merge=1" [pm_a8]="--attn-config ws_pair_merge=1 --attn-splits draft=8")
   for item in ${VARIANTS:-base sem3 sem3_a4 sem3_a8}; do
     tag=${item%@*} ctx=4096
     [[ $item == *@* ]] && ctx=${item#*@}

@@ -6,11 +6,13 @@ one warm machine without editing the tree between runs.
         [--drop KIND:K,N,G ...] [--attn-splits VIEW=N ...] -- profile --batch 1 --contexts 4096 ...
 
 --attn-splits draft=8 fixes the quantized attention's CTAs per (row, KV head) of one view (the cost model's
-`default_ctas` otherwise), for the same kind of A/B of the attention's split count.
+`default_ctas` otherwise), for the same kind of A/B of the attention's split count; --attn-config
+ws_pair_merge=1[,stages=6] changes the defaults of the attention's `MgpuConfig` (what the model's calls get).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -33,6 +35,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], help="KIND:K,N,G=WGS,KT,S,REDUCE")
     ap.add_argument("--drop", action="append", default=[], help="KIND:K,N,G")
     ap.add_argument("--attn-splits", action="append", default=[], help="VIEW=N (draft or target)")
+    ap.add_argument("--attn-config", default="", help="FIELD=VALUE,... defaults of the attention's MgpuConfig")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     for spec in args.drop:
         kind, key, _ = _entry(spec)
@@ -55,6 +58,20 @@ def main() -> int:
 
         ws.default_ctas = default_ctas
         print(f"attention CTAs per (row, KV head): {fixed}", flush=True)
+    if args.attn_config:
+        from pallas_kernels.decode_attention import mosaic_gpu as amg
+
+        types = {f.name: f.type for f in dataclasses.fields(amg.MgpuConfig)}
+        over = {}
+        for item in args.attn_config.split(","):
+            k, _, v = item.partition("=")
+            if k not in types:
+                raise SystemExit(f"--attn-config: {k!r} is not a field of MgpuConfig ({sorted(types)})")
+            over[k] = bool(int(v)) if "bool" in str(types[k]) else (v if "str" in str(types[k]) else int(v))
+        amg.MgpuConfig = dataclasses.make_dataclass(
+            "MgpuConfig", [(k, types[k], dataclasses.field(default=v)) for k, v in over.items()],
+            bases=(amg.MgpuConfig,), frozen=True)
+        print(f"attention MgpuConfig defaults: {over}", flush=True)
     from qspec_jax.cli import bench
 
     sys.argv = ["qspec-bench", *rest]
