@@ -363,50 +363,48 @@ def test_ws_pipelined_consumers_same_bits(view, window):
     assert (np.abs(outs[0] - ref) <= error_bound(q, q_pos, cache, 0, view, window)).all()
 
 
+def _ws_variant_runs(view, window, cache_seed, q_seed, **fields):
+    """A "ws" variant (MgpuConfig `fields`) on CTAs whose consumers own 0 to 4 blocks (one split)
+    and on 3 splits: asserts each within the derived error bound of the reference and a row's
+    T = 1 result equal bit for bit to its row of the T = 5 call; yields (config, the T = 5
+    output, the call with the config left open) for the variant's own checks."""
+    g = 64
+    cache = build_cache(cache_seed, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5,
+                        max_blocks=9)
+    q, q_pos = _queries(jax.random.PRNGKey(q_seed), cache, 5, 4, 64, jnp.float32)
+    ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
+    bound = error_bound(q, q_pos, cache, 0, view, window)
+    call = functools.partial(_mgpu, q, q_pos, cache, jnp.int32(0), view, window)
+    for splits in (1, 3):
+        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, **fields)
+        o5 = np.asarray(call(config=cfg))
+        assert np.isfinite(o5).all() and (np.abs(o5 - ref) <= bound).all()
+        o1 = np.asarray(_mgpu(q[:, -1:], q_pos[:, -1:], cache, jnp.int32(0), view, window, config=cfg))
+        np.testing.assert_array_equal(o1[:, 0], o5[:, -1])
+        yield cfg, o5, call
+
+
 @pytest.mark.parametrize("view,window,nc,npr", [("draft", None, 3, 1), ("target", 60, 3, 1), ("draft", 60, 2, 2),
                                                 ("target", None, 2, 2)])
 def test_ws_more_warpgroups(view, window, nc, npr):
     """Three consumer warpgroups (`ws_consumers=3`: block i to consumer i % 3, two slots each, the
     ring to one consumer) or two prep warpgroups (`ws_preps=2`: block i prepared by i % 2, each
-    reducing on its own scratch): within the derived error bound of the reference, a row's T = 1
-    result equal bit for bit to its row of the T = 5 call, pipelined == unpipelined bit for bit;
-    for CTAs whose consumers own 0 to 4 blocks (one split) and 3 splits."""
-    g = 64
-    cache = build_cache(17, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
-    q, q_pos = _queries(jax.random.PRNGKey(9), cache, 5, 4, 64, jnp.float32)
-    ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
-    bound = error_bound(q, q_pos, cache, 0, view, window)
-    for splits in (1, 3):
-        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, ws_consumers=nc, ws_preps=npr)
-        o5 = np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=cfg))
-        assert np.isfinite(o5).all() and (np.abs(o5 - ref) <= bound).all()
-        o1 = np.asarray(_mgpu(q[:, -1:], q_pos[:, -1:], cache, jnp.int32(0), view, window, config=cfg))
-        np.testing.assert_array_equal(o1[:, 0], o5[:, -1])
-        piped = dataclasses.replace(cfg, ws_pipeline=True)
-        np.testing.assert_array_equal(np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=piped)), o5)
-    _, ml = _mgpu(q, q_pos, cache, jnp.int32(0), view, window, partials=True, config=cfg)
+    reducing on its own scratch): the checks of `_ws_variant_runs`, and pipelined == unpipelined
+    bit for bit."""
+    for cfg, o5, call in _ws_variant_runs(view, window, 17, 9, ws_consumers=nc, ws_preps=npr):
+        np.testing.assert_array_equal(np.asarray(call(config=dataclasses.replace(cfg, ws_pipeline=True))), o5)
+    _, ml = call(partials=True, config=cfg)
     assert ml.shape[2] == 3 * nc  # one partial per consumer of each CTA
 
 
 @pytest.mark.parametrize("view,window,nc", [("draft", None, 2), ("target", 60, 2), ("draft", 60, 3)])
 def test_ws_pair_merge(view, window, nc):
     """`ws_pair_merge`: the last consumer warpgroup of each CTA merges the CTA's partials (the others
-    leave theirs in global memory) and the CTA stores one: NP partials instead of NP x consumers,
-    within the derived error bound of the reference, a row's T = 1 result equal bit for bit to its
-    row of the T = 5 call; for CTAs whose consumers own 0 to 4 blocks (one split) and 3 splits."""
-    g = 64
-    cache = build_cache(19, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
-    q, q_pos = _queries(jax.random.PRNGKey(10), cache, 5, 4, 64, jnp.float32)
-    ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
-    bound = error_bound(q, q_pos, cache, 0, view, window)
-    for splits in (1, 3):
-        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, ws_consumers=nc, ws_pair_merge=True)
-        o5 = np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=cfg))
-        assert np.isfinite(o5).all() and (np.abs(o5 - ref) <= bound).all()
-        o1 = np.asarray(_mgpu(q[:, -1:], q_pos[:, -1:], cache, jnp.int32(0), view, window, config=cfg))
-        np.testing.assert_array_equal(o1[:, 0], o5[:, -1])
-        o, ml = _mgpu(q, q_pos, cache, jnp.int32(0), view, window, partials=True, config=cfg)
-        assert o.shape[2] == ml.shape[2] == splits  # one partial per CTA
+    leave theirs in global memory) and the CTA stores one: the checks of `_ws_variant_runs`, and
+    NP partials instead of NP x consumers."""
+    for cfg, _, call in _ws_variant_runs(view, window, 19, 10, ws_consumers=nc, ws_pair_merge=True):
+        o, ml = call(partials=True, config=cfg)
+        assert o.shape[2] == ml.shape[2] == cfg.num_splits  # one partial per CTA
         assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(ml)).all()
 
 
