@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax
 
 
@@ -31,6 +34,23 @@ def device_kind() -> str:
         return str(dev.device_kind) if dev.platform == "gpu" else ""
     except Exception:  # pragma: no cover - no devices
         return ""
+
+
+@functools.cache
+def _load_idx_optional() -> bool:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return inspect.signature(plgpu.load).parameters["idx"].default is not inspect.Parameter.empty
+
+
+def load_with_layout(ref, layout, optimized: bool = True):
+    """Mosaic GPU: a whole ref loaded in `layout` (plgpu.load's index became optional in jax 0.11);
+    optimized=False for global memory, which has no optimized transfer into a WGMMA layout."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if _load_idx_optional():
+        return plgpu.load(ref, layout=layout, optimized=optimized)
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
 
 def next_pow2(n: int) -> int:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from typing import Any
 
@@ -59,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import num_sms
+from pallas_kernels._common import load_with_layout, num_sms
 
 Array = jax.Array
 
@@ -85,15 +84,19 @@ MERGES = ("global", "pairwise")
 DEFAULT_MERGE = "pairwise"
 
 
-def schedule_of(config: "MgpuConfig | None") -> str:
-    """The schedule a call runs: the config's, else $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE."""
+def _named_choice(config: "MgpuConfig | None", field: str, env: str, default: str, choices: tuple) -> str:
+    """A named option of a call: the config's `field`, else $env, else `default`; one of `choices`."""
     import os
 
-    name = (config.schedule if config is not None else None) or os.environ.get("QSPEC_MGPU_SCHEDULE") \
-        or DEFAULT_SCHEDULE
-    if name not in SCHEDULES:
-        raise ValueError(f"Mosaic GPU decode attention: schedule={name!r}; expected one of {SCHEDULES}")
+    name = (getattr(config, field) if config is not None else None) or os.environ.get(env) or default
+    if name not in choices:
+        raise ValueError(f"Mosaic GPU decode attention: {field}={name!r} (config or ${env}); expected one of {choices}")
     return name
+
+
+def schedule_of(config: "MgpuConfig | None") -> str:
+    """The schedule a call runs: the config's, else $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE."""
+    return _named_choice(config, "schedule", "QSPEC_MGPU_SCHEDULE", DEFAULT_SCHEDULE, SCHEDULES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +139,7 @@ class MgpuConfig:
 
 def merge_of(config: "MgpuConfig | None") -> str:
     """The split merge a call runs: the config's, else $QSPEC_MGPU_MERGE, else DEFAULT_MERGE."""
-    import os
-
-    name = (config.merge if config is not None else None) or os.environ.get("QSPEC_MGPU_MERGE") or DEFAULT_MERGE
-    if name not in MERGES:
-        raise ValueError(f"Mosaic GPU decode attention: merge={name!r}; expected one of {MERGES}")
-    return name
+    return _named_choice(config, "merge", "QSPEC_MGPU_MERGE", DEFAULT_MERGE, MERGES)
 
 
 # ----------------------------------------------------------------------------- code words
@@ -281,17 +279,6 @@ def register_operand(hi, lo, rows: int, nb: int, *, lop3: bool = True):
 
 
 # ------------------------------------------------------------------------- small helpers
-# plgpu.load(ref, idx, *, layout): idx is required in jax 0.10 and deprecated in 0.11.
-_LOAD_IDX_OPTIONAL = inspect.signature(plgpu.load).parameters["idx"].default is not inspect.Parameter.empty
-
-
-def load_with_layout(ref, layout, optimized: bool = True):
-    """plgpu.load in `layout` (optimized=False: global memory, which has no optimized WGMMA-layout load)."""
-    if _LOAD_IDX_OPTIONAL:
-        return plgpu.load(ref, layout=layout, optimized=optimized)
-    return plgpu.load(ref, (), layout=layout, optimized=optimized)
-
-
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a [64k, n] WGMMA array
 COL = plgpu.Layout.WGMMA.reduce(0)  # a value per column
 
@@ -811,6 +798,15 @@ def _tree(xs: list, op: Any) -> Any:
     return xs[0]
 
 
+def pairwise_weights(m_x: Array, m_y: Array) -> tuple[Array, Array, Array]:
+    """Flash-decoding's pairwise combine of two partials with maxima m_x, m_y (log2 units): the
+    combined max and each partial's weight exp2(m - max). NEG - NEG == 0, so two neutral partials
+    (m = NEG, l = 0, o = 0) stay neutral. The XLA merge (`merge_heads`) and the in-kernel one
+    (`mosaic_gpu_ws`, ws_pair_merge) both weigh with it."""
+    mx = jnp.maximum(m_x, m_y)
+    return mx, jnp.exp2(m_x - mx), jnp.exp2(m_y - mx)
+
+
 def merge_heads(o: Array, ml: Array, t: int, n_rep: int, how: str = DEFAULT_MERGE) -> Array:
     """Log-sum-exp merge of the programs' partials into float32 [B, T, Hkv * n_rep, D] (query
     column n = t * n_rep + r is head h * n_rep + r of token t).
@@ -835,8 +831,7 @@ def merge_heads(o: Array, ml: Array, t: int, n_rep: int, how: str = DEFAULT_MERG
         o_tot = _tree([w[i][..., None] * o[:, :, i] for i in range(n_p)], jnp.add)
     else:
         def combine(x: tuple, y: tuple) -> tuple:
-            mx = jnp.maximum(x[0], y[0])
-            wx, wy = jnp.exp2(x[0] - mx), jnp.exp2(y[0] - mx)  # NEG - NEG == 0: two neutral partials stay neutral
+            mx, wx, wy = pairwise_weights(x[0], y[0])
             return mx, wx * x[1] + wy * y[1], wx[..., None] * x[2] + wy[..., None] * y[2]
         _, l_tot, o_tot = _tree([(m[:, :, i], l[:, :, i], o[:, :, i]) for i in range(n_p)], combine)
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]  # [B, H, n, D]

@@ -284,10 +284,8 @@ def _build_ws(st: _WsStatic):
         return pl.when(cond)
 
     def combine(x, y):
-        """Two partials (m [NT], l [NT], O^T [MTV][64, NT]) as one: flash-decoding's pairwise
-        combine, each rescaled to their max (NEG - NEG == 0: two neutral partials stay neutral)."""
-        mx = jnp.maximum(x[0], y[0])
-        wx, wy = jnp.exp2(x[0] - mx), jnp.exp2(y[0] - mx)
+        """Two partials (m [NT], l [NT], O^T [MTV][64, NT]) as one (`mosaic_gpu.pairwise_weights`)."""
+        mx, wx, wy = mg.pairwise_weights(x[0], y[0])
         bx, by = bcast_col(wx, (MT, NT)), bcast_col(wy, (MT, NT))
         return mx, wx * x[1] + wy * y[1], [ox * bx + oy * by for ox, oy in zip(x[2], y[2])]
 

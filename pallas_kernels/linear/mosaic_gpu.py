@@ -1183,9 +1183,7 @@ def _cluster_sync() -> None:
 def _load_wgmma(ref: Any, optimized: bool = True) -> Array:
     """A [64, M_pad] float32 partial in the WGMMA layout from (local or peer) shared memory, or with
     optimized=False from global memory (plain loads: Mosaic has no optimized transfer from there)."""
-    if jax.__version_info__ >= (0, 11):
-        return plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=optimized)
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=optimized)
+    return _common.load_with_layout(ref, plgpu.Layout.WGMMA, optimized)
 
 
 def _load_partial(ref: Any, interpret: bool) -> Array:
@@ -1205,8 +1203,7 @@ def _load_row_sums(ss_ref: Any, mp: int, interpret: bool) -> Array:
     if interpret or mp <= PLAIN_EXCHANGE_MP:
         return _load_acc(ss_ref, interpret)
     col = plgpu.Layout.WGMMA.reduce(0)
-    row0 = plgpu.load(ss_ref.at[0], (), layout=col) if jax.__version_info__ < (0, 11) else \
-        plgpu.load(ss_ref.at[0], layout=col)
+    row0 = _common.load_with_layout(ss_ref.at[0], col)
     return lax.broadcast_in_dim(row0, (lay.ROWS, mp), (1,))
 
 

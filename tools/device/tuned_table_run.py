@@ -3,7 +3,8 @@ entries added, replaced or dropped for this process only, so that several tables
 one warm machine without editing the tree between runs.
 
     PYTHONPATH=. python3 tools/device/tuned_table_run.py [--set KIND:K,N,G=WGS,KT,S,REDUCE ...] \
-        [--drop KIND:K,N,G ...] [--attn-splits VIEW=N ...] -- profile --batch 1 --contexts 4096 ...
+        [--drop KIND:K,N,G ...] [--attn-splits VIEW=N ...] [--attn-config FIELD=VALUE,...] \
+        -- profile --batch 1 --contexts 4096 ...
 
 --attn-splits draft=8 fixes the quantized attention's CTAs per (row, KV head) of one view (the cost model's
 `default_ctas` otherwise), for the same kind of A/B of the attention's split count; --attn-config
@@ -17,6 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "tools", "device"))
 
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 
@@ -59,19 +61,16 @@ def main() -> int:
         ws.default_ctas = default_ctas
         print(f"attention CTAs per (row, KV head): {fixed}", flush=True)
     if args.attn_config:
+        from check_attention import parse_configs  # the "FIELD=VALUE,..." syntax of its --mgpu-configs
         from pallas_kernels.decode_attention import mosaic_gpu as amg
 
-        types = {f.name: f.type for f in dataclasses.fields(amg.MgpuConfig)}
-        over = {}
-        for item in args.attn_config.split(","):
-            k, _, v = item.partition("=")
-            if k not in types:
-                raise SystemExit(f"--attn-config: {k!r} is not a field of MgpuConfig ({sorted(types)})")
-            over[k] = bool(int(v)) if "bool" in str(types[k]) else (v if "str" in str(types[k]) else int(v))
+        (parsed,) = parse_configs(args.attn_config)
+        over = {f.name: (f.type, getattr(parsed, f.name)) for f in dataclasses.fields(parsed)
+                if getattr(parsed, f.name) != f.default}
         amg.MgpuConfig = dataclasses.make_dataclass(
-            "MgpuConfig", [(k, types[k], dataclasses.field(default=v)) for k, v in over.items()],
+            "MgpuConfig", [(k, t, dataclasses.field(default=v)) for k, (t, v) in over.items()],
             bases=(amg.MgpuConfig,), frozen=True)
-        print(f"attention MgpuConfig defaults: {over}", flush=True)
+        print(f"attention MgpuConfig defaults: { {k: v for k, (_, v) in over.items()} }", flush=True)
     from qspec_jax.cli import bench
 
     sys.argv = ["qspec-bench", *rest]
