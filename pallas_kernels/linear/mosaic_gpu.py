@@ -782,7 +782,8 @@ _ST_LANE0_ASM = "{\n.reg .pred p;\nsetp.eq.u32 p, $2, 0;\n@p st.shared.f32 [$0],
 def _norm_finish(m: int, mp: int):
     """inline_mgpu function, producer warpgroup, after the last stage: (part_ref float32 [M, 128],
     ssw_ref float32 [4, M_pad], ss_ref float32 [64, M_pad]) -> ss[n, r] = sum_t part[r, t] for
-    every n (0 for padding rows r >= M): per warp a butterfly over its 32 lanes (every lane ends
+    every n (0 for padding rows r >= M), after a warpgroup barrier (the stages' slots of a row
+    belong to other threads than the ones that sum them): per warp a butterfly over its 32 lanes (every lane ends
     with the same bits: float addition is commutative), then warps 0 + 1 + 2 + 3 in that order.
     ss has the accumulator's shape, so the consumers load it in the WGMMA layout."""
 
@@ -797,6 +798,11 @@ def _norm_finish(m: int, mp: int):
         warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
         part, ssw, ss = _smem_addr(part_ref), _smem_addr(ssw_ref), _smem_addr(ss_ref)
         ld = lambda addr: llvm.inline_asm(f32, [addr], _LD_F32_ASM, "=f,r", has_side_effects=True)  # noqa: E731
+        # Thread t reads part[r, t], which another thread wrote in the last stage wherever KT < 256
+        # (`norm_thread_rows`: row r's pairs go to the threads of lane row r % R). Without this
+        # barrier those rows' sums raced the last stage's stores (H100, 2026-11-27: M 8, KT 128 gave
+        # wrong odd rows, different on every run; docs/kernel_notes.md "The fused norm's race").
+        mu.warpgroup_barrier()
         # rows in batches whose loads and butterfly steps interleave (independent chains in flight)
         for b in range(0, mp, 2 * NORM_BATCH):
             rows = range(b, min(b + 2 * NORM_BATCH, mp))
