@@ -408,6 +408,20 @@ def test_ws_pair_merge(view, window, nc):
         assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(ml)).all()
 
 
+def test_pair_merge_default_follows_the_cta_count():
+    """ws_pair_merge None: on from PAIR_MERGE_MIN_CTAS CTAs per (row, KV head) (the 8B draft at batch
+    1, where it was measured to pay), off below (batch 8, where it cost); a config's True / False wins."""
+    def static(b, s_max, **fields):
+        return ws.static_config(b, 8, 128, 128, 64, s_max, 1, 2, "draft", None, True, False, jnp.float16,
+                                jnp.bfloat16, mg.MgpuConfig(schedule="ws", **fields))
+    big, small = static(1, 4096), static(8, 4096)
+    assert big.NP >= ws.PAIR_MERGE_MIN_CTAS > small.NP
+    assert big.pair_merge and not small.pair_merge
+    assert not static(1, 4096, ws_pair_merge=False).pair_merge and static(8, 4096, ws_pair_merge=True).pair_merge
+    assert not static(1, 4096, num_splits=ws.PAIR_MERGE_MIN_CTAS - 1).pair_merge
+    assert static(8, 4096, num_splits=ws.PAIR_MERGE_MIN_CTAS).pair_merge
+
+
 def test_ws_register_budget():
     """setmaxnreg can only redistribute the registers a CTA launched with: the defaults use at most
     the pool (2 consumers: 4 x 128; 3: 5 x 96), and a budget over it is refused (it would hang)."""

@@ -131,7 +131,8 @@ class MgpuConfig:
     # "ws": prep warpgroups per CTA (block i prepared by i % ws_preps), 1 (default) or 2 (with 2 consumers)
     ws_preps: int | None = None
     # "ws": the last consumer warpgroup of each CTA merges the CTA's partials before the store (one
-    # partial per CTA for the XLA merge instead of one per consumer). None: off (not yet timed on a GPU)
+    # partial per CTA for the XLA merge instead of one per consumer). None: on from
+    # mosaic_gpu_ws.PAIR_MERGE_MIN_CTAS CTAs per (row, KV head) (`pair_merge_default`)
     ws_pair_merge: bool | None = None
     # the split merge, one of MERGES (None: $QSPEC_MGPU_MERGE, else DEFAULT_MERGE); see `merge_heads`
     merge: str | None = None

@@ -172,6 +172,12 @@ def fits(view: str, D: int, G: int, c_max: int, scale_dtype: Any, fp_dtype: Any)
 # per view: fitted to the SmolLM2-shape sweep of num_splits (H100, 2026-11-26, B = 32, 8k: time =
 # waves x (blocks per CTA x t + f); draft t = 0.65 us, f = 4.4 us; verify t = 0.60 us, f = 9.5 us).
 CTA_FIXED_BLOCKS = {"draft": 7, "target": 16}
+# `pair_merge` by default from this many CTAs per (row, KV head) up. The in-kernel merge costs a CTA
+# ~0.4 us (an exchange through L2 and one mbarrier wait); each partial it saves the XLA merge is ~0.11
+# us (H100, 8B draft at 4k, 2026-11-27: batch 1, NP 12: merge 3.5 -> 2.2 us, kernel 8.8 -> 9.3 us per
+# layer, step -32 us; batch 8, NP 2: merge 1.5 -> 1.45 us, kernel +0.45 us, step +13 us). Break-even
+# by those numbers is NP ~4; 8 keeps it to the CTA counts where it was measured to pay.
+PAIR_MERGE_MIN_CTAS = 8
 
 
 def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
@@ -919,6 +925,13 @@ def _build_ws(st: _WsStatic):
     )
 
 
+def pair_merge_default(np_: int, asked: bool | None) -> bool:
+    """Whether the last consumer of each CTA merges the CTA's partials: as asked, else from
+    PAIR_MERGE_MIN_CTAS CTAs per (row, KV head) up. NP depends on the geometry only, so every T of a
+    cache makes the same choice (T-invariance)."""
+    return bool(asked) if asked is not None else np_ >= PAIR_MERGE_MIN_CTAS
+
+
 def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_max: int, view: str,
                   window: int | None, register_a: bool, interpret: bool, scale_dtype: Any, fp_dtype: Any,
                   config: Any) -> _WsStatic:
@@ -971,7 +984,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      pipeline=bool(pipeline),
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
-                     consumers=nc, preps=npr, pair_merge=bool(config.ws_pair_merge),
+                     consumers=nc, preps=npr, pair_merge=pair_merge_default(np_, config.ws_pair_merge),
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
 
 

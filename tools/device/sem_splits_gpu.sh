@@ -45,7 +45,8 @@ if stage model; then
                 [global]="QSPEC_MGPU_MERGE=global" [pairwise]="QSPEC_MGPU_MERGE=pairwise"
                 [a8_global]="QSPEC_MGPU_MERGE=global --attn-splits draft=8"
                 [a8_pairwise]="QSPEC_MGPU_MERGE=pairwise --attn-splits draft=8"
-                [pm]="--attn-config ws_pair_merge=1" [pm_a8]="--attn-config ws_pair_merge=1 --attn-splits draft=8")
+                [pm]="--attn-config ws_pair_merge=1" [pm_a8]="--attn-config ws_pair_merge=1 --attn-splits draft=8"
+                [nopm]="--attn-config ws_pair_merge=0")
   for item in ${VARIANTS:-base sem3 sem3_a4 sem3_a8}; do
     tag=${item%@*} ctx=4096
     [[ $item == *@* ]] && ctx=${item#*@}
