@@ -783,8 +783,9 @@ def _norm_finish(m: int, mp: int):
     """inline_mgpu function, producer warpgroup, after the last stage: (part_ref float32 [M, 128],
     ssw_ref float32 [4, M_pad], ss_ref float32 [64, M_pad]) -> ss[n, r] = sum_t part[r, t] for
     every n (0 for padding rows r >= M), after a warpgroup barrier (the stages' slots of a row
-    belong to other threads than the ones that sum them): per warp a butterfly over its 32 lanes (every lane ends
-    with the same bits: float addition is commutative), then warps 0 + 1 + 2 + 3 in that order.
+    belong to other threads than the ones that sum them): per warp a butterfly over its 32 lanes
+    (every lane ends with the same bits: float addition is commutative), then warps 0 + 1 + 2 + 3
+    in that order.
     ss has the accumulator's shape, so the consumers load it in the WGMMA layout."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType()))
