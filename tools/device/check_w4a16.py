@@ -29,6 +29,11 @@ import tarfile
 import time
 
 sys.path.insert(0, os.getcwd())
+if "--cpu-dry-run" in sys.argv:  # before JAX starts: the interpreter's barrier callbacks need a thread pool that
+    # grows with the host device count, else blocked warpgroups can starve the one that must arrive
+    # (a deadlock of the simulation, not of the kernel; tests/helpers/subproc.py run_in_child)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
