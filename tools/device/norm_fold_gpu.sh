@@ -6,6 +6,7 @@
 # back), and the GPU exactness check of the new formula.
 #   BASE=tools/device/_ab/base (a copy of HEAD's qspec_jax/ and pallas_kernels/, carried)
 #   cd <repo> && OUT=/tmp/out bash tools/device/norm_fold_gpu.sh
+#   ITEMS="base fold" SHAPE=smollm2 BATCH=32 CTX=8192 PROGS=ar_loop,spec_loop TAG=_smol ...: other geometries
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -15,8 +16,9 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/gpu.txt
 prof() {  # tag, source dir, programs, [env ...]
   local tag=$1 src=$2 progs=$3
   shift 3
-  (cd $src && env "$@" PYTHONPATH=. timeout ${LIMIT:-240} python3 -m qspec_jax.cli.bench profile --batch 1 \
-    --contexts 4096 --programs $progs --verify-t 5 --steps 8 --trials 3 --out $OUT/p_$tag) 2>&1 \
+  (cd $src && env "$@" PYTHONPATH=. timeout ${LIMIT:-240} python3 -m qspec_jax.cli.bench profile --batch ${BATCH:-1} \
+    --shape ${SHAPE:-llama3-8b} --contexts ${CTX:-4096} --programs $progs --verify-t 5 --steps 8 --trials 3 \
+    --out $OUT/p_$tag) 2>&1 \
     | grep -v "^W[0-9]" > $OUT/profile_$tag.log
   grep -E "^==|^   (linear|attention|glue) |\[glue\]" $OUT/profile_$tag.log | head -${HEAD:-60}
   rm -rf $OUT/p_$tag/traces
@@ -24,8 +26,8 @@ prof() {  # tag, source dir, programs, [env ...]
 }
 for item in ${ITEMS:-base fold pdl nopdl exact}; do
   case $item in
-    base) prof base $BASE ${PROGS:-ar_bf16,verify,ar_loop,spec_loop} ;;
-    fold) prof fold $ROOT ${PROGS:-ar_bf16,verify,ar_loop,spec_loop} ;;
+    base) prof base${TAG:-} $BASE ${PROGS:-ar_bf16,verify,ar_loop,spec_loop} ;;
+    fold) prof fold${TAG:-} $ROOT ${PROGS:-ar_bf16,verify,ar_loop,spec_loop} ;;
     pdl) prof pdl $ROOT draft QSPEC_W4A16_PDL=1 ;;
     nopdl) prof nopdl $ROOT draft ;;
     exact) PYTHONPATH=. timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py 2>&1 | grep -v "^W[0-9]" \
