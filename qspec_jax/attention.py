@@ -365,9 +365,21 @@ def attention_inputs(q: Any, q_pos: Array, cache: DenseKVCache | QuantSpecCache,
     return pallas_kernels.attention_inputs(q, q_pos, cache, view=view, impl=_kernel_impl(impl))
 
 
+def query_operand_shape(q: Any, cache: DenseKVCache | QuantSpecCache, view: str,
+                        impl: str) -> tuple[int, ...] | None:
+    """The shape of the prepared query operand (`cache_attention(q_operand=...)`) this pass's
+    kernel takes instead of q [B, T, Hq, D] (an array or its ShapeDtypeStruct), or None where
+    `impl` resolves to no kernel that takes one."""
+    if not uses_kernels(impl):
+        return None
+    import pallas_kernels
+
+    return pallas_kernels.query_operand_shape(q, cache, view=view, impl=_kernel_impl(impl))
+
+
 def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache, layer: Array,
                     view: str, impl: str, sliding_window: int | None, mesh: Any = None,
-                    inputs: dict[str, Array] | None = None) -> Array:
+                    inputs: dict[str, Array] | None = None, q_operand: Array | None = None) -> Array:
     """Attention of new queries over one layer of `cache` (which already holds their K/V).
 
     `impl` is ModelConfig.attention_impl: "pallas" uses `pallas_kernels` (Mosaic GPU kernels on
@@ -375,13 +387,17 @@ def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache
     above, "auto" picks the kernels on GPU and the jnp code elsewhere. With a tensor-parallel
     `mesh` the kernel runs per device on its local heads; the jnp code is partitioned by XLA.
     `inputs`: `attention_inputs(...)` of this pass (None: the kernels compute them per call).
+    `q_operand`: the queries already in the kernel's operand layout (`query_operand_shape`), as
+    the draft's fused qkv kernel writes them; q then gives only the shapes (single device).
     """
+    if q_operand is not None and (mesh is not None and mesh.size > 1 or not uses_kernels(impl)):
+        raise ValueError("q_operand: only the single-device Mosaic attention kernel takes a prepared query operand")
     if uses_kernels(impl):
         import pallas_kernels  # imported lazily: the CPU path needs no Triton
 
         def attend(q, q_pos, cache, layer, inputs):
             return pallas_kernels.cache_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
-                                                  impl=_kernel_impl(impl), inputs=inputs)
+                                                  impl=_kernel_impl(impl), inputs=inputs, q_operand=q_operand)
 
         if mesh is not None and mesh.size > 1:
             return spmd.sharded_cache_attention(attend, mesh, q, q_pos, cache, layer, inputs)

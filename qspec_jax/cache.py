@@ -311,11 +311,16 @@ class QuantSpecCache:
         return self.replace(q_len=q.astype(jnp.int32), fp_len=(lengths - q).astype(jnp.int32),
                             fp_start=jnp.zeros_like(self.fp_start))
 
-    def append_layer(self, layer: Array, k: Array, v: Array) -> "QuantSpecCache":
-        """Writes K/V [B, Hkv, T, D] of T new tokens into the ring slots after the committed ones."""
-        t = k.shape[2]
+    def append_slots(self, t: int) -> Array:
+        """int32[B, T]: the ring slots of T new tokens after each row's committed ones."""
         j = self.fp_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        slots = (self.fp_start[:, None] + j) % self.ring_size
+        return ((self.fp_start[:, None] + j) % self.ring_size).astype(jnp.int32)
+
+    def append_layer(self, layer: Array, k: Array, v: Array) -> "QuantSpecCache":
+        """Writes K/V [B, Hkv, T, D] of T new tokens into the ring slots after the committed ones
+        (`append_slots`)."""
+        t = k.shape[2]
+        slots = self.append_slots(t)
         one = t == 1  # a single slot never wraps around the ring
         return self.replace(k_fp=_scatter_rows(self.k_fp, layer, slots, k, contiguous=one),
                             v_fp=_scatter_rows(self.v_fp, layer, slots, v, contiguous=one))

@@ -127,6 +127,47 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
+QKV_CACHE_ENV = "QSPEC_QKV_CACHE"  # "0": the draft's q|k|v through `linear` and XLA's rope and cache writes again
+
+
+def qkv_cache_fusable(w: Any, int4_impl: str, rows: int, head_dim: int) -> bool:
+    """Whether `qkv_into_cache` runs for the draft's fused q|k|v weight `w` at `rows` batch rows:
+    where its norm fuses (`fusable(norm=True)`), heads of the kernel's 128 channels (one head per
+    CTA of two warpgroups; SmolLM2's 64 keeps the XLA rope), and QSPEC_QKV_CACHE is not 0."""
+    from pallas_kernels.linear.mosaic_gpu import QKV_HEAD_DIM
+
+    return (head_dim == QKV_HEAD_DIM and os.environ.get(QKV_CACHE_ENV, "1") == "1"
+            and fusable(w, int4_impl, rows, norm=True))
+
+
+def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Array, Array]:
+    """What every layer's `qkv_into_cache` of one decode pass shares, computed once outside the
+    layer loop: the RoPE table of positions int32 [B] (one token per row;
+    `pallas_kernels.linear.mosaic_gpu.rope_table`) and the ring slots int32 [B] padded to the
+    kernel's rows."""
+    from pallas_kernels.linear.mosaic_gpu import rope_table, rows_for
+
+    b = positions.shape[0]
+    return rope_table(positions, jnp.asarray(inv_freq, jnp.float32)), jnp.pad(slots, (0, rows_for(b) - b))
+
+
+def qkv_into_cache(x: Array, w: Any, *, int4_impl: str, norm: Any, norm_eps: float, rope: Array, slots: Array,
+                   q_buf: Array, k_ring: Array, v_ring: Array) -> tuple[Array, Array, Array]:
+    """The draft's normed q|k|v product, RoPE'd and written where the decode attention reads it,
+    in one Mosaic kernel (`pallas_kernels.linear.int4_qkv_cache`; `qkv_cache_fusable` says
+    where): x [B, 1, D] (one token per row), w a StackedLayer of the fused weight, `norm` the
+    attention norm (a StackedLayer read in place); rope, slots, q_buf, k_ring, v_ring as that
+    entry takes them. Returns the updated (q_buf, k_ring, v_ring)."""
+    inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
+    if isinstance(norm, StackedLayer):
+        norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
+    from pallas_kernels.linear import int4_qkv_cache
+
+    return int4_qkv_cache(x, inner, backend="interpret" if int4_impl == "interpret" else "mosaic", layer=layer,
+                          rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring, norm_weight=norm,
+                          norm_eps=norm_eps)
+
+
 def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto", out_dtype: Any = None,
            mesh: Any = None, row_parallel: bool = False, norm: Any = None, norm_eps: float = 1e-5,
            swiglu: bool = False, residual: Array | None = None) -> Array:

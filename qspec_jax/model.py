@@ -20,10 +20,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from qspec_jax.attention import attention_inputs, cache_attention, chunk_attention, prefill_attention, prefill_impl
+from qspec_jax.attention import (
+    attention_inputs,
+    cache_attention,
+    chunk_attention,
+    prefill_attention,
+    prefill_impl,
+    query_operand_shape,
+)
 from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
-from qspec_jax.linear import StackedLayer, fusable, keep_stacked, kernel_layout_wanted, linear, to_kernel_layout
+from qspec_jax.linear import (
+    StackedLayer,
+    fusable,
+    keep_stacked,
+    kernel_layout_wanted,
+    linear,
+    qkv_cache_fusable,
+    qkv_into_cache,
+    qkv_pass_inputs,
+    to_kernel_layout,
+)
 from qspec_jax.weight_quant import QuantizedWeight
 
 Array = jax.Array
@@ -527,6 +544,9 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     q_struct = jax.ShapeDtypeStruct((b, w, cfg.num_heads, cfg.head_dim), x.dtype)
     inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
     fusion = _draft_fusion(params, b * w)
+    q_operand = _qkv_cache_operand(params, fusion, cache, view, q_struct)
+    if q_operand is not None:
+        return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, q_operand, t)
 
     def layer(lp, x, cache, i):
         q, k, v = _qkv(cfg, lp, x, positions, params.mesh, fused_norm=fusion.norm)
@@ -537,4 +557,45 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
 
     x, cache = _scan_layers(params, x, cache, layer, stack_norms=fusion.norm)
     # The lm_head runs over all `width` columns too (its shape must not depend on T).
+    return _logits(params, x)[:, :t], cache.advance(t)
+
+
+def _qkv_cache_operand(params: Params, fusion: LayerFusion, cache: Cache, view: str,
+                       q_struct: jax.ShapeDtypeStruct) -> tuple[int, ...] | None:
+    """The attention's query operand shape where `decode` runs the draft's q|k|v into the cache
+    in one kernel (`_decode_qkv_cache`): the fused draft layer (`fusion.norm`) decoding one token
+    per row over a QuantSpecCache with a bf16 ring, heads the kernel takes
+    (`linear.qkv_cache_fusable`) and an attention kernel that takes a prepared query operand.
+    Else None."""
+    cfg = params.config
+    b, t = q_struct.shape[:2]
+    if not (fusion.norm and t == 1 and isinstance(cache, QuantSpecCache) and cache.k_fp.dtype == jnp.bfloat16
+            and qkv_cache_fusable(params.layers.wqkv, cfg.int4_matmul_impl, b, cfg.head_dim)):
+        return None
+    return query_operand_shape(q_struct, cache, view, cfg.attention_impl)
+
+
+def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: QuantSpecCache, view: str,
+                      inputs: Any, fusion: LayerFusion, q_struct: jax.ShapeDtypeStruct,
+                      q_operand: tuple[int, ...], t: int) -> tuple[Array, Cache]:
+    """`decode`'s layer loop with each layer's attention norm, q|k|v product, RoPE, query operand
+    and ring writes in one kernel (`linear.qkv_into_cache`): the same function as the unfused
+    layer (`_qkv`, `append_layer`, the attention's own query preparation) up to where the fused
+    kernel rounds. The query operand [B, Hkv, D, CN] rides in the loop's carry: each layer
+    writes its columns in place, the padding columns stay the zeros they start as."""
+    cfg = params.config
+    rope, slots = qkv_pass_inputs(positions[:, 0], cache.append_slots(1)[:, 0], rope_inv_freq(cfg))  # once per pass
+
+    def layer(lp, x, carry, i):
+        cache, q_buf = carry
+        q_buf, k_fp, v_fp = qkv_into_cache(x, lp.wqkv, int4_impl=cfg.int4_matmul_impl, norm=lp.attn_norm,
+                                           norm_eps=cfg.rms_norm_eps, rope=rope, slots=slots, q_buf=q_buf,
+                                           k_ring=cache.k_fp, v_ring=cache.v_fp)
+        cache = cache.replace(k_fp=k_fp, v_fp=v_fp)
+        attn = cache_attention(q_struct, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
+                               inputs=inputs, q_operand=q_buf)
+        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh, fusion)[0], (cache, q_buf)
+
+    q_buf = jnp.zeros(q_operand, jnp.bfloat16)
+    x, (cache, _) = _scan_layers(params, x, (cache, q_buf), layer, stack_norms=True)
     return _logits(params, x)[:, :t], cache.advance(t)

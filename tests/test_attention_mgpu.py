@@ -656,6 +656,35 @@ def test_per_pass_inputs_match_per_call_ones():
                            inputs=other)
 
 
+def test_prepared_query_operand_gives_the_same_bits():
+    """`cache_attention(q_operand=...)` (the draft's fused qkv kernel writes the warp-specialized
+    kernel's query operand itself) computes the same bits as the call that prepares it from q:
+    the operand laid out by `query_operand_shape`'s rule (column r of KV head h = query head
+    h n_rep + r, padding zero), q then used for shapes only; a wrong operand shape, the legacy
+    schedule and the Triton kernel refuse it. T = 1, the draft view."""
+    cache = shared_cache(128, 64, 3)
+    q, q_pos = _queries(jax.random.PRNGKey(22), cache, 1, 6, 128)
+    b, t, hq, d = q.shape
+    hkv = cache.k_hi.shape[2]
+    shape = pk.query_operand_shape(q, cache, view="draft", impl="mosaic")
+    assert shape == mg.query_operand_shape(q.shape, hkv) == (b, hkv, d, mg.column_tiles(hq // hkv, 1) * mg.NT)
+    op = jnp.swapaxes(q.reshape(b, hkv, hq // hkv, d), 2, 3)  # [B, Hkv, D, n_rep]
+    op = jnp.pad(op, ((0, 0), (0, 0), (0, 0), (0, shape[3] - hq // hkv)))
+    f = jax.jit(lambda q, p, c, o: pk.cache_attention(q, p, c, jnp.int32(1), view="draft", impl="mosaic",
+                                                      interpret=True, q_operand=o))
+    want = f(q, q_pos, cache, None)
+    got = f(jax.ShapeDtypeStruct(q.shape, q.dtype), q_pos, cache, op)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert _relerr(got, _ref(q, q_pos, cache, jnp.int32(1), "draft")) < 2e-2
+    with pytest.raises(ValueError, match="q_operand must be"):
+        f(q, q_pos, cache, op[..., :-1])
+    with pytest.raises(ValueError, match="warp-specialized"):
+        mg.quantized_decode_attention_mgpu(q, q_pos, cache, 1, view="draft", interpret=True, q_operand=op,
+                                           config=mg.MgpuConfig(register_a=False, schedule="legacy"))
+    with pytest.raises(ValueError, match="Mosaic"):
+        pk.cache_attention(q, q_pos, cache, 1, view="draft", impl="triton", interpret=True, q_operand=op)
+
+
 # ----------------------------------------------------------------------------- CUDA lowering
 LOWER_SCRIPT = textwrap.dedent("""
     import sys

@@ -161,3 +161,60 @@ def test_target_path_is_unchanged(monkeypatch):
         assert M._draft_fusion(params, 4) == M.LayerFusion()
         out[flag] = np.asarray(M.decode(params, toks, cache, view="target")[0])
     np.testing.assert_array_equal(out["0"], out["1"])
+
+
+# Heads of the qkv kernel's 128 channels (`linear.qkv_cache_fusable`): q|k|v 2 + 1 + 1 heads.
+CFG128 = CFG.replace(num_heads=2, num_kv_heads=1, head_dim=128)
+
+
+def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monkeypatch):
+    """With 128-channel heads the draft's decode runs norm, q|k|v product, RoPE, the attention's
+    query operand and the ring writes in one kernel (`linear.qkv_into_cache`, here through its
+    reference), the operand riding in the layer loop's carry: the same logits and rings as the
+    unfused layer (QSPEC_QKV_CACHE=0) up to the bf16 roundings the fusion moves, and the ring
+    slots the unfused path leaves alone untouched. The attention is the model's reference,
+    handed the operand turned back into queries."""
+    from pallas_kernels.decode_attention import mosaic_gpu as mgd
+
+    params = M.init_random_params(CFG128, jax.random.PRNGKey(0), scale=0.1)
+    draft = M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
+    qkv_calls, operands = [], []
+    real_qkv = plinear.int4_qkv_cache
+
+    def fake_qkv(*a, backend, **kw):
+        qkv_calls.append(backend)
+        return real_qkv(*a, backend="reference", **kw)
+
+    real_attention = M.cache_attention
+
+    def attention(q, q_pos, cache, layer, view, impl, sliding_window, mesh=None, inputs=None, q_operand=None):
+        if q_operand is not None:  # [B, Hkv, D, CN]: column r of KV head h is query head h n_rep + r
+            b, t, hq, d = q.shape
+            n_rep = hq // q_operand.shape[1]
+            operands.append(q_operand)
+            q = jnp.swapaxes(q_operand[..., :n_rep], 2, 3).reshape(b, t, hq, d)
+        return real_attention(q, q_pos, cache, layer, view, impl, sliding_window, mesh=mesh, inputs=inputs)
+
+    monkeypatch.setattr(plinear, "int4_qkv_cache", fake_qkv)
+    monkeypatch.setattr(M, "cache_attention", attention)
+    monkeypatch.setattr(M, "query_operand_shape", lambda q, cache, view, impl: mgd.query_operand_shape(
+        q.shape, cache.k_hi.shape[2]))
+    cache = synthetic.random_quant_cache(CFG128, 3, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
+    toks = jnp.asarray([[3], [4], [5]], jnp.int32)
+    monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "1")
+    on, on_cache = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
+    assert qkv_calls == ["interpret"] and len(operands) == 1
+    monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "0")
+    off, off_cache = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
+    assert qkv_calls == ["interpret"]  # the unfused trace took the XLA rope and writes
+    assert _rel(on, off) < 2e-2
+    assert (np.argmax(np.asarray(on), -1) == np.argmax(np.asarray(off), -1)).mean() >= 0.5
+    slots = np.asarray(cache.append_slots(1)[:, 0])
+    for name in ("k_fp", "v_fp"):
+        a, b, orig = (np.asarray(getattr(c, name), np.float32) for c in (on_cache, off_cache, cache))
+        rows = np.arange(3)
+        assert _rel(a[:, rows, :, slots], b[:, rows, :, slots]) < 2e-2, name
+        keep = np.ones(a.shape, bool)
+        keep[:, rows, :, slots] = False
+        np.testing.assert_array_equal(a[keep], orig[keep])
+    np.testing.assert_array_equal(np.asarray(on_cache.fp_len), np.asarray(off_cache.fp_len))

@@ -375,3 +375,134 @@ def test_fused_inline_ptx_assembles():
         r = subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(Path(d) / "t.cubin")], capture_output=True,
                            text=True)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ the qkv epilogue (Epilogue.qkv)
+def _qkv_case(seed: int, b: int, hq: int, hkv: int, n_layers: int = 2, ring: int = 32, cn: int = 16, k: int = 128):
+    """A stacked q|k|v weight of 128-channel heads, x, norm weights, positions, slots and
+    random query operand and rings (so that untouched elements are recognisable)."""
+    rng = np.random.default_rng(seed)
+    n = (hq + 2 * hkv) * mg.QKV_HEAD_DIM
+    p = lay.pack_quantized(_qweight(seed, (n_layers,), k, n, 32))
+    x = _x(seed + 1, b, k)
+    gw = jnp.asarray(1.0 + 0.3 * rng.standard_normal((n_layers, k)).astype(np.float32)).astype(jnp.bfloat16)
+    pos = jnp.asarray(rng.integers(0, 100_000, b), jnp.int32)
+    slots = jnp.asarray(rng.permutation(ring)[:b], jnp.int32)
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(jnp.bfloat16)  # noqa: E731
+    return p, x, gw, pos, slots, bf(b, hkv, 128, cn), bf(n_layers, b, hkv, ring, 128), bf(n_layers, b, hkv, ring, 128)
+
+
+def _inv_freq(theta: float = 500_000.0) -> jnp.ndarray:
+    return jnp.asarray(1.0 / theta ** (np.arange(0, 128, 2) / 128), jnp.float32)
+
+
+def test_qkv_epilogue_matches_reference():
+    """The qkv epilogue (norm, product, RoPE, query operand, ring writes) in GPU interpret mode
+    against `qkv_cache_reference`: each written element within one bf16 step of the float32
+    reference (plus the float32 summation order near zero), every other element untouched;
+    query heads land in column r of their KV head, keys and values in each row's slot of the
+    asked layer only. In a child with 8 host devices."""
+    _child("_case_qkv_cache")
+
+
+def _case_qkv_cache() -> None:
+    b, hq, hkv = 3, 4, 2
+    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(7, b, hq, hkv)
+    rope = mg.rope_table(pos, _inv_freq())
+    cfg = mg.MgpuConfig(wgs=2, k_tile=64, splits=1, stages=2)
+    layer = jnp.int32(1)
+    got = mg.int4_qkv_cache_mgpu(x, p, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+                                 norm_weight=gw, config=cfg, interpret=True)
+    wb = lay.dequantize_bf16(p).astype(jnp.float32)[1]
+    want = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+                                  norm_weight=gw[1])
+    for name, a, r, orig in zip(("q_buf", "k_ring", "v_ring"), got, want, (qb, kr, vr)):
+        a, r, orig = (np.asarray(t, np.float32) for t in (a, r, orig))
+        written = r != orig
+        assert written.any(), name
+        np.testing.assert_array_equal(a[~written], orig[~written], err_msg=name)  # nothing else touched
+        # one bf16 step (the twin's float32 sums run in another order) plus that order near zero
+        assert (np.abs(a - r) <= 2.0 ** -7 * np.abs(r) + 2.0 ** -10 * np.abs(r).max()).all(), name
+    # where the reference writes: query columns 0..n_rep-1 of each KV head; layer 1, the rows' slots
+    q_cols = np.nonzero((np.asarray(want[0], np.float32) != np.asarray(qb, np.float32)).any(axis=(0, 1, 2)))[0]
+    assert set(q_cols) <= set(range(hq // hkv))
+    k_w = np.argwhere((np.asarray(want[1], np.float32) != np.asarray(kr, np.float32)).any(axis=(2, 4)))
+    assert {(int(layer_), int(row), int(slot)) for layer_, row, slot in k_w} <= {
+        (1, i, int(slots[i])) for i in range(b)}
+
+
+def test_rope_table_is_the_models_rope():
+    """`rope_table`'s cos and sin rotate exactly as `model.apply_rope` (bitwise, float32), so the
+    fused and unfused drafts rope with the same angles."""
+    from qspec_jax import model as M
+
+    pos = jnp.asarray([0, 7, 4095, 131_071, 1_000_000], jnp.int32)
+    inv = _inv_freq()
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 1, 1, 128), jnp.float32)
+    want = M.apply_rope(x, pos[:, None], np.asarray(inv))
+    cs = mg.rope_table(pos, inv)
+    cos, sin = cs[0, :, :5].T[:, None, None], cs[1, :, :5].T[:, None, None]
+    x1, x2 = x[..., :64], x[..., 64:]
+    got = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert cs.shape == (2, 64, 8) and float(jnp.abs(cs[:, :, 5:] - jnp.asarray([1.0, 0.0])[:, None, None]).max()) == 0
+
+
+def test_qkv_epilogue_bad_inputs_raise():
+    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(3, 2, 2, 1)
+    rope = mg.rope_table(pos, _inv_freq())
+    kw = dict(layer=0, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=gw, interpret=True)
+    with pytest.raises(ValueError, match="one token per batch row"):
+        mg.int4_qkv_cache_mgpu(_x(1, 3, 128), p, **kw)
+    with pytest.raises(ValueError, match="q_buf"):
+        mg.int4_qkv_cache_mgpu(x, p, **{**kw, "q_buf": qb[:, :, :64]})
+    with pytest.raises(ValueError, match="k_ring"):
+        mg.int4_qkv_cache_mgpu(x, p, **{**kw, "v_ring": vr[:, :, :, :16]})
+    with pytest.raises(ValueError, match="slots"):
+        mg.int4_qkv_cache_mgpu(x, p, **{**kw, "slots": slots.astype(jnp.float32)})
+    with pytest.raises(ValueError, match="rope"):
+        mg.int4_qkv_cache_mgpu(x, p, **{**kw, "rope": rope[:, :32]})
+    with pytest.raises(ValueError, match="wgs=2"):
+        mg.int4_qkv_cache_mgpu(x, p, config=mg.MgpuConfig(wgs=1, k_tile=64), **kw)
+    with pytest.raises(ValueError, match="heads"):
+        mg.int4_qkv_cache_mgpu(x, lay.pack_quantized(_qweight(5, (2,), 128, 320, 32)), **kw)
+
+
+QKV_LOWER_SCRIPT = r'''
+import jax, jax.numpy as jnp
+from pallas_kernels.linear import layout as lay, mosaic_gpu as mg
+S = jax.ShapeDtypeStruct
+def W(lead, k, n, g=32):
+    c = max(64, g)
+    return lay.W4A16Packed(qw=S((*lead, n // 64, k // 64, 128, 4), jnp.uint32),
+                           sz=S((*lead, n // 64, k // c, 64 * c // g), jnp.uint32), group_size=g)
+n_ok = 0
+for b in (1, 3, 8, 24):
+    L, hq, hkv, R, CN, K = 4, 32, 8, 288, 16, 4096
+    n = (hq + 2 * hkv) * 128
+    args = (S((b, K), jnp.bfloat16), W((L,), K, n), S((L, K), jnp.bfloat16), S((), jnp.int32),
+            S((2, 64, mg.rows_for(b)), jnp.float32), S((b,), jnp.int32), S((b, hkv, 128, CN), jnp.bfloat16),
+            S((L, b, hkv, R, 128), jnp.bfloat16), S((L, b, hkv, R, 128), jnp.bfloat16))
+    for cfg in (None, mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="cluster", tma_view="wide")):
+        f = lambda x, w, g, l, cs, sl, q, k, v: mg.int4_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q,
+                                                                      k_ring=k, v_ring=v, norm_weight=g, config=cfg,
+                                                                      interpret=False)
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "output_operand_aliases" in text
+        n_ok += 1
+print("ALL OK", n_ok, jax.__version__)
+'''
+
+
+def test_qkv_epilogue_lowers_for_cuda():
+    """The qkv epilogue (one CTA and the cluster sum, 1 to 24 rows, the 8B heads) lowers to a
+    Mosaic GPU custom call whose outputs alias the query operand and the rings (jax 0.10 here)."""
+    r = subproc.run_script(sys.executable, QKV_LOWER_SCRIPT)
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(subproc.jax011_python() is None, reason="no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")
+def test_qkv_epilogue_lowers_for_cuda_jax011():
+    """Same, under jax 0.11 (the device's version)."""
+    r = subproc.run_script(subproc.jax011_python(), QKV_LOWER_SCRIPT)
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -8,7 +8,14 @@
   every kernel test (CPU interpret mode and the GPU check script `tools/device/check_attention.py`).
 """
 
-from pallas_kernels.decode_attention.api import IMPLS, attention_inputs, cache_attention, choose_impl, is_hopper
+from pallas_kernels.decode_attention.api import (
+    IMPLS,
+    attention_inputs,
+    cache_attention,
+    choose_impl,
+    is_hopper,
+    query_operand_shape,
+)
 from pallas_kernels.decode_attention.mosaic_gpu import MgpuConfig, quantized_decode_attention_mgpu
 from pallas_kernels.decode_attention.triton import (
     KernelConfig,
@@ -30,5 +37,6 @@ __all__ = [
     "merge_partials",
     "quantized_decode_attention",
     "quantized_decode_attention_mgpu",
+    "query_operand_shape",
     "rows_for",
 ]

@@ -45,6 +45,21 @@ def choose_impl(impl: str, q: Array, cache: Any, view: str) -> str:
     return "mosaic" if ok else "triton"
 
 
+def query_operand_shape(q: Any, cache: Any, *, view: str, impl: str = "auto") -> tuple[int, ...] | None:
+    """The prepared query operand `cache_attention(q_operand=...)` takes for queries q [B, T, Hq, D]
+    (an array or a ShapeDtypeStruct) over a QuantSpecCache: [B, Hkv, D, CN] bf16 where the call
+    runs the Mosaic kernel's warp-specialized schedule, else None (q it is)."""
+    from qspec_jax.cache import QuantSpecCache  # lazy: keeps this module light
+
+    if not isinstance(cache, QuantSpecCache) or choose_impl(impl, q, cache, view) != "mosaic":
+        return None
+    from pallas_kernels.decode_attention import mosaic_gpu as mg
+
+    if not mg.takes_query_operand(q.shape, cache, view):
+        return None
+    return mg.query_operand_shape(q.shape, cache.k_hi.shape[2])
+
+
 def attention_inputs(q: Any, q_pos: Array, cache: Any, *, view: str = "target", impl: str = "auto") -> dict[str, Array]:
     """The per-pass inputs of the kernel `cache_attention` picks for this call (positions per
     query row, per-row lengths), for a caller that attends every layer of a pass with the same
@@ -64,7 +79,8 @@ def attention_inputs(q: Any, q_pos: Array, cache: Any, *, view: str = "target", 
 
 def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str = "target",
                     sliding_window: int | None = None, interpret: bool | None = None,
-                    config: Any = None, impl: str = "auto", inputs: dict[str, Array] | None = None) -> Array:
+                    config: Any = None, impl: str = "auto", inputs: dict[str, Array] | None = None,
+                    q_operand: Array | None = None) -> Array:
     """Same semantics as `qspec_jax.attention.cache_attention` for both cache types.
 
     QuantSpecCache: `view` "draft" reads the upper planes only (INT4), "target" both (INT8);
@@ -73,6 +89,8 @@ def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, v
     `interpret=None` interprets unless the default backend is a GPU (the Mosaic kernel then
     runs its SMEM-operand twin). DenseKVCache: `view` is ignored (Triton dense kernel).
     `inputs`: `attention_inputs(q, q_pos, cache, view=view, impl=impl)` of this pass, or None.
+    `q_operand`: the queries already in the Mosaic kernel's operand layout (`takes_query_operand`;
+    q then gives only the shapes): QuantSpecCache with the Mosaic kernel only.
     """
     from qspec_jax.cache import DenseKVCache, QuantSpecCache  # lazy: keeps this module light
 
@@ -84,9 +102,13 @@ def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, v
 
             return mg.quantized_decode_attention_mgpu(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
                                                       interpret=interpret_default(interpret), config=config,
-                                                      inputs=inputs)
+                                                      inputs=inputs, q_operand=q_operand)
+        if q_operand is not None:
+            raise ValueError("q_operand: only the Mosaic GPU kernel takes a prepared query operand")
         return quantized_decode_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
                                           interpret=interpret, config=config, inputs=inputs)
+    if q_operand is not None:
+        raise ValueError("q_operand: only the Mosaic GPU kernel over a QuantSpecCache takes a prepared query operand")
     if isinstance(cache, DenseKVCache):
         return dense_decode_attention(q, q_pos, cache.k, cache.v, layer, sliding_window=sliding_window,
                                       interpret=interpret, config=config, inputs=inputs)

@@ -772,6 +772,24 @@ def column_tiles(n_rep: int, t: int) -> int:
     return -(-(n_rep * t) // NT)
 
 
+def query_operand_shape(q_shape: tuple[int, ...], hkv: int) -> tuple[int, int, int, int]:
+    """[B, Hkv, D, CN]: the warp-specialized kernel's query operand for queries [B, T, Hq, D]
+    (column n = t * n_rep + r holds query head h n_rep + r of KV head h at token t; the columns
+    past T n_rep are zero)."""
+    b, t, hq, d = q_shape
+    return b, hkv, d, column_tiles(hq // hkv, t) * NT
+
+
+def takes_query_operand(q_shape: tuple[int, ...], cache: Any, view: str, config: MgpuConfig | None = None) -> bool:
+    """Whether `quantized_decode_attention_mgpu` takes this call's queries as a prepared operand
+    (`q_operand=`: the warp-specialized schedule, whose operand is raw bf16) rather than q."""
+    if unsupported_reason(q_shape, cache, view) is not None:
+        return False
+    hkv, d = cache.k_hi.shape[2], 2 * cache.k_hi.shape[4]
+    c_max = column_tiles(q_shape[2] // hkv, max(q_shape[1], cache.gamma_max + 1))
+    return resolve_schedule(config, view, d, cache.group_size, c_max, cache.k_scale.dtype, cache.k_fp.dtype) == "ws"
+
+
 def kernel_inputs(q_pos: Array, cache: Any, n_rep: int) -> dict[str, Array]:
     """The kernel inputs every layer of a decode pass shares, so a model computes them once per
     pass, outside its layer loop (`inputs=` below):
@@ -842,7 +860,7 @@ def merge_heads(o: Array, ml: Array, t: int, n_rep: int, how: str = DEFAULT_MERG
 def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, view: str,
                                     sliding_window: int | None = None, interpret: bool = False,
                                     config: MgpuConfig | None = None, return_partials: bool = False,
-                                    inputs: dict[str, Array] | None = None):
+                                    inputs: dict[str, Array] | None = None, q_operand: Array | None = None):
     """Attention of T query tokens over one layer of a QuantSpecCache (quantized region + ring),
     with the Mosaic GPU kernel. Same semantics as `qspec_jax.attention.quantized_cache_attention`.
 
@@ -851,6 +869,10 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     inputs: `kernel_inputs(q_pos, cache, n_rep)` of this call's q_pos and cache, computed once per
     pass by a caller that attends every layer with the same positions (default: computed here);
     their shapes are checked, their values cannot be.
+    q_operand: the queries already in the warp-specialized kernel's operand layout
+    (`query_operand_shape`, bf16; `takes_query_operand` says when), as the draft's fused qkv
+    kernel writes them; q then only gives the shapes and the output dtype (an array or a
+    jax.ShapeDtypeStruct).
     Returns [B, T, Hq, D] in q's dtype, or the raw partials (o [B, Hkv, P, CN, D], ml
     [B, Hkv, P, 64, CN]; see `merge_heads`) with return_partials.
     """
@@ -891,12 +913,21 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
 
     # Queries: [B, Hkv, D, CN], column n = t * n_rep + r; legacy: float32 pre-scaled by
     # log2(e)/sqrt(D); ws: raw bfloat16 (the scale is folded into the key scales in the kernel).
-    if ws_schedule:
-        qg = q.astype(jnp.bfloat16).reshape(b, t, hkv, n_rep, D)
+    if q_operand is not None:
+        if not ws_schedule:
+            raise ValueError("q_operand: only the warp-specialized schedule takes a prepared query operand")
+        want = query_operand_shape(q.shape, hkv)
+        if q_operand.shape != want or q_operand.dtype != jnp.bfloat16:
+            raise ValueError(f"q_operand must be bfloat16 {want} (query_operand_shape); got {q_operand.dtype} "
+                             f"{q_operand.shape}")
+        qg = q_operand
     else:
-        qg = q.astype(jnp.float32).reshape(b, t, hkv, n_rep, D) * (LOG2E / math.sqrt(D))
-    qg = jnp.transpose(qg, (0, 2, 4, 1, 3)).reshape(b, hkv, D, t * n_rep)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, CN - t * n_rep)))
+        if ws_schedule:
+            qg = q.astype(jnp.bfloat16).reshape(b, t, hkv, n_rep, D)
+        else:
+            qg = q.astype(jnp.float32).reshape(b, t, hkv, n_rep, D) * (LOG2E / math.sqrt(D))
+        qg = jnp.transpose(qg, (0, 2, 4, 1, 3)).reshape(b, hkv, D, t * n_rep)
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, CN - t * n_rep)))
     inputs = inputs if inputs is not None else kernel_inputs(q_pos, cache, n_rep)
     meta, pos = inputs["meta"], inputs["pos"]
     if meta.shape != (B, 3) or pos.shape != (B, pos_width(CN)):

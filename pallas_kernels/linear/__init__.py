@@ -13,8 +13,9 @@ from pallas_kernels.linear.api import (
     dense_linear,
     device_arch,
     int4_linear,
+    int4_qkv_cache,
     pick_backend,
     supports,
 )
 
-__all__ = ["BACKENDS", "dense_linear", "device_arch", "int4_linear", "pick_backend", "supports"]
+__all__ = ["BACKENDS", "dense_linear", "device_arch", "int4_linear", "int4_qkv_cache", "pick_backend", "supports"]

@@ -1,6 +1,7 @@
 """One entry per weight kind for decode-sized linears, dispatching by device.
 
     int4_linear(x, w, backend="auto")   x [..., K] @ W (INT4) -> [..., N]
+    int4_qkv_cache(x, w, backend=...)   the draft's q|k|v written into the attention's inputs
     dense_linear(x, w, backend="auto")  x [..., K] @ W (bf16 [K, N]) -> [..., N]
 
 Backends ("auto" picks by the default device):
@@ -160,6 +161,29 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
         else:  # "xla": the weight in the activation dtype, as the model's XLA path does
             y = jnp.dot(x2, wf.astype(x2.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
     return y.reshape(*lead, n_out)
+
+
+QKV_CACHE_BACKENDS = ("mosaic", "interpret", "reference")
+
+
+def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, slots: Array, q_buf: Array,
+                   k_ring: Array, v_ring: Array, norm_weight: Array | None = None,
+                   norm_eps: float = 1e-5) -> tuple[Array, Array, Array]:
+    """The draft's q|k|v projection written where the decode attention reads it: one kernel for
+    RMSNorm, the INT4 product, RoPE, the query operand and the FP ring writes
+    (`mosaic_gpu.int4_qkv_cache_mgpu` has the shapes). `backend`: "mosaic" (Hopper), "interpret"
+    (its SMEM twin in GPU interpret mode) or "reference" (`mosaic_gpu.qkv_cache_reference`, the
+    oracle: float32 product). x: [B, K] or [B, 1, K]. Returns (q_buf, k_ring, v_ring)."""
+    if backend not in QKV_CACHE_BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {QKV_CACHE_BACKENDS}")
+    k, _, wlead = _int4_shape(w)
+    x2, _ = _flatten(x, k)
+    kw = dict(layer=layer, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring, norm_eps=norm_eps)
+    if backend == "reference":
+        w1 = jax.tree.map(lambda a: a[layer], w) if wlead else w
+        g1 = norm_weight[layer] if norm_weight is not None and norm_weight.ndim == 2 else norm_weight
+        return mg.qkv_cache_reference(x2, lay.dequantize_fields(*_as_fields(w1)), norm_weight=g1, **kw)
+    return mg.int4_qkv_cache_mgpu(x2, _as_packed(w), norm_weight=norm_weight, interpret=backend == "interpret", **kw)
 
 
 def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None,

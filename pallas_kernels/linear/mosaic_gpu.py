@@ -37,7 +37,9 @@ the data. The orders are the same, so all three give the same bits.
 Fused glue (issue 32, `Epilogue`; `epilogue_reference` is its math): the INT4 kernel can fold an
 RMSNorm of x into the product (the producer warpgroup scales each landed x tile and sums x^2),
 return SiLU(gate)·up of a gate | up weight (warpgroups 0 and 1 of a CTA pair the halves), and add
-a residual in its store: the draft layer's glue without XLA kernels between the linears.
+a residual in its store: the draft layer's glue without XLA kernels between the linears. The q|k|v
+product can also RoPE its heads and write them where the decode attention reads them
+(`int4_qkv_cache_mgpu`: the query operand and the FP rings, aliased in and out).
 
 Row invariance (issue 11): every choice above depends on (K, N, G) only, the columns of an MMA
 are independent, and padding rows are zeros (TMA out-of-bounds fill) or never stored, so row i
@@ -146,6 +148,9 @@ class Epilogue:
       silu(gate) up in float32 (silu(a) = a / (1 + exp(-a))), rounded once.
     * `residual`: out = bf16(acc) + res in the output dtype (one rounding of the sum of two
       output-dtype values, i.e. the unfused `linear(x, W) + res` bit for bit).
+    * `qkv` (`QkvCache`): no out [M, N]; the (normed) float32 product of each 128-channel head is
+      RoPE'd (query and key heads, float32, the table's cos and sin) and stored in bf16 into the
+      attention's query operand or the FP rings (`int4_qkv_cache_mgpu`, `qkv_cache_reference`).
 
     The in-kernel parts exchange [64, M_pad] float32 tiles through shared memory in the WGMMA
     layout: untransformed up to M_pad = 24, above in swizzled tiles (`exchange_transforms`; the
@@ -159,16 +164,39 @@ class Epilogue:
     eps: float = 1e-5
     swiglu: bool = False
     residual: bool = False
+    qkv: "QkvCache | None" = None
 
     def __bool__(self) -> bool:
-        return self.norm or self.swiglu or self.residual
+        return self.norm or self.swiglu or self.residual or self.qkv is not None
 
     def replace(self, **kw: Any) -> "Epilogue":
         return dataclasses.replace(self, **kw)
 
     def tag(self) -> str:
         """Kernel-name suffix ("" for the plain kernel)."""
-        return "".join(t for t, on in (("_norm", self.norm), ("_swiglu", self.swiglu), ("_res", self.residual)) if on)
+        return "".join(t for t, on in (("_norm", self.norm), ("_swiglu", self.swiglu), ("_res", self.residual),
+                                       ("_qkvcache", self.qkv is not None)) if on)
+
+
+@dataclasses.dataclass(frozen=True)
+class QkvCache:
+    """Static geometry of the qkv epilogue (`Epilogue.qkv`, `int4_qkv_cache_mgpu`): instead of
+    out [M, N], the kernel writes what the decode attention reads, for M = B rows of one new
+    token each: RoPE'd query heads into the attention's query operand [B, Hkv, 128, CN] (column
+    r of KV head h for query head h n_rep + r, other columns untouched), RoPE'd key heads and the
+    value heads into ring slot `slots[b]` of layer `layer` of the FP rings [L, B, Hkv, R, 128].
+    The weight's columns are q | k | v heads of 128 channels; one CTA (two warpgroups: channels
+    0..63 and 64..127, RoPE's rotate-half pairs) per head."""
+
+    num_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    batch: int  # B = M
+    ring: int  # R, ring slots
+    q_cols: int  # CN, the query operand's columns per KV head (>= Hq / Hkv)
+    layers: int  # L of the rings
+
+
+QKV_HEAD_DIM = 2 * 64  # the qkv epilogue's head dim: one head per CTA of two 64-row warpgroups
 
 
 def auto_fused_rows(epi: Epilogue) -> int:
@@ -264,13 +292,13 @@ def predicted_us(k: int, n: int, group_size: int | None, cfg: MgpuConfig, num_sm
 def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) -> bool:
     """Whether a launch shape can run epilogue `epi` (see `Epilogue`): norm and swiglu need the
     whole K sum inside the kernel (one split, the cluster sum or the last split's "sem" sum);
-    swiglu pairs warpgroups 0 and 1."""
+    swiglu and the qkv epilogue pair warpgroups 0 and 1."""
     if not epi:
         return True
     whole_k = splits == 1 or reduce in ("cluster", "sem")
-    if (epi.norm or epi.swiglu) and not whole_k:
+    if (epi.norm or epi.swiglu or epi.qkv is not None) and not whole_k:
         return False
-    return not epi.swiglu or wgs == 2
+    return not (epi.swiglu or epi.qkv is not None) or wgs == 2
 
 
 # Measured launch shapes that beat the cost model, per device kind (a substring of
@@ -888,6 +916,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     xfull, g_smem, part, ssw, ss_ref, norm_bar = (r.get(k) for k in ("xfull", "g_smem", "part", "ssw", "ss",
                                                                      "norm_bar"))
     res_smem, res_bar, pair, pair_bar = (r.get(k) for k in ("res_smem", "res_bar", "pair", "pair_bar"))
+    cs_gmem, slots_gmem, qbuf, kring, vring = (r.get(k) for k in ("cs", "slots", "qbuf", "kring", "vring"))
+    rpair, rope_bar, seq_bar = (r.get(k) for k in ("rpair", "rope_bar", "seq_bar"))
     nt = lax.axis_index("nt")
     ks = lax.axis_index("ks")
     wg = lax.axis_index("wg")
@@ -1005,6 +1035,9 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         rows' sums of x^2 in the same layout, norm only), then the store."""
         if epi.norm:
             acc = acc * lax.rsqrt(ss * (1.0 / k_total) + epi.eps)
+        if epi.qkv is not None:
+            qkv_store(acc)
+            return
         res = dict(res=res_smem.at[wg], res_bar=res_bar.at[0]) if res_smem is not None else {}
         if not epi.swiglu:
             _store_tile(acc, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret, **res)
@@ -1021,6 +1054,64 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             up = _load_acc(pair, interpret)
             _store_tile(acc / (1.0 + jnp.exp(-acc)) * up, o_smem, out_gmem, wg=wg, col0=nt * lay.ROWS, m=m,
                         interpret=interpret, **res)
+
+    def qkv_store(acc):
+        """Epilogue.qkv: head `nt` (this CTA's 128 columns; warpgroup wg holds channels 64 wg ..
+        64 wg + 63). Both warpgroups exchange their tiles through shared memory (RoPE pairs
+        channel c with c + 64), rotate (query and key heads) and store their own half where the
+        attention reads it (`QkvCache`)."""
+        geo = epi.qkv
+        hq, hkv, dh = geo.num_heads, geo.num_kv_heads, QKV_HEAD_DIM
+        n_rep = hq // hkv
+        head = nt
+        rpair.at[wg][...] = acc if interpret else plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(rope_bar.at[0])  # both halves written (two arrivals) ...
+        plgpu.barrier_wait(rope_bar.at[0])  # ... before either is read
+        other = _load_acc(rpair.at[1 - wg], interpret)
+        load_g = (lambda ref: ref[...]) if interpret else (lambda ref: _load_wgmma(ref, optimized=False))
+        cos, sin = load_g(cs_gmem.at[0]), load_g(cs_gmem.at[1])
+        # rotate-half: channel c < 64 gets x_c cos - x_(c+64) sin, channel c + 64 x_(c+64) cos + x_c sin
+        sign = (2 * wg - 1).astype(jnp.float32)
+        roped = acc * cos + sign * (other * sin)
+        rows = _iota((lay.ROWS, mp), 0, interpret) + wg * lay.ROWS  # channel
+        b = _iota((lay.ROWS, mp), 1, interpret)  # row of x = batch row (one token per row)
+        valid = b < m
+        slot_col = slots_gmem[...] if interpret else _common.load_with_layout(
+            slots_gmem, plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        slot = lax.broadcast_in_dim(slot_col, (lay.ROWS, mp), (1,))
+
+        def ring_offsets(h):  # flat index of ring[layer, b, h, slot[b], channel]
+            return (((layer_idx * geo.batch + b) * hkv + h) * geo.ring + slot) * dh + rows
+
+        def store(vals, offs, dst):
+            offs = jnp.where(valid, offs, -1)
+            if not interpret:
+                _scatter_bf16(vals, offs, dst)
+                return
+            # interpret mode: a whole-ref update, the two warpgroups one after the other
+            @pl.when(wg == 1)
+            def _():
+                plgpu.barrier_wait(seq_bar.at[0])
+
+            flat = dst[...]
+            idx = jnp.where(offs >= 0, offs, flat.shape[0]).reshape(-1)
+            dst[...] = flat.at[idx].set(vals.reshape(-1).astype(flat.dtype), mode="drop")
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.barrier_arrive(seq_bar.at[0])
+
+        @pl.when(head < hq)
+        def _():  # query head: qbuf[b, head // n_rep, channel, head % n_rep]
+            store(roped, ((b * hkv + head // n_rep) * dh + rows) * geo.q_cols + head % n_rep, qbuf)
+
+        @pl.when((head >= hq) & (head < hq + hkv))
+        def _():
+            store(roped, ring_offsets(head - hq), kring)
+
+        @pl.when(head >= hq + hkv)
+        def _():
+            store(acc, ring_offsets(head - hq - hkv), vring)
 
     def finish(acc):
         """A consumer warpgroup after its main loop: publish the cluster partial, store the
@@ -1172,6 +1263,36 @@ def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int
     plgpu.wait_smem_to_gmem(0)
 
 
+def _iota(shape: tuple[int, int], dim: int, interpret: bool) -> Array:
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _scatter_bf16(vals: Array, offs: Array, dst: Any) -> None:
+    """dst[offs[i, j]] = bf16(vals[i, j]) where offs[i, j] >= 0: vals float32 and offs int32, both
+    [64, M_pad] WGMMA arrays; dst a flat bf16 global-memory ref. Each thread stores its own
+    elements (a handful per thread at decode sizes; no relayout, no shared memory)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, scf, vector
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, v, o, ref):
+        del ctx
+        index, i32, bf16 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.BF16Type.get()
+        zero = arith.constant(i32, 0)
+        for vreg, oreg in zip(v.registers.flat, o.registers.flat):
+            for e in range(ir.VectorType(vreg.type).shape[0]):
+                val = vector.extract(vreg, dynamic_position=[], static_position=[e])
+                off = vector.extract(oreg, dynamic_position=[], static_position=[e])
+                branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.sge, off, zero))
+                with ir.InsertionPoint(branch.then_block):
+                    memref.store(arith.truncf(bf16, val), ref, [arith.index_cast(index, off)])
+                    scf.yield_([])
+
+    store(vals, offs, dst)
+
+
 def _cluster_sync() -> None:
     """barrier.cluster arrive (release) + wait (acquire), by every thread of every CTA of the
     cluster: orders the partials' shared-memory stores before the peers' DSMEM reads."""
@@ -1217,7 +1338,9 @@ def _load_row_sums(ss_ref: Any, mp: int, interpret: bool) -> Array:
 def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: int, n: int,
           g: int | None, cfg: MgpuConfig, out_dtype: Any, variant: str, interpret: bool,
           n_layers: int, w_stacked: bool, epi: Epilogue = Epilogue(), norm_weight: Array | None = None,
-          residual: Array | None = None) -> Array:
+          residual: Array | None = None, qkv_operands: dict[str, Any] | None = None) -> Array:
+    """Builds and runs one launch. `qkv_operands` (Epilogue.qkv): the arrays "cs" and "slots" and
+    the refs "qbuf", "kring", "vring" (flat, `jax.new_ref`), which the kernel writes in place."""
     m = x.shape[0]
     mp = rows_for(m)
     kt, wgs, s = cfg.k_tile, cfg.wgs, cfg.splits
@@ -1272,6 +1395,11 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         if epi.swiglu:
             scratch["pair"] = plgpu.SMEM((lay.ROWS, mp), f32, transforms=() if interpret else exchange_transforms(mp))
             scratch["pair_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
+        if epi.qkv is not None:  # the two halves of a head (mp <= 24: plain transfers)
+            scratch["rpair"] = plgpu.SMEM((2, lay.ROWS, mp), f32)
+            scratch["rope_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=2)
+            if interpret:
+                scratch["seq_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
         return scratch
 
     # Pipeline depth: the declaration at 0 and 1 stages gives the other scratch and a stage's.
@@ -1290,8 +1418,10 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     if res_in_kernel:
         inputs["res"] = residual
     g_stacked = epi.norm and norm_weight.ndim == 2
-    if w_stacked or g_stacked:
-        inputs["layer"] = jnp.asarray(layer, jnp.int32).reshape(1)
+    if w_stacked or g_stacked or epi.qkv is not None:
+        inputs["layer"] = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    if epi.qkv is not None:
+        inputs.update(qkv_operands)
     sem_ws = reduce == "sem" and s > 1
     ws_names = (("ws", "wss") if epi.norm else ("ws",)) if sem_ws else ()  # partials (and row sums x^2)
     names = (*inputs, "out", *ws_names, *scratch)
@@ -1310,12 +1440,21 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     out_type = jax.ShapeDtypeStruct(out_shape, o_dtype)
     if sem_ws:
         out_type = (out_type, *[jax.ShapeDtypeStruct((s - 1, n // lay.ROWS, lay.ROWS, mp), f32) for _ in ws_names])
-    call = plgpu.kernel(
-        kernel, out_type=out_type, num_threads=wgs + 1,
-        thread_name="wg", scratch_types=list(scratch.values()),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        kernel_name=f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}{epi.tag()}", **kw)
-    y = call(*inputs.values())
+    name = f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}{epi.tag()}"
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    if epi.qkv is None:
+        call = plgpu.kernel(kernel, out_type=out_type, num_threads=wgs + 1, thread_name="wg",
+                            scratch_types=list(scratch.values()), compiler_params=params, kernel_name=name, **kw)
+        y = call(*inputs.values())
+    else:  # refs among the operands, aliased in and out: pl.kernel (plgpu.kernel's vmap wrapper takes no refs)
+        interp = kw.pop("interpret", False)
+        mesh = plgpu.Mesh(num_threads=wgs + 1, thread_name="wg", kernel_name=name, **kw)
+
+        def body(*refs):
+            pl.run_scoped(functools.partial(kernel, *refs), *scratch.values(), collective_axes="wg")
+
+        y = pl.kernel(body, out_type=(out_type,), mesh=mesh, compiler_params=params, interpret=interp,
+                      name=name)(*inputs.values())[0]
     if sem_ws:
         y = y[0]
     if not whole:  # fixed-order sum of the split-K partials: p[0] + p[1] + ... + p[S-1]
@@ -1431,6 +1570,115 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
                  residual=residual)
 
 
+def rope_table(positions: Array, inv_freq: Array) -> Array:
+    """float32 [2, 64, M_pad]: cos and sin of positions[m] x inv_freq[c], the RoPE angles of the
+    qkv epilogue (`model.apply_rope`'s formula; columns past M are zero angles). positions:
+    int32 [M] (one token per row); inv_freq: float32 [64]."""
+    if inv_freq.shape != (QKV_HEAD_DIM // 2,):
+        raise ValueError(f"inv_freq must be [{QKV_HEAD_DIM // 2}] (head dim {QKV_HEAD_DIM}), got {inv_freq.shape}")
+    m = positions.shape[0]
+    pos = jnp.pad(positions.astype(jnp.float32), (0, rows_for(m) - m))
+    ang = pos[None, :] * jnp.asarray(inv_freq, jnp.float32)[:, None]  # [64, M_pad]
+    return jnp.stack([jnp.cos(ang), jnp.sin(ang)])
+
+
+def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, rope: Array,
+                  slots: Array) -> QkvCache:
+    dh = QKV_HEAD_DIM
+    if k_ring.shape != v_ring.shape or k_ring.ndim != 5 or k_ring.shape[-1] != dh:
+        raise ValueError(f"k_ring, v_ring must both be [L, B, Hkv, R, {dh}]; got {k_ring.shape}, {v_ring.shape}")
+    n_layers, b, hkv, ring, _ = k_ring.shape
+    if n % dh or n // dh <= 2 * hkv:
+        raise ValueError(f"N={n} must be q | k | v heads of {dh} channels with {hkv} KV heads each for k and v")
+    hq = n // dh - 2 * hkv
+    if hq % hkv or q_buf.ndim != 4 or q_buf.shape[:3] != (b, hkv, dh) or q_buf.shape[3] < hq // hkv:
+        raise ValueError(f"q_buf must be [B={b}, Hkv={hkv}, {dh}, CN >= {hq // hkv}] (Hq={hq}); got {q_buf.shape}")
+    if m != b:
+        raise ValueError(f"x has {m} rows; the qkv epilogue takes one token per batch row ({b})")
+    for name, a in (("q_buf", q_buf), ("k_ring", k_ring), ("v_ring", v_ring)):
+        if a.dtype != jnp.bfloat16:
+            raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
+    if rope.shape != (2, dh // 2, rows_for(m)) or rope.dtype != jnp.float32:
+        raise ValueError(f"rope must be float32 [2, {dh // 2}, {rows_for(m)}] (rope_table); got {rope.dtype} "
+                         f"{rope.shape}")
+    if slots.shape not in ((b,), (rows_for(m),)) or slots.dtype != jnp.int32:
+        raise ValueError(f"slots must be int32 [{b}] (or padded to [{rows_for(m)}]), got {slots.dtype} {slots.shape}")
+    return QkvCache(num_heads=hq, num_kv_heads=hkv, batch=b, ring=ring, q_cols=q_buf.shape[3], layers=n_layers)
+
+
+def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
+                        k_ring: Array, v_ring: Array, norm_weight: Array | None = None, norm_eps: float = 1e-5,
+                        config: MgpuConfig | None = None, interpret: bool | None = None,
+                        ) -> tuple[Array, Array, Array]:
+    """The draft's q|k|v projection written where the decode attention reads it (`QkvCache`):
+    RMSNorm (optional, as `int4_matmul_mgpu`), the INT4 product, RoPE of the query and key heads,
+    the queries into the attention's operand and the keys and values into the FP rings, in one
+    kernel that replaces the product's three XLA consumers (query rope + pad, key rope + ring
+    write, value ring write).
+
+    x [B, K] bf16, one new token per row; w the fused weight [K, (Hq + 2 Hkv) 128] (stacked
+    [L, ...] and read at `layer`, or one layer); rope float32 [2, 64, M_pad] (`rope_table` of the
+    rows' positions); slots int32 [B], each row's ring slot (or padded to [M_pad], which a
+    caller looping over layers does once); q_buf bf16 [B, Hkv, 128, CN] (the
+    attention's query operand: column r of KV head h gets query head h n_rep + r, the others
+    are left as they are); k_ring, v_ring bf16 [L, B, Hkv, R, 128] (the cache's `k_fp`, `v_fp`).
+    Returns the updated (q_buf, k_ring, v_ring): the kernel writes them in place (aliased in and
+    out), so a caller that donates or loop-carries them pays no copy. `qkv_cache_reference` is
+    the math."""
+    if not isinstance(w, lay.W4A16Packed):
+        raise TypeError(f"w must be a W4A16Packed (pallas_kernels.linear.layout.pack_*), got {type(w).__name__}")
+    k, n, g = w.k, w.n, w.group_size
+    lay.check_shape(k, n, g)
+    m = _check_x(x, k)
+    geo = _qkv_geometry(m, n, q_buf, k_ring, v_ring, rope, slots)
+    n_lead = len(w.lead)
+    if n_lead > 1 or (n_lead == 1 and w.lead[0] != geo.layers):
+        raise ValueError(f"weight leading dims {w.lead}: one layer, or a stack of the rings' {geo.layers} layers")
+    epi = Epilogue(norm=norm_weight is not None, eps=float(norm_eps), qkv=geo)
+    _check_epilogue(epi, m, k, n, layer, jnp.dtype(jnp.bfloat16), norm_weight, None)
+    interp = _common.interpret_default(interpret)
+    cfg = config or default_config(k, n, g, reduce=reduce_mode(m, interp), epilogue=epi)
+    _check_cfg(cfg, k, n, lay.chunk_cols(g))
+    if not epilogue_allows(epi, cfg.wgs, cfg.splits, cfg.reduce if cfg.splits > 1 else "gmem"):
+        raise ValueError(f"the qkv epilogue needs wgs=2 and the whole K sum in the kernel; got {cfg}")
+
+    def run(x, qw, sz, norm_weight, layer, rope, slots, bufs):
+        # refs in global memory exist only under jit (inside an outer jit this one is inlined)
+        refs = [jax.new_ref(a.reshape(-1), memory_space=plgpu.GMEM) for a in bufs]
+        qw_tma = qw.reshape(*qw.shape[:-2], *TMA_VIEWS[cfg.tma_view])
+        _call("int4", x, (qw_tma, sz), layer, k=k, n=n, g=g, cfg=cfg, out_dtype=jnp.bfloat16,
+              variant="smem" if interp else "mma", interpret=interp, n_layers=w.lead[0] if n_lead else geo.layers,
+              w_stacked=bool(n_lead), epi=epi, norm_weight=norm_weight,
+              qkv_operands=dict(cs=rope, slots=jnp.pad(slots, (0, rows_for(m) - slots.shape[0])), qbuf=refs[0],
+                                kring=refs[1], vring=refs[2]))
+        return tuple(r[...].reshape(a.shape) for r, a in zip(refs, bufs))
+
+    return jax.jit(run)(x, w.qw, w.sz, norm_weight, layer, rope, slots, (q_buf, k_ring, v_ring))
+
+
+def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
+                        k_ring: Array, v_ring: Array, norm_weight: Array | None = None,
+                        norm_eps: float = 1e-5) -> tuple[Array, Array, Array]:
+    """jnp: what `int4_qkv_cache_mgpu` computes, for the weight as its MMA sees it (w [K, N]
+    float32, `lay.dequantize_bf16`): `epilogue_reference`'s float32 product (with the norm),
+    RoPE in float32 with the table's cos and sin, then the bf16 writes."""
+    m = x.shape[0]
+    geo = _qkv_geometry(m, w.shape[1], q_buf, k_ring, v_ring, rope, slots)
+    hq, hkv, dh, half = geo.num_heads, geo.num_kv_heads, QKV_HEAD_DIM, QKV_HEAD_DIM // 2
+    y = epilogue_reference(x, w, Epilogue(norm=norm_weight is not None, eps=float(norm_eps)),
+                           norm_weight=norm_weight, out_dtype=jnp.float32).reshape(m, -1, dh)
+    cos, sin = rope[0, :, :m].T[:, None], rope[1, :, :m].T[:, None]  # [M, 1, 64]
+    x1, x2 = y[..., :half], y[..., half:]
+    roped = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(jnp.bfloat16)
+    q = roped[:, :hq].reshape(m, hkv, hq // hkv, dh)  # [B, Hkv, n_rep, D]
+    q_buf = q_buf.at[:, :, :, :hq // hkv].set(jnp.swapaxes(q, 2, 3))
+    b = jnp.arange(m)
+    slots = slots[:m]
+    k_ring = k_ring.at[layer, b, :, slots].set(roped[:, hq:hq + hkv])
+    v_ring = v_ring.at[layer, b, :, slots].set(y[:, hq + hkv:].astype(jnp.bfloat16))
+    return q_buf, k_ring, v_ring
+
+
 def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = None,
                      config: MgpuConfig | None = None, interpret: bool | None = None) -> Array:
     """x [M, K] bf16 @ W [K, N] bf16 -> [M, N] with row-invariant results (module docstring).
@@ -1451,6 +1699,7 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
 
 
-__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "Epilogue", "MgpuConfig", "auto_fused_rows",
-           "bf16_matmul_mgpu", "default_config", "epilogue_reference", "int4_matmul_mgpu", "interpret_params",
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_HEAD_DIM", "Epilogue", "MgpuConfig",
+           "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu", "default_config", "epilogue_reference",
+           "int4_matmul_mgpu", "int4_qkv_cache_mgpu", "interpret_params", "qkv_cache_reference", "rope_table",
            "rows_for", "tuned_config"]

@@ -1,0 +1,139 @@
+"""GPU check of the draft's fused q|k|v kernel (`mosaic_gpu.int4_qkv_cache_mgpu`, Epilogue.qkv; not in CI).
+
+    PYTHONPATH=. python3 tools/device/qkv_cache_gpu.py [--batches 1,3,8,24] [--layers 4]
+
+1. The kernel at the 8B heads (Hq 32, Hkv 8, D 128, K 4096, a stack of --layers layers, ring 288) with
+   fresh random inputs against `qkv_cache_reference` (float32): every written element within one bf16 step
+   (plus the float32 summation order near zero: BF16_STEP, SUM_ORDER),
+   every other element of the query operand and the rings untouched, two calls bit for bit equal.
+2. The model: one draft decode step of an 8B-shaped model (--layers layers, random weights, a random
+   QuantSpecCache) with the fused kernel (QSPEC_QKV_CACHE=1) and without: logits and rings close, the
+   rings' other slots bit for bit the same. Prints OK / FAIL lines and exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import qspec_jax  # noqa: E402,F401  (XLA flags)
+from pallas_kernels.linear import layout as lay  # noqa: E402
+from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
+
+
+# A written element may differ from the float32 reference by one bf16 rounding step (2^-7 of it:
+# the kernel's float32 sums run in another order, which can move a value across a rounding
+# boundary) plus the float32 order difference itself, which matters only near zero (2^-10 of the
+# buffer's largest value bounds it with room).
+BF16_STEP, SUM_ORDER = 2.0 ** -7, 2.0 ** -10
+
+
+def _bf(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)
+
+
+def check_kernel(b: int, n_layers: int, seed: int) -> bool:
+    rng = np.random.default_rng(seed)
+    hq, hkv, k, ring, cn, g = 32, 8, 4096, 288, 16, 32
+    n = (hq + 2 * hkv) * 128
+    packed = rng.integers(0, 256, (n_layers, k // 2, n), dtype=np.uint8)
+    scale = rng.uniform(0.005, 0.02, (n_layers, k // g, n)).astype(np.float16)
+    zero = rng.uniform(-0.1, 0.0, (n_layers, k // g, n)).astype(np.float16)
+    w = lay.pack_fields(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(zero))
+    x = _bf(rng, b, k)
+    gw = jnp.asarray(1 + 0.3 * rng.standard_normal((n_layers, k)).astype(np.float32)).astype(jnp.bfloat16)
+    pos = jnp.asarray(rng.integers(0, 200_000, b), jnp.int32)
+    slots = jnp.asarray(rng.permutation(ring)[:b], jnp.int32)
+    inv = jnp.asarray(1.0 / 500_000.0 ** (np.arange(0, 128, 2) / 128), jnp.float32)
+    rope = mg.rope_table(pos, inv)
+    qb, kr, vr = _bf(rng, b, hkv, 128, cn), _bf(rng, n_layers, b, hkv, ring, 128), _bf(rng, n_layers, b, hkv, ring, 128)
+    layer = int(rng.integers(0, n_layers))
+    f = jax.jit(lambda x, w, gw, l, rope, slots, qb, kr, vr: mg.int4_qkv_cache_mgpu(
+        x, w, layer=l, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=gw))
+    got = [np.asarray(a, np.float32) for a in f(x, w, gw, jnp.int32(layer), rope, slots, qb, kr, vr)]
+    again = [np.asarray(a, np.float32) for a in f(x, w, gw, jnp.int32(layer), rope, slots, qb, kr, vr)]
+    wf = lay.dequantize_bf16(jax.tree.map(lambda a: a[layer], w)).astype(jnp.float32)
+    want = mg.qkv_cache_reference(x, wf, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+                                  norm_weight=gw[layer])
+    ok = True
+    for name, a, a2, r, orig in zip(("q_buf", "k_ring", "v_ring"), got, again, want, (qb, kr, vr)):
+        r, orig = np.asarray(r, np.float32), np.asarray(orig, np.float32)
+        written = r != orig
+        err = float(np.abs(a - r)[written].max()) if written.any() else 0.0
+        good = (np.array_equal(a[~written], orig[~written]) and np.array_equal(a, a2)
+                and bool((np.abs(a - r) <= BF16_STEP * np.abs(r) + SUM_ORDER * np.abs(r).max()).all()))
+        ok &= good
+        print(f"  {'OK  ' if good else 'FAIL'} kernel B={b} layer {layer} {name}: {int(written.sum())} written, "
+              f"max err {err:.3g}, max |ref| {float(np.abs(r).max()):.3g}, deterministic {np.array_equal(a, a2)}",
+              flush=True)
+    return ok
+
+
+def check_model(b: int, n_layers: int) -> bool:
+    from qspec_jax import linear as qlinear
+    from qspec_jax import model as M
+    from qspec_jax.bench import synthetic
+    from qspec_jax.bench.e2e import LLAMA31_8B
+    from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
+
+    cfg = LLAMA31_8B.replace(num_layers=n_layers, vocab_size=4096)
+    params = M.init_random_params(cfg, jax.random.PRNGKey(0))
+    draft = M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=32, method="minmax")))
+    cache = synthetic.random_quant_cache(cfg, b, 4096, jax.random.PRNGKey(1), group=128, gamma_max=8, fp_start=5)
+    toks = jnp.arange(b, dtype=jnp.int32)[:, None] + 7
+    out = {}
+    for flag in ("1", "0"):
+        os.environ[qlinear.QKV_CACHE_ENV] = flag
+        logits, c = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
+        out[flag] = (np.asarray(logits, np.float32), np.asarray(c.k_fp, np.float32), np.asarray(c.v_fp, np.float32))
+        jax.clear_caches()
+    os.environ.pop(qlinear.QKV_CACHE_ENV)
+    slots = np.asarray(cache.append_slots(1)[:, 0])
+    rows = np.arange(b)
+    ok = True
+    rel = lambda a, r: float(np.linalg.norm(a - r) / np.linalg.norm(r))  # noqa: E731
+    lrel = rel(out["1"][0], out["0"][0])
+    agree = float((out["1"][0].argmax(-1) == out["0"][0].argmax(-1)).mean())
+    good = lrel < 2e-2
+    print(f"  {'OK  ' if good else 'FAIL'} model B={b}: draft logits rel {lrel:.2e}, argmax agree {agree:.2f}", flush=True)
+    ok &= good
+    for i, name in ((1, "k_fp"), (2, "v_fp")):
+        a, r = out["1"][i], out["0"][i]
+        keep = np.ones(a.shape, bool)
+        keep[:, rows, :, slots] = False
+        srel = rel(a[:, rows, :, slots], r[:, rows, :, slots])
+        good = np.array_equal(a[keep], r[keep]) and srel < 2e-2
+        ok &= good
+        print(f"  {'OK  ' if good else 'FAIL'} model B={b} {name}: new slots rel {srel:.2e}, others bitwise "
+              f"{np.array_equal(a[keep], r[keep])}", flush=True)
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,3,8,24")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--parts", default="kernel,model")
+    ap.add_argument("--model-batches", default="1,8")
+    args = ap.parse_args(argv)
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    ok = True
+    if "kernel" in args.parts:
+        for i, b in enumerate(int(v) for v in args.batches.split(",")):
+            ok &= check_kernel(b, args.layers, seed=100 + i)
+    if "model" in args.parts:
+        for b in (int(v) for v in args.model_batches.split(",")):
+            ok &= check_model(b, args.layers)
+    print("ALL OK" if ok else "FAILURES", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
