@@ -284,7 +284,7 @@ def test_fused_bad_inputs_raise():
         mg.int4_matmul_mgpu(x, p, swiglu=True, config=mg.MgpuConfig(wgs=1, k_tile=64), **kw)
 
 
-FUSED_LOWER_SCRIPT = r'''
+_LOWER_PRELUDE = r'''
 import jax, jax.numpy as jnp
 from pallas_kernels.linear import layout as lay, mosaic_gpu as mg
 S = jax.ShapeDtypeStruct
@@ -294,6 +294,8 @@ def W(lead, k, n, g=32):
                            sz=S((*lead, n // 64, k // c, 64 * c // g), jnp.uint32), group_size=g)
 def lower(f, *a):
     return jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+'''
+FUSED_LOWER_SCRIPT = _LOWER_PRELUDE + r'''
 cl = mg.MgpuConfig(wgs=1, k_tile=256, splits=2, reduce="cluster", tma_view="wide")
 sm = mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="sem", tma_view="wide")  # the last split sums
 n_ok = 0
@@ -331,22 +333,6 @@ print("ALL OK", n_ok, jax.__version__)
 '''
 
 
-def test_fused_kernels_lower_for_cuda():
-    """Every epilogue on both register kernels (one CTA, the cluster sum, the last split's sum
-    through global memory ("sem": residual and SiLU·up), PDL; the norm at k tiles 256, 128 and 64:
-    1, 2 and 4 rows per producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at
-    M = 32, 40, 64 (the wide exchange: swizzled [64, M_pad] tiles, the
-    norm's row sums as a vector; a plain tile there fails Mosaic's transfer planning), lowers to
-    a Mosaic GPU custom call without a GPU (jax 0.10 here)."""
-    r = subproc.run_script(sys.executable, FUSED_LOWER_SCRIPT)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-
-
-@pytest.mark.skipif(subproc.jax011_python() is None, reason="no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")
-def test_fused_kernels_lower_for_cuda_jax011():
-    """Same, under jax 0.11 (the device's version)."""
-    r = subproc.run_script(subproc.jax011_python(), FUSED_LOWER_SCRIPT)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on PATH")
@@ -468,14 +454,7 @@ def test_qkv_epilogue_bad_inputs_raise():
         mg.int4_qkv_cache_mgpu(x, lay.pack_quantized(_qweight(5, (2,), 128, 320, 32)), **kw)
 
 
-QKV_LOWER_SCRIPT = r'''
-import jax, jax.numpy as jnp
-from pallas_kernels.linear import layout as lay, mosaic_gpu as mg
-S = jax.ShapeDtypeStruct
-def W(lead, k, n, g=32):
-    c = max(64, g)
-    return lay.W4A16Packed(qw=S((*lead, n // 64, k // 64, 128, 4), jnp.uint32),
-                           sz=S((*lead, n // 64, k // c, 64 * c // g), jnp.uint32), group_size=g)
+QKV_LOWER_SCRIPT = _LOWER_PRELUDE + r'''
 n_ok = 0
 for b in (1, 3, 8, 24):
     L, hq, hkv, R, CN, K = 4, 32, 8, 288, 16, 4096
@@ -487,22 +466,29 @@ for b in (1, 3, 8, 24):
         f = lambda x, w, g, l, cs, sl, q, k, v: mg.int4_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q,
                                                                       k_ring=k, v_ring=v, norm_weight=g, config=cfg,
                                                                       interpret=False)
-        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower(f, *args)
         assert "mosaic_gpu" in text and "output_operand_aliases" in text
         n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''
 
 
-def test_qkv_epilogue_lowers_for_cuda():
-    """The qkv epilogue (one CTA and the cluster sum, 1 to 24 rows, the 8B heads) lowers to a
-    Mosaic GPU custom call whose outputs alias the query operand and the rings (jax 0.10 here)."""
-    r = subproc.run_script(sys.executable, QKV_LOWER_SCRIPT)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+LOWER_SCRIPTS = {"fused": FUSED_LOWER_SCRIPT, "qkv": QKV_LOWER_SCRIPT}
 
 
-@pytest.mark.skipif(subproc.jax011_python() is None, reason="no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")
-def test_qkv_epilogue_lowers_for_cuda_jax011():
-    """Same, under jax 0.11 (the device's version)."""
-    r = subproc.run_script(subproc.jax011_python(), QKV_LOWER_SCRIPT)
+@pytest.mark.parametrize("jax_version", ["0.10", "0.11"])
+@pytest.mark.parametrize("script", sorted(LOWER_SCRIPTS))
+def test_fused_kernels_lower_for_cuda(script, jax_version):
+    """The fused kernels lower to a Mosaic GPU custom call without a GPU, under jax 0.10 (this
+    interpreter) and 0.11 (the device's; skipped without one). "fused": every epilogue on both
+    register kernels (one CTA, the cluster sum, the last split's sum through global memory
+    ("sem": residual and SiLU·up), PDL; the norm at k tiles 256, 128 and 64: 1, 2 and 4 rows per
+    producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at M = 32, 40, 64 (the wide
+    exchange: swizzled [64, M_pad] tiles, the norm's row sums as a vector; a plain tile there
+    fails Mosaic's transfer planning). "qkv": the qkv epilogue (one CTA and the cluster sum, 1 to
+    24 rows, the 8B heads), whose outputs alias the query operand and the rings."""
+    python = sys.executable if jax_version == "0.10" else subproc.jax011_python()
+    if python is None:
+        pytest.skip("no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")
+    r = subproc.run_script(python, LOWER_SCRIPTS[script])
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
