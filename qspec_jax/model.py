@@ -345,10 +345,11 @@ def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
     return out, (k, v), {"attn_in": h, "attn_out": attn, "mlp_in": h2, "mlp_out": act}
 
 
-def _scan_layers(params: Params, x: Array, cache: Cache,
-                 layer_fn: Callable[[LayerParams, Array, Cache, Array], tuple[Array, Cache]],
-                 stack_norms: bool = False) -> tuple[Array, Cache]:
-    """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers.
+def _scan_layers(params: Params, x: Array, cache: Any,
+                 layer_fn: Callable[[LayerParams, Array, Any, Array], tuple[Array, Any]],
+                 stack_norms: bool = False) -> tuple[Array, Any]:
+    """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers; `cache` is
+    whatever the layers thread through the loop's carry (the cache, or a tuple holding it).
 
     Weights a kernel reads (INT4 ones, dense ones under dense_matmul_impl "mosaic") stay stacked
     outside the loop's slicing and reach `linear` as StackedLayer, so the kernel reads its layer
