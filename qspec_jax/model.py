@@ -200,33 +200,17 @@ def init_random_params(cfg: ModelConfig, key: Array, scale: float = 0.02) -> Par
 
 
 # ------------------------------------------------------------------------------------ blocks
-def rms_scale(x: Array, eps: float) -> Array:
-    """float32 [..., 1]: each row's RMSNorm scale r = rsqrt(mean(x^2) + eps), over the last axis."""
-    xf = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-
-
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm(x) = weight * (x r), rounded to x's dtype before the weight (as HF Llama)."""
-    return weight * (x.astype(jnp.float32) * rms_scale(x, eps)).astype(x.dtype)
+    """RMSNorm(x) = weight * bf16(x r), r = rsqrt(mean(x^2) + eps): HF Llama's order of roundings.
 
-
-def normed_product(x: Array, weight: Array, eps: float) -> tuple[Array, Callable[[Array], Array]]:
-    """RMSNorm(x) W for the linears that read the norm's output, in the folded form
-    r ((x g) W): returns (x g in x's dtype, `scale`, which multiplies a product of it by the
-    rows' r and rounds to x's dtype).
-
-    The same function as `rms_norm` then the product, with the row scale applied after the
-    product instead of before it (roundings fall elsewhere, by at most a bf16 step). Why: XLA
-    computes r and x g in one kernel (both read x; the reduction does not fuse with its own
-    broadcast consumer, so `rms_norm` is a reduction kernel plus a multiply kernel), and the
-    multiply by r joins the product's consumers (rotary embedding, cache writes, SiLU·up). It is
-    also the fused INT4 kernel's formula (`pallas_kernels.linear.mosaic_gpu.Epilogue.norm`).
-    Measured (H100, 8B shape, 4k): the AR-bf16 step 15.3 -> 13.3 launches per layer, the verify
-    step 20.4 -> 16.4 (docs/kernel_notes.md, "The target's norm folded into its products").
-    Row-wise: a row's result never depends on the other rows."""
-    r = rms_scale(x, eps)
-    return x * weight.astype(x.dtype), lambda y: (y * r).astype(x.dtype)
+    Kept in this order on purpose: folding r behind the product (r ((x g) W), the fused INT4
+    kernel's form) lets XLA compute the norm in one kernel instead of two (AR step 15.3 -> 13.3
+    launches per layer, H100), but moves the bf16 roundings away from HF's, and SmolLM2 in
+    bfloat16 then answered "L'Étoile" where it answered "Paris" (docs/kernel_notes.md, "The
+    target's norm folded into its products")."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
 
 
 def _matmul(cfg: ModelConfig, mesh: Any, **kw: Any) -> Callable[[Array, Weight], Array]:
@@ -266,10 +250,9 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
 
 def _qkv(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, mesh: Any,
          fused_norm: bool = False) -> tuple[Array, Array, Array]:
-    """The layer input x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with the attention
-    norm folded into the product (`normed_product`) and RoPE applied to q and k. `fused_norm`
-    (the fused draft layer, `_draft_fusion`): the norm runs inside the INT4 qkv kernel, which
-    reads lp.attn_norm in place."""
+    """The layer input x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh] of its attention
+    norm, with RoPE applied to q and k. `fused_norm` (the fused draft layer, `_draft_fusion`):
+    the norm runs inside the INT4 qkv kernel, which reads lp.attn_norm in place."""
     b, t, _ = x.shape
     inv_freq = rope_inv_freq(cfg)
     mm = _matmul(cfg, mesh)
@@ -277,11 +260,11 @@ def _qkv(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, mesh: An
     if fused_norm:
         q, k, v = jnp.split(mm(x, lp.wqkv, norm=lp.attn_norm, norm_eps=cfg.rms_norm_eps), [nq, nq + nkv], axis=-1)
     else:
-        xg, scale = normed_product(x, lp.attn_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         if lp.wqkv is not None:
-            q, k, v = jnp.split(scale(mm(xg, lp.wqkv)), [nq, nq + nkv], axis=-1)
+            q, k, v = jnp.split(mm(h, lp.wqkv), [nq, nq + nkv], axis=-1)
         else:
-            q, k, v = scale(mm(xg, lp.wq)), scale(mm(xg, lp.wk)), scale(mm(xg, lp.wv))
+            q, k, v = mm(h, lp.wq), mm(h, lp.wk), mm(h, lp.wv)
     q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
     k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -311,12 +294,11 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
     if fusion.norm:
         h, act = None, col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_eps=cfg.rms_norm_eps, swiglu=True)
     else:
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)  # returned for calibration only (dead code elsewhere)
-        xg, scale = normed_product(x, lp.mlp_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         if lp.w_gate_up is not None:
-            gate, up = jnp.split(scale(col(xg, lp.w_gate_up)), 2, axis=-1)
+            gate, up = jnp.split(col(h, lp.w_gate_up), 2, axis=-1)
         else:
-            gate, up = scale(col(xg, lp.w_gate)), scale(col(xg, lp.w_up))
+            gate, up = col(h, lp.w_gate), col(h, lp.w_up)
         act = jax.nn.silu(gate) * up
     out = row(act, lp.w_down, residual=x) if fusion.residual else x + row(act, lp.w_down)
     return out, h, act
@@ -333,7 +315,7 @@ def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
     own [B, Hkv, T, Dh]); None: causal attention among the T tokens (`prefill_attention` through
     the config's `prefill_attention_impl`). A chunked prefill passes attention over the cache too."""
     b, t, _ = x.shape
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)  # returned for calibration only (dead code in prefill)
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)  # for calibration (XLA computes it once with _qkv's)
     q, k, v = _qkv(cfg, lp, x, positions, mesh)
     if attend is None:
         impl = prefill_impl(cfg.prefill_attention_impl, cfg.head_dim, q.dtype, cfg.sliding_window, mesh=mesh)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 32, the target's glue (2026-11-27, fifth session): the RMSNorm folded into the product
-# (`model.normed_product`: r ((x g) W)) against the checkout it changes, in the AR-bf16 and verify
+# Issue 32, the target's glue (2026-11-27, fifth session; the fold was measured, then reverted: it moves the
+# bf16 roundings away from HF's, docs/kernel_notes.md): the RMSNorm folded into the product
+# (r ((x g) W), then `model.normed_product`) against the checkout it changes, in the AR-bf16 and verify
 # steps and the loops (8B shape, batch 1, 4k), on one machine; then programmatic dependent launch
 # in the fused draft step (QSPEC_W4A16_PDL=1: o -> gate_up -> down are now Mosaic kernels back to
 # back), and the GPU exactness check of the new formula.
