@@ -206,8 +206,8 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     Kept in this order on purpose: folding r behind the product (r ((x g) W), the fused INT4
     kernel's form) lets XLA compute the norm in one kernel instead of two (AR step 15.3 -> 13.3
     launches per layer, H100), but moves the bf16 roundings away from HF's, and SmolLM2 in
-    bfloat16 then answered "L'Étoile" where it answered "Paris" (docs/kernel_notes.md, "The
-    target's norm folded into its products")."""
+    bfloat16 then answered "L'Étoile" where it answered "Paris" (docs/kernel_notes.md, "Measured,
+    then reverted: RMSNorm(x) W computed as r ((x g) W)")."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * y.astype(x.dtype)
