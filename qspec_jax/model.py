@@ -248,23 +248,21 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array, mesh: Any,
-         fused_norm: bool = False) -> tuple[Array, Array, Array]:
-    """The layer input x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh] of its attention
-    norm, with RoPE applied to q and k. `fused_norm` (the fused draft layer, `_draft_fusion`):
-    the norm runs inside the INT4 qkv kernel, which reads lp.attn_norm in place."""
-    b, t, _ = x.shape
+def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: Any,
+         norm: Any = None) -> tuple[Array, Array, Array]:
+    """Normed x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k.
+    With `norm` (the fused draft layer, `_draft_fusion`), h is the layer input x and the attention
+    norm with that weight runs inside the qkv kernel."""
+    b, t, _ = h.shape
     inv_freq = rope_inv_freq(cfg)
     mm = _matmul(cfg, mesh)
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    if fused_norm:
-        q, k, v = jnp.split(mm(x, lp.wqkv, norm=lp.attn_norm, norm_eps=cfg.rms_norm_eps), [nq, nq + nkv], axis=-1)
+    if norm is not None:
+        q, k, v = jnp.split(mm(h, lp.wqkv, norm=norm, norm_eps=cfg.rms_norm_eps), [nq, nq + nkv], axis=-1)
+    elif lp.wqkv is not None:
+        q, k, v = jnp.split(mm(h, lp.wqkv), [nq, nq + nkv], axis=-1)
     else:
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        if lp.wqkv is not None:
-            q, k, v = jnp.split(mm(h, lp.wqkv), [nq, nq + nkv], axis=-1)
-        else:
-            q, k, v = mm(h, lp.wq), mm(h, lp.wk), mm(h, lp.wv)
+        q, k, v = mm(h, lp.wq), mm(h, lp.wk), mm(h, lp.wv)
     q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, inv_freq)
     k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -315,8 +313,8 @@ def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
     own [B, Hkv, T, Dh]); None: causal attention among the T tokens (`prefill_attention` through
     the config's `prefill_attention_impl`). A chunked prefill passes attention over the cache too."""
     b, t, _ = x.shape
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)  # for calibration (XLA computes it once with _qkv's)
-    q, k, v = _qkv(cfg, lp, x, positions, mesh)
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q, k, v = _qkv(cfg, lp, h, positions, mesh)
     if attend is None:
         impl = prefill_impl(cfg.prefill_attention_impl, cfg.head_dim, q.dtype, cfg.sliding_window, mesh=mesh)
         attn = prefill_attention(q, k, v, positions, cfg.sliding_window, impl)
@@ -532,7 +530,10 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
         return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, q_operand, t)
 
     def layer(lp, x, cache, i):
-        q, k, v = _qkv(cfg, lp, x, positions, params.mesh, fused_norm=fusion.norm)
+        if fusion.norm:
+            q, k, v = _qkv(cfg, lp, x, positions, params.mesh, norm=lp.attn_norm)
+        else:
+            q, k, v = _qkv(cfg, lp, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), positions, params.mesh)
         cache = cache.append_layer(i, k, v)
         attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                mesh=params.mesh, inputs=inputs)

@@ -76,13 +76,13 @@ def _case_layer() -> None:
     pos = jnp.asarray([[7], [3]], jnp.int32)
     full = M.LayerFusion(norm=True, residual=True)
     assert M._draft_fusion(draft, 2) == full
-    q, k, v = M._qkv(CFG, lp, x, pos, None, fused_norm=True)
+    q, k, v = M._qkv(CFG, lp, x, pos, None, norm=lp.attn_norm)
     out, h, act = M._attn_out_and_mlp(CFG, lp, x, attn, None, full)
     assert h is None and act.shape == (2, 1, 128)
     plain = draft.replace(config=CFG.replace(int4_matmul_impl="xla"))  # dequantize -> dot, unfused
     norm1 = lambda w: w.weight[w.layer]  # noqa: E731
     lp0 = lp.replace(attn_norm=norm1(lp.attn_norm), mlp_norm=norm1(lp.mlp_norm))
-    q0, k0, v0 = M._qkv(plain.config, lp0, x, pos, None)
+    q0, k0, v0 = M._qkv(plain.config, lp0, M.rms_norm(x, lp0.attn_norm, CFG.rms_norm_eps), pos, None)
     out0, _, act0 = M._attn_out_and_mlp(plain.config, lp0, x, attn, None)
     for a, b in ((q, q0), (k, k0), (v, v0), (act, act0), (out, out0)):
         assert a.shape == b.shape and a.dtype == b.dtype
