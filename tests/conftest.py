@@ -76,10 +76,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Real-model tests are slow by definition: mark every test that uses SmolLM2's weights,
-    directly or through another fixture."""
+    directly or through another fixture. Under pytest-xdist (`make test`: `--dist loadgroup`)
+    they also share one worker, so its session fixtures convert the model once, not per worker."""
     for item in items:
         if SMOLLM2_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("smollm2"))
 
 
 def _freeze(obj: Any) -> Any:

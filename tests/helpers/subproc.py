@@ -26,12 +26,15 @@ def jax011_python() -> str | None:
     return None
 
 
-def run_script(interpreter: str, script: str, host_devices: int | None = None) -> subprocess.CompletedProcess:
+def run_script(interpreter: str, script: str, host_devices: int | None = None,
+               xla_flags: str = "") -> subprocess.CompletedProcess:
     """`script` under `interpreter` with the repository importable, on the CPU (with
-    `host_devices` simulated devices when given)."""
+    `host_devices` simulated devices when given, and `xla_flags` added to XLA_FLAGS)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     if host_devices:
-        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={host_devices}"
+        xla_flags = f"{xla_flags} --xla_force_host_platform_device_count={host_devices}"
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
     return subprocess.run([interpreter, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -42,10 +45,14 @@ def run_in_child(test_file: str, fn: str, *args, host_devices: int = 8) -> None:
     Why (GPU interpret mode): the interpreter runs each simulated warpgroup's program on XLA:CPU
     and blocks in barrier callbacks, whose thread pool grows with the host device count. With one
     device on a 2-core machine, two blocked warpgroups can hold the whole pool while the third
-    needs it to arrive: the simulation, not the kernel, deadlocks (seen with three warpgroups)."""
+    needs it to arrive: the simulation, not the kernel, deadlocks (seen with three warpgroups).
+
+    The child's LLVM runs at -O0 (`--xla_backend_optimization_level=0`): an interpreted kernel is a
+    large XLA program run once, whose compile dominates (~25% less test time measured); the test
+    compares results computed in the same child, so the optimization level is the same on both sides."""
     script = (f"import importlib.util\n"
               f"spec = importlib.util.spec_from_file_location('child_tests', {str(Path(test_file).resolve())!r})\n"
               f"mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
               f"mod.{fn}(*{args!r})\nprint('CHILD OK')\n")
-    r = run_script(sys.executable, script, host_devices)
+    r = run_script(sys.executable, script, host_devices, xla_flags="--xla_backend_optimization_level=0")
     assert r.returncode == 0 and "CHILD OK" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
