@@ -208,7 +208,7 @@ def open_gguf(path: Path, dtype: str, *, tokenizer: bool = True) -> Source:
     has_template = fields.get("tokenizer.chat_template") is not None
     warnings = []
     if tokenizer and "tokenizer.ggml.tokens" in reader.fields:
-        tok = _gguf_tokenizer(path)  # built now, before any tensor work, so a tokenizer problem fails fast
+        tok = _gguf_tokenizer(path, reader)  # built now, before any tensor work, so a tokenizer problem fails fast
     elif tokenizer:
         warnings.append(no_tokenizer_warning(path, "no tokenizer metadata (tokenizer.ggml.tokens)"))
 
@@ -225,15 +225,17 @@ GPT2_REGEX_PRE_TYPES = (None, "default", "gpt2", "smollm")
 GGUF_CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of special (control) tokens
 
 
-def _gguf_tokenizer(path: Path) -> Any:
+def _gguf_tokenizer(path: Path, reader: Any = None) -> Any:
     """The tokenizer rebuilt from the GGUF's tokenizer metadata (chat template included).
+    `reader`: the file's open `gguf.GGUFReader`, if the caller has one (parsing SmolLM2's
+    metadata takes ~6 s).
 
     Byte-level BPE files with GPT-2's pre-tokenizer (SmolLM2's kind) are rebuilt here with the
     `tokenizers` library, exactly as transformers rebuilds them but without torch, which its GGUF
     reader imports; other kinds go through transformers (and need torch).
     """
     try:
-        return _byte_level_tokenizer(path) or _transformers_gguf_tokenizer(path)
+        return _byte_level_tokenizer(path, reader) or _transformers_gguf_tokenizer(path)
     except ConversionError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -241,15 +243,16 @@ def _gguf_tokenizer(path: Path) -> Any:
                               f"({type(e).__name__}: {e})") from None
 
 
-def _byte_level_tokenizer(path: Path) -> Any:
-    """transformers' byte-level BPE tokenizer for a "gpt2"-model GGUF, or None for other kinds."""
+def _byte_level_tokenizer(path: Path, reader: Any = None) -> Any:
+    """transformers' byte-level BPE tokenizer for a "gpt2"-model GGUF, or None for other kinds.
+    `reader`: the file's open `gguf.GGUFReader` (default: parse `path` again)."""
     import gguf
 
     from qspec_jax.tokenizer import import_transformers
 
     PreTrainedTokenizerFast = import_transformers().PreTrainedTokenizerFast
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader if reader is not None else gguf.GGUFReader(str(path))
 
     def get(key: str) -> Any:
         field = reader.fields.get(key)

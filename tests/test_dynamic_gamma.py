@@ -217,7 +217,7 @@ def test_dynamic_sampling_follows_target(tiny_models, policy, gamma, limit):
                       eos_token_ids=(), draft_policy=policy, draft_limit=limit)
     rows = []
     for i in range(SAMPLES // CHUNK):
-        res = generate(model, [PROMPT] * CHUNK, spec, jax.random.PRNGKey(200 + i), draft_params=draft)
+        res = generate(model, [PROMPT] * CHUNK, spec, jax.random.PRNGKey(200 + i), draft_params=draft, bucket=1)
         rows.append(np.asarray(res.tokens))
         assert res.acceptance_rate < 0.9  # rejections are exercised
         assert res.mean_draft_length != gamma  # rounds of another length ran
