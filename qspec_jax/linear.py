@@ -127,16 +127,26 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
-QKV_CACHE_ENV = "QSPEC_QKV_CACHE"  # "0": the draft's q|k|v through `linear` and XLA's rope and cache writes again
+QKV_CACHE_ENV = "QSPEC_QKV_CACHE"  # the draft's q|k|v into the cache in one kernel: "0" off, "1" (default), "all"
+# Head dims `qkv_into_cache` runs for by default: those measured faster on a GPU. SmolLM2's 64 is checked against its
+# reference on the CPU and on an H100 (docs/kernel_notes.md), not yet timed: QSPEC_QKV_CACHE=all turns it on.
+QKV_CACHE_DEFAULT_HEAD_DIMS = (128,)
 
 
 def qkv_cache_fusable(w: Any, int4_impl: str, rows: int, head_dim: int) -> bool:
     """Whether `qkv_into_cache` runs for the draft's fused q|k|v weight `w` at `rows` batch rows:
-    where its norm fuses (`fusable(norm=True)`), heads of the kernel's 128 channels (one head per
-    CTA of two warpgroups; SmolLM2's 64 keeps the XLA rope), and QSPEC_QKV_CACHE is not 0."""
-    from pallas_kernels.linear.mosaic_gpu import QKV_HEAD_DIM
+    where its norm fuses (`fusable(norm=True)`) and the kernel takes the heads (128 channels: one
+    per CTA of two warpgroups; 64, SmolLM2's: one per warpgroup), for QSPEC_QKV_CACHE "1" (the
+    default) the heads of QKV_CACHE_DEFAULT_HEAD_DIMS, for "all" every head dim the kernel takes,
+    for "0" none."""
+    from pallas_kernels.linear.mosaic_gpu import QKV_HEAD_DIMS
 
-    return (head_dim == QKV_HEAD_DIM and os.environ.get(QKV_CACHE_ENV, "1") == "1"
+    mode = os.environ.get(QKV_CACHE_ENV, "1")
+    modes = {"0": (), "1": QKV_CACHE_DEFAULT_HEAD_DIMS, "all": QKV_HEAD_DIMS}
+    if mode not in modes:
+        raise ValueError(f"{QKV_CACHE_ENV}={mode!r}: expected one of {', '.join(modes)}")
+    dims = modes[mode]
+    return (head_dim in dims and head_dim in QKV_HEAD_DIMS
             and fusable(w, int4_impl, rows, norm=True))
 
 

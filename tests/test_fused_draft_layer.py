@@ -163,20 +163,19 @@ def test_target_path_is_unchanged(monkeypatch):
     np.testing.assert_array_equal(out["0"], out["1"])
 
 
-# Heads of the qkv kernel's 128 channels (`linear.qkv_cache_fusable`): q|k|v 2 + 1 + 1 heads.
-CFG128 = CFG.replace(num_heads=2, num_kv_heads=1, head_dim=128)
-
-
-def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monkeypatch):
-    """With 128-channel heads the draft's decode runs norm, q|k|v product, RoPE, the attention's
-    query operand and the ring writes in one kernel (`linear.qkv_into_cache`, here through its
-    reference), the operand riding in the layer loop's carry: the same logits and rings as the
-    unfused layer (QSPEC_QKV_CACHE=0) up to the bf16 roundings the fusion moves, and the ring
-    slots the unfused path leaves alone untouched. The attention is the model's reference,
-    handed the operand turned back into queries."""
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monkeypatch, head_dim):
+    """With heads the qkv kernel takes (`linear.qkv_cache_fusable`; q|k|v 2 + 1 + 1 heads of 128
+    channels, or of SmolLM2's 64 with QSPEC_QKV_CACHE=all) the draft's decode runs norm, q|k|v
+    product, RoPE, the attention's query operand and the ring writes in one kernel
+    (`linear.qkv_into_cache`, here through its reference), the operand riding in the layer loop's
+    carry: the same logits and rings as the unfused layer (QSPEC_QKV_CACHE=0) up to the bf16
+    roundings the fusion moves, and the ring slots the unfused path leaves alone untouched. The
+    attention is the model's reference, handed the operand turned back into queries."""
     from pallas_kernels.decode_attention import mosaic_gpu as mgd
 
-    params = M.init_random_params(CFG128, jax.random.PRNGKey(0), scale=0.1)
+    cfg = CFG.replace(num_heads=2, num_kv_heads=1, head_dim=head_dim)
+    params = M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
     draft = M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
     qkv_calls, operands = [], []
     real_qkv = plinear.int4_qkv_cache
@@ -199,11 +198,18 @@ def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monke
     monkeypatch.setattr(M, "cache_attention", attention)
     monkeypatch.setattr(M, "query_operand_shape", lambda q, cache, view, impl: mgd.query_operand_shape(
         q.shape, cache.k_hi.shape[2]))
-    cache = synthetic.random_quant_cache(CFG128, 3, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
+    cache = synthetic.random_quant_cache(cfg, 3, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
     toks = jnp.asarray([[3], [4], [5]], jnp.int32)
-    monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "1")
+    if head_dim not in qlinear.QKV_CACHE_DEFAULT_HEAD_DIMS:  # not on by default: "1" keeps the XLA rope
+        monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "1")
+        jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
+        assert qkv_calls == []
+    monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "1" if head_dim in qlinear.QKV_CACHE_DEFAULT_HEAD_DIMS else "all")
     on, on_cache = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
     assert qkv_calls == ["interpret"] and len(operands) == 1
+    monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "yes")
+    with pytest.raises(ValueError, match="QSPEC_QKV_CACHE='yes': expected one of 0, 1, all"):
+        M.decode(draft, toks, cache, view="draft")
     monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "0")
     off, off_cache = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
     assert qkv_calls == ["interpret"]  # the unfused trace took the XLA rope and writes

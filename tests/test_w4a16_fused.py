@@ -364,22 +364,23 @@ def test_fused_inline_ptx_assembles():
 
 
 # ------------------------------------------------------------------ the qkv epilogue (Epilogue.qkv)
-def _qkv_case(seed: int, b: int, hq: int, hkv: int, n_layers: int = 2, ring: int = 32, cn: int = 16, k: int = 128):
-    """A stacked q|k|v weight of 128-channel heads, x, norm weights, positions, slots and
+def _qkv_case(seed: int, b: int, hq: int, hkv: int, n_layers: int = 2, ring: int = 32, cn: int = 16, k: int = 128,
+              dh: int = 128):
+    """A stacked q|k|v weight of `dh`-channel heads, x, norm weights, positions, slots and
     random query operand and rings (so that untouched elements are recognisable)."""
     rng = np.random.default_rng(seed)
-    n = (hq + 2 * hkv) * mg.QKV_HEAD_DIM
+    n = (hq + 2 * hkv) * dh
     p = lay.pack_quantized(_qweight(seed, (n_layers,), k, n, 32))
     x = _x(seed + 1, b, k)
     gw = jnp.asarray(1.0 + 0.3 * rng.standard_normal((n_layers, k)).astype(np.float32)).astype(jnp.bfloat16)
     pos = jnp.asarray(rng.integers(0, 100_000, b), jnp.int32)
     slots = jnp.asarray(rng.permutation(ring)[:b], jnp.int32)
     bf = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(jnp.bfloat16)  # noqa: E731
-    return p, x, gw, pos, slots, bf(b, hkv, 128, cn), bf(n_layers, b, hkv, ring, 128), bf(n_layers, b, hkv, ring, 128)
+    return p, x, gw, pos, slots, bf(b, hkv, dh, cn), bf(n_layers, b, hkv, ring, dh), bf(n_layers, b, hkv, ring, dh)
 
 
-def _inv_freq(theta: float = 500_000.0) -> jnp.ndarray:
-    return jnp.asarray(1.0 / theta ** (np.arange(0, 128, 2) / 128), jnp.float32)
+def _inv_freq(theta: float = 500_000.0, dh: int = 128) -> jnp.ndarray:
+    return jnp.asarray(1.0 / theta ** (np.arange(0, dh, 2) / dh), jnp.float32)
 
 
 def test_qkv_epilogue_matches_reference():
@@ -391,11 +392,23 @@ def test_qkv_epilogue_matches_reference():
     _child("_case_qkv_cache")
 
 
-def _case_qkv_cache() -> None:
-    b, hq, hkv = 3, 4, 2
-    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(7, b, hq, hkv)
-    rope = mg.rope_table(pos, _inv_freq())
-    cfg = mg.MgpuConfig(wgs=2, k_tile=64, splits=1, stages=2)
+def test_qkv_epilogue_64_channel_heads_matches_reference():
+    """The same for SmolLM2's 64-channel heads (one head per warpgroup, RoPE's pairs 32 rows
+    apart in one tile): two warpgroups per CTA over 2 query heads, a key and a value head (the
+    second CTA holds a key and a value head), and SmolLM2's K = 576 with 3 query heads of one KV
+    head (N = 320, an odd number of 64-column tiles) at the default launch shape (one warpgroup
+    per CTA, 9 pipeline steps through 4 stages)."""
+    _child("_case_qkv_cache", 64, 2, 2, 1, 5)
+    _child("_case_qkv_cache", 64, None, 3, 1, 11, 576)
+
+
+def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 2, seed: int = 7,
+                    k: int = 128) -> None:
+    """wgs None: the default launch shape."""
+    b = 3
+    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k)
+    rope = mg.rope_table(pos, _inv_freq(dh=dh))
+    cfg = None if wgs is None else mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1, stages=2)
     layer = jnp.int32(1)
     got = mg.int4_qkv_cache_mgpu(x, p, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
                                  norm_weight=gw, config=cfg, interpret=True)
@@ -404,6 +417,7 @@ def _case_qkv_cache() -> None:
                                   norm_weight=gw[1])
     for name, a, r, orig in zip(("q_buf", "k_ring", "v_ring"), got, want, (qb, kr, vr)):
         a, r, orig = (np.asarray(t, np.float32) for t in (a, r, orig))
+        assert a.shape[-1 if name != "q_buf" else -2] == dh, (name, a.shape)
         written = r != orig
         assert written.any(), name
         np.testing.assert_array_equal(a[~written], orig[~written], err_msg=name)  # nothing else touched
@@ -417,21 +431,26 @@ def _case_qkv_cache() -> None:
         (1, i, int(slots[i])) for i in range(b)}
 
 
-def test_rope_table_is_the_models_rope():
+@pytest.mark.parametrize("dh", [128, 64])
+def test_rope_table_is_the_models_rope(dh):
     """`rope_table`'s cos and sin rotate exactly as `model.apply_rope` (bitwise, float32), so the
-    fused and unfused drafts rope with the same angles."""
+    fused and unfused drafts rope with the same angles; for 64-channel heads its rows 32..63
+    repeat rows 0..31 (tile row r and r + 32 are one RoPE pair)."""
     from qspec_jax import model as M
 
     pos = jnp.asarray([0, 7, 4095, 131_071, 1_000_000], jnp.int32)
-    inv = _inv_freq()
-    x = jax.random.normal(jax.random.PRNGKey(0), (5, 1, 1, 128), jnp.float32)
+    inv, half = _inv_freq(dh=dh), dh // 2
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 1, 1, dh), jnp.float32)
     want = M.apply_rope(x, pos[:, None], np.asarray(inv))
     cs = mg.rope_table(pos, inv)
-    cos, sin = cs[0, :, :5].T[:, None, None], cs[1, :, :5].T[:, None, None]
-    x1, x2 = x[..., :64], x[..., 64:]
+    cos, sin = cs[0, :half, :5].T[:, None, None], cs[1, :half, :5].T[:, None, None]
+    x1, x2 = x[..., :half], x[..., half:]
     got = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert cs.shape == (2, 64, 8) and float(jnp.abs(cs[:, :, 5:] - jnp.asarray([1.0, 0.0])[:, None, None]).max()) == 0
+    np.testing.assert_array_equal(np.asarray(cs[:, half:]), np.asarray(cs[:, :64 - half]))
+    with pytest.raises(ValueError, match="inv_freq"):
+        mg.rope_table(pos, inv[:16])
 
 
 def test_qkv_epilogue_bad_inputs_raise():
@@ -452,22 +471,33 @@ def test_qkv_epilogue_bad_inputs_raise():
         mg.int4_qkv_cache_mgpu(x, p, config=mg.MgpuConfig(wgs=1, k_tile=64), **kw)
     with pytest.raises(ValueError, match="heads"):
         mg.int4_qkv_cache_mgpu(x, lay.pack_quantized(_qweight(5, (2,), 128, 320, 32)), **kw)
+    with pytest.raises(ValueError, match="k_ring"):  # a head dim the epilogue does not take
+        mg.int4_qkv_cache_mgpu(x, p, **{**kw, "k_ring": kr[..., :96], "v_ring": vr[..., :96]})
+    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(3, 2, 2, 1, dh=64)
+    kw.update(rope=mg.rope_table(pos, _inv_freq(dh=64)), slots=slots, q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=gw)
+    with pytest.raises(ValueError, match="64-channel heads needs wgs=1 or 2"):
+        mg.int4_qkv_cache_mgpu(x, p, config=mg.MgpuConfig(wgs=4, k_tile=64), **kw)
 
 
 QKV_LOWER_SCRIPT = _LOWER_PRELUDE + r'''
-n_ok = 0
-for b in (1, 3, 8, 24):
-    L, hq, hkv, R, CN, K = 4, 32, 8, 288, 16, 4096
-    n = (hq + 2 * hkv) * 128
+def lower_qkv(b, L, hq, hkv, D, K, R, cfg):
+    n, CN = (hq + 2 * hkv) * D, 16
     args = (S((b, K), jnp.bfloat16), W((L,), K, n), S((L, K), jnp.bfloat16), S((), jnp.int32),
-            S((2, 64, mg.rows_for(b)), jnp.float32), S((b,), jnp.int32), S((b, hkv, 128, CN), jnp.bfloat16),
-            S((L, b, hkv, R, 128), jnp.bfloat16), S((L, b, hkv, R, 128), jnp.bfloat16))
+            S((2, 64, mg.rows_for(b)), jnp.float32), S((b,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
+            S((L, b, hkv, R, D), jnp.bfloat16), S((L, b, hkv, R, D), jnp.bfloat16))
+    f = lambda x, w, g, l, cs, sl, q, k, v: mg.int4_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q,
+                                                                  k_ring=k, v_ring=v, norm_weight=g, config=cfg,
+                                                                  interpret=False)
+    text = lower(f, *args)
+    assert "mosaic_gpu" in text and "output_operand_aliases" in text
+n_ok = 0
+for b in (1, 3, 8, 24):  # the 8B heads: one CTA and the cluster sum
     for cfg in (None, mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="cluster", tma_view="wide")):
-        f = lambda x, w, g, l, cs, sl, q, k, v: mg.int4_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q,
-                                                                      k_ring=k, v_ring=v, norm_weight=g, config=cfg,
-                                                                      interpret=False)
-        text = lower(f, *args)
-        assert "mosaic_gpu" in text and "output_operand_aliases" in text
+        lower_qkv(b, 4, 32, 8, 128, 4096, 288, cfg)
+        n_ok += 1
+for b in (1, 8, 24):  # 64-channel heads: SmolLM2's (N = 960, one warpgroup per CTA) and two per CTA
+    for L, hq, hkv, K, wgs in ((30, 9, 3, 576, 1), (2, 8, 4, 1024, 2)):
+        lower_qkv(b, L, hq, hkv, 64, K, 96, mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1))
         n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''
@@ -486,7 +516,8 @@ def test_fused_kernels_lower_for_cuda(script, jax_version):
     producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at M = 32, 40, 64 (the wide
     exchange: swizzled [64, M_pad] tiles, the norm's row sums as a vector; a plain tile there
     fails Mosaic's transfer planning). "qkv": the qkv epilogue (one CTA and the cluster sum, 1 to
-    24 rows, the 8B heads), whose outputs alias the query operand and the rings."""
+    24 rows, the 8B heads; SmolLM2's 64-channel heads, one and two warpgroups per CTA), whose
+    outputs alias the query operand and the rings."""
     python = sys.executable if jax_version == "0.10" else subproc.jax011_python()
     if python is None:
         pytest.skip("no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")

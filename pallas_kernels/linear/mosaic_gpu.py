@@ -184,9 +184,11 @@ class QkvCache:
     out [M, N], the kernel writes what the decode attention reads, for M = B rows of one new
     token each: RoPE'd query heads into the attention's query operand [B, Hkv, 128, CN] (column
     r of KV head h for query head h n_rep + r, other columns untouched), RoPE'd key heads and the
-    value heads into ring slot `slots[b]` of layer `layer` of the FP rings [L, B, Hkv, R, 128].
-    The weight's columns are q | k | v heads of 128 channels; one CTA (two warpgroups: channels
-    0..63 and 64..127, RoPE's rotate-half pairs) per head."""
+    value heads into ring slot `slots[b]` of layer `layer` of the FP rings [L, B, Hkv, R, D].
+    The weight's columns are q | k | v heads of D channels. D = 128 (QKV_HEAD_DIM): one CTA of
+    two warpgroups per head (channels 0..63 and 64..127: RoPE's rotate-half pairs row r of one
+    with row r of the other). D = 64 (SmolLM2): one warpgroup per head (its rows r and r + 32
+    pair), one or two per CTA."""
 
     num_heads: int  # Hq
     num_kv_heads: int  # Hkv
@@ -194,9 +196,11 @@ class QkvCache:
     ring: int  # R, ring slots
     q_cols: int  # CN, the query operand's columns per KV head (>= Hq / Hkv)
     layers: int  # L of the rings
+    head_dim: int = 128  # D, one of QKV_HEAD_DIMS
 
 
-QKV_HEAD_DIM = 2 * 64  # the qkv epilogue's head dim: one head per CTA of two 64-row warpgroups
+QKV_HEAD_DIM = 2 * 64  # the qkv epilogue's two-warpgroup head dim: one head per CTA of two 64-row warpgroups
+QKV_HEAD_DIMS = (64, QKV_HEAD_DIM)  # head dims the qkv epilogue takes (64: one head per warpgroup)
 
 
 def auto_fused_rows(epi: Epilogue) -> int:
@@ -292,12 +296,15 @@ def predicted_us(k: int, n: int, group_size: int | None, cfg: MgpuConfig, num_sm
 def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) -> bool:
     """Whether a launch shape can run epilogue `epi` (see `Epilogue`): norm and swiglu need the
     whole K sum inside the kernel (one split, the cluster sum or the last split's "sem" sum);
-    swiglu and the qkv epilogue pair warpgroups 0 and 1."""
+    swiglu and the qkv epilogue of 128-channel heads pair warpgroups 0 and 1; that of 64-channel
+    heads takes one or two warpgroups (a head each)."""
     if not epi:
         return True
     whole_k = splits == 1 or reduce in ("cluster", "sem")
     if (epi.norm or epi.swiglu or epi.qkv is not None) and not whole_k:
         return False
+    if epi.qkv is not None and epi.qkv.head_dim != QKV_HEAD_DIM:
+        return wgs in (1, 2)
     return not (epi.swiglu or epi.qkv is not None) or wgs == 2
 
 
@@ -998,8 +1005,18 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             issue_w(i, i)
         for i in range(first):
             issue_x(i, i)
+
+        def drain():
+            # GPU interpret mode only: a thread that waits on a barrier must see every phase of it
+            # before the kernel ends (the interpreter checks), so the producer also waits for the
+            # consumers' last release of each slot it reused; on the GPU it just exits
+            if interpret and steps > stages:
+                for slot in range(stages):
+                    plgpu.barrier_wait(empty.at[slot])
+
         if not epi.norm:
             lax.fori_loop(first, steps, step, 0)
+            drain()
             return
         # norm: step j + ahead is processed while the consumers work on step j (its x was issued
         # when step j + ahead - stages was released); then the slot of step j is refilled with
@@ -1023,6 +1040,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             return carry
 
         lax.fori_loop(0, steps, norm_step, 0)
+        drain()
         if interpret:
             ss_ref[...] = jnp.broadcast_to(part[...][None, :], (lay.ROWS, mp))
         else:
@@ -1056,24 +1074,38 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                         interpret=interpret, **res)
 
     def qkv_store(acc):
-        """Epilogue.qkv: head `nt` (this CTA's 128 columns; warpgroup wg holds channels 64 wg ..
-        64 wg + 63). Both warpgroups exchange their tiles through shared memory (RoPE pairs
-        channel c with c + 64), rotate (query and key heads) and store their own half where the
-        attention reads it (`QkvCache`)."""
+        """Epilogue.qkv (`QkvCache`). 128-channel heads: head `nt` (this CTA's 128 columns;
+        warpgroup wg holds channels 64 wg .. 64 wg + 63); both warpgroups exchange their tiles
+        through shared memory (RoPE pairs channel c with c + 64). 64-channel heads: head
+        `nt wgs + wg` (this warpgroup's 64 columns); the warpgroup writes its tile twice, one copy
+        under the other, and reads it back 32 rows on (RoPE pairs channel c with c + 32 mod 64).
+        Then each rotates (query and key heads) and stores its rows where the attention reads
+        them."""
         geo = epi.qkv
-        hq, hkv, dh = geo.num_heads, geo.num_kv_heads, QKV_HEAD_DIM
+        hq, hkv, dh = geo.num_heads, geo.num_kv_heads, geo.head_dim
         n_rep = hq // hkv
-        head = nt
-        rpair.at[wg][...] = acc if interpret else plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
-        plgpu.barrier_arrive(rope_bar.at[0])  # both halves written (two arrivals) ...
-        plgpu.barrier_wait(rope_bar.at[0])  # ... before either is read
-        other = _load_acc(rpair.at[1 - wg], interpret)
+        tile = acc if interpret else plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
+        row = _iota((lay.ROWS, mp), 0, interpret)  # row of this warpgroup's tile
+        if dh == QKV_HEAD_DIM:
+            head, channel = nt, row + wg * lay.ROWS
+            rpair.at[wg][...] = tile
+        else:
+            head, channel = nt * wgs + wg, row
+            rpair.at[wg, pl.ds(0, lay.ROWS)][...] = tile
+            rpair.at[wg, pl.ds(lay.ROWS, lay.ROWS)][...] = tile
+        plgpu.barrier_arrive(rope_bar.at[0])  # every tile written (one arrival per warpgroup) ...
+        plgpu.barrier_wait(rope_bar.at[0])  # ... before any is read
+        if dh == QKV_HEAD_DIM:
+            other = _load_acc(rpair.at[1 - wg], interpret)  # other[r] = channel r + 64 (wg 0) or r (wg 1)
+            sign = (2 * wg - 1).astype(jnp.float32)
+        else:  # other[r] = channel (r + 32) mod 64 (plain loads: a 32-row offset)
+            half = rpair.at[wg, pl.ds(lay.ROWS // 2, lay.ROWS)]
+            other = half[...] if interpret else _load_wgmma(half, optimized=False)
+            sign = jnp.where(row < lay.ROWS // 2, -1.0, 1.0).astype(jnp.float32)
         load_g = (lambda ref: ref[...]) if interpret else (lambda ref: _load_wgmma(ref, optimized=False))
-        cos, sin = load_g(cs_gmem.at[0]), load_g(cs_gmem.at[1])
-        # rotate-half: channel c < 64 gets x_c cos - x_(c+64) sin, channel c + 64 x_(c+64) cos + x_c sin
-        sign = (2 * wg - 1).astype(jnp.float32)
+        cos, sin = load_g(cs_gmem.at[0]), load_g(cs_gmem.at[1])  # row r: the angle of r's pair (rope_table)
+        # rotate-half: channel c < D/2 gets x_c cos - x_(c+D/2) sin, channel c + D/2 x_(c+D/2) cos + x_c sin
         roped = acc * cos + sign * (other * sin)
-        rows = _iota((lay.ROWS, mp), 0, interpret) + wg * lay.ROWS  # channel
         b = _iota((lay.ROWS, mp), 1, interpret)  # row of x = batch row (one token per row)
         valid = b < m
         slot_col = slots_gmem[...] if interpret else _common.load_with_layout(
@@ -1081,7 +1113,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         slot = lax.broadcast_in_dim(slot_col, (lay.ROWS, mp), (1,))
 
         def ring_offsets(h):  # flat index of ring[layer, b, h, slot[b], channel]
-            return (((layer_idx * geo.batch + b) * hkv + h) * geo.ring + slot) * dh + rows
+            return (((layer_idx * geo.batch + b) * hkv + h) * geo.ring + slot) * dh + channel
 
         def store(vals, offs, dst):
             offs = jnp.where(valid, offs, -1)
@@ -1103,7 +1135,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
         @pl.when(head < hq)
         def _():  # query head: qbuf[b, head // n_rep, channel, head % n_rep]
-            store(roped, ((b * hkv + head // n_rep) * dh + rows) * geo.q_cols + head % n_rep, qbuf)
+            store(roped, ((b * hkv + head // n_rep) * dh + channel) * geo.q_cols + head % n_rep, qbuf)
 
         @pl.when((head >= hq) & (head < hq + hkv))
         def _():
@@ -1395,9 +1427,10 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         if epi.swiglu:
             scratch["pair"] = plgpu.SMEM((lay.ROWS, mp), f32, transforms=() if interpret else exchange_transforms(mp))
             scratch["pair_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
-        if epi.qkv is not None:  # the two halves of a head (mp <= 24: plain transfers)
-            scratch["rpair"] = plgpu.SMEM((2, lay.ROWS, mp), f32)
-            scratch["rope_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=2)
+        if epi.qkv is not None:  # the two halves of a head, or a tile twice (mp <= 24: plain transfers)
+            twice = epi.qkv.head_dim != QKV_HEAD_DIM
+            scratch["rpair"] = plgpu.SMEM((wgs, 2 * lay.ROWS, mp) if twice else (2, lay.ROWS, mp), f32)
+            scratch["rope_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=wgs)
             if interpret:
                 scratch["seq_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
         return scratch
@@ -1571,23 +1604,26 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
 
 
 def rope_table(positions: Array, inv_freq: Array) -> Array:
-    """float32 [2, 64, M_pad]: cos and sin of positions[m] x inv_freq[c], the RoPE angles of the
-    qkv epilogue (`model.apply_rope`'s formula; columns past M are zero angles). positions:
-    int32 [M] (one token per row); inv_freq: float32 [64]."""
-    if inv_freq.shape != (QKV_HEAD_DIM // 2,):
-        raise ValueError(f"inv_freq must be [{QKV_HEAD_DIM // 2}] (head dim {QKV_HEAD_DIM}), got {inv_freq.shape}")
+    """float32 [2, 64, M_pad]: cos and sin of positions[m] x inv_freq[r mod D/2] in row r, the
+    RoPE angles of the qkv epilogue for the pair a warpgroup's tile row r belongs to
+    (`model.apply_rope`'s formula; columns past M are zero angles). positions: int32 [M] (one
+    token per row); inv_freq: float32 [D/2] for a head dim D in QKV_HEAD_DIMS (D = 64: the 32
+    angles twice)."""
+    if inv_freq.ndim != 1 or 2 * inv_freq.shape[0] not in QKV_HEAD_DIMS:
+        raise ValueError(f"inv_freq must be [D/2] for a head dim D in {QKV_HEAD_DIMS}, got {inv_freq.shape}")
+    inv = jnp.tile(jnp.asarray(inv_freq, jnp.float32), lay.ROWS // inv_freq.shape[0])  # [64]
     m = positions.shape[0]
     pos = jnp.pad(positions.astype(jnp.float32), (0, rows_for(m) - m))
-    ang = pos[None, :] * jnp.asarray(inv_freq, jnp.float32)[:, None]  # [64, M_pad]
+    ang = pos[None, :] * inv[:, None]  # [64, M_pad]
     return jnp.stack([jnp.cos(ang), jnp.sin(ang)])
 
 
 def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, rope: Array,
                   slots: Array) -> QkvCache:
-    dh = QKV_HEAD_DIM
-    if k_ring.shape != v_ring.shape or k_ring.ndim != 5 or k_ring.shape[-1] != dh:
-        raise ValueError(f"k_ring, v_ring must both be [L, B, Hkv, R, {dh}]; got {k_ring.shape}, {v_ring.shape}")
-    n_layers, b, hkv, ring, _ = k_ring.shape
+    if k_ring.shape != v_ring.shape or k_ring.ndim != 5 or k_ring.shape[-1] not in QKV_HEAD_DIMS:
+        raise ValueError(f"k_ring, v_ring must both be [L, B, Hkv, R, D] with D in {QKV_HEAD_DIMS}; got "
+                         f"{k_ring.shape}, {v_ring.shape}")
+    n_layers, b, hkv, ring, dh = k_ring.shape
     if n % dh or n // dh <= 2 * hkv:
         raise ValueError(f"N={n} must be q | k | v heads of {dh} channels with {hkv} KV heads each for k and v")
     hq = n // dh - 2 * hkv
@@ -1598,12 +1634,13 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
     for name, a in (("q_buf", q_buf), ("k_ring", k_ring), ("v_ring", v_ring)):
         if a.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
-    if rope.shape != (2, dh // 2, rows_for(m)) or rope.dtype != jnp.float32:
-        raise ValueError(f"rope must be float32 [2, {dh // 2}, {rows_for(m)}] (rope_table); got {rope.dtype} "
+    if rope.shape != (2, lay.ROWS, rows_for(m)) or rope.dtype != jnp.float32:
+        raise ValueError(f"rope must be float32 [2, {lay.ROWS}, {rows_for(m)}] (rope_table); got {rope.dtype} "
                          f"{rope.shape}")
     if slots.shape not in ((b,), (rows_for(m),)) or slots.dtype != jnp.int32:
         raise ValueError(f"slots must be int32 [{b}] (or padded to [{rows_for(m)}]), got {slots.dtype} {slots.shape}")
-    return QkvCache(num_heads=hq, num_kv_heads=hkv, batch=b, ring=ring, q_cols=q_buf.shape[3], layers=n_layers)
+    return QkvCache(num_heads=hq, num_kv_heads=hkv, batch=b, ring=ring, q_cols=q_buf.shape[3], layers=n_layers,
+                    head_dim=dh)
 
 
 def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
@@ -1616,12 +1653,13 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
     kernel that replaces the product's three XLA consumers (query rope + pad, key rope + ring
     write, value ring write).
 
-    x [B, K] bf16, one new token per row; w the fused weight [K, (Hq + 2 Hkv) 128] (stacked
-    [L, ...] and read at `layer`, or one layer); rope float32 [2, 64, M_pad] (`rope_table` of the
-    rows' positions); slots int32 [B], each row's ring slot (or padded to [M_pad], which a
-    caller looping over layers does once); q_buf bf16 [B, Hkv, 128, CN] (the
-    attention's query operand: column r of KV head h gets query head h n_rep + r, the others
-    are left as they are); k_ring, v_ring bf16 [L, B, Hkv, R, 128] (the cache's `k_fp`, `v_fp`).
+    x [B, K] bf16, one new token per row; w the fused weight [K, (Hq + 2 Hkv) D] for a head dim D
+    in QKV_HEAD_DIMS (stacked [L, ...] and read at `layer`, or one layer); rope float32
+    [2, 64, M_pad] (`rope_table` of the rows' positions); slots int32 [B], each row's ring slot
+    (or padded to [M_pad], which a caller looping over layers does once); q_buf bf16
+    [B, Hkv, D, CN] (the attention's query operand: column r of KV head h gets query head
+    h n_rep + r, the others are left as they are); k_ring, v_ring bf16 [L, B, Hkv, R, D] (the
+    cache's `k_fp`, `v_fp`).
     Returns the updated (q_buf, k_ring, v_ring): the kernel writes them in place (aliased in and
     out), so a caller that donates or loop-carries them pays no copy. `qkv_cache_reference` is
     the math."""
@@ -1640,7 +1678,9 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
     cfg = config or default_config(k, n, g, reduce=reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.chunk_cols(g))
     if not epilogue_allows(epi, cfg.wgs, cfg.splits, cfg.reduce if cfg.splits > 1 else "gmem"):
-        raise ValueError(f"the qkv epilogue needs wgs=2 and the whole K sum in the kernel; got {cfg}")
+        wgs = "wgs=2" if geo.head_dim == QKV_HEAD_DIM else "wgs=1 or 2"
+        raise ValueError(f"the qkv epilogue of {geo.head_dim}-channel heads needs {wgs} and the whole K sum in "
+                         f"the kernel; got {cfg}")
 
     def run(x, qw, sz, norm_weight, layer, rope, slots, bufs):
         # refs in global memory exist only under jit (inside an outer jit this one is inlined)
@@ -1664,10 +1704,11 @@ def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
     RoPE in float32 with the table's cos and sin, then the bf16 writes."""
     m = x.shape[0]
     geo = _qkv_geometry(m, w.shape[1], q_buf, k_ring, v_ring, rope, slots)
-    hq, hkv, dh, half = geo.num_heads, geo.num_kv_heads, QKV_HEAD_DIM, QKV_HEAD_DIM // 2
+    hq, hkv, dh = geo.num_heads, geo.num_kv_heads, geo.head_dim
+    half = dh // 2
     y = epilogue_reference(x, w, Epilogue(norm=norm_weight is not None, eps=float(norm_eps)),
                            norm_weight=norm_weight, out_dtype=jnp.float32).reshape(m, -1, dh)
-    cos, sin = rope[0, :, :m].T[:, None], rope[1, :, :m].T[:, None]  # [M, 1, 64]
+    cos, sin = rope[0, :half, :m].T[:, None], rope[1, :half, :m].T[:, None]  # [M, 1, D/2]
     x1, x2 = y[..., :half], y[..., half:]
     roped = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(jnp.bfloat16)
     q = roped[:, :hq].reshape(m, hkv, hq // hkv, dh)  # [B, Hkv, n_rep, D]
@@ -1699,7 +1740,7 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
 
 
-__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_HEAD_DIM", "Epilogue", "MgpuConfig",
-           "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu", "default_config", "epilogue_reference",
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_HEAD_DIM", "QKV_HEAD_DIMS", "Epilogue",
+           "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu", "default_config", "epilogue_reference",
            "int4_matmul_mgpu", "int4_qkv_cache_mgpu", "interpret_params", "qkv_cache_reference", "rope_table",
            "rows_for", "tuned_config"]

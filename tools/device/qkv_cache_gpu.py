@@ -1,14 +1,15 @@
 """GPU check of the draft's fused q|k|v kernel (`mosaic_gpu.int4_qkv_cache_mgpu`, Epilogue.qkv; not in CI).
 
-    PYTHONPATH=. python3 tools/device/qkv_cache_gpu.py [--batches 1,3,8,24] [--layers 4]
+    PYTHONPATH=. python3 tools/device/qkv_cache_gpu.py [--batches 1,3,8,24] [--layers 4] [--shapes 8b,smollm2]
 
-1. The kernel at the 8B heads (Hq 32, Hkv 8, D 128, K 4096, a stack of --layers layers, ring 288) with
+1. The kernel at the 8B heads (Hq 32, Hkv 8, D 128, K 4096, a stack of --layers layers, ring 288) and at
+   SmolLM2's (Hq 9, Hkv 3, D 64, K 576: one head per warpgroup, one warpgroup per CTA) with
    fresh random inputs against `qkv_cache_reference` (float32): every written element within one bf16 step
    (plus the float32 summation order near zero: BF16_STEP, SUM_ORDER),
    every other element of the query operand and the rings untouched, two calls bit for bit equal.
-2. The model: one draft decode step of an 8B-shaped model (--layers layers, random weights, a random
-   QuantSpecCache) with the fused kernel (QSPEC_QKV_CACHE=1) and without: logits and rings close, the
-   rings' other slots bit for bit the same. Prints OK / FAIL lines and exits 1 on any failure.
+2. The model: one draft decode step of an 8B- and a SmolLM2-shaped model (--layers layers, random
+   weights, a random QuantSpecCache) with the fused kernel (QSPEC_QKV_CACHE=all) and without: logits and
+   rings close, the rings' other slots bit for bit the same. Prints OK / FAIL lines and exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ def _bf(rng, *shape):
     return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(jnp.bfloat16)
 
 
-def check_kernel(b: int, n_layers: int, seed: int) -> bool:
+# (Hq, Hkv, D, K, rope theta) per --shapes name
+SHAPES = {"8b": (32, 8, 128, 4096, 500_000.0), "smollm2": (9, 3, 64, 576, 100_000.0)}
+
+
+def check_kernel(b: int, n_layers: int, seed: int, shape: str = "8b") -> bool:
     rng = np.random.default_rng(seed)
-    hq, hkv, k, ring, cn, g = 32, 8, 4096, 288, 16, 32
-    n = (hq + 2 * hkv) * 128
+    hq, hkv, dh, k, theta = SHAPES[shape]
+    ring, cn, g = 288, 16, 32
+    n = (hq + 2 * hkv) * dh
     packed = rng.integers(0, 256, (n_layers, k // 2, n), dtype=np.uint8)
     scale = rng.uniform(0.005, 0.02, (n_layers, k // g, n)).astype(np.float16)
     zero = rng.uniform(-0.1, 0.0, (n_layers, k // g, n)).astype(np.float16)
@@ -51,9 +57,9 @@ def check_kernel(b: int, n_layers: int, seed: int) -> bool:
     gw = jnp.asarray(1 + 0.3 * rng.standard_normal((n_layers, k)).astype(np.float32)).astype(jnp.bfloat16)
     pos = jnp.asarray(rng.integers(0, 200_000, b), jnp.int32)
     slots = jnp.asarray(rng.permutation(ring)[:b], jnp.int32)
-    inv = jnp.asarray(1.0 / 500_000.0 ** (np.arange(0, 128, 2) / 128), jnp.float32)
+    inv = jnp.asarray(1.0 / theta ** (np.arange(0, dh, 2) / dh), jnp.float32)
     rope = mg.rope_table(pos, inv)
-    qb, kr, vr = _bf(rng, b, hkv, 128, cn), _bf(rng, n_layers, b, hkv, ring, 128), _bf(rng, n_layers, b, hkv, ring, 128)
+    qb, kr, vr = _bf(rng, b, hkv, dh, cn), _bf(rng, n_layers, b, hkv, ring, dh), _bf(rng, n_layers, b, hkv, ring, dh)
     layer = int(rng.integers(0, n_layers))
     f = jax.jit(lambda x, w, gw, l, rope, slots, qb, kr, vr: mg.int4_qkv_cache_mgpu(
         x, w, layer=l, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=gw))
@@ -70,26 +76,30 @@ def check_kernel(b: int, n_layers: int, seed: int) -> bool:
         good = (np.array_equal(a[~written], orig[~written]) and np.array_equal(a, a2)
                 and bool((np.abs(a - r) <= BF16_STEP * np.abs(r) + SUM_ORDER * np.abs(r).max()).all()))
         ok &= good
-        print(f"  {'OK  ' if good else 'FAIL'} kernel B={b} layer {layer} {name}: {int(written.sum())} written, "
+        print(f"  {'OK  ' if good else 'FAIL'} kernel {shape} B={b} layer {layer} {name}: {int(written.sum())} written, "
               f"max err {err:.3g}, max |ref| {float(np.abs(r).max()):.3g}, deterministic {np.array_equal(a, a2)}",
               flush=True)
     return ok
 
 
-def check_model(b: int, n_layers: int) -> bool:
+def check_model(b: int, n_layers: int, shape: str = "8b") -> bool:
     from qspec_jax import linear as qlinear
     from qspec_jax import model as M
     from qspec_jax.bench import synthetic
     from qspec_jax.bench.e2e import LLAMA31_8B
     from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
+    hq, hkv, dh, k, theta = SHAPES[shape]
     cfg = LLAMA31_8B.replace(num_layers=n_layers, vocab_size=4096)
+    if shape != "8b":
+        cfg = cfg.replace(hidden_size=k, intermediate_size=1536, num_heads=hq, num_kv_heads=hkv, head_dim=dh,
+                          rope_theta=theta, rope_scaling=None)
     params = M.init_random_params(cfg, jax.random.PRNGKey(0))
     draft = M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=32, method="minmax")))
     cache = synthetic.random_quant_cache(cfg, b, 4096, jax.random.PRNGKey(1), group=128, gamma_max=8, fp_start=5)
     toks = jnp.arange(b, dtype=jnp.int32)[:, None] + 7
     out = {}
-    for flag in ("1", "0"):
+    for flag in ("all", "0"):
         os.environ[qlinear.QKV_CACHE_ENV] = flag
         logits, c = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
         out[flag] = (np.asarray(logits, np.float32), np.asarray(c.k_fp, np.float32), np.asarray(c.v_fp, np.float32))
@@ -99,19 +109,20 @@ def check_model(b: int, n_layers: int) -> bool:
     rows = np.arange(b)
     ok = True
     rel = lambda a, r: float(np.linalg.norm(a - r) / np.linalg.norm(r))  # noqa: E731
-    lrel = rel(out["1"][0], out["0"][0])
-    agree = float((out["1"][0].argmax(-1) == out["0"][0].argmax(-1)).mean())
+    lrel = rel(out["all"][0], out["0"][0])
+    agree = float((out["all"][0].argmax(-1) == out["0"][0].argmax(-1)).mean())
     good = lrel < 2e-2
-    print(f"  {'OK  ' if good else 'FAIL'} model B={b}: draft logits rel {lrel:.2e}, argmax agree {agree:.2f}", flush=True)
+    print(f"  {'OK  ' if good else 'FAIL'} model {shape} B={b}: draft logits rel {lrel:.2e}, "
+          f"argmax agree {agree:.2f}", flush=True)
     ok &= good
     for i, name in ((1, "k_fp"), (2, "v_fp")):
-        a, r = out["1"][i], out["0"][i]
+        a, r = out["all"][i], out["0"][i]
         keep = np.ones(a.shape, bool)
         keep[:, rows, :, slots] = False
         srel = rel(a[:, rows, :, slots], r[:, rows, :, slots])
         good = np.array_equal(a[keep], r[keep]) and srel < 2e-2
         ok &= good
-        print(f"  {'OK  ' if good else 'FAIL'} model B={b} {name}: new slots rel {srel:.2e}, others bitwise "
+        print(f"  {'OK  ' if good else 'FAIL'} model {shape} B={b} {name}: new slots rel {srel:.2e}, others bitwise "
               f"{np.array_equal(a[keep], r[keep])}", flush=True)
     return ok
 
@@ -122,15 +133,20 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--parts", default="kernel,model")
     ap.add_argument("--model-batches", default="1,8")
+    ap.add_argument("--shapes", default="8b,smollm2", help=f"head shapes, of {sorted(SHAPES)}")
     args = ap.parse_args(argv)
+    shapes = args.shapes.split(",")
+    if bad := [s for s in shapes if s not in SHAPES]:
+        ap.error(f"--shapes {','.join(bad)}: expected names of {sorted(SHAPES)}")
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     ok = True
-    if "kernel" in args.parts:
-        for i, b in enumerate(int(v) for v in args.batches.split(",")):
-            ok &= check_kernel(b, args.layers, seed=100 + i)
-    if "model" in args.parts:
-        for b in (int(v) for v in args.model_batches.split(",")):
-            ok &= check_model(b, args.layers)
+    for shape in shapes:
+        if "kernel" in args.parts:
+            for i, b in enumerate(int(v) for v in args.batches.split(",")):
+                ok &= check_kernel(b, args.layers, seed=100 + i, shape=shape)
+        if "model" in args.parts:
+            for b in (int(v) for v in args.model_batches.split(",")):
+                ok &= check_model(b, args.layers, shape)
     print("ALL OK" if ok else "FAILURES", flush=True)
     return 0 if ok else 1
 
