@@ -146,8 +146,7 @@ def qkv_cache_fusable(w: Any, int4_impl: str, rows: int, head_dim: int) -> bool:
     if mode not in modes:
         raise ValueError(f"{QKV_CACHE_ENV}={mode!r}: expected one of {', '.join(modes)}")
     dims = modes[mode]
-    return (head_dim in dims and head_dim in QKV_HEAD_DIMS
-            and fusable(w, int4_impl, rows, norm=True))
+    return head_dim in dims and fusable(w, int4_impl, rows, norm=True)
 
 
 def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Array, Array]:

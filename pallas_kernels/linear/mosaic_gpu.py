@@ -182,7 +182,7 @@ class Epilogue:
 class QkvCache:
     """Static geometry of the qkv epilogue (`Epilogue.qkv`, `int4_qkv_cache_mgpu`): instead of
     out [M, N], the kernel writes what the decode attention reads, for M = B rows of one new
-    token each: RoPE'd query heads into the attention's query operand [B, Hkv, 128, CN] (column
+    token each: RoPE'd query heads into the attention's query operand [B, Hkv, D, CN] (column
     r of KV head h for query head h n_rep + r, other columns untouched), RoPE'd key heads and the
     value heads into ring slot `slots[b]` of layer `layer` of the FP rings [L, B, Hkv, R, D].
     The weight's columns are q | k | v heads of D channels. D = 128 (QKV_HEAD_DIM): one CTA of
