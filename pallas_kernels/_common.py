@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import jax
 
@@ -13,6 +14,16 @@ def interpret_default(interpret: bool | None) -> bool:
     if interpret is None:
         return jax.default_backend() != "gpu"
     return bool(interpret)
+
+
+def interpret_params() -> Any:
+    """Mosaic GPU interpret-mode parameters (CPU): out-of-bounds TMA reads give NaN instead of the
+    hardware's zeros, so padding rows that leaked into a stored row would show."""
+    try:
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # jax >= 0.11
+    except ImportError:  # jax 0.10
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized")
 
 
 def num_sms() -> int:

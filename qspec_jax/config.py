@@ -18,6 +18,7 @@ ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic", "triton")
 PREFILL_ATTENTION_IMPLS = ("auto", "reference", "cudnn", "xla")  # qspec_jax.attention.prefill_attention
 INT4_MATMUL_IMPLS = ("auto", "xla", "pallas", "mosaic", "triton", "interpret")  # qspec_jax.linear
 DENSE_MATMUL_IMPLS = ("xla", "mosaic", "auto")  # qspec_jax.linear
+NORM_IMPLS = ("auto", "xla", "mosaic", "interpret")  # qspec_jax.norm
 DTYPES = ("bfloat16", "float32")
 
 
@@ -68,6 +69,9 @@ class ModelConfig:
     # Prompt attention: "auto" (cuDNN flash attention on a GPU where it takes the case, the jnp code elsewhere),
     # "cudnn", "reference" (jnp), "xla" (the flash path's split-and-merge through jax.nn's XLA attention: tests).
     prefill_attention_impl: str = "auto"
+    # The decode layers' residual add + RMSNorm where no INT4 kernel takes it (the target's layers): "auto" (one
+    # Mosaic kernel per norm on Hopper, XLA's elsewhere), "xla", "mosaic", "interpret" (the kernel on a CPU: tests).
+    norm_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -85,6 +89,8 @@ class ModelConfig:
             raise ConfigError(f"int4_matmul_impl={self.int4_matmul_impl!r}; expected one of {INT4_MATMUL_IMPLS}")
         if self.dense_matmul_impl not in DENSE_MATMUL_IMPLS:
             raise ConfigError(f"dense_matmul_impl={self.dense_matmul_impl!r}; expected one of {DENSE_MATMUL_IMPLS}")
+        if self.norm_impl not in NORM_IMPLS:
+            raise ConfigError(f"norm_impl={self.norm_impl!r}; expected one of {NORM_IMPLS}")
         if self.prefill_attention_impl not in PREFILL_ATTENTION_IMPLS:
             raise ConfigError(f"prefill_attention_impl={self.prefill_attention_impl!r}; expected one of "
                               f"{PREFILL_ATTENTION_IMPLS}")

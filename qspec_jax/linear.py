@@ -128,9 +128,10 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
 
 
 QKV_CACHE_ENV = "QSPEC_QKV_CACHE"  # the draft's q|k|v into the cache in one kernel: "0" off, "1" (default), "all"
-# Head dims `qkv_into_cache` runs for by default: those measured faster on a GPU. SmolLM2's 64 is checked against its
-# reference on the CPU and on an H100 (docs/kernel_notes.md), not yet timed: QSPEC_QKV_CACHE=all turns it on.
-QKV_CACHE_DEFAULT_HEAD_DIMS = (128,)
+# Head dims `qkv_into_cache` runs for by default: those measured faster on a GPU. 128 (the 8B's): draft step 2.922 ->
+# 2.805 ms (H100, batch 1, 4k). 64 (SmolLM2's): draft step 1.202 -> 1.081 ms at batch 1 and 1.374 -> 1.239 at batch 8
+# (H200, 2026-11-28, 8k; docs/kernel_notes.md). "all" stays for head dims the kernel takes that are not on by default.
+QKV_CACHE_DEFAULT_HEAD_DIMS = (64, 128)
 
 
 def qkv_cache_fusable(w: Any, int4_impl: str, rows: int, head_dim: int) -> bool:

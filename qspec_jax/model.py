@@ -41,6 +41,7 @@ from qspec_jax.linear import (
     qkv_pass_inputs,
     to_kernel_layout,
 )
+from qspec_jax.norm import add_norm_backend, add_rms_norm
 from qspec_jax.weight_quant import QuantizedWeight
 
 Array = jax.Array
@@ -271,9 +272,28 @@ def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: An
 
 @struct.dataclass
 class LayerFusion:
-    """Which glue a draft layer runs inside its INT4 kernels (`_draft_fusion`); the default, none."""
+    """Which glue a decode layer runs inside kernels of ours (`_layer_fusion`); the default, none."""
     norm: bool = struct.field(pytree_node=False, default=False)  # attention norm in qkv, MLP norm + SiLU·up in gate_up
     residual: bool = struct.field(pytree_node=False, default=False)  # the residual adds in o and down
+    # Where the INT4 kernels do not take the norms (the target's layers): the `pallas_kernels.rms_norm` backend
+    # that runs each residual add + RMSNorm as one kernel ("" : `rms_norm` under XLA).
+    add_norm: str = struct.field(pytree_node=False, default="")
+
+    @property
+    def defers_residual(self) -> bool:
+        """Whether a layer leaves its last residual add (x + down) to the next layer's first norm
+        kernel: the layer loop then carries (x, down) instead of their sum."""
+        return bool(self.add_norm) and not self.residual
+
+
+def _input_norm(cfg: ModelConfig, fusion: LayerFusion, x: Any, weight: Any) -> tuple[Any, Array]:
+    """A decode layer's attention norm: (the layer input x [B, T, D], RMSNorm(x) weight). With
+    `fusion.defers_residual`, x arrives as the pair (x, down) of the previous layer and the sum
+    is formed here, in the norm's kernel."""
+    if not fusion.add_norm:
+        return x, rms_norm(x, weight, cfg.rms_norm_eps)
+    x, d = x if fusion.defers_residual else (x, None)
+    return add_rms_norm(x, weight, eps=cfg.rms_norm_eps, backend=fusion.add_norm, residual=d)
 
 
 def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
@@ -284,21 +304,35 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
     projection's input [B, T, F]); the last two are what calibration measures. `fusion` (the
     draft layer, `_draft_fusion`): `residual`, the residual adds run inside the o and down
     kernels; `norm`, the MLP norm and SiLU(gate)·up inside the gate_up kernel, and the normed
-    input is not formed (None).
+    input is not formed (None); `add_norm`, the residual add and the MLP norm in one kernel, and
+    with `defers_residual` the first return value is the pair (x, down) whose sum the next
+    layer's attention norm forms.
     """
     col = _matmul(cfg, mesh)
     row = _matmul(cfg, mesh, row_parallel=True)
-    x = row(attn, lp.wo, residual=x) if fusion.residual else x + row(attn, lp.wo)
+    if fusion.residual:
+        x = row(attn, lp.wo, residual=x)
+    elif not fusion.add_norm:
+        x = x + row(attn, lp.wo)
     if fusion.norm:
         h, act = None, col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_eps=cfg.rms_norm_eps, swiglu=True)
     else:
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        if fusion.add_norm:
+            x, h = add_rms_norm(x, lp.mlp_norm, eps=cfg.rms_norm_eps, backend=fusion.add_norm,
+                                residual=None if fusion.residual else row(attn, lp.wo))
+        else:
+            h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         if lp.w_gate_up is not None:
             gate, up = jnp.split(col(h, lp.w_gate_up), 2, axis=-1)
         else:
             gate, up = col(h, lp.w_gate), col(h, lp.w_up)
         act = jax.nn.silu(gate) * up
-    out = row(act, lp.w_down, residual=x) if fusion.residual else x + row(act, lp.w_down)
+    if fusion.residual:
+        out = row(act, lp.w_down, residual=x)
+    elif fusion.defers_residual:
+        out = (x, row(act, lp.w_down))
+    else:
+        out = x + row(act, lp.w_down)
     return out, h, act
 
 
@@ -364,6 +398,17 @@ def _logits(params: Params, x: Array) -> Array:
     if params.lm_head is None:
         return jnp.einsum("...d,vd->...v", h, params.embed).astype(jnp.float32)  # see `linear`
     return _matmul(cfg, params.mesh, out_dtype=jnp.float32)(h, params.lm_head)
+
+
+def _layer_fusion(params: Params, rows: int) -> LayerFusion:
+    """`decode`'s glue fusion for a pass of `rows` = B x T rows: the draft's INT4 kernels'
+    (`_draft_fusion`), and where they do not take the norms (the target's bf16 layers, or the
+    draft above 24 rows) the residual add + RMSNorm kernel (`norm.add_norm_backend`)."""
+    fusion = _draft_fusion(params, rows)
+    if fusion.norm:
+        return fusion
+    cfg = params.config
+    return fusion.replace(add_norm=add_norm_backend(cfg.norm_impl, rows, cfg.hidden_size, cfg.dtype, params.mesh))
 
 
 def _draft_fusion(params: Params, rows: int) -> LayerFusion:
@@ -524,22 +569,27 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     b, w = tokens.shape
     q_struct = jax.ShapeDtypeStruct((b, w, cfg.num_heads, cfg.head_dim), x.dtype)
     inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
-    fusion = _draft_fusion(params, b * w)
+    fusion = _layer_fusion(params, b * w)
     q_operand = _qkv_cache_operand(params, fusion, cache, view, q_struct)
     if q_operand is not None:
         return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, q_operand, t)
 
-    def layer(lp, x, cache, i):
+    def layer(lp, x, cache, i):  # x [B, T, D], or the pair (x, down) with fusion.defers_residual
         if fusion.norm:
             q, k, v = _qkv(cfg, lp, x, positions, params.mesh, norm=lp.attn_norm)
         else:
-            q, k, v = _qkv(cfg, lp, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), positions, params.mesh)
+            x, h = _input_norm(cfg, fusion, x, lp.attn_norm)
+            q, k, v = _qkv(cfg, lp, h, positions, params.mesh)
         cache = cache.append_layer(i, k, v)
         attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                mesh=params.mesh, inputs=inputs)
-        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh, fusion)[0], cache
+        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(b, w, -1), params.mesh, fusion)[0], cache
 
-    x, cache = _scan_layers(params, x, cache, layer, stack_norms=fusion.norm)
+    if fusion.defers_residual:  # the first layer's pending residual: zeros (x + 0 is x)
+        x = (x, jnp.zeros_like(x))
+    x, cache = _scan_layers(params, x, cache, layer, stack_norms=fusion.norm or bool(fusion.add_norm))
+    if fusion.defers_residual:
+        x = x[0] + x[1]
     # The lm_head runs over all `width` columns too (its shape must not depend on T).
     return _logits(params, x)[:, :t], cache.advance(t)
 

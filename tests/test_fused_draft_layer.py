@@ -166,7 +166,7 @@ def test_target_path_is_unchanged(monkeypatch):
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monkeypatch, head_dim):
     """With heads the qkv kernel takes (`linear.qkv_cache_fusable`; q|k|v 2 + 1 + 1 heads of 128
-    channels, or of SmolLM2's 64 with QSPEC_QKV_CACHE=all) the draft's decode runs norm, q|k|v
+    channels, or of SmolLM2's 64) the draft's decode runs by default norm, q|k|v
     product, RoPE, the attention's query operand and the ring writes in one kernel
     (`linear.qkv_into_cache`, here through its reference), the operand riding in the layer loop's
     carry: the same logits and rings as the unfused layer (QSPEC_QKV_CACHE=0) up to the bf16
@@ -200,11 +200,7 @@ def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monke
         q.shape, cache.k_hi.shape[2]))
     cache = synthetic.random_quant_cache(cfg, 3, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
     toks = jnp.asarray([[3], [4], [5]], jnp.int32)
-    if head_dim not in qlinear.QKV_CACHE_DEFAULT_HEAD_DIMS:  # not on by default: "1" keeps the XLA rope
-        monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "1")
-        jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
-        assert qkv_calls == []
-    monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "1" if head_dim in qlinear.QKV_CACHE_DEFAULT_HEAD_DIMS else "all")
+    monkeypatch.delenv(qlinear.QKV_CACHE_ENV, raising=False)  # the default ("1") fuses both head dims
     on, on_cache = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
     assert qkv_calls == ["interpret"] and len(operands) == 1
     monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "yes")

@@ -395,14 +395,7 @@ def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | Non
 
 
 # ------------------------------------------------------------------------------ interpret mode
-def interpret_params() -> Any:
-    """GPU interpret-mode parameters (CPU): out-of-bounds TMA reads give NaN instead of the
-    hardware's zeros, so padding rows that leaked into a stored row would show."""
-    try:
-        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # jax >= 0.11
-    except ImportError:  # jax 0.10
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams(out_of_bounds_reads="uninitialized")
+interpret_params = _common.interpret_params  # GPU interpret-mode parameters (CPU), shared by the Mosaic kernels
 
 
 def _T(ref: Any) -> Any:
