@@ -208,7 +208,9 @@ def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     kernel's form) lets XLA compute the norm in one kernel instead of two (AR step 15.3 -> 13.3
     launches per layer, H100), but moves the bf16 roundings away from HF's, and SmolLM2 in
     bfloat16 then answered "L'Étoile" where it answered "Paris" (docs/kernel_notes.md, "Measured,
-    then reverted: RMSNorm(x) W computed as r ((x g) W)")."""
+    then reverted: RMSNorm(x) W computed as r ((x g) W)"). Under XLA's default excess precision an
+    x formed in the same program (the residual add x + d) can reach this function unrounded, in
+    float32; the Hopper decode path (`norm.add_rms_norm`) rounds it to bf16 first, as HF does."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * y.astype(x.dtype)

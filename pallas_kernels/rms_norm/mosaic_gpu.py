@@ -14,8 +14,10 @@ and the kernel's time is its launch and one round trip to memory.
 
 Row invariance: a row's result depends on its own values only (one CTA per row, the same code
 for every M), so a decode pass computes the same bits for a row whatever the pass's other rows.
-Against `model.rms_norm` (XLA) the float32 sum runs in another order, so r can differ in its
-last bit and y by one bf16 step in a few elements; both are HF's formula.
+Against XLA's add + `model.rms_norm`: XLA (excess precision allowed, its default) feeds the norm
+the float32 sum x + d unrounded, where this kernel, like HF, rounds h to bf16 first; and the
+float32 sum of h^2 runs in another order, so r can differ in its last bit. On an H200 y matched a
+float64-sum oracle of HF's order bit for bit at M 1..160 (tools/device/add_norm_gpu.py).
 
 `interpret=True` runs the same kernel in GPU interpret mode (CPU tests).
 """
