@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qspec_jax.config import NORM_IMPLS
 from qspec_jax.linear import StackedLayer
 
 Array = jax.Array
@@ -28,20 +27,17 @@ def add_norm_backend(impl: str, rows: int, dim: int, dtype: Any, mesh: Any = Non
     for the XLA norms (`model.rms_norm`): "auto" the Mosaic kernel on Hopper where it takes the
     shape (bf16, decode-sized rows, dim a multiple of 1024); "mosaic" / "interpret" the kernel (on
     the GPU / interpreted on a CPU) where it takes the shape; "xla" never. Tensor-parallel meshes
-    keep the XLA norms. Read at trace time."""
+    keep the XLA norms. Read at trace time; `impl` is a ModelConfig's, which checked it."""
     flag = os.environ.get(ADD_NORM_ENV, "1")
     if flag not in ("0", "1"):
         raise ValueError(f"{ADD_NORM_ENV}={flag!r}: expected 0 or 1")
-    if impl not in NORM_IMPLS:
-        raise ValueError(f"norm_impl={impl!r}; expected one of {NORM_IMPLS}")
     from pallas_kernels.rms_norm import mosaic_gpu, pick_backend
 
-    if (flag == "0" or impl == "xla" or (mesh is not None and mesh.size > 1)
-            or not mosaic_gpu.supports(rows, dim, jnp.dtype(dtype))):
+    if flag == "0" or impl == "xla" or (mesh is not None and mesh.size > 1):
         return ""
-    if impl == "auto":
+    if impl == "auto":  # pick_backend checks the shape too
         return "mosaic" if pick_backend(rows, dim, jnp.dtype(dtype)) == "mosaic" else ""
-    return impl
+    return impl if mosaic_gpu.supports(rows, dim, jnp.dtype(dtype)) else ""
 
 
 def add_rms_norm(x: Array, weight: Any, *, eps: float, backend: str,

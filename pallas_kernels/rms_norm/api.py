@@ -17,6 +17,7 @@ Backends ("auto" picks by the default device):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -57,10 +58,7 @@ def add_rms_norm(x: Array, weight: Array, *, eps: float, residual: Array | None 
         raise ValueError(f"add_rms_norm: backend={backend!r}; expected one of {BACKENDS}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual shape {residual.shape} != x shape {x.shape}")
-    lead, d = x.shape[:-1], x.shape[-1]
-    m = 1
-    for n in lead:
-        m *= n
+    m, d = math.prod(x.shape[:-1]), x.shape[-1]
     if backend == "auto":
         backend = pick_backend(m, d, x.dtype)
     if backend in ("xla", "reference"):
