@@ -375,3 +375,64 @@ def test_gpu_benches_record_xla_out_of_memory(argv: list[str], json_file: str | 
     rows = json.loads(path.read_text())[row_key]
     assert len(rows) == 1 and rows[0]["context"] == ABSURD
     assert rows[0]["error"].startswith("does not fit in memory: XLA ran out of memory (Out of memory allocating ")
+
+
+def test_kernel_keep_parts_keeps_the_pairs_not_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`qspec-bench kernel --keep-parts` (how `make bench-kernel` splits into ten-minute calls):
+    the rows and skip notes of the (shape, batch) pairs this run does not measure are kept from
+    the kernel_bench.json in --out, marked with the run that measured them (kept through later
+    runs), and the report names that run; a file there that is not a kernel result is refused."""
+    from qspec_jax.bench import kernel
+
+    row = dict(variant="ours-dense", config="default", t=1, ctx=4096, s=1e-4, bytes=4e8, best=True)
+    old = {"command": "qspec-bench kernel --combos x", "date": "2026-01-02 03:04:05 UTC", "device": "NVIDIA H200",
+           "jax": "0.11.2", "copy_bw_Bps": 4e12, "trials": 5,
+           "rows": [{**row, "shape": "llama3-8b", "batch": 1}, {**row, "shape": "smollm2", "batch": 8},
+                    {**row, "shape": "smollm2", "batch": 1, "kept_from": {"command": "first", "date": "d0"}}],
+           "skipped": ["llama3-8b B=1 ctx=131072: does not fit in memory",
+                       "smollm2 B=8 ctx=131072: does not fit in memory"]}
+    path = tmp_path / "kernel_bench.json"
+    assert kernel.kept_rows(path, [("llama3-8b", 1)]) == ([], [])  # no earlier run
+    path.write_text(json.dumps(old))
+    rows, skipped = kernel.kept_rows(path, [("llama3-8b", 1)])
+    assert [(r["shape"], r["batch"]) for r in rows] == [("smollm2", 8), ("smollm2", 1)]
+    assert rows[0]["kept_from"] == {"command": "qspec-bench kernel --combos x", "date": "2026-01-02 03:04:05 UTC"}
+    assert rows[1]["kept_from"] == {"command": "first", "date": "d0"}
+    assert skipped == ["smollm2 B=8 ctx=131072: does not fit in memory"]
+    md = kernel.markdown({**old, "command": "now", "rows": [{**row, "shape": "llama3-8b", "batch": 1}, *rows]})
+    assert "Rows of smollm2 B=8 kept from an earlier run (2026-01-02 03:04:05 UTC): `qspec-bench kernel --combos x`." in md
+    assert "Rows of smollm2 B=1 kept from an earlier run (d0): `first`." in md
+    assert md.count("| ours-dense |") == 3 and "llama3-8b B=1 kept" not in md
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="is not a qspec-bench kernel result"):
+        kernel.kept_rows(path, [])
+    line = bench_error(["kernel", "--quick", "--keep-parts", "--out", tmp_path], capsys)
+    assert f"--keep-parts: {path} is not a qspec-bench kernel result" in line
+
+
+def test_w4a16_keep_parts_keeps_the_m_values_not_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`qspec-bench w4a16 --keep-parts` (`make bench-w4a16`, one M per call): records of the M values
+    this run does not measure are kept from the --out file, marked with their command, and the
+    section says which; it needs --out, and a file that is not a W4A16 result is refused."""
+    from qspec_jax.bench import w4a16
+
+    rec = dict(shape="o", K=4096, N=4096, G=32, impl="mosaic_int4", variant="v", status="ok", ms=0.008,
+               floor_ms=0.0024, frac_ceiling=0.3)
+    old = {"meta": {"command": "qspec-bench w4a16 --m 8"},
+           "records": [{"impl": "d2d_copy", "tb_s": 4.2}, {**rec, "M": 1}, {**rec, "M": 8},
+                       {**rec, "M": 32, "kept_from": "qspec-bench w4a16 --m 32"}]}
+    path = tmp_path / "w.json"
+    assert w4a16.kept_records(path, (1,)) == []
+    path.write_text(json.dumps(old))
+    kept = w4a16.kept_records(path, (1,))
+    assert [(r["M"], r["kept_from"]) for r in kept] == [(8, "qspec-bench w4a16 --m 8"), (32, "qspec-bench w4a16 --m 32")]
+    text = w4a16.section_text([{**rec, "M": 1}, *kept], "env")
+    assert "Rows of M = 8 kept from an earlier run: `qspec-bench w4a16 --m 8`." in text
+    assert "Rows of M = 32 kept from an earlier run: `qspec-bench w4a16 --m 32`." in text and "M = 1 kept" not in text
+    assert len(w4a16.summary_rows([{**rec, "M": 1}, *kept])) == 3
+    path.write_text(json.dumps({"records": []}))
+    with pytest.raises(ValueError, match="is not a qspec-bench w4a16 result"):
+        w4a16.kept_records(path, (1,))
+    assert "--keep-parts needs --out" in bench_error(["w4a16", "--quick", "--keep-parts"], capsys)
+    line = bench_error(["w4a16", "--quick", "--keep-parts", "--out", path], capsys)
+    assert f"--keep-parts: {path} is not a qspec-bench w4a16 result" in line

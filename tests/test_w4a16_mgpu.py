@@ -571,6 +571,42 @@ def test_bench_quick_runs_the_mosaic_twins():
         bench.run(quick=True, impls=("cublas",), log=lambda s: None)
 
 
+@pytest.mark.parametrize("chains", [2, 4])
+@pytest.mark.parametrize("kt", [64, 256])
+def test_mma_chains_split_the_accumulator(chains, kt, monkeypatch):
+    """MgpuConfig(mma_chains=c): a stage's KT/16 k16 steps go round-robin into c accumulator chains
+    (each the same number of steps; no two consecutive steps in one chain), and the kernel with
+    them lowers for CUDA to a different module than with one chain. Two chains are the default
+    (QSPEC_W4A16_CHAINS overrides it, a bad value is named). The numerics (a changed float32
+    summation order) are checked on the GPU by tools/device/w4a16_chains_gpu.py."""
+    plan = mg.mma_chain_plan(kt, chains)
+    assert len(plan) == kt // 16 and sorted(set(plan)) == list(range(chains))
+    assert all(plan.count(c) == kt // 16 // chains for c in range(chains))
+    assert all(a != b for a, b in zip(plan, plan[1:]))
+    assert mg.mma_chain_plan(kt, 1) == [0] * (kt // 16)
+    k, n, g = 512, 128, 32
+    w = lay.W4A16Packed(qw=jax.ShapeDtypeStruct((n // 64, k // 64, 128, 4), jnp.uint32),
+                        sz=jax.ShapeDtypeStruct((n // 64, k // 64, 64 * 64 // g), jnp.uint32), group_size=g)
+
+    def lowered(c):
+        cfg = mg.MgpuConfig(wgs=1, k_tile=kt, splits=1, mma_chains=c)
+        return _lower(lambda x, w: mg.int4_matmul_mgpu(x, w, config=cfg, interpret=False),
+                      jax.ShapeDtypeStruct((1, k), jnp.bfloat16), w)
+
+    one, text = lowered(1), lowered(chains)
+    assert "mosaic_gpu" in text and text != one
+    assert mg.default_config(k, n, g).mma_chains == mg.MgpuConfig().mma_chains == 2
+    monkeypatch.setenv("QSPEC_W4A16_CHAINS", str(chains))
+    assert mg.default_config(k, n, g).mma_chains == chains
+    monkeypatch.setenv("QSPEC_W4A16_CHAINS", "3")
+    with pytest.raises(ValueError, match="QSPEC_W4A16_CHAINS='3'"):
+        mg.default_config(k, n, g)
+    monkeypatch.delenv("QSPEC_W4A16_CHAINS")
+    with pytest.raises(ValueError, match="mma_chains=3"):
+        mg.int4_matmul_mgpu(jnp.zeros((1, k), jnp.bfloat16), w, config=mg.MgpuConfig(wgs=1, mma_chains=3),
+                            interpret=False)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_programmatic_dependent_launch_is_opt_in(pdl):
     """MgpuConfig(pdl=True) puts a grid-dependency wait (and the early trigger) into the kernel

@@ -116,6 +116,13 @@ class MgpuConfig:
     # path once per step (SmolLM2 at M 32: consumers waiting 10x as often as without the norm,
     # Nsight Compute 2026-11-27); more leaves the TMA fewer steps of slack. Being measured.
     norm_ahead: int = 1
+    # Independent accumulator chains of the "mma" kernel per stage: k16 step s of a stage goes into
+    # chain s % mma_chains (chain 0 carries the running sum, the others start at zero) and the stage
+    # ends with ((c0 + c1) + c2) + ...; 1 is one dependent chain of KT/16 mma.sync per column tile.
+    # Changes the float32 summation order only (fixed per config, never dependent on M). H200,
+    # 2026-11-28, draft step at 4k, batch 1: INT4 linears 2.184 ms with 1 chain, 2.072 with 2, 2.074
+    # with 4 (down 593 -> 518 us, o 250 -> 228); docs/kernel_notes.md.
+    mma_chains: int = 2
 
     def replace(self, **kw: Any) -> "MgpuConfig":
         return dataclasses.replace(self, **kw)
@@ -335,7 +342,7 @@ def tuned_config(k: int, n: int, group_size: int | None, *, device_kind: str | N
             if (red == "cluster" and reduce != "cluster") or not epilogue_allows(epilogue, wgs, splits, red):
                 return None
             return MgpuConfig(wgs=wgs, k_tile=kt, splits=splits, reduce=red, stages=4, tma_view=_tma_view(),
-                              pdl=_pdl())
+                              pdl=_pdl(), mma_chains=_mma_chains())
     return None
 
 
@@ -350,6 +357,14 @@ def _tma_view() -> str:
 
 def _pdl() -> bool:
     return os.environ.get("QSPEC_W4A16_PDL", "0") == "1"  # QSPEC_W4A16_PDL=1: programmatic launch (A/B)
+
+
+def _mma_chains() -> int:
+    # QSPEC_W4A16_CHAINS=1|2|4: the "mma" kernel's accumulator chains per stage (MgpuConfig.mma_chains)
+    v = os.environ.get("QSPEC_W4A16_CHAINS", "2")
+    if v not in ("1", "2", "4"):
+        raise ValueError(f"QSPEC_W4A16_CHAINS={v!r}; expected 1, 2 or 4")
+    return int(v)
 
 
 def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | None = None,
@@ -367,7 +382,7 @@ def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | Non
             return tuned
     sms = num_sms or _common.num_sms()
     kind = "bf16" if group_size is None else "int4"
-    tma_view, pdl = _tma_view(), _pdl()
+    tma_view, pdl, chains = _tma_view(), _pdl(), _mma_chains()
     c = lay.KB if group_size is None else lay.chunk_cols(group_size)
     tiles_k = (256, 128, 64) if kind == "int4" else (128, 64)
     best, best_key = None, None
@@ -384,7 +399,8 @@ def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | Non
                 if not epilogue_allows(epilogue, wgs, s, reduce):
                     continue
                 cfg = MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce,
-                                 stages=4 if kind == "int4" else 6, tma_view=tma_view, pdl=pdl)
+                                 stages=4 if kind == "int4" else 6, tma_view=tma_view, pdl=pdl,
+                                 mma_chains=chains)
                 key = (round(predicted_us(k, n, group_size, cfg, sms), 1), s, -wgs, -kt)
                 if best_key is None or key < best_key:
                     best, best_key = cfg, key
@@ -570,7 +586,13 @@ def x_fragment_offset(ct: int, kb: int, j: int, lane: int, kt: int) -> int:
 DIAGNOSTICS = ("", "stream", "load", "convert", "mma_raw")
 
 
-def _mma_stage(group_size: int, kt: int, mp: int, diag: str = ""):
+def mma_chain_plan(kt: int, chains: int) -> list[int]:
+    """The accumulator chain of each k16 step s = 4 kb + j of a stage (`MgpuConfig.mma_chains`):
+    s % chains, so consecutive MMAs of a column tile never wait on each other."""
+    return [s % chains for s in range(kt // 16)]
+
+
+def _mma_stage(group_size: int, kt: int, mp: int, diag: str = "", chains: int = 1):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -582,10 +604,14 @@ def _mma_stage(group_size: int, kt: int, mp: int, diag: str = ""):
 
     `diag` (timing experiments only; wrong results): "stream" does no work on the stage,
     "load" only its shared-memory loads, "convert" loads + dequantization without MMAs,
-    "mma_raw" loads + MMAs on the raw code words (no dequantization)."""
+    "mma_raw" loads + MMAs on the raw code words (no dequantization).
+
+    `chains` (`MgpuConfig.mma_chains`): k16 step s = 4 kb + j of the stage accumulates into chain
+    s % chains; chain 0 starts from `acc`, the others from zero, summed in chain order at the end."""
     g = group_size
     nkb = kt // lay.KB
     nct = mp // 8
+    plan = mma_chain_plan(kt, chains)
     x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
 
     @plgpu.inline_mgpu(
@@ -620,7 +646,10 @@ def _mma_stage(group_size: int, kt: int, mp: int, diag: str = ""):
                 v = regs_in[tuple(idx)]
                 for e in range(2):
                     cur[(ct, 2 * h + e)] = llvm.extractelement(v, arith.constant(i32, e))
-        c_acc = [[cur[(ct, i)] for i in range(4)] for ct in range(nct)]
+        zero = arith.constant(f32, 0.0)
+        # chains[c][ct]: the 4 accumulator registers of column tile ct in chain c
+        c_acc = [[[cur[(ct, i)] for i in range(4)] for ct in range(nct)]]
+        c_acc += [[[zero] * 4 for _ in range(nct)] for _ in range(chains - 1)]
         sink = mu.c(0, i32)  # diagnostics: values folded in so the work is not dead code
         for kb in range(nkb if diag != "stream" else 0):
             kc, nrec, word_group = block_plan(g, kb)
@@ -662,11 +691,16 @@ def _mma_stage(group_size: int, kt: int, mp: int, diag: str = ""):
                     for v in (*a, *(b for bb in b_frag.values() for b in bb)):
                         sink = arith.xori(sink, v)
                     continue
+                chain = c_acc[plan[lay.WORDS * kb + j]]
                 for ct in range(nct):
                     out = llvm.inline_asm(
-                        llvm.StructType.get_literal([f32] * 4), [*a, *b_frag[(ct, j)], *c_acc[ct]], _MMA_ASM,
+                        llvm.StructType.get_literal([f32] * 4), [*a, *b_frag[(ct, j)], *chain[ct]], _MMA_ASM,
                         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False)
-                    c_acc[ct] = [llvm.extractvalue(f32, out, [t]) for t in range(4)]
+                    chain[ct] = [llvm.extractvalue(f32, out, [t]) for t in range(4)]
+        for extra in c_acc[1:]:  # ((c0 + c1) + c2) + ...
+            for ct in range(nct):
+                c_acc[0][ct] = [arith.addf(u, v) for u, v in zip(c_acc[0][ct], extra[ct])]
+        c_acc = c_acc[0]
         if diag in ("load", "convert"):
             c_acc[0][0] = arith.addf(c_acc[0][0], arith.bitcast(f32, sink))
         regs = np.empty(regs_in.shape, dtype=object)
@@ -903,7 +937,7 @@ def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
 def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int,
             wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
             n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
-            k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1):
+            k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
     `epi` the fused glue (`Epilogue`; `norm_ahead`: `MgpuConfig.norm_ahead`). `names` names the
     refs (inputs, output, scratch: `_call`)."""
@@ -1201,7 +1235,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             def mma_step(i, acc):
                 slot = lax.rem(i, stages)
                 plgpu.barrier_wait(full.at[slot])
-                acc = _mma_stage(g, kt, mp, diag)(w_smem.at[slot, wg], sz_smem.at[slot, wg], x_smem.at[slot],
+                acc = _mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, wg], sz_smem.at[slot, wg], x_smem.at[slot],
                                                   acc)
                 plgpu.barrier_arrive(empty.at[slot])
                 return acc
@@ -1455,7 +1489,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
-        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead)
+        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()
@@ -1519,6 +1553,8 @@ def _check_cfg(cfg: MgpuConfig, k: int, n: int, c: int) -> None:
         raise ValueError(f"reduce='cluster' spans at most {MAX_CLUSTER} CTAs; splits={cfg.splits}")
     if cfg.diag not in DIAGNOSTICS:
         raise ValueError(f"diag={cfg.diag!r}; expected one of {DIAGNOSTICS}")
+    if cfg.mma_chains not in (1, 2, 4):
+        raise ValueError(f"mma_chains={cfg.mma_chains}; expected 1, 2 or 4")
     if cfg.tma_view not in TMA_VIEWS:
         raise ValueError(f"tma_view={cfg.tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
 

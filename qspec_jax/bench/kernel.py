@@ -304,6 +304,17 @@ def markdown(result: dict) -> str:
         f"are medians of {result['trials']} trials of a jitted loop (the kernel's XLA query preparation and merge "
         f"included). `% ceiling` is bytes moved / time against the {ceiling / 1e12:.2f} TB/s read ceiling; `vs flash` "
         "is torch SDPA FlashAttention (bf16, T = 1) time / this row's time at the same shape, batch and context.",
+    ]
+    origins: dict[tuple[str, str], list[str]] = {}  # rows kept from earlier runs (--keep-parts), by run
+    for r in result["rows"]:
+        if "kept_from" in r:
+            pair = f"{r['shape']} B={r['batch']}"
+            runs = origins.setdefault((r["kept_from"]["command"], r["kept_from"]["date"]), [])
+            if pair not in runs:
+                runs.append(pair)
+    lines += [f"Rows of {', '.join(pairs)} kept from an earlier run ({date}): `{cmd}`."
+              for (cmd, date), pairs in origins.items()]
+    lines += [
         "",
         "| shape | B | context | variant | T | ms | MB moved | TB/s | % ceiling | vs flash |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -398,7 +409,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bf16 baselines to time (GPU only)")
     ap.add_argument("--target-ts", type=comma_list(int), default="5,9",
                     help="query tokens T of the Mosaic INT8 verify rows")
+    ap.add_argument("--keep-parts", action="store_true",
+                    help="keep the rows of the (shape, batch) pairs this run does not measure from the "
+                         "kernel_bench.json already in --out (`make bench-kernel` runs one pair or two per "
+                         "ten-minute call)")
     return ap
+
+
+def kept_rows(path: Path, measured: list[tuple[str, int]]) -> tuple[list[dict], list[str]]:
+    """The rows (and skip notes) of an earlier kernel_bench.json at `path` whose (shape, batch) pair
+    this run does not measure, each row marked with `kept_from` (that run's command and date);
+    ([], []) without such a file. A file that is not a kernel bench result is refused by name."""
+    if not path.exists():
+        return [], []
+    try:
+        old = json.loads(path.read_text())
+        origin = {"command": old["command"], "date": old["date"]}
+        rows = [r for r in old["rows"] if (r["shape"], r["batch"]) not in measured]
+        skipped = [x for x in old.get("skipped", [])
+                   if not any(x.startswith(f"{sh} B={b} ") for sh, b in measured)]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--keep-parts: {path} is not a qspec-bench kernel result ({type(e).__name__}: {e})") \
+            from None
+    return [{**r, "kept_from": r.get("kept_from", origin)} for r in rows], skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,6 +469,12 @@ def _main(argv: list[str] | None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(),
               "command": options.command_line(PROG, argv),
               "trials": trials, "rows": [], "skipped": []}
+    combos = (list(args.combos) if args.combos else [(s_, b) for s_ in shapes for b in batches])
+    if args.keep_parts:
+        try:
+            result["rows"], result["skipped"] = kept_rows(Path(args.out) / "kernel_bench.json", combos)
+        except ValueError as e:
+            fail(PROG, str(e))
     copy_n = 2 * 2**30 if on_gpu else 2**24
     result["copy_bw_Bps"] = copy_bandwidth(copy_n, trials)
     log(f"copy bandwidth: {result['copy_bw_Bps'] / 1e12:.3f} TB/s")
@@ -457,7 +496,6 @@ def _main(argv: list[str] | None) -> int:
     key = jax.random.PRNGKey(0)
     if args.quick or args.no_sweep:
         sweep = {k: [None] for k in sweep}
-    combos = (list(args.combos) if args.combos else [(s_, b) for s_ in shapes for b in batches])
     for shape, batch in combos:
         hq, hkv, d = SHAPES[shape]
         for ctx in sorted(contexts, reverse=True):  # largest first: the sweep picks configs there

@@ -808,7 +808,26 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variants", action="store_true",
                     help="also time the Mosaic config / kernel variants (at the first M only)")
     ap.add_argument("--time-budget", type=float, default=900.0, help="seconds; later configs are skipped")
+    ap.add_argument("--keep-parts", action="store_true",
+                    help="keep the records of the M values this run does not measure from the --out file already "
+                         "there (`make bench-w4a16` runs one M per ten-minute call)")
     return ap
+
+
+def kept_records(path: Path, m_values: tuple[int, ...]) -> list[dict]:
+    """The records of an earlier `--out` file at `path` whose M this run does not measure (the copy
+    record and SKIPPED lines without an M are not kept), each marked with `kept_from` (that run's
+    command); [] without such a file. A file that is not a W4A16 result is refused by name."""
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())
+        command = old["meta"]["command"]
+        return [{**r, "kept_from": r.get("kept_from", command)} for r in old["records"]
+                if isinstance(r.get("M"), int) and r["M"] not in m_values]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--keep-parts: {path} is not a qspec-bench w4a16 result ({type(e).__name__}: {e})") \
+            from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -849,9 +868,18 @@ def _main(argv: list[str] | None) -> int:
                        + (" (--quick and CPU runs use the tiny shapes)" if quick else ""))
         shapes = {x: table[x] for x in args.shapes}
     impls = tuple(args.impls) if args.impls else None
+    kept: list[dict] = []
+    if args.keep_parts:
+        if args.out is None:
+            fail(PROG, "--keep-parts needs --out (the file whose other M values are kept)")
+        try:
+            kept = kept_records(args.out, tuple(args.m))
+        except ValueError as e:
+            fail(PROG, str(e))
     records = run(shapes=shapes, m_values=tuple(args.m), quick=quick, groups=tuple(args.groups),
                   time_budget_s=args.time_budget, impls=impls, variants=args.variants)
     print(format_table(records))
+    records += kept
     command = options.command_line(PROG, argv)
     if args.out:
         meta = {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
@@ -900,13 +928,19 @@ def section_text(records: list[dict[str, Any]], env_line: str) -> str:
 
     copy = next((x for x in records if x.get("impl") == "d2d_copy"), None)
     copy_txt = f" Device-to-device copy in the same run: {copy['tb_s']:.2f} TB/s;" if copy else ""
+    origins: dict[str, list[int]] = {}  # M values kept from earlier runs (--keep-parts), by command
+    for r in records:
+        if "kept_from" in r and r["M"] not in origins.setdefault(r["kept_from"], []):
+            origins[r["kept_from"]].append(r["M"])
+    kept_txt = "".join(f" Rows of M = {', '.join(map(str, sorted(ms)))} kept from an earlier run: `{cmd}`."
+                       for cmd, ms in origins.items())
     headers = ["shape", "K×N", "G", "M", "cuBLAS bf16 µs", "Mosaic bf16 µs", "Mosaic INT4 µs", "Triton INT4 µs",
                "tinygemm µs", "gemlite µs", "INT4 floor µs", "Mosaic INT4 % ceiling", "INT4 vs cuBLAS",
                "INT4 vs tinygemm", "cuBLAS / Mosaic bf16"]
     return ("## INT4 draft linears (W4A16)\n\n" + env_line + "." + copy_txt
             + f" read ceiling {read_ceiling_bps() / 1e12:.2f} TB/s. Median of 5 trials of in-device loops over rotating "
             "weight copies (torch peers: CUDA-graph replay of the same ops); each implementation's best measured "
-            "config. Floor = INT4 bytes / read ceiling.\n\n" + report.table(headers, summary_rows(records)))
+            "config. Floor = INT4 bytes / read ceiling." + kept_txt + "\n\n" + report.table(headers, summary_rows(records)))
 
 
 def write_section(records: list[dict[str, Any]], command: str, env_line: str | None = None,
