@@ -422,6 +422,22 @@ def test_pair_merge_default_follows_the_cta_count():
     assert static(8, 4096, num_splits=ws.PAIR_MERGE_MIN_CTAS).pair_merge
 
 
+def test_split_count_env_override(monkeypatch):
+    """$QSPEC_MGPU_SPLITS forces the ws kernel's CTAs per (row, KV head) where a config does not
+    name it (A/B runs of the model: batch 8 at 32k gets 2 from `default_ctas`, one wave of 128
+    CTAs); unset, `default_ctas` decides; a bad value is named."""
+    def np_(**fields):
+        return ws.static_config(8, 8, 128, 128, 64, 32768, 1, 2, "draft", None, True, False, jnp.float16,
+                                jnp.bfloat16, mg.MgpuConfig(schedule="ws", **fields)).NP
+    monkeypatch.delenv(ws.SPLITS_ENV, raising=False)
+    assert np_() == ws.default_ctas(8, 8, 32768 // 128, "draft") == 2
+    monkeypatch.setenv(ws.SPLITS_ENV, "4")
+    assert np_() == 4 and np_(num_splits=3) == 3
+    monkeypatch.setenv(ws.SPLITS_ENV, "0")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_SPLITS='0'"):
+        np_()
+
+
 def test_ws_register_budget():
     """setmaxnreg can only redistribute the registers a CTA launched with: the defaults use at most
     the pool (2 consumers: 4 x 128; 3: 5 x 96), and a budget over it is refused (it would hang)."""

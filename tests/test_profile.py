@@ -115,6 +115,7 @@ def test_floor_bytes_of_a_model():
     (["--shape", "smollm2", "--doc"], "--doc: the report's profile section is the llama3-8b shape at batch 1, got "
                                       "--shape smollm2 --batch 1"),
     (["--batch", "8", "--doc"], "got --shape llama3-8b --batch 8; write this profile with --out only"),
+    (["--ragged"], "--ragged: rows of different lengths need --batch >= 2, got --batch 1"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     """Every bad argument is refused before anything is measured: one line, exit status 2."""
@@ -230,3 +231,39 @@ def test_shape_and_batch_reach_the_programs(tmp_path):
         assert res["batch"] == b and res["config"].startswith("tiny SmolLM2-135M shape")
         floors[b] = res["rows"][0]["floor_us"]["attention"]
     assert floors[2] == pytest.approx(2 * floors[1])
+
+
+@pytest.mark.slow  # a tiny SmolLM2-layout draft program and the AR loop (~30 CPU-s)
+def test_ragged_rows_reach_the_programs(tmp_path):
+    """--ragged: the caches hold rows of different lengths, evenly from context/2 to context (the e2e
+    batch part's), the rows record them, the attention floor follows their mean, and the loop
+    restarts from them."""
+    out = tmp_path / "r"
+    assert cli.main(["profile", "--quick", "--shape", "smollm2", "--batch", "2", "--ragged", "--contexts", "512",
+                     "--programs", "draft,ar_loop", "--out", str(out)]) == 0
+    rows = json.loads((out / "profile.json").read_text())["rows"]
+    assert [r["lengths"] for r in rows] == [[256, 512], [256, 512]]
+    assert all(r["wall_us"] > 0 for r in rows)
+    assert cli.main(["profile", "--quick", "--shape", "smollm2", "--batch", "2", "--contexts", "512",
+                     "--programs", "draft", "--out", str(tmp_path / "u")]) == 0
+    uniform = json.loads((tmp_path / "u" / "profile.json").read_text())["rows"][0]
+    assert "lengths" not in uniform
+    assert 0.5 * uniform["floor_us"]["attention"] < rows[0]["floor_us"]["attention"] < uniform["floor_us"]["attention"]
+
+
+def test_attention_floor_counts_each_rows_length():
+    """The quantized view's byte floor of rows of different lengths is the sum of each row's own
+    (planes, scales and ring over its own q_len / fp_len), not batch x the first row's."""
+    from qspec_jax.bench import e2e
+    from qspec_jax.bench.kernel import quant_bytes
+
+    cfg = P.SHAPES["smollm2"][0].replace(vocab_size=512, num_layers=2, intermediate_size=512)
+    key = jax.random.PRNGKey(0)
+
+    def cache(lengths):
+        return e2e.random_quant_cache(cfg, len(lengths), 512, key, np.asarray(lengths, np.int32))
+
+    for target in (False, True):
+        both = quant_bytes(cache([256, 512]), 512, 5, cfg.num_heads, target)
+        alone = [quant_bytes(cache([n]), 512, 5, cfg.num_heads, target) for n in (256, 512)]
+        assert both == sum(alone) and alone[0] < alone[1]

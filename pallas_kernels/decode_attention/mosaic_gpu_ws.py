@@ -180,6 +180,22 @@ CTA_FIXED_BLOCKS = {"draft": 7, "target": 16}
 PAIR_MERGE_MIN_CTAS = 8
 
 
+SPLITS_ENV = "QSPEC_MGPU_SPLITS"  # CTAs per (row, KV head) for every call without config.num_splits (A/B runs)
+
+
+def env_splits() -> int | None:
+    """$QSPEC_MGPU_SPLITS as a split count (None when unset): how a benchmark forces NP in the model,
+    e.g. more CTAs than `default_ctas` picks so that rows of different lengths fill the SMs."""
+    import os
+
+    v = os.environ.get(SPLITS_ENV)
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"${SPLITS_ENV}={v!r}: expected a split count >= 1")
+    return int(v)
+
+
 def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
     """CTAs per (row, KV head): one CTA per SM, so pick the count whose waves x (blocks per CTA +
     the CTA's fixed cost in blocks) is smallest. Depends on the geometry and view only, never on T."""
@@ -942,7 +958,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     if not C <= c_max:
         raise ValueError(f"C={C} column tiles > c_max={c_max}")
     n_blocks = max(1, S_max // G)
-    np_ = config.num_splits or default_ctas(B, H, n_blocks, view)
+    np_ = config.num_splits or env_splits() or default_ctas(B, H, n_blocks, view)
     # Software-pipelined consumers (a block's value MMA overlapping the next block's K conversion
     # and score MMA) by default for the draft view only: the verify kernel's two planes and wider
     # accumulators run out of registers (ptxas serializes its wgmmas; H100 run 2026-11-26: 128 vs

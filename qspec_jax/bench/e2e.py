@@ -110,12 +110,14 @@ def time_steps(params: M.Params, cache: Any, t: int, view: str, n: int, trials: 
     return run_steps(lambda p, c, tk: decode_steps(p, c, tk, n=n, view=view), params, cache, t, n, trials)
 
 
-def random_dense_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array) -> DenseKVCache:
-    return synthetic.random_dense_cache(cfg, batch, context, key, extra_slots=EXTRA_SLOTS)
+def random_dense_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array,
+                       lengths: np.ndarray | None = None) -> DenseKVCache:
+    return synthetic.random_dense_cache(cfg, batch, context, key, extra_slots=EXTRA_SLOTS, lengths=lengths)
 
 
-def random_quant_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array) -> QuantSpecCache:
-    return synthetic.random_quant_cache(cfg, batch, context, key, extra_slots=EXTRA_SLOTS)
+def random_quant_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array,
+                       lengths: np.ndarray | None = None) -> QuantSpecCache:
+    return synthetic.random_quant_cache(cfg, batch, context, key, extra_slots=EXTRA_SLOTS, lengths=lengths)
 
 
 # ------------------------------------------------------------------------------- bytes model

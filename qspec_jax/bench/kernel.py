@@ -32,6 +32,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room fo
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 L2_BYTES = 50 * 2**20
 from qspec_jax.bench import options, report
@@ -50,18 +51,19 @@ def log(*a: Any) -> None:
 
 
 def quant_bytes(cache, ctx: int, t: int, hq: int, target: bool) -> int:
-    """Bytes one attention call must read and write: the planes it reads over q_len tokens, their
-    scales and zeros, the visible ring entries, q and the output."""
+    """Bytes one attention call must read and write: the planes it reads over each row's q_len
+    tokens, their scales and zeros, the visible ring entries, q and the output (rows of different
+    lengths each count their own)."""
     _, b, hkv, _, dh = cache.k_hi.shape
     d = 2 * dh
-    q_len = int(cache.q_len[0])
-    n_fp = int(cache.fp_len[0])
+    q_lens = [int(v) for v in np.asarray(cache.q_len)]  # per row
+    n_fp = int(np.sum(np.asarray(cache.fp_len)))  # ring entries, all rows
     sd = jnp.dtype(cache.k_scale.dtype).itemsize
     planes = 4 if target else 2
-    n = planes * b * hkv * q_len * dh  # uint8 planes
-    n += 2 * b * hkv * (q_len // cache.group_size) * d * sd  # key scale + zero
-    n += 2 * b * hkv * q_len * cache.v_scale.shape[-1] * sd  # value scale + zero
-    n += 2 * b * hkv * n_fp * d * jnp.dtype(cache.k_fp.dtype).itemsize  # ring K + V
+    n = planes * hkv * sum(q_lens) * dh  # uint8 planes
+    n += 2 * hkv * sum(q // cache.group_size for q in q_lens) * d * sd  # key scale + zero
+    n += 2 * hkv * sum(q_lens) * cache.v_scale.shape[-1] * sd  # value scale + zero
+    n += 2 * hkv * n_fp * d * jnp.dtype(cache.k_fp.dtype).itemsize  # ring K + V
     n += 2 * b * t * hq * d * 2  # q in, o out (bf16)
     return int(n)
 

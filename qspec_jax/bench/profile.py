@@ -193,9 +193,11 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             log(f"{name} at context {c}: {error}")
             results.append({"program": name, "context": c, "error": error})
 
+    lengths = e2e.batch_lengths(B, c) if args.ragged else None  # int32[B] in [c/2, c], or every row at c
+    floor_c = int(np.mean(lengths)) if args.ragged else c  # the byte floors follow the mean length
     caches = jax.block_until_ready({  # allocated here (caches that do not fit: the whole context); donated call by call
-        "dense": e2e.random_dense_cache(cfg, B, c, jax.random.fold_in(key, c)),
-        "quant": e2e.random_quant_cache(cfg, B, c, jax.random.fold_in(key, c + 1))})
+        "dense": e2e.random_dense_cache(cfg, B, c, jax.random.fold_in(key, c), lengths),
+        "quant": e2e.random_quant_cache(cfg, B, c, jax.random.fold_in(key, c + 1), lengths)})
     steps = {  # name: (params, cache kind, T, view, linear floor)
         "ar_bf16": (params, "dense", 1, "target", floors["target"]),
         "draft": (draft, "quant", 1, "draft", floors["draft"]),
@@ -215,8 +217,10 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
             r.update(program=name, context=c, t=t, unit="step",
                      floor_us={"linear": lin_floor / ceiling * 1e6,
-                               "attention": attention_floor_bytes(cfg, caches[ck], c, t, view) / ceiling * 1e6,
+                               "attention": attention_floor_bytes(cfg, caches[ck], floor_c, t, view) / ceiling * 1e6,
                                "glue": 0.0, "copy": 0.0})
+            if lengths is not None:
+                r["lengths"] = lengths.tolist()
             results.append(r)
             show(r, args.top, cfg.num_layers)
 
@@ -238,6 +242,8 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             log(f"{name} at context {c}")
             r = _profile(make(), trace_root / f"{name}_{c}", args.loop_tokens, args.trials)
             r.update(program=name, context=c, unit="token", floor_us={})
+            if lengths is not None:
+                r["lengths"] = lengths.tolist()
             results.append(r)
             show(r, args.top, cfg.num_layers)
 
@@ -333,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b",
                    help="model shape (random weights); the report's section is the default shape at batch 1")
     p.add_argument("--batch", type=int, default=1, help="rows decoded together")
+    p.add_argument("--ragged", action="store_true",
+                   help="rows of different lengths, evenly from context/2 to context (as `qspec-bench e2e --parts "
+                        "batch`); needs --batch >= 2")
     p.add_argument("--steps", type=int, default=8, help="steps per profiled call")
     p.add_argument("--trials", type=int, default=3, help="timed calls for the wall time (the median is reported)")
     p.add_argument("--loop-tokens", type=int, default=128, help="tokens per profiled loop")
@@ -361,6 +370,8 @@ def check_args(args: argparse.Namespace) -> None:
             f"in 1..{DEFAULT_GAMMA_MAX + 1}")
     require(PROG, args.draft_group in WEIGHT_GROUPS, "--draft-group", args.draft_group,
             f"one of {', '.join(map(str, WEIGHT_GROUPS))}")
+    if args.ragged and args.batch < 2:
+        fail(PROG, f"--ragged: rows of different lengths need --batch >= 2, got --batch {args.batch}")
     if args.doc is not None and (args.shape, args.batch) != ("llama3-8b", 1):
         fail(PROG, f"--doc: the report's profile section is the llama3-8b shape at batch 1, got --shape {args.shape} "
                    f"--batch {args.batch}; write this profile with --out only")

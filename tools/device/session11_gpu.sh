@@ -8,6 +8,7 @@
 #          speculative == autoregressive on long real prompts in bf16 (`qspec_jax.bench.fidelity`);
 #   chains tools/device/w4a16_chains_gpu.py (the INT4 kernel's accumulator chains: check + time), then the draft
 #          step (`qspec-bench profile`, 8B, batch 1, 4k) with QSPEC_W4A16_CHAINS=1, 4, 2;
+#   ragged `qspec-bench profile --batch 8 --contexts 32768` with and without --ragged, QSPEC_MGPU_SPLITS unset / 4;
 #   peers  `make bench-kernel` and `make bench-w4a16`'s commands (the peers timed in the same run).
 #   cd <repo> && OUT=/tmp/out STAGES="env stash l2 batch" bash tools/device/session11_gpu.sh
 # Logs go to $OUT/logs, packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
@@ -59,6 +60,17 @@ PY
           --batch 1 --contexts 4096 --programs draft --out $OUT/p_chains$c 2>&1 | grep -v "^W[0-9]" > $L/profile_chains$c.log
         grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_chains$c.log; rm -rf $OUT/p_chains$c/traces
         stamp "profile chains=$c"
+      done;;
+    ragged)  # batch 8 at 32k, rows of 16k..32k (the e2e batch part's) vs all at 32k; the ws split count 2 (default) vs 4
+      for v in "" 4; do
+        for r in "" --ragged; do
+          tag=b8_32k${r:+_ragged}_np${v:-default}
+          QSPEC_MGPU_SPLITS=$v timeout ${PROF_LIMIT:-150} python3 -m qspec_jax.cli.bench profile --steps 8 --trials 3 \
+            --batch 8 --contexts 32768 $r --programs ${RAGGED_PROGS:-ar_bf16,draft,verify} --verify-t 5 \
+            --out $OUT/p_$tag 2>&1 | grep -v "^W[0-9]" > $L/profile_$tag.log
+          grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_$tag.log; rm -rf $OUT/p_$tag/traces
+          stamp "profile $tag"
+        done
       done;;
     peers)
       timeout ${PEERS_LIMIT:-500} python3 -m qspec_jax.cli.bench kernel --out $OUT/bench 2>&1 | grep -v "^W[0-9]" \
