@@ -234,13 +234,14 @@ def test_shape_and_batch_reach_the_programs(tmp_path):
 
 
 @pytest.mark.slow  # a tiny SmolLM2-layout draft program and the AR loop (~30 CPU-s)
-def test_ragged_rows_reach_the_programs(tmp_path):
+def test_ragged_rows_reach_the_programs(tmp_path, capsys):
     """--ragged: the caches hold rows of different lengths, evenly from context/2 to context (the e2e
     batch part's), the rows record them, the attention floor follows their mean, and the loop
     restarts from them."""
     out = tmp_path / "r"
     assert cli.main(["profile", "--quick", "--shape", "smollm2", "--batch", "2", "--ragged", "--contexts", "512",
                      "--programs", "draft,ar_loop", "--out", str(out)]) == 0
+    assert "== draft at 512 (rows of 256..512)" in capsys.readouterr().out
     rows = json.loads((out / "profile.json").read_text())["rows"]
     assert [r["lengths"] for r in rows] == [[256, 512], [256, 512]]
     assert all(r["wall_us"] > 0 for r in rows)

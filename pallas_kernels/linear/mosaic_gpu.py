@@ -1235,8 +1235,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             def mma_step(i, acc):
                 slot = lax.rem(i, stages)
                 plgpu.barrier_wait(full.at[slot])
-                acc = _mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, wg], sz_smem.at[slot, wg], x_smem.at[slot],
-                                                  acc)
+                acc = _mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, wg], sz_smem.at[slot, wg],
+                                                              x_smem.at[slot], acc)
                 plgpu.barrier_arrive(empty.at[slot])
                 return acc
 

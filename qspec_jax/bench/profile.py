@@ -280,11 +280,12 @@ def restarted(caches: dict[str, Any], kind: str, loop: Any, operands: tuple[Any,
 # ---------------------------------------------------------------------------------- output
 def show(r: dict[str, Any], top: int, layers: int) -> None:
     unit = r["unit"]
+    at = r["context"] if "lengths" not in r else f"{r['context']} (rows of {min(r['lengths'])}..{max(r['lengths'])})"
     if not r["launches"]:
-        print(f"\n== {r['program']} at {r['context']}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}; the trace has no GPU "
+        print(f"\n== {r['program']} at {at}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}; the trace has no GPU "
               "kernel events (not a GPU run)")
         return
-    print(f"\n== {r['program']} at {r['context']}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}, kernels "
+    print(f"\n== {r['program']} at {at}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}, kernels "
           f"{r['busy_us'] / 1e3:.3f} ms in {r['launches']:.0f} launches/{unit} ({r['launches'] / layers:.1f} per layer)")
     for c in CATEGORIES:
         v = r["categories"][c]
