@@ -8,6 +8,7 @@
 #          speculative == autoregressive on long real prompts in bf16 (`qspec_jax.bench.fidelity`);
 #   chains tools/device/w4a16_chains_gpu.py (the INT4 kernel's accumulator chains: check + time), then the draft
 #          step (`qspec-bench profile`, 8B, batch 1, 4k) with QSPEC_W4A16_CHAINS=1, 4, 2;
+#   fixed  tools/device/w4a16_fixed_cost.py --diag (t0 + bytes / rate fits of the small INT4 linears);
 #   ragged `qspec-bench profile --batch 8 --contexts 32768` with and without --ragged, QSPEC_MGPU_SPLITS unset / 4;
 #   peers  `make bench-kernel` and `make bench-w4a16`'s commands (the peers timed in the same run).
 #   cd <repo> && OUT=/tmp/out STAGES="env stash l2 batch" bash tools/device/session11_gpu.sh
@@ -61,6 +62,10 @@ PY
         grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_chains$c.log; rm -rf $OUT/p_chains$c/traces
         stamp "profile chains=$c"
       done;;
+    fixed)  # the small INT4 linears' fixed cost: time against K at N 4096 / 6144, full kernel and TMA ring only
+      timeout ${FIXED_LIMIT:-240} python3 tools/device/w4a16_fixed_cost.py --diag 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/w4a16_fixed_cost.log
+      stamp fixed;;
     ragged)  # batch 8 at 32k, rows of 16k..32k (the e2e batch part's) vs all at 32k; the ws split count 2 (default) vs 4
       for v in "" 4; do
         for r in "" --ragged; do
