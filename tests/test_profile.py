@@ -265,6 +265,6 @@ def test_attention_floor_counts_each_rows_length():
         return e2e.random_quant_cache(cfg, len(lengths), 512, key, np.asarray(lengths, np.int32))
 
     for target in (False, True):
-        both = quant_bytes(cache([256, 512]), 512, 5, cfg.num_heads, target)
-        alone = [quant_bytes(cache([n]), 512, 5, cfg.num_heads, target) for n in (256, 512)]
+        both = quant_bytes(cache([256, 512]), 5, cfg.num_heads, target)
+        alone = [quant_bytes(cache([n]), 5, cfg.num_heads, target) for n in (256, 512)]
         assert both == sum(alone) and alone[0] < alone[1]

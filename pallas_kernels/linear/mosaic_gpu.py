@@ -359,11 +359,14 @@ def _pdl() -> bool:
     return os.environ.get("QSPEC_W4A16_PDL", "0") == "1"  # QSPEC_W4A16_PDL=1: programmatic launch (A/B)
 
 
+MMA_CHAINS = (1, 2, 4)  # the values `MgpuConfig.mma_chains` takes (a power of two dividing KT/16 >= 4)
+
+
 def _mma_chains() -> int:
-    # QSPEC_W4A16_CHAINS=1|2|4: the "mma" kernel's accumulator chains per stage (MgpuConfig.mma_chains)
-    v = os.environ.get("QSPEC_W4A16_CHAINS", "2")
-    if v not in ("1", "2", "4"):
-        raise ValueError(f"QSPEC_W4A16_CHAINS={v!r}; expected 1, 2 or 4")
+    # QSPEC_W4A16_CHAINS=1|2|4: the "mma" kernel's accumulator chains per stage (default MgpuConfig's)
+    v = os.environ.get("QSPEC_W4A16_CHAINS", str(MgpuConfig.mma_chains))
+    if v not in map(str, MMA_CHAINS):
+        raise ValueError(f"QSPEC_W4A16_CHAINS={v!r}; expected one of {MMA_CHAINS}")
     return int(v)
 
 
@@ -592,7 +595,7 @@ def mma_chain_plan(kt: int, chains: int) -> list[int]:
     return [s % chains for s in range(kt // 16)]
 
 
-def _mma_stage(group_size: int, kt: int, mp: int, diag: str = "", chains: int = 1):
+def _mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -1553,8 +1556,8 @@ def _check_cfg(cfg: MgpuConfig, k: int, n: int, c: int) -> None:
         raise ValueError(f"reduce='cluster' spans at most {MAX_CLUSTER} CTAs; splits={cfg.splits}")
     if cfg.diag not in DIAGNOSTICS:
         raise ValueError(f"diag={cfg.diag!r}; expected one of {DIAGNOSTICS}")
-    if cfg.mma_chains not in (1, 2, 4):
-        raise ValueError(f"mma_chains={cfg.mma_chains}; expected 1, 2 or 4")
+    if cfg.mma_chains not in MMA_CHAINS:
+        raise ValueError(f"mma_chains={cfg.mma_chains}; expected one of {MMA_CHAINS}")
     if cfg.tma_view not in TMA_VIEWS:
         raise ValueError(f"tma_view={cfg.tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
 

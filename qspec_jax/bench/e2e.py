@@ -719,20 +719,17 @@ def kept_parts(path: Path, measured: Sequence[str]) -> dict[str, Any]:
     """The parts recorded in an earlier run's e2e.json at `path` that this run (`measured`) does not
     measure, each marked with `kept_from` (the command and date that measured it); {} when there
     is no such file. A file that is not an e2e.json is refused by name."""
-    if not path.exists():
-        return {}
-    try:
-        old = json.loads(path.read_text())
+    def pick(old: dict[str, Any]) -> dict[str, Any]:
         origin = {"command": old["command"], "date": old["environment"]["date"]}
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--keep-parts: {path} is not a qspec-bench e2e result ({type(e).__name__}: {e})") from None
-    kept: dict[str, Any] = {}
-    for part in PARTS:
-        if part in old and part not in measured:
-            kept[part] = {**old[part], "kept_from": old[part].get("kept_from", origin)}
-    if "8b" in kept and "torch_decode" in old:  # the 8b part's PyTorch peer goes with it
-        kept["torch_decode"] = old["torch_decode"]
-    return kept
+        kept: dict[str, Any] = {}
+        for part in PARTS:
+            if part in old and part not in measured:
+                kept[part] = {**old[part], "kept_from": old[part].get("kept_from", origin)}
+        if "8b" in kept and "torch_decode" in old:  # the 8b part's PyTorch peer goes with it
+            kept["torch_decode"] = old["torch_decode"]
+        return kept
+
+    return options.kept_from_earlier(path, "e2e", pick, {})
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -50,7 +50,7 @@ def log(*a: Any) -> None:
     print(*a, flush=True)
 
 
-def quant_bytes(cache, ctx: int, t: int, hq: int, target: bool) -> int:
+def quant_bytes(cache, t: int, hq: int, target: bool) -> int:
     """Bytes one attention call must read and write: the planes it reads over each row's q_len
     tokens, their scales and zeros, the visible ring entries, q and the output (rows of different
     lengths each count their own)."""
@@ -113,7 +113,7 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
         cache = random_quant_cache(cfg, batch, ctx, key, layers=copies, fp_start=3)
         tot = cache.q_len + cache.fp_len
         q_pos = tot[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
-        nbytes = quant_bytes(cache, ctx, t, hq, kind == "target")
+        nbytes = quant_bytes(cache, t, hq, kind == "target")
 
         data = (q_pos, cache)
 
@@ -422,18 +422,14 @@ def kept_rows(path: Path, measured: list[tuple[str, int]]) -> tuple[list[dict], 
     """The rows (and skip notes) of an earlier kernel_bench.json at `path` whose (shape, batch) pair
     this run does not measure, each row marked with `kept_from` (that run's command and date);
     ([], []) without such a file. A file that is not a kernel bench result is refused by name."""
-    if not path.exists():
-        return [], []
-    try:
-        old = json.loads(path.read_text())
+    def pick(old: dict[str, Any]) -> tuple[list[dict], list[str]]:
         origin = {"command": old["command"], "date": old["date"]}
-        rows = [r for r in old["rows"] if (r["shape"], r["batch"]) not in measured]
-        skipped = [x for x in old.get("skipped", [])
-                   if not any(x.startswith(f"{sh} B={b} ") for sh, b in measured)]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--keep-parts: {path} is not a qspec-bench kernel result ({type(e).__name__}: {e})") \
-            from None
-    return [{**r, "kept_from": r.get("kept_from", origin)} for r in rows], skipped
+        rows = [{**r, "kept_from": r.get("kept_from", origin)} for r in old["rows"]
+                if (r["shape"], r["batch"]) not in measured]
+        skipped = [x for x in old.get("skipped", []) if not any(x.startswith(f"{sh} B={b} ") for sh, b in measured)]
+        return rows, skipped
+
+    return options.kept_from_earlier(path, "kernel", pick, ([], []))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -124,6 +125,19 @@ def check_model_inputs(prog: str, args: argparse.Namespace, checkpoint_flag: str
     """The checkpoint and the text directory exist (before any measuring); `hint` ends the error."""
     require_checkpoint_dir(prog, getattr(args, checkpoint_flag.lstrip("-").replace("-", "_")), checkpoint_flag, hint)
     require_text_dir(prog, args.text_dir, hint=hint)
+
+
+def kept_from_earlier(path: Path, name: str, pick: Callable[[Any], Any], default: Any) -> Any:
+    """`--keep-parts`: pick(result) of the earlier run's JSON at `path` (what this run keeps of it),
+    or `default` when there is no such file. A file that is not readable as one (not JSON, or
+    missing what `pick` reads) is refused by name: ValueError."""
+    if not path.exists():
+        return default
+    try:
+        return pick(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--keep-parts: {path} is not a qspec-bench {name} result ({type(e).__name__}: {e})") \
+            from None
 
 
 def positive(prog: str, args: argparse.Namespace, *flags: str) -> None:

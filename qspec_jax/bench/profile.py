@@ -130,12 +130,15 @@ def linear_floor_bytes(params: M.Params) -> int:
     return tree_bytes([w for w in ws if w is not None]) + tree_bytes(head)
 
 
-def attention_floor_bytes(cfg: Any, cache: Any, context: int, t: int, view: str) -> int:
-    """Bytes all layers' attention must move at this context (kernel.py's per-call counts)."""
+def attention_floor_bytes(cfg: Any, cache: Any, t: int, view: str) -> int:
+    """Bytes all layers' attention must move over the cache's rows, each at its own length
+    (kernel.py's per-call counts)."""
     if hasattr(cache, "k_hi"):
-        per_layer = quant_bytes(cache, context, t, cfg.num_heads, view == "target")
+        per_layer = quant_bytes(cache, t, cfg.num_heads, view == "target")
     else:
-        per_layer = dense_bytes(cache.k.shape[1], cfg.num_kv_heads, context, cfg.head_dim, t, cfg.num_heads)
+        b = cache.k.shape[1]
+        mean_len = float(np.sum(np.asarray(cache.lengths))) / b  # dense_bytes counts b rows of one length
+        per_layer = dense_bytes(b, cfg.num_kv_heads, mean_len, cfg.head_dim, t, cfg.num_heads)
     return cfg.num_layers * per_layer
 
 
@@ -194,7 +197,6 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             results.append({"program": name, "context": c, "error": error})
 
     lengths = e2e.batch_lengths(B, c) if args.ragged else None  # int32[B] in [c/2, c], or every row at c
-    floor_c = int(np.mean(lengths)) if args.ragged else c  # the byte floors follow the mean length
     caches = jax.block_until_ready({  # allocated here (caches that do not fit: the whole context); donated call by call
         "dense": e2e.random_dense_cache(cfg, B, c, jax.random.fold_in(key, c), lengths),
         "quant": e2e.random_quant_cache(cfg, B, c, jax.random.fold_in(key, c + 1), lengths)})
@@ -217,7 +219,7 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             r = _profile(call, trace_root / f"{name}_{c}", args.steps, args.trials)
             r.update(program=name, context=c, t=t, unit="step",
                      floor_us={"linear": lin_floor / ceiling * 1e6,
-                               "attention": attention_floor_bytes(cfg, caches[ck], floor_c, t, view) / ceiling * 1e6,
+                               "attention": attention_floor_bytes(cfg, caches[ck], t, view) / ceiling * 1e6,
                                "glue": 0.0, "copy": 0.0})
             if lengths is not None:
                 r["lengths"] = lengths.tolist()

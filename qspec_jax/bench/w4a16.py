@@ -818,16 +818,14 @@ def kept_records(path: Path, m_values: tuple[int, ...]) -> list[dict]:
     """The records of an earlier `--out` file at `path` whose M this run does not measure (the copy
     record and SKIPPED lines without an M are not kept), each marked with `kept_from` (that run's
     command); [] without such a file. A file that is not a W4A16 result is refused by name."""
-    if not path.exists():
-        return []
-    try:
-        old = json.loads(path.read_text())
+    from qspec_jax.bench import options
+
+    def pick(old: dict[str, Any]) -> list[dict]:
         command = old["meta"]["command"]
         return [{**r, "kept_from": r.get("kept_from", command)} for r in old["records"]
                 if isinstance(r.get("M"), int) and r["M"] not in m_values]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"--keep-parts: {path} is not a qspec-bench w4a16 result ({type(e).__name__}: {e})") \
-            from None
+
+    return options.kept_from_earlier(path, "w4a16", pick, [])
 
 
 def main(argv: list[str] | None = None) -> int:
