@@ -408,6 +408,84 @@ def test_ws_pair_merge(view, window, nc):
         assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(ml)).all()
 
 
+@pytest.mark.parametrize("ctas,window", [(3, None), (7, 60), (1, None)])
+def test_ws_flat_balanced_schedule(ctas, window):
+    """`ws_flat` (the draft view's balanced schedule): `ctas` persistent CTAs over the flattened
+    (row, KV head, block) work, so CTAs span several pairs and pairs several CTAs. The checks of
+    `_ws_variant_runs` (error bound, T = 1 row == T = 5 row bitwise), the default schedule's
+    result within the same bound, one partial per consumer and slot, and every slot after a
+    pair's last written one neutral (m = NEG, l = 0, o = 0)."""
+    g = 64
+    cache = build_cache(23, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
+    rw = ws.ring_weight("draft", 64, g, cache.ring_size, cache.k_scale.dtype, cache.k_fp.dtype)
+    cap = ws.flat_cap(4, 1, ctas)
+    pairs, work = (np.asarray(x) for x in ws.flat_work(cache.q_len, 1, g, ctas, cap, rw))
+    share = int(work[0, 3] - work[0, 2])
+    for cfg, o5, call in _ws_variant_runs("draft", window, 23, 11, ws_flat=True, ws_flat_ctas=ctas):
+        o, ml = (np.asarray(x) for x in call(partials=True, config=cfg))
+        assert o.shape[2] == ml.shape[2] == (cap + 1) * ws.CONSUMERS  # a partial per consumer and slot
+        for x in range(4):  # pair x = row x (one KV head)
+            start, nb = int(pairs[x, 0]), int(pairs[x, 1])
+            count = (start + nb + rw - 1) // share - start // share + 1  # CTAs holding a part of pair x
+            written, unused = slice(0, count * ws.CONSUMERS), slice(count * ws.CONSUMERS, None)
+            assert np.isfinite(o[x, :, written]).all() and np.isfinite(ml[x, :, written]).all()
+            assert (ml[x, :, written, mg.MT // 2, :4] > 0).any()  # some partial of the pair saw its tokens
+            assert (ml[x, :, unused, mg.MT // 2] == 0).all() and (o[x, :, unused] == 0).all()
+            assert (ml[x, :, unused, 0] == np.float32(mg.NEG)).all()
+        default = np.asarray(call(config=mg.MgpuConfig(register_a=False, schedule="ws")))
+        bound = error_bound(*_queries(jax.random.PRNGKey(11), cache, 5, 4, 64, jnp.float32), cache, 0, "draft", window)
+        assert (np.abs(o5 - default) <= 2 * bound).all()  # both within the bound of the reference
+
+
+@pytest.mark.parametrize("case", [*range(6), "boundaries"])
+def test_flat_work_covers_every_unit_once(case):
+    """`flat_work` against a brute-force walk: the CTAs' shares tile [0, total) in order; each
+    CTA's segments are exactly the pairs its share overlaps; a pair's start, block count and
+    first CTA are right; no pair spans more than cap + 1 CTAs. Random geometries (some rows
+    ring-only), and shares that start exactly where pairs do."""
+    g = 64
+    if case == "boundaries":  # four pairs of 12 units on 4 CTAs: every share is one pair
+        b, hkv, ctas, rw, q_len = 4, 1, 4, 2, np.full(4, 10 * g)
+    else:
+        rng = np.random.default_rng(case)
+        b, hkv = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        q_len = rng.integers(0, 40, b) * g * (rng.random(b) < 0.8)
+        ctas, rw = int(rng.integers(1, 20)), int(rng.integers(1, 12))
+    cap = ws.flat_cap(b, hkv, ctas)
+    pairs, work = (np.asarray(x) for x in ws.flat_work(jnp.asarray(q_len, jnp.int32), hkv, g, ctas, cap, rw))
+    w = np.repeat(q_len // g + rw, hkv)
+    starts = np.concatenate([[0], np.cumsum(w)])
+    np.testing.assert_array_equal(pairs[:, 0], starts[:-1])
+    np.testing.assert_array_equal(pairs[:, 1], np.repeat(q_len // g, hkv))
+    g0, g1 = work[:, 2], work[:, 3]
+    assert g0[0] == 0 and g1[-1] == starts[-1] and (g0[1:] == g1[:-1]).all() and (g1 >= g0).all()
+    share = int(g1[0] - g0[0])
+    assert share >= -(-starts[-1] // ctas) and share * cap >= w.max()
+    for c in range(ctas):
+        overlap = [x for x in range(len(w)) if starts[x] < g1[c] and starts[x + 1] > g0[c]]
+        assert work[c, 1] == len(overlap)
+        if overlap:
+            assert work[c, 0] == overlap[0]
+    for x in range(len(w)):
+        first, last = starts[x] // share, (starts[x + 1] - 1) // share
+        assert pairs[x, 2] == first and last - first + 1 <= cap + 1
+
+
+def test_flat_schedule_resolution(monkeypatch):
+    """ws_flat None: $QSPEC_MGPU_FLAT ("1": the draft view only, the target keeps its row-local
+    split), else off; a config asking for it on the target view, or a bad env value, is named."""
+    monkeypatch.delenv(ws.FLAT_ENV, raising=False)
+    assert not ws.flat_of(None, "draft") and ws.flat_of(mg.MgpuConfig(ws_flat=True), "draft")
+    monkeypatch.setenv(ws.FLAT_ENV, "1")
+    assert ws.flat_of(None, "draft") and not ws.flat_of(None, "target")
+    assert not ws.flat_of(mg.MgpuConfig(ws_flat=False), "draft")
+    with pytest.raises(ValueError, match="draft view only"):
+        ws.flat_of(mg.MgpuConfig(ws_flat=True), "target")
+    monkeypatch.setenv(ws.FLAT_ENV, "yes")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_FLAT='yes'"):
+        ws.flat_of(None, "draft")
+
+
 def test_pair_merge_default_follows_the_cta_count():
     """ws_pair_merge None: on from PAIR_MERGE_MIN_CTAS CTAs per (row, KV head) (the 8B draft at batch
     1, where it was measured to pay), off below (batch 8, where it cost); a config's True / False wins."""
@@ -672,6 +750,28 @@ def test_per_pass_inputs_match_per_call_ones():
                            inputs=other)
 
 
+@pytest.mark.slow  # interpret-mode kernels over one CTA per (assumed) SM: full suite only
+def test_flat_work_per_pass(monkeypatch):
+    """With the balanced schedule on ($QSPEC_MGPU_FLAT=1), the draft view's per-pass inputs carry
+    its work split (`flat_work` over one CTA per SM; none for the target view), and a call given
+    them returns the bits of a call computing them itself."""
+    monkeypatch.setenv(ws.FLAT_ENV, "1")
+    cache = shared_cache(64, 64, 3)
+    q, q_pos = _queries(jax.random.PRNGKey(22), cache, 1, 6, 64)
+    struct = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    assert "ws_ctas" not in pk.attention_inputs(struct, q_pos, cache, view="target", impl="mosaic")
+    inputs = pk.attention_inputs(struct, q_pos, cache, view="draft", impl="mosaic")
+    ctas = mg.num_sms()
+    rw = ws.ring_weight("draft", 64, 64, cache.ring_size, cache.k_scale.dtype, cache.k_fp.dtype)
+    for got, want in zip((inputs["ws_pairs"], inputs["ws_ctas"]),
+                         ws.flat_work(cache.q_len, 2, 64, ctas, ws.flat_cap(2, 2, ctas), rw)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    f = jax.jit(lambda q, p, c, i: pk.cache_attention(q, p, c, jnp.int32(1), view="draft", impl="mosaic",
+                                                      interpret=True, inputs=i))
+    np.testing.assert_array_equal(np.asarray(f(q, q_pos, cache, inputs), np.float32),
+                                  np.asarray(f(q, q_pos, cache, None), np.float32))
+
+
 def test_prepared_query_operand_gives_the_same_bits():
     """`cache_attention(q_operand=...)` (the draft's fused qkv kernel writes the warp-specialized
     kernel's query operand itself) computes the same bits as the call that prepares it from q:
@@ -714,9 +814,10 @@ LOWER_SCRIPT = textwrap.dedent("""
              ("ws", "target", 128, 128, 8, 4, 100), ("ws", "target", 64, 128, 5, 3, None),
              ("ws3", "draft", 128, 128, 1, 4, None), ("ws3", "target", 64, 128, 5, 3, 100),
              ("ws2p", "draft", 128, 128, 1, 4, None), ("ws2p", "target", 128, 128, 5, 4, 100),
-             ("wspm", "draft", 128, 128, 1, 4, None), ("wspm", "target", 64, 128, 5, 3, 100)]
+             ("wspm", "draft", 128, 128, 1, 4, None), ("wspm", "target", 64, 128, 5, 3, 100),
+             ("wsflat", "draft", 128, 128, 1, 4, None), ("wsflat", "draft", 64, 128, 1, 3, 100)]
     variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2),
-                "wspm": dict(schedule="ws", ws_pair_merge=True)}
+                "wspm": dict(schedule="ws", ws_pair_merge=True), "wsflat": dict(schedule="ws", ws_flat=True)}
     for schedule, view, d, group, t, n_rep, window in cases:
         config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,

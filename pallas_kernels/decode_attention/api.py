@@ -72,7 +72,7 @@ def attention_inputs(q: Any, q_pos: Array, cache: Any, *, view: str = "target", 
         if choose_impl(impl, q, cache, view) == "mosaic":
             from pallas_kernels.decode_attention import mosaic_gpu as mg
 
-            return mg.kernel_inputs(q_pos, cache, q.shape[2] // hkv)
+            return mg.kernel_inputs(q_pos, cache, q.shape[2] // hkv, view)
         return kernel_inputs(q_pos, cache, q.shape[2] // hkv)
     return kernel_inputs(q_pos, None, q.shape[2] // cache.k.shape[2])
 

@@ -136,6 +136,11 @@ class MgpuConfig:
     ws_pair_merge: bool | None = None
     # the split merge, one of MERGES (None: $QSPEC_MGPU_MERGE, else DEFAULT_MERGE); see `merge_heads`
     merge: str | None = None
+    # "ws", draft view: the balanced schedule (`mosaic_gpu_ws.flat_work`): persistent CTAs, each an equal
+    # share of the flattened (row, KV head, block) work, so rows of different lengths cost their sum.
+    # None: $QSPEC_MGPU_FLAT, else off. ws_flat_ctas: its CTA count (None: one per SM).
+    ws_flat: bool | None = None
+    ws_flat_ctas: int | None = None
 
 
 def merge_of(config: "MgpuConfig | None") -> str:
@@ -790,12 +795,14 @@ def takes_query_operand(q_shape: tuple[int, ...], cache: Any, view: str, config:
     return resolve_schedule(config, view, d, cache.group_size, c_max, cache.k_scale.dtype, cache.k_fp.dtype) == "ws"
 
 
-def kernel_inputs(q_pos: Array, cache: Any, n_rep: int) -> dict[str, Array]:
+def kernel_inputs(q_pos: Array, cache: Any, n_rep: int, view: str | None = None) -> dict[str, Array]:
     """The kernel inputs every layer of a decode pass shares, so a model computes them once per
     pass, outside its layer loop (`inputs=` below):
 
         meta  int32 [B, 3]  q_len, fp_start and the smallest query position of each row
         pos   int32 [B, W]  the position of query column n = t * n_rep + r; padding columns BIG_POS
+        ws_pairs, ws_ctas   with `view` given, where that view runs the balanced schedule by
+                            default: its work split (`mosaic_gpu_ws.flat_inputs`)
 
     q_pos: int32 [B, T]. W covers the column tiles of n_rep * T columns (a multiple of 32)."""
     b, t = q_pos.shape
@@ -804,7 +811,12 @@ def kernel_inputs(q_pos: Array, cache: Any, n_rep: int) -> dict[str, Array]:
     pos = jnp.pad(pos, ((0, 0), (0, pos_width(cn) - t * n_rep)), constant_values=BIG_POS)
     meta = jnp.stack([cache.q_len.astype(jnp.int32), cache.fp_start.astype(jnp.int32),
                       jnp.min(q_pos, axis=1).astype(jnp.int32)], axis=1)
-    return {"meta": meta, "pos": pos}
+    out = {"meta": meta, "pos": pos}
+    if view is not None:
+        from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
+
+        out.update(ws.flat_inputs(cache, view))
+    return out
 
 
 def _tree(xs: list, op: Any) -> Any:
@@ -899,9 +911,11 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
 
     c_max = column_tiles(n_rep, max(t, cache.gamma_max + 1))
     ws_schedule = resolve_schedule(cfg, view, D, G, c_max, cache.k_scale.dtype, cache.k_fp.dtype) == "ws"
+    st_ws = None
     if ws_schedule:
-        kernel = ws.build(ws.static_config(B, hkv, D, G, R, S, C, c_max, view, window, register_a, bool(interpret),
-                                           cache.k_scale.dtype, cache.k_fp.dtype, cfg))
+        st_ws = ws.static_config(B, hkv, D, G, R, S, C, c_max, view, window, register_a, bool(interpret),
+                                 cache.k_scale.dtype, cache.k_fp.dtype, cfg)
+        kernel = ws.build(st_ws)
     else:
         ns, nr = default_splits(B, hkv, S, G, R, D, view, cfg)
         stages = cfg.stages or (2 if view == "target" else 4)  # H200 sweep, docs/kernel_notes.md
@@ -944,6 +958,13 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
             flat(cache.k_scale), flat(cache.k_zero),
             cache.v_scale.reshape(lbh, S), cache.v_zero.reshape(lbh, S),
             flat(cache.k_fp), flat(cache.v_fp)]
+    if ws_schedule and st_ws.flat:  # the balanced schedule's work split (per pass when `inputs` has it)
+        want = {"ws_pairs": (B * hkv, 3), "ws_ctas": (st_ws.flat_ctas, 4)}
+        if all(k in inputs and inputs[k].shape == v for k, v in want.items()):
+            pairs, ctas = inputs["ws_pairs"], inputs["ws_ctas"]
+        else:
+            pairs, ctas = ws.flat_work(meta[:, 0], hkv, G, st_ws.flat_ctas, st_ws.flat_slots - 1, st_ws.ring_w)
+        args += [pairs, ctas]
     o, ml = kernel(*args)[:2]  # ("ws" with ws_pair_merge: the consumers' exchange buffers follow)
     if return_partials:
         return o, ml

@@ -39,6 +39,14 @@ changes the number of column tiles C, each computed by the same instructions.
 
 Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_heads`.
 
+Balanced schedule (draft view, opt-in: `MgpuConfig.ws_flat` or $QSPEC_MGPU_FLAT=1; `flat_work`): a
+grid of one CTA per SM, each taking an equal share of the (row, KV head) pairs' work laid end to
+end and walking the pairs its share overlaps ("segments") with one continuous TMA stream, so that
+rows of different lengths cost the sum of their lengths (the default grid gives each pair NP CTAs
+and, being bound by its consumers, lasts as long as the longest row's CTAs). Partials: one per
+consumer and CTA share of a pair (cap + 1 slots, the unused ones neutral). Its summation order
+depends on every row's length, which the draft may have and the target may not.
+
 Testing: as for the legacy schedule, ``register_a=False`` is the SMEM-operand twin GPU interpret
 mode runs on the CPU; the GPU-only pieces (register operands, `bar.red.or`, the cross-warp
 reductions on a per-consumer scratch, the value MMA accumulated in place) each have a jnp twin of
@@ -127,6 +135,14 @@ class _WsStatic:
     # the last consumer merges the CTA's NC partials (pairwise, in consumer order) and stores one:
     # consumers 0 .. NC-2 leave theirs in exchange outputs (global memory, L2-resident), see `_build_ws`
     pair_merge: bool = False
+    # The balanced ("flat") schedule of the draft view (see `flat_work`): a grid of `flat_ctas` CTAs,
+    # each an equal share of the flattened (row, KV head, block) work, walking the (row, head)
+    # segments of its share with one continuous TMA stream; `flat_slots` partials per (row, head).
+    flat: bool = False
+    flat_ctas: int = 0
+    flat_slots: int = 0
+    ring_w: int = 0  # a (row, head)'s FP ring in block units of the flattened work
+    seq_segs: int = 1  # interpret mode: query buffers, one per segment of a CTA
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -137,8 +153,9 @@ def qp_rows(D: int, G: int) -> int:
 
 
 def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, scale_dtype: Any,
-               fp_dtype: Any, consumers: int = CONSUMERS, preps: int = 1) -> int:
-    """Shared memory of the kernel's scratch (without alignment padding)."""
+               fp_dtype: Any, consumers: int = CONSUMERS, preps: int = 1, flat: bool = False) -> int:
+    """Shared memory of the kernel's scratch (without alignment padding). `flat`: the balanced
+    schedule's second query buffer and each consumer's own ring operands (`flat_work`)."""
     n_planes = 2 if view == "target" else 1
     cn = C * NT
     sd, fd = jnp.dtype(scale_dtype).itemsize, jnp.dtype(fp_dtype).itemsize
@@ -149,16 +166,20 @@ def smem_bytes(view: str, D: int, G: int, C: int, stages: int, ring_bufs: int, s
     n += D * cn * 2 + mg.pos_width(cn) * 4  # q (bfloat16), positions
     n += ring_bufs * RT * D * fd  # ring K / V tiles
     n += red_rows(consumers, preps) * RED_ELEMS * 4
+    if flat:
+        n += D * cn * 2 + mg.pos_width(cn) * 4  # the next segment's query and positions
+        n += consumers * 2 * C * qp_rows(D, G) * NT * 2  # ring query / P operands per consumer
     return n
 
 
 def ring_plan(view: str, D: int, G: int, C: int, stages: int, scale_dtype: Any, fp_dtype: Any,
-              consumers: int = CONSUMERS, preps: int = 1) -> int | None:
+              consumers: int = CONSUMERS, preps: int = 1, flat: bool = False) -> int | None:
     """Ring tile buffers that fit next to `stages` quantized slots: 4 (two consumers, each streaming
     its own ring tiles, K and V in flight together), 2 (one consumer, K and V together) or 1 (one
     consumer, V loaded after the score MMA released K). None: not even one fits."""
     for bufs in ((4, 2, 1) if consumers == 2 else (2, 1)):
-        if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype, consumers, preps) + SMEM_SLACK <= SMEM_BYTES:
+        if smem_bytes(view, D, G, C, stages, bufs, scale_dtype, fp_dtype, consumers, preps, flat) + SMEM_SLACK \
+                <= SMEM_BYTES:
             return bufs
     return None
 
@@ -211,6 +232,81 @@ def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
         if best_cost is None or cost < best_cost:
             best, best_cost = np_, cost
     return best
+
+
+FLAT_ENV = "QSPEC_MGPU_FLAT"  # "1": the draft view's balanced schedule where a config does not say (A/B runs)
+
+
+def flat_of(config: Any, view: str) -> bool:
+    """Whether a call runs the balanced schedule: `config.ws_flat`, else $QSPEC_MGPU_FLAT, else off.
+    Draft view only: its CTA shares depend on every row's length, and the target view's bits must
+    depend on the row's own (its verify and autoregressive rows see different batches)."""
+    import os
+
+    asked = getattr(config, "ws_flat", None)
+    if asked is None:
+        v = os.environ.get(FLAT_ENV, "")
+        if v not in ("", "0", "1"):
+            raise ValueError(f"${FLAT_ENV}={v!r}: expected 0 or 1")
+        asked = v == "1" and view == "draft"
+    if asked and view != "draft":
+        raise ValueError(f"ws_flat: the balanced schedule is for the draft view only, got view={view!r}")
+    return bool(asked)
+
+
+def flat_cap(batch: int, hkv: int, ctas: int) -> int:
+    """The most CTA shares one (row, KV head)'s work may be cut into (its partial slots are one
+    more): a share is at least 1/cap of the longest row's work, so short batches still spread a
+    long row over the SMs."""
+    return max(2, -(-ctas // (batch * hkv)))
+
+
+def ring_weight(view: str, D: int, G: int, R: int, scale_dtype: Any, fp_dtype: Any) -> int:
+    """A (row, KV head)'s FP ring (all its tiles, K and V) in quantized blocks of the same bytes."""
+    planes = 2 if view == "target" else 1
+    block = planes * G * D + (2 * D + 2 * G) * jnp.dtype(scale_dtype).itemsize
+    ring = -(-R // RT) * RT * D * 2 * jnp.dtype(fp_dtype).itemsize
+    return max(1, -(-ring // block))
+
+
+def flat_work(q_len: Array, hkv: int, G: int, ctas: int, cap: int, ring_w: int) -> tuple[Array, Array]:
+    """The balanced schedule's work split (computed once per pass, outside the layer loop).
+
+    The work of (row b, KV head h), x = b * hkv + h, is its q_len // G quantized blocks then its
+    FP ring (ring_w units), laid end to end over x: pair x covers [start_x, start_x + w_x). CTA c
+    takes [c share, (c + 1) share) with share = max(ceil(total / ctas), ceil(max w / cap)), so each
+    pair spans at most cap + 1 CTAs; the CTA holding a pair's first ring unit attends its whole ring.
+    Returns (pairs int32 [B * hkv, 3]: start_x, q_len // G, the first CTA of x;
+             ctas int32 [ctas, 4]: first pair, segments (pairs overlapping the share), g0, g1)."""
+    nb = (q_len.astype(jnp.int32) // G)
+    w = jnp.repeat(nb + ring_w, hkv)  # [B * hkv]
+    cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(w, dtype=jnp.int32)])
+    total = cum[-1]
+    share = jnp.maximum(-(-total // ctas), -(-jnp.max(w) // cap))
+    c = jnp.arange(ctas, dtype=jnp.int32)
+    g0 = jnp.minimum(c * share, total)
+    g1 = jnp.minimum(g0 + share, total)
+    # the pair holding g: how many pairs start at or before it (a [ctas, B * hkv] compare and sum, one
+    # small fusion; jnp.searchsorted is a loop of launches on the GPU)
+    x0 = jnp.sum(cum[None, 1:-1] <= g0[:, None], axis=1, dtype=jnp.int32)
+    x1 = jnp.sum(cum[None, 1:-1] <= (g1 - 1)[:, None], axis=1, dtype=jnp.int32)
+    nseg = jnp.where(g1 > g0, x1 - x0 + 1, 0)
+    x0 = jnp.clip(x0, 0, w.shape[0] - 1)
+    pairs = jnp.stack([cum[:-1], jnp.repeat(nb, hkv), cum[:-1] // share], axis=1)
+    return pairs, jnp.stack([x0, nseg, g0, g1], axis=1)
+
+
+def flat_inputs(cache: Any, view: str) -> dict[str, Array]:
+    """`flat_work` of a QuantSpecCache for the calls of a pass that run the balanced schedule by
+    default ($QSPEC_MGPU_FLAT; a config's ws_flat_ctas other than one per SM recomputes per call),
+    as `mosaic_gpu.kernel_inputs` entries "ws_pairs" / "ws_ctas"; {} where the schedule is off."""
+    if view != "draft" or not flat_of(None, view):
+        return {}
+    _, B, H, _, dh = cache.k_hi.shape
+    ctas = num_sms()
+    rw = ring_weight(view, 2 * dh, cache.group_size, cache.ring_size, cache.k_scale.dtype, cache.k_fp.dtype)
+    pairs, work = flat_work(cache.q_len, H, cache.group_size, ctas, flat_cap(B, H, ctas), rw)
+    return {"ws_pairs": pairs, "ws_ctas": work}
 
 
 # --------------------------------------------------------------------- GPU-only warpgroup helpers
@@ -289,6 +385,9 @@ def _build_ws(st: _WsStatic):
     interp = st.interpret
     cons_regs, prep_regs, tma_regs = st.regs
     NC, NPREP = st.consumers, st.preps
+    FLAT = st.flat
+    QB = st.seq_segs if (FLAT and seq) else (2 if FLAT else 1)  # query / position buffers
+    RING_OWNER_FLAT = 0 if NRB == 4 else NC - 1  # balanced schedule: the ring's consumer (all segments)
     WG_PREP, WG_TMA = NC, NC + NPREP  # prep warpgroups WG_PREP .. WG_TMA - 1
 
     def _load(ref, layout):
@@ -327,52 +426,114 @@ def _build_ws(st: _WsStatic):
         return _wg_colreduce(x, scratch, op)
 
     def kernel(layer_ref, meta_ref, pos_ref, q_ref, *refs, q_s, pos_s, k_s, v_s, sk_s, zk_s, sv_s, zv_s, qp_s,
-               bias_s, kr_s, red_s, ak_s, av_s, at_s, qbar, full, prepped, consumed, rfull, rconsumed, pdone):
+               bias_s, kr_s, rq_s, red_s, ak_s, av_s, at_s, qbar, qfree, full, prepped, consumed, rfull, rconsumed,
+               pdone):
         planes = refs[: 2 * n_planes]
-        ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref, o_ref, ml_ref, *x_refs = refs[2 * n_planes:]
+        ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref, *rest = refs[2 * n_planes:]
+        pairs_ref, ctas_ref = rest[:2] if FLAT else (None, None)
+        o_ref, ml_ref, *x_refs = rest[2:] if FLAT else rest
         kp_refs, vp_refs = planes[:n_planes], planes[n_planes:]
         p = lax.axis_index("p")
-        h = lax.axis_index("h")
-        b = lax.axis_index("b")
         layer = layer_ref[0]
-        q_len = meta_ref[b, 0]
-        fp_start = meta_ref[b, 1]
-        min_pos = meta_ref[b, 2]
-        lbh = (layer * st.B + b) * st.H + h
+        i32 = jnp.int32
 
-        # This CTA's work (every warpgroup derives the same numbers): quantized blocks
-        # [blk0, blk0 + n) and ring tiles r0, r0 + NP, ... (spread over the CTAs from the last).
-        n_blk_row = q_len // G
-        per = (n_blk_row + st.NP - 1) // st.NP
-        blk0 = p * per
-        n = jnp.maximum(jnp.minimum(per, n_blk_row - blk0), 0)
-        if st.window is not None:  # blocks before every row's window: exact no-ops, skipped
-            first = jnp.maximum(min_pos - st.window + 1, 0) // G
-            skip = jnp.clip(first - blk0, 0, n)
-            blk0, n = blk0 + skip, n - skip
-        r0 = st.NP - 1 - p
-        nrt = jnp.maximum((n_ring_tiles - r0 + st.NP - 1) // st.NP, 0)
-        # A consumer with the fewest quantized blocks (the last one unless NC divides n) takes the
-        # ring (< 4 buffers), or, with 2 consumers and 4 buffers, its even tiles (tile k goes to
-        # consumer (k + ring_owner) % 2).
-        ring_owner = jnp.where(lax.rem(n, NC) == 0, 0, NC - 1)
+        # This CTA's work is `nseg` segments, each the work of one (row, KV head) (every warpgroup
+        # derives the same numbers). Default schedule: one segment, pair (b, h) of the grid, quantized
+        # blocks [blk0, blk0 + n) and ring tiles r0, r0 + NP, ... (spread over the CTAs from the last).
+        # Balanced schedule (FLAT, `flat_work`): the pairs overlapping this CTA's share [g0, g1).
+        if FLAT:
+            nseg = ctas_ref[p, 1]
+        else:
+            nseg = i32(1)
+            grid_b, grid_h = lax.axis_index("b"), lax.axis_index("h")  # (not inside the TMA warp's warp_map)
 
-        def q_tile(c):  # the raw query, float32 [D, NT] (exact: it is stored as bfloat16)
-            return _load(q_s.at[:, pl.ds(c * NT, NT)], plgpu.Layout.WGMMA).astype(f32)
+        def div(a, d):  # a // d for a >= 0 (floor division lowers through `sign`, which warp code cannot)
+            return lax.div(a, i32(d))
+
+        def segment(k):
+            """Segment k of this CTA: a dict of its pair's (traced) numbers."""
+            if FLAT:
+                x0, g0, g1 = ctas_ref[p, 0], ctas_ref[p, 2], ctas_ref[p, 3]
+                x = x0 + k
+                b = div(x, st.H)
+                h = x - b * st.H
+                start, nb, c_first = pairs_ref[x, 0], pairs_ref[x, 1], pairs_ref[x, 2]
+                lo = jnp.maximum(g0 - start, 0)
+                hi = jnp.minimum(g1 - start, nb + st.ring_w)
+                blk0 = lo
+                n = jnp.maximum(jnp.minimum(hi, nb) - lo, 0)
+                # the CTA holding the pair's first ring unit attends its whole ring; the partial slot
+                # is this CTA's index among the pair's; the pair's last CTA neutralises the unused slots
+                nrt = jnp.where((lo <= nb) & (nb < hi), n_ring_tiles, 0)
+                r0, rstride, ring_owner = i32(0), 1, i32(0 if NRB == 4 else NC - 1)
+                j_out, last = p - c_first, start + nb + st.ring_w <= g1
+            else:
+                b, h = grid_b, grid_h
+                n_blk_row = div(meta_ref[b, 0], G)
+                per = div(n_blk_row + st.NP - 1, st.NP)
+                blk0 = p * per
+                n = jnp.maximum(jnp.minimum(per, n_blk_row - blk0), 0)
+                r0, rstride = st.NP - 1 - p, st.NP
+                nrt = div(n_ring_tiles - r0 + st.NP - 1, st.NP)  # (numerator >= 1)
+                # A consumer with the fewest quantized blocks (the last one unless NC divides n)
+                # takes the ring (< 4 buffers), or, with 2 consumers and 4 buffers, its even tiles
+                # (tile k goes to consumer (k + ring_owner) % 2).
+                ring_owner = jnp.where(lax.rem(n, NC) == 0, 0, NC - 1)
+                j_out, last = p, False
+            min_pos = meta_ref[b, 2]
+            if st.window is not None:  # blocks before every row's window: exact no-ops, skipped
+                first = div(jnp.maximum(min_pos - st.window + 1, 0), G)
+                skip = jnp.clip(first - blk0, 0, n)
+                blk0, n = blk0 + skip, n - skip
+            return dict(b=b, h=h, lbh=(layer * st.B + b) * st.H + h, blk0=blk0, n=n, nrt=nrt, r0=r0,
+                        rstride=rstride, ring_owner=ring_owner, j_out=j_out, last=last,
+                        q_len=meta_ref[b, 0], fp_start=meta_ref[b, 1],
+                        qb=k if seq else (lax.rem(k, QB) if QB > 1 else 0))
+
+        # Default schedule: the one segment's numbers, derived once here by every thread, as every role
+        # reads them (the balanced schedule derives its segments' where they are read, see `Seg`).
+        seg0 = None if FLAT else segment(i32(0))
+
+        def q_tile(qb, c):  # the raw query, float32 [D, NT] (exact: it is stored as bfloat16)
+            return _load(q_s.at[qb, :, pl.ds(c * NT, NT)], plgpu.Layout.WGMMA).astype(f32)
 
         def ring_start(t):  # the last tile is moved back to end at R; its overlap is masked
             return jnp.minimum(t * RT, R - RT)
 
-        def ring_item_slot(m):  # item 2k: K of ring tile k, item 2k + 1: its V
-            if seq:
+        def ring_item_slot(m, ring_owner):  # item 2k: K of ring tile k, item 2k + 1: its V (k counted
+            if seq:                         # over the CTA's segments)
                 return m
             if NRB == 4:  # the pair of buffers of the tile's consumer
                 # (lax.div, not //: floor division lowers through `sign`, which warp code cannot)
                 return 2 * lax.rem(lax.div(m, 2) + ring_owner, 2) + lax.rem(m, 2)
             return lax.rem(m, NRB)
 
-        def slot_of(i):
-            return i if seq else lax.rem(i, S)
+        def slot_of(gi):  # gi: the block's index over the CTA's segments
+            return gi if seq else lax.rem(gi, S)
+
+        class Seg:
+            """Segment k's numbers, each derived where it is read (`segment`, a few scalar loads):
+            held across a segment's block loop they would spill (ptxas, H200 2026-11-28: 220
+            bytes of spill stores in the balanced schedule's consumers)."""
+
+            def __init__(self, k):
+                self.k = k
+
+            def __getitem__(self, field):
+                return (segment(self.k) if FLAT else seg0)[field]
+
+        def walk(body, carry):
+            """carry after body(k, Seg(k), base, rbase, carry) over this CTA's segments, base and
+            rbase the quantized blocks and ring tiles of the segments before k (the slot and ring
+            buffer counters run on over segment boundaries: one continuous stream)."""
+            def step(k, c):
+                base, rbase, user = c
+                user = body(k, Seg(k), base, rbase, user)
+                sg = segment(k) if FLAT else seg0
+                return base + sg["n"], rbase + sg["nrt"], user
+            if not FLAT:
+                return step(i32(0), (i32(0), i32(0), carry))
+            return lax.fori_loop(0, nseg, step, (i32(0), i32(0), carry))
 
         # ------------------------------------------------------------------------- TMA
         def role_tma():
@@ -385,13 +546,48 @@ def _build_ws(st: _WsStatic):
             # One warp runs the loop and issues the copies; the warpgroup's other three leave (the
             # stream's waits, addresses and loop control cost 4x the issue slots when the whole
             # warpgroup runs them: ~400 per block of 3600, ncu 2026-11-26).
+            # Balanced schedule: a second warp streams the rings, so that a segment's ring (its
+            # buffers recycled tile by tile) never holds up the next segment's query and blocks.
             @plgpu.warp_map
             def _(warp):
-                pl.when(warp == 0)(tma_stream)
+                if FLAT:
+                    pl.when(warp == 0)(lambda: tma_stream(ring=False))
+                    pl.when(warp == 1)(lambda: tma_stream(blocks=False))
+                else:
+                    pl.when(warp == 0)(tma_stream)
 
-        def tma_stream():
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s, qbar.at[0])
-            plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_s, qbar.at[0])
+        def tma_stream(blocks: bool = True, ring: bool = True):
+            def seg_stream(k, sg, base, rbase, _):
+                b, h, qb = sg["b"], sg["h"], sg["qb"]
+                if blocks:
+                    if FLAT and not seq:  # the query buffer of segment k - QB: read by every role
+                        _when(k >= QB)(lambda: plgpu.barrier_wait(qfree.at[qb]))
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[qb], qbar.at[qb])
+                    plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_s.at[qb], qbar.at[qb])
+                    blocks_stream(sg, base)
+                if ring:
+                    ring_stream(sg, rbase)
+                return _
+
+            base, rbase, _ = walk(seg_stream, i32(0))
+            if seq:
+                return
+            owner = RING_OWNER_FLAT if FLAT else seg0["ring_owner"]
+
+            # Drain: observe the releases not waited for above, so that this warp has seen every
+            # completion of the barriers it waits on (GPU interpret mode checks it).
+            if blocks:
+                @pl.loop(jnp.maximum(base - S, 0), base)
+                def _(i):
+                    plgpu.barrier_wait(consumed.at[lax.rem(i, S)])
+
+            if ring:
+                @pl.loop(jnp.maximum(2 * rbase - NRB, 0), 2 * rbase)
+                def _(m):
+                    plgpu.barrier_wait(rconsumed.at[ring_item_slot(m, owner)])
+
+        def blocks_stream(sg, base):
+            lbh, blk0, n = sg["lbh"], sg["blk0"], sg["n"]
 
             def issue(i, slot):
                 blk = blk0 + i
@@ -407,8 +603,8 @@ def _build_ws(st: _WsStatic):
                 plgpu.copy_gmem_to_smem(vz_ref.at[lbh, pl.ds(blk * G, G)], zv_s.at[slot], full.at[slot])
 
             if seq:
-                pl.loop(0, n)(lambda i: issue(i, i))
-            else:
+                pl.loop(0, n)(lambda i: issue(i, base + i))
+            elif not FLAT:  # (base 0) the first S slots are free
                 for s in range(S):
                     @pl.when(s < n)
                     def _():
@@ -419,10 +615,20 @@ def _build_ws(st: _WsStatic):
                     slot = lax.rem(i, S)
                     plgpu.barrier_wait(consumed.at[slot])  # block i - S released its slot
                     issue(i, slot)
+            else:
+                @pl.loop(0, n)
+                def _(i):
+                    gi = base + i
+                    slot = lax.rem(gi, S)
+                    _when(gi >= S)(lambda: plgpu.barrier_wait(consumed.at[slot]))  # block gi - S released it
+                    issue(i, slot)
+
+        def ring_stream(sg, rbase):
+            lbh, r0, rstride, nrt, owner = sg["lbh"], sg["r0"], sg["rstride"], sg["nrt"], sg["ring_owner"]
 
             def issue_ring(m, slot):
                 k = lax.div(m, 2)
-                s0 = ring_start(r0 + k * st.NP)
+                s0 = ring_start(r0 + k * rstride)
 
                 @pl.when(lax.rem(m, 2) == 0)
                 def _():
@@ -433,41 +639,38 @@ def _build_ws(st: _WsStatic):
                     plgpu.copy_gmem_to_smem(vfp_ref.at[lbh, pl.ds(s0, RT)], kr_s.at[slot], rfull.at[slot])
 
             if seq:
-                pl.loop(0, 2 * nrt)(lambda m: issue_ring(m, m))
+                pl.loop(0, 2 * nrt)(lambda m: issue_ring(m, 2 * rbase + m))
                 return
-            for m0 in range(NRB):
-                @pl.when(m0 < 2 * nrt)
-                def _():
-                    issue_ring(m0, ring_item_slot(m0))
+            if not FLAT:  # (rbase 0) the first NRB buffers are free
+                for m0 in range(NRB):
+                    @pl.when(m0 < 2 * nrt)
+                    def _():
+                        issue_ring(m0, ring_item_slot(m0, owner))
 
-            @pl.loop(NRB, jnp.maximum(2 * nrt, NRB))
+                @pl.loop(NRB, jnp.maximum(2 * nrt, NRB))
+                def _(m):
+                    slot = ring_item_slot(m, owner)
+                    plgpu.barrier_wait(rconsumed.at[slot])  # item m - NRB released its buffer
+                    issue_ring(m, slot)
+                return
+
+            @pl.loop(0, 2 * nrt)
             def _(m):
-                slot = ring_item_slot(m)
-                plgpu.barrier_wait(rconsumed.at[slot])  # item m - NRB released its buffer
+                gm = 2 * rbase + m
+                slot = ring_item_slot(gm, owner)
+                _when(gm >= NRB)(lambda: plgpu.barrier_wait(rconsumed.at[slot]))  # item gm - NRB released it
                 issue_ring(m, slot)
-
-            # Drain: observe the releases not waited for above, so that this warpgroup has seen
-            # every completion of the barriers it waits on (GPU interpret mode checks it).
-            @pl.loop(jnp.maximum(n - S, 0), n)
-            def _(i):
-                plgpu.barrier_wait(consumed.at[lax.rem(i, S)])
-
-            @pl.loop(jnp.maximum(2 * nrt - NRB, 0), 2 * nrt)
-            def _(m):
-                plgpu.barrier_wait(rconsumed.at[ring_item_slot(m)])
 
         # ------------------------------------------------------------------------ prep
         def role_prep(r):
-            """Prep warpgroup r: blocks r, r + NPREP, ... (their slots are r's alone: NPREP | S)."""
+            """Prep warpgroup r: blocks gi = r, r + NPREP, ... of the CTA's stream (their slots are
+            r's alone: NPREP | S)."""
             if not seq:
                 plgpu.set_max_registers(prep_regs, action="decrease")
-                plgpu.barrier_wait(qbar.at[0])
-            elif r == 0:  # interpret mode: one waiter per barrier completion (see SLOTS)
-                plgpu.barrier_wait(qbar.at[0])
             ch_row = _iota((D, NT), 0)
             off_k = jnp.where(ch_row < Dh, off_lo, off_hi)  # [D, NT]
 
-            def prep_block(i, slot):
+            def prep_block(qb, slot):
                 plgpu.barrier_wait(full.at[slot])
                 if stream_only or st.diag == "noprep":  # timing diagnostics: no qs / bias
                     plgpu.barrier_arrive(prepped.at[slot])
@@ -477,7 +680,7 @@ def _build_ws(st: _WsStatic):
                 s_eff = sk * (kfac * QSCALE)  # q's softmax scale folded in, per channel
                 z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
                 for c in range(C):
-                    qt = q_tile(c)
+                    qt = q_tile(qb, c)
                     qs = (qt * bcast_row(s_eff, (D, NT))).astype(f16)
                     qp_s[slot, c, pl.ds(0, D)] = qs
                     w = qt * bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
@@ -487,26 +690,35 @@ def _build_ws(st: _WsStatic):
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(prepped.at[slot])
 
-            if NPREP > 1 or seq or not st.static_slots:  # blocks r, r + NPREP, ... with runtime slots
-                count = n if NPREP == 1 else (n - r + NPREP - 1) // NPREP
-                block = (lambda j: j) if NPREP == 1 else (lambda j: r + NPREP * j)
-                pl.loop(0, count)(lambda j: prep_block(block(j), slot_of(block(j))))
-                return
+            def seg_prep(k, sg, base, rbase, carry):
+                qb, n = sg["qb"], sg["n"]
+                if not seq or r == 0:  # interpret mode: one waiter per barrier completion (see SLOTS)
+                    plgpu.barrier_wait(qbar.at[qb])
+                if NPREP > 1 or seq or FLAT or not st.static_slots:  # runtime slots
+                    if NPREP == 1:
+                        i0, count = 0, n
+                    else:  # this warpgroup's first block of the segment and its block count (n - i0 + NPREP - 1 >= 0)
+                        i0 = lax.rem(r - lax.rem(base, NPREP) + NPREP, NPREP) if FLAT else r
+                        count = (n - i0 + NPREP - 1) // NPREP
+                    pl.loop(0, count)(lambda j: prep_block(qb, slot_of(base + i0 + NPREP * j)))
+                else:  # static slots (see the consumers' `unrolled`), then the rest (base 0)
+                    @pl.loop(0, n // S)
+                    def _(k):
+                        for u in range(S):
+                            prep_block(qb, u)
 
-            @pl.loop(0, n // S)  # static slots (see the consumers' `unrolled`), then the rest
-            def _(k):
-                for u in range(S):
-                    prep_block(k * S + u, u)
+                    pl.loop(n // S * S, n)(lambda i: prep_block(qb, lax.rem(i, S)))
+                if FLAT and not seq:
+                    plgpu.barrier_arrive(qfree.at[qb])  # done with the segment's query
+                return carry
 
-            pl.loop(n // S * S, n)(lambda i: prep_block(i, lax.rem(i, S)))
+            walk(seg_prep, i32(0))
 
         # -------------------------------------------------------------------- consumers
         def role_consumer(w):
             if not seq:
                 plgpu.set_max_registers(cons_regs, action="increase")
-                plgpu.barrier_wait(qbar.at[0])  # (interpret mode: the prep role waited)
             red = red_s.at[w]
-            pos_c = [_load(pos_s.at[pl.ds(c * NT, NT)], COL) for c in range(C)]
             tok_row = _iota((MT, NT), 0)
             zeros_t = lambda: _cast(jnp.zeros((MT, NT), f32), plgpu.Layout.WGMMA)  # noqa: E731
             neg_c = lambda: _cast(jnp.full((NT,), NEG, f32), COL)  # noqa: E731
@@ -607,271 +819,307 @@ def _build_ws(st: _WsStatic):
             def v_tiles(slot):  # the value MMA's A operand of channel tile mc, built when called
                 return lambda mc: code_operand(v_s, slot, mc * MT, Gh)
 
-            def softmax_p(i, slot, s_all, ms, ls, ys, os_):
-                """Block i's masked scores -> new (m, l, y), O rescaled if a reference moved, and
-                P s_v stored over the slot's qs (the score MMA has finished reading it)."""
-                blk = blk0 + i
-                sv = [_load(sv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) * kfac for mt in range(MTK)]
-                zv = [_load(zv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) for mt in range(MTK)]
-                if target:
-                    zv = [z - s * 8.0 for z, s in zip(zv, sv)]  # min - s/2 with sv = s/16
-                tok_off = [jnp.where(mt * MT + tok_row < Gh, off_lo, off_hi) for mt in range(MTK)]
-                s_by_c, vis_by_c = [], []
-                for c in range(C):
-                    bias = _load(bias_s.at[slot, pl.ds(c * NT, NT)], COL)
-                    s_t = [s_all[mt * C + c] + bcast_col(bias, (MT, NT)) for mt in range(MTK)]
-                    vis = None
-                    if st.window is not None:
-                        vis = [bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
-                               for mt in range(MTK)]
-                        s_t = [jnp.where(v, s, NEG) for s, v in zip(s_t, vis)]
-                    s_by_c.append(s_t)
-                    vis_by_c.append(vis)
-                new_ms, alphas, flag = lazy_reference(s_by_c, ms)
-                ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
-                new_ls, new_ys = [], []
-                for c in range(C):
-                    pr = [jnp.exp2(s - bcast_col(new_ms[c], (MT, NT))) for s in s_by_c[c]]
-                    if vis_by_c[c] is not None:
-                        pr = [jnp.where(v, x, 0.0) for x, v in zip(pr, vis_by_c[c])]
-                    pp = [(pr[mt] * bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
-                    y = ys[c]
-                    for mt in range(MTK):
-                        y = y + pr[mt] * bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
-                        qp_s[slot, c, pl.ds(mt * MT, MT)] = pp[mt]
-                    new_ls.append(ls[c] + functools.reduce(jnp.add, pr))
-                    new_ys.append(y)
-                plgpu.commit_smem()
-                return tuple(new_ms), tuple(new_ls), tuple(new_ys), os_
+            def seg_consume(k, sg, base, rbase, carry_):
+                """Segment k: its quantized blocks (the CTA stream's gi = base + i with gi % NC == w),
+                its ring tiles, and this consumer's partial of it."""
+                blk0, n, qb = sg["blk0"], sg["n"], sg["qb"]
+                if not seq:  # (interpret mode: the prep role waited)
+                    plgpu.barrier_wait(qbar.at[qb])
+                pos_c = [_load(pos_s.at[qb, pl.ds(c * NT, NT)], COL) for c in range(C)]
+                # this consumer's first block of the segment (default schedule: base 0)
+                i0 = lax.rem(w - lax.rem(base, NC) + NC, NC) if FLAT else w
 
-            # Slots: consumer w's j-th block (i = w + NC j) sits in slot w + NC (j % S2). With
-            # `static_slots` the loops below are unrolled over the S2 slots, so that every shared-
-            # memory address of a step is a compile-time offset (a runtime slot costs ~1150 address
-            # and uniform-register instructions per block, ncu 2026-11-26); the last < S2 steps run
-            # with a runtime slot. Interpret mode: slot = block (see SLOTS).
-            S2 = S // NC
+                def softmax_p(i, slot, s_all, ms, ls, ys, os_):
+                    """Block i's masked scores -> new (m, l, y), O rescaled if a reference moved, and
+                    P s_v stored over the slot's qs (the score MMA has finished reading it)."""
+                    blk = blk0 + i
+                    sv = [_load(sv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) * kfac for mt in range(MTK)]
+                    zv = [_load(zv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) for mt in range(MTK)]
+                    if target:
+                        zv = [z - s * 8.0 for z, s in zip(zv, sv)]  # min - s/2 with sv = s/16
+                    tok_off = [jnp.where(mt * MT + tok_row < Gh, off_lo, off_hi) for mt in range(MTK)]
+                    s_by_c, vis_by_c = [], []
+                    for c in range(C):
+                        bias = _load(bias_s.at[slot, pl.ds(c * NT, NT)], COL)
+                        s_t = [s_all[mt * C + c] + bcast_col(bias, (MT, NT)) for mt in range(MTK)]
+                        vis = None
+                        if st.window is not None:
+                            vis = [bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
+                                   for mt in range(MTK)]
+                            s_t = [jnp.where(v, s, NEG) for s, v in zip(s_t, vis)]
+                        s_by_c.append(s_t)
+                        vis_by_c.append(vis)
+                    new_ms, alphas, flag = lazy_reference(s_by_c, ms)
+                    ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
+                    new_ls, new_ys = [], []
+                    for c in range(C):
+                        pr = [jnp.exp2(s - bcast_col(new_ms[c], (MT, NT))) for s in s_by_c[c]]
+                        if vis_by_c[c] is not None:
+                            pr = [jnp.where(v, x, 0.0) for x, v in zip(pr, vis_by_c[c])]
+                        pp = [(pr[mt] * bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
+                        y = ys[c]
+                        for mt in range(MTK):
+                            y = y + pr[mt] * bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
+                            qp_s[slot, c, pl.ds(mt * MT, MT)] = pp[mt]
+                        new_ls.append(ls[c] + functools.reduce(jnp.add, pr))
+                        new_ys.append(y)
+                    plgpu.commit_smem()
+                    return tuple(new_ms), tuple(new_ls), tuple(new_ys), os_
 
-            def slot_at(i, u):  # the slot of block i = w + NC j, u = j % S2 (static) or None
-                if seq:
-                    return i
-                return w + NC * u if u is not None else lax.rem(i, S)
+                # Slots: consumer w's j-th block (i = w + NC j) sits in slot w + NC (j % S2). With
+                # `static_slots` the loops below are unrolled over the S2 slots, so that every shared-
+                # memory address of a step is a compile-time offset (a runtime slot costs ~1150 address
+                # and uniform-register instructions per block, ncu 2026-11-26); the last < S2 steps run
+                # with a runtime slot. Interpret mode: slot = block (see SLOTS).
+                S2 = S // NC
 
-            def unrolled(steps, body, carry):
-                """carry after body(j, carry, u) for j in [0, steps), u = j % S2 static for all
-                but the last steps % S2 steps (u = None there); the same steps in the same order."""
-                if not st.static_slots:
-                    return lax.fori_loop(0, steps, lambda j, c: body(j, c, None), carry)
+                def slot_at(i, u):  # the slot of the segment's block i = i0 + NC j, u = j % S2 (static) or None
+                    if seq:
+                        return base + i
+                    if u is not None and not FLAT:  # (base 0, i0 = w)
+                        return w + NC * u
+                    return lax.rem(base + i, S)
 
-                def group(k, c):
-                    for u in range(S2):
-                        c = body(k * S2 + u, c, u)
-                    return c
-                full_groups = steps // S2
-                carry = lax.fori_loop(0, full_groups, group, carry)
-                return lax.fori_loop(full_groups * S2, steps, lambda j, c: body(j, c, None), carry)
+                def unrolled(steps, body, carry):
+                    """carry after body(j, carry, u) for j in [0, steps), u = j % S2 static for all
+                    but the last steps % S2 steps (u = None there); the same steps in the same order."""
+                    if not st.static_slots:
+                        return lax.fori_loop(0, steps, lambda j, c: body(j, c, None), carry)
 
-            def quant_body(j, carry, u):
-                """Block w + NC j, one after the other: K, scores, softmax, values, release."""
-                ms, ls, ys, os_ = carry
-                i = w + NC * j
-                slot = slot_at(i, u)
-                if stream_only:  # timing diagnostic: the pipeline alone
-                    if not seq:
-                        plgpu.barrier_wait(full.at[slot])
-                    plgpu.barrier_wait(prepped.at[slot])
-                    plgpu.barrier_arrive(consumed.at[slot])
-                    return carry
-                a_k = k_tiles(slot)
-                return finish_block(i, slot, carry, scores(a_k, qs_refs(slot)))
+                    def group(k, c):
+                        for u in range(S2):
+                            c = body(k * S2 + u, c, u)
+                        return c
+                    full_groups = steps // S2
+                    carry = lax.fori_loop(0, full_groups, group, carry)
+                    return lax.fori_loop(full_groups * S2, steps, lambda j, c: body(j, c, None), carry)
 
-            def finish_block(i, slot, carry, s_all):
-                """Block i (in `slot`) from its scores on: softmax, P, value MMA, release."""
-                ms, ls, ys, os_ = softmax_p(i, slot, s_all, *carry)
-                new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
-                plgpu.barrier_arrive(consumed.at[slot])
-                return ms, ls, ys, new_os
+                def quant_body(j, carry, u):
+                    """Block w + NC j, one after the other: K, scores, softmax, values, release."""
+                    ms, ls, ys, os_ = carry
+                    i = i0 + NC * j
+                    slot = slot_at(i, u)
+                    if stream_only:  # timing diagnostic: the pipeline alone
+                        if not seq:
+                            plgpu.barrier_wait(full.at[slot])
+                        plgpu.barrier_wait(prepped.at[slot])
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return carry
+                    a_k = k_tiles(slot)
+                    return finish_block(i, slot, carry, scores(a_k, qs_refs(slot)))
 
-            def values_then_scores(os_, slot, slot2):
-                """Software pipelining: the value MMA of the block in `slot` is issued, then (while
-                the tensor cores run it) the consumer's next block's slot2 is awaited, its K
-                converted and its score MMA issued; one wait for both. The same MMAs on the same
-                operands as `quant_body`, in the same accumulation order, so the same bits; only
-                their overlap changes."""
-                if not reg_a:  # the twin: the same steps, one after the other
+                def finish_block(i, slot, carry, s_all):
+                    """Block i (in `slot`) from its scores on: softmax, P, value MMA, release."""
+                    ms, ls, ys, os_ = softmax_p(i, slot, s_all, *carry)
                     new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
-                    return new_os, scores(k_tiles(slot2), qs_refs(slot2))
-                a_v = v_tiles(slot)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return ms, ls, ys, new_os
 
-                def run(accs):
-                    o_accs, s_accs = accs[:MTV * C], accs[MTV * C:]
-                    for mc in range(MTV):
-                        a = a_v(mc)
-                        for c in range(C):
-                            plgpu.wgmma(o_accs[mc * C + c], a, p_ref(slot)(c))
-                    a_k = k_tiles(slot2)
-                    b_refs = qs_refs(slot2)
-                    for ai, a in enumerate(a_k):
-                        for c in range(C):
-                            plgpu.wgmma(s_accs[ai * C + c], a, b_refs[c])
+                def values_then_scores(os_, slot, slot2):
+                    """Software pipelining: the value MMA of the block in `slot` is issued, then (while
+                    the tensor cores run it) the consumer's next block's slot2 is awaited, its K
+                    converted and its score MMA issued; one wait for both. The same MMAs on the same
+                    operands as `quant_body`, in the same accumulation order, so the same bits; only
+                    their overlap changes."""
+                    if not reg_a:  # the twin: the same steps, one after the other
+                        new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
+                        return new_os, scores(k_tiles(slot2), qs_refs(slot2))
+                    a_v = v_tiles(slot)
 
-                inits = tuple(plgpu.ACC.init(os_[c][mc]) for mc in range(MTV) for c in range(C))
-                inits += tuple(plgpu.ACC.init(zeros_t()) for _ in range(MTK * C))
-                flat = pl.run_state(run)(inits)
-                new_os = tuple(tuple(flat[mc * C + c] for mc in range(MTV)) for c in range(C))
-                return new_os, list(flat[MTV * C:])
+                    def run(accs):
+                        o_accs, s_accs = accs[:MTV * C], accs[MTV * C:]
+                        for mc in range(MTV):
+                            a = a_v(mc)
+                            for c in range(C):
+                                plgpu.wgmma(o_accs[mc * C + c], a, p_ref(slot)(c))
+                        a_k = k_tiles(slot2)
+                        b_refs = qs_refs(slot2)
+                        for ai, a in enumerate(a_k):
+                            for c in range(C):
+                                plgpu.wgmma(s_accs[ai * C + c], a, b_refs[c])
 
-            def pipelined_body(j, carry, u):
-                """Block i = w + NC j with its scores computed; ends with block i + NC's scores."""
-                ms, ls, ys, os_, s_all = carry
-                i = w + NC * j
-                slot = slot_at(i, u)
-                slot2 = slot_at(i + NC, None if u is None else (u + 1) % S2)
-                ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
-                os_, s_next = values_then_scores(os_, slot, slot2)
-                plgpu.barrier_arrive(consumed.at[slot])
-                return ms, ls, ys, os_, tuple(s_next)
+                    inits = tuple(plgpu.ACC.init(os_[c][mc]) for mc in range(MTV) for c in range(C))
+                    inits += tuple(plgpu.ACC.init(zeros_t()) for _ in range(MTK * C))
+                    flat = pl.run_state(run)(inits)
+                    new_os = tuple(tuple(flat[mc * C + c] for mc in range(MTV)) for c in range(C))
+                    return new_os, list(flat[MTV * C:])
 
-            init = (tuple(neg_c() for _ in range(C)), tuple(zeros_t() for _ in range(C)),
-                    tuple(zeros_t() for _ in range(C)),
-                    tuple(tuple(zeros_t() for _ in range(MTV)) for _ in range(C)))
-            nq = (n - w + NC - 1) // NC  # this consumer's blocks
-            if st.pipeline and not stream_only:
-                def first_last(carry):
-                    slot = slot_at(w, 0)
-                    s0 = tuple(scores(k_tiles(slot), qs_refs(slot)))
-                    ms, ls, ys, os_, s_all = unrolled(nq - 1, pipelined_body, (*carry, s0))
-                    # the last block: no next scores to issue
-                    last = w + NC * (nq - 1)
-                    return finish_block(last, slot_at(last, None), (ms, ls, ys, os_), s_all)
+                def pipelined_body(j, carry, u):
+                    """Block i = w + NC j with its scores computed; ends with block i + NC's scores."""
+                    ms, ls, ys, os_, s_all = carry
+                    i = i0 + NC * j
+                    slot = slot_at(i, u)
+                    slot2 = slot_at(i + NC, None if u is None else (u + 1) % S2)
+                    ms, ls, ys, os_ = softmax_p(i, slot, s_all, ms, ls, ys, os_)
+                    os_, s_next = values_then_scores(os_, slot, slot2)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return ms, ls, ys, os_, tuple(s_next)
 
-                carry = lax.cond(nq > 0, first_last, lambda carry: carry, init)
-            else:
-                carry = unrolled(nq, quant_body, init)
+                init = (tuple(neg_c() for _ in range(C)), tuple(zeros_t() for _ in range(C)),
+                        tuple(zeros_t() for _ in range(C)),
+                        tuple(tuple(zeros_t() for _ in range(MTV)) for _ in range(C)))
+                nq = (n - i0 + NC - 1) // NC  # this consumer's blocks (i0 < NC, so the numerator is >= 0)
+                if st.pipeline and not stream_only:
+                    def first_last(carry):
+                        slot = slot_at(i0, 0)
+                        s0 = tuple(scores(k_tiles(slot), qs_refs(slot)))
+                        ms, ls, ys, os_, s_all = unrolled(nq - 1, pipelined_body, (*carry, s0))
+                        # the last block: no next scores to issue
+                        last = i0 + NC * (nq - 1)
+                        return finish_block(last, slot_at(last, None), (ms, ls, ys, os_), s_all)
 
-            # ------------------------------------------------------------------- FP ring
-            # Operands in float16 (bf16 -> f16 is exact in float16's normal range, which the
-            # float16 scales already assume). B operands in this consumer's own slots, free now:
-            # the query in slot w, the P of the current tile in slot w + NC.
-            qslot, pslot = w, w + NC
-            if NRB == 4:
-                k0 = lax.rem(w - ring_owner + 2, 2)  # this consumer's first ring tile
-                nr = (nrt - k0 + 1) // 2
-            else:
-                k0 = 0
-                nr = jnp.where(w == ring_owner, nrt, 0)
-
-            @pl.when(nr > 0)
-            def _():
-                for c in range(C):
-                    qp_s[qslot, c, pl.ds(0, D)] = (q_tile(c) * QSCALE).astype(f16)
-                plgpu.commit_smem()
-
-            slot_row = _iota((MT, NT), 0)
-
-            def ring_body(j, carry):
-                ms, ls, ys, os_ = carry
-                k = k0 + 2 * j if NRB == 4 else j
-                t = r0 + k * st.NP
-                s0 = ring_start(t)
-                kslot = ring_item_slot(2 * k)
-                vslot = ring_item_slot(2 * k + 1)
-                if stream_only:  # timing diagnostic: the pipeline alone
-                    for sl in (kslot, vslot):
-                        plgpu.barrier_wait(rfull.at[sl])
-                        plgpu.barrier_arrive(rconsumed.at[sl])
-                    return carry
-                plgpu.barrier_wait(rfull.at[kslot])
-                if reg_a:
-                    a_k = [_load(kr_s.at[kslot], plgpu.Layout.WGMMA).astype(f16)]
+                    carry = lax.cond(nq > 0, first_last, lambda carry: carry, init)
                 else:
-                    a_k = [kr_s[kslot].astype(f16)]
-                if NRB == 1:  # K is in registers (or the twin's copy): the buffer can take V
-                    plgpu.barrier_arrive(rconsumed.at[kslot])
-                s_all = scores(a_k, [qp_s.at[qslot, c, pl.ds(0, D)] for c in range(C)])
-                if NRB > 1:
-                    plgpu.barrier_arrive(rconsumed.at[kslot])
-                slot_idx = s0 + slot_row
-                jlog = lax.rem(slot_idx - fp_start + R, R)  # logical ring index
-                kpos = q_len + jlog
-                fresh = slot_idx >= t * RT  # not already covered by the previous tile
-                s_by_c, vis_by_c = [], []
-                for c in range(C):
-                    qpos = bcast_col(pos_c[c], (MT, NT))
-                    vis = (kpos <= qpos) & fresh
-                    if st.window is not None:
-                        vis = vis & (qpos - kpos < st.window)
-                    s_by_c.append([jnp.where(vis, s_all[c], NEG)])
-                    vis_by_c.append(vis)
-                new_ms, alphas, flag = lazy_reference(s_by_c, ms)
-                ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
-                new_ls = []
-                for c in range(C):
-                    pr = jnp.where(vis_by_c[c], jnp.exp2(s_by_c[c][0] - bcast_col(new_ms[c], (MT, NT))), 0.0)
-                    qp_s[pslot, c, pl.ds(0, RT)] = pr.astype(f16)
-                    new_ls.append(ls[c] + pr)
-                plgpu.commit_smem()
-                plgpu.barrier_wait(rfull.at[vslot])
+                    carry = unrolled(nq, quant_body, init)
+                # the rest of the segment's numbers, derived now rather than held through the loop
+                post = segment(k) if FLAT else seg0
+                b, h, nrt, r0, rstride, ring_owner, q_len, fp_start = (
+                    post[f] for f in ("b", "h", "nrt", "r0", "rstride", "ring_owner", "q_len", "fp_start"))
 
-                def a_v(mc):
-                    vt = kr_s.at[vslot, :, pl.ds(mc * MT, MT)]  # [slots, 64 channels] -> V^T [64, slots]
+                # ------------------------------------------------------------------- FP ring
+                # Operands in float16 (bf16 -> f16 is exact in float16's normal range, which the
+                # float16 scales already assume). B operands in this consumer's own slots, free now:
+                # the query in slot w, the P of the current tile in slot w + NC. (Balanced schedule:
+                # in its own buffers, as the stream has moved on to the next segment's blocks.)
+                if FLAT:
+                    ring_q = lambda c, rows: rq_s.at[w, 0, c, pl.ds(0, rows)]  # noqa: E731
+                    ring_p = lambda c, rows: rq_s.at[w, 1, c, pl.ds(0, rows)]  # noqa: E731
+                else:
+                    ring_q = lambda c, rows: qp_s.at[w, c, pl.ds(0, rows)]  # noqa: E731
+                    ring_p = lambda c, rows: qp_s.at[w + NC, c, pl.ds(0, rows)]  # noqa: E731
+                if NRB == 4:  # tile k of the CTA's ring stream goes to consumer (k + ring_owner) % 2
+                    # this consumer's first ring tile (default schedule: rbase 0)
+                    k0 = lax.rem(w - ring_owner - lax.rem(rbase, 2) + 4, 2) if FLAT else lax.rem(w - ring_owner + 2, 2)
+                    nr = (nrt - k0 + 1) // 2
+                else:
+                    k0 = 0
+                    nr = jnp.where(w == ring_owner, nrt, 0)
+
+                @pl.when(nr > 0)
+                def _():
+                    for c in range(C):
+                        ring_q(c, D)[...] = (q_tile(qb, c) * QSCALE).astype(f16)
+                    plgpu.commit_smem()
+
+                slot_row = _iota((MT, NT), 0)
+
+                def ring_body(j, carry):
+                    ms, ls, ys, os_ = carry
+                    k = k0 + 2 * j if NRB == 4 else j
+                    t = r0 + k * rstride
+                    s0 = ring_start(t)
+                    kslot = ring_item_slot(2 * (rbase + k), ring_owner)
+                    vslot = ring_item_slot(2 * (rbase + k) + 1, ring_owner)
+                    if stream_only:  # timing diagnostic: the pipeline alone
+                        for sl in (kslot, vslot):
+                            plgpu.barrier_wait(rfull.at[sl])
+                            plgpu.barrier_arrive(rconsumed.at[sl])
+                        return carry
+                    plgpu.barrier_wait(rfull.at[kslot])
                     if reg_a:
-                        return plgpu.layout_cast(_load(mg.transpose_ref(vt), plgpu.Layout.WGMMA_TRANSPOSED),
-                                                 plgpu.Layout.WGMMA).astype(f16)
-                    return vt[...].T.astype(f16)
+                        a_k = [_load(kr_s.at[kslot], plgpu.Layout.WGMMA).astype(f16)]
+                    else:
+                        a_k = [kr_s[kslot].astype(f16)]
+                    if NRB == 1:  # K is in registers (or the twin's copy): the buffer can take V
+                        plgpu.barrier_arrive(rconsumed.at[kslot])
+                    s_all = scores(a_k, [ring_q(c, D) for c in range(C)])
+                    if NRB > 1:
+                        plgpu.barrier_arrive(rconsumed.at[kslot])
+                    slot_idx = s0 + slot_row
+                    jlog = lax.rem(slot_idx - fp_start + R, R)  # logical ring index
+                    kpos = q_len + jlog
+                    fresh = slot_idx >= t * RT  # not already covered by the previous tile
+                    s_by_c, vis_by_c = [], []
+                    for c in range(C):
+                        qpos = bcast_col(pos_c[c], (MT, NT))
+                        vis = (kpos <= qpos) & fresh
+                        if st.window is not None:
+                            vis = vis & (qpos - kpos < st.window)
+                        s_by_c.append([jnp.where(vis, s_all[c], NEG)])
+                        vis_by_c.append(vis)
+                    new_ms, alphas, flag = lazy_reference(s_by_c, ms)
+                    ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
+                    new_ls = []
+                    for c in range(C):
+                        pr = jnp.where(vis_by_c[c], jnp.exp2(s_by_c[c][0] - bcast_col(new_ms[c], (MT, NT))), 0.0)
+                        ring_p(c, RT)[...] = pr.astype(f16)
+                        new_ls.append(ls[c] + pr)
+                    plgpu.commit_smem()
+                    plgpu.barrier_wait(rfull.at[vslot])
 
-                new_os = values(os_, a_v, lambda c: qp_s.at[pslot, c, pl.ds(0, RT)], at_s)
-                plgpu.barrier_arrive(rconsumed.at[vslot])
-                return tuple(new_ms), tuple(new_ls), ys, new_os
+                    def a_v(mc):
+                        vt = kr_s.at[vslot, :, pl.ds(mc * MT, MT)]  # [slots, 64 channels] -> V^T [64, slots]
+                        if reg_a:
+                            return plgpu.layout_cast(_load(mg.transpose_ref(vt), plgpu.Layout.WGMMA_TRANSPOSED),
+                                                     plgpu.Layout.WGMMA).astype(f16)
+                        return vt[...].T.astype(f16)
 
-            ms, ls, ys, os_ = lax.fori_loop(0, nr, ring_body, carry)
+                    new_os = values(os_, a_v, lambda c: ring_p(c, RT), at_s)
+                    plgpu.barrier_arrive(rconsumed.at[vslot])
+                    return tuple(new_ms), tuple(new_ls), ys, new_os
 
-            row = _iota((MT, NT), 0)
-            parts = []  # per column tile: (m [NT], l [NT], O^T tiles [MTV][64, NT]) of this consumer
-            for c in range(C):
-                y = colreduce(ys[c], red, "add")
-                l = colreduce(ls[c], red, "add")
-                parts.append((ms[c], l, [os_[c][mc] + bcast_col(y, (MT, NT)) for mc in range(MTV)]))
+                ms, ls, ys, os_ = lax.fori_loop(0, nr, ring_body, carry)
 
-            def store(pi, c, part):
-                m, l, o_tiles = part
-                for mc in range(MTV):
-                    mg.store_transposed(o_ref.at[b, h, pi, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)], o_tiles[mc],
-                                        interp)
-                ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
-                                                                   bcast_col(l, (MT, NT)))
-
-            if not st.pair_merge:
+                row = _iota((MT, NT), 0)
+                parts = []  # per column tile: (m [NT], l [NT], O^T tiles [MTV][64, NT]) of this consumer
                 for c in range(C):
-                    store(p * NC + w, c, parts[c])
-                return
-            xo_ref, xml_ref = x_refs  # [B, H, NP (NC-1), D, CN], [B, H, NP (NC-1), 64, CN] float32
+                    y = colreduce(ys[c], red, "add")
+                    l = colreduce(ls[c], red, "add")
+                    parts.append((ms[c], l, [os_[c][mc] + bcast_col(y, (MT, NT)) for mc in range(MTV)]))
 
-            @_when(w < NC - 1)
-            def _():  # leave this partial for the last consumer (O^T as accumulated), then signal
-                xi = p * (NC - 1) + w
-                for c, (m, l, o_tiles) in enumerate(parts):
+                def store(pi, c, part):
+                    m, l, o_tiles = part
                     for mc in range(MTV):
-                        xo_ref[b, h, xi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = o_tiles[mc]
-                    xml_ref[b, h, xi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
-                                                                        bcast_col(l, (MT, NT)))
-                if not seq:
-                    plgpu.commit_smem()  # warpgroup barrier: every thread's stores precede the arrival
-                plgpu.barrier_arrive(pdone.at[0])
+                        mg.store_transposed(o_ref.at[b, h, pi, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)], o_tiles[mc],
+                                            interp)
+                    ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
+                                                                       bcast_col(l, (MT, NT)))
 
-            @_when(w == NC - 1)
-            def _():  # merge the CTA's partials in consumer order, pairwise (`merge_heads`' combine)
-                plgpu.barrier_wait(pdone.at[0])
-                for c in range(C):
-                    cols = pl.ds(c * NT, NT)
-                    acc = None
-                    for v in range(NC - 1):
-                        xi = p * (NC - 1) + v
-                        other = (_load_gmem(xml_ref.at[b, h, xi, 0, cols], COL),
-                                 _load_gmem(xml_ref.at[b, h, xi, MT // 2, cols], COL),
-                                 [_load_gmem(xo_ref.at[b, h, xi, pl.ds(mc * MT, MT), cols], plgpu.Layout.WGMMA)
-                                  for mc in range(MTV)])
-                        acc = other if acc is None else combine(acc, other)
-                    store(p, c, combine(acc, parts[c]))
+                if not st.pair_merge:
+                    for c in range(C):
+                        store(sg["j_out"] * NC + w, c, parts[c])
+                    if FLAT:  # the pair's last CTA: its slots after this one are neutral (m NEG, l 0, O 0)
+                        empty = (neg_c(), _cast(jnp.zeros((NT,), f32), COL), [zeros_t() for _ in range(MTV)])
+                        for jj in range(1, st.flat_slots):
+                            @_when(sg["last"] & (jj > sg["j_out"]))
+                            def _():
+                                for c in range(C):
+                                    store(jj * NC + w, c, empty)
+                        if not seq:
+                            plgpu.barrier_arrive(qfree.at[qb])  # done with the segment's query and positions
+                    return carry_
+                xo_ref, xml_ref = x_refs  # [B, H, NP (NC-1), D, CN], [B, H, NP (NC-1), 64, CN] float32
+
+                @_when(w < NC - 1)
+                def _():  # leave this partial for the last consumer (O^T as accumulated), then signal
+                    xi = p * (NC - 1) + w
+                    for c, (m, l, o_tiles) in enumerate(parts):
+                        for mc in range(MTV):
+                            xo_ref[b, h, xi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = o_tiles[mc]
+                        xml_ref[b, h, xi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
+                                                                            bcast_col(l, (MT, NT)))
+                    if not seq:
+                        plgpu.commit_smem()  # warpgroup barrier: every thread's stores precede the arrival
+                    plgpu.barrier_arrive(pdone.at[0])
+
+                @_when(w == NC - 1)
+                def _():  # merge the CTA's partials in consumer order, pairwise (`merge_heads`' combine)
+                    plgpu.barrier_wait(pdone.at[0])
+                    for c in range(C):
+                        cols = pl.ds(c * NT, NT)
+                        acc = None
+                        for v in range(NC - 1):
+                            xi = p * (NC - 1) + v
+                            other = (_load_gmem(xml_ref.at[b, h, xi, 0, cols], COL),
+                                     _load_gmem(xml_ref.at[b, h, xi, MT // 2, cols], COL),
+                                     [_load_gmem(xo_ref.at[b, h, xi, pl.ds(mc * MT, MT), cols], plgpu.Layout.WGMMA)
+                                      for mc in range(MTV)])
+                            acc = other if acc is None else combine(acc, other)
+                        store(p, c, combine(acc, parts[c]))
+
+                return carry_
+
+            walk(seg_consume, i32(0))
 
         if seq:
             role_tma()
@@ -889,8 +1137,8 @@ def _build_ws(st: _WsStatic):
     fp_item = jnp.dtype(st.fp_dtype).itemsize
     tw = None if reg_a else plgpu.SMEM  # the twin's operand tiles (interpret mode only)
     scratch = dict(
-        q_s=plgpu.SMEM((D, CN), jnp.bfloat16, transforms=mg.swizzle_transforms(NT * 2, 2)),
-        pos_s=plgpu.SMEM((mg.pos_width(CN),), jnp.int32),
+        q_s=plgpu.SMEM((QB, D, CN), jnp.bfloat16, transforms=mg.swizzle_transforms(NT * 2, 2)),
+        pos_s=plgpu.SMEM((QB, mg.pos_width(CN)), jnp.int32),
         k_s=plgpu.SMEM((SLOTS, n_planes, G, Dh), jnp.uint8, transforms=mg.swizzle_transforms(Dh, 1)),
         v_s=plgpu.SMEM((SLOTS, n_planes, D, Gh), jnp.uint8, transforms=mg.swizzle_transforms(Gh, 1)),
         sk_s=plgpu.SMEM((SLOTS, D), sd), zk_s=plgpu.SMEM((SLOTS, D), sd),
@@ -898,11 +1146,14 @@ def _build_ws(st: _WsStatic):
         qp_s=plgpu.SMEM((SLOTS, C, QP, NT), f16, transforms=mg.swizzle_transforms(NT * 2, 2)),
         bias_s=plgpu.SMEM((SLOTS, CN), f32),
         kr_s=plgpu.SMEM((RSLOTS, RT, D), st.fp_dtype, transforms=mg.swizzle_transforms(D * fp_item, fp_item)),
+        rq_s=plgpu.SMEM((NC, 2, C, QP, NT), f16, transforms=mg.swizzle_transforms(NT * 2, 2)) if FLAT else None,
         red_s=plgpu.SMEM((red_rows(NC, NPREP), RED_ELEMS), f32),
         ak_s=None if tw is None else tw((NC, MT, D), f16, transforms=mg.swizzle_transforms(D * 2, 2)),
         av_s=None if tw is None else tw((NC, MT, G), f16, transforms=mg.swizzle_transforms(G * 2, 2)),
         at_s=None if tw is None else tw((NC, MT, RT), f16, transforms=mg.swizzle_transforms(RT * 2, 2)),
-        qbar=plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        qbar=plgpu.Barrier(num_arrivals=2, num_barriers=QB),
+        # balanced schedule: a segment's query buffer is free once every prep and consumer warpgroup is done
+        qfree=plgpu.Barrier(num_arrivals=NC + NPREP, num_barriers=QB) if FLAT and not seq else None,
         full=plgpu.Barrier(num_arrivals=2 * n_planes + (0 if st.diag == "stream_planes" else 4), num_barriers=SLOTS),
         prepped=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
         consumed=plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
@@ -915,7 +1166,10 @@ def _build_ws(st: _WsStatic):
     def entry(*args, **refs):
         kernel(*args, **{k: refs.get(k) for k in scratch})
 
-    NPP = st.NP if st.pair_merge else st.NP * NC  # partials per (row, KV head)
+    if FLAT:
+        NPP = st.flat_slots * NC
+    else:
+        NPP = st.NP if st.pair_merge else st.NP * NC  # partials per (row, KV head)
     out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, CN, D), jnp.float32),
                 jax.ShapeDtypeStruct((st.B, st.H, NPP, MT, CN), jnp.float32))
     if st.pair_merge:  # consumers 0 .. NC-2 of each CTA leave their partials here for the last one
@@ -930,7 +1184,7 @@ def _build_ws(st: _WsStatic):
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(st.NP, st.H, st.B),
+        grid=(st.flat_ctas, 1, 1) if FLAT else (st.NP, st.H, st.B),
         grid_names=("p", "h", "b"),
         num_threads=None if seq else NC + NPREP + 1,
         thread_name=None if seq else "wg",
@@ -958,6 +1212,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     if not C <= c_max:
         raise ValueError(f"C={C} column tiles > c_max={c_max}")
     n_blocks = max(1, S_max // G)
+    flat = flat_of(config, view)
     np_ = config.num_splits or env_splits() or default_ctas(B, H, n_blocks, view)
     # Software-pipelined consumers (a block's value MMA overlapping the next block's K conversion
     # and score MMA) by default for the draft view only: the verify kernel's two planes and wider
@@ -969,8 +1224,9 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
         raise ValueError(f"ws_consumers={nc}, ws_preps={npr}: the warp-specialized schedule has (consumers, preps) "
                          f"in {sorted(REGS)}")
     pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2)
-    plan = functools.partial(ring_plan, view, D, G, c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
-                             consumers=nc, preps=npr)
+    # (the balanced schedule is for the draft view, whose calls all have T = 1: sized for its C)
+    plan = functools.partial(ring_plan, view, D, G, C if flat else c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
+                             consumers=nc, preps=npr, flat=flat)
     stages = config.stages
     if stages is None and nc == 3:  # two slots per consumer
         stages = 6
@@ -990,18 +1246,32 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     if nc * regs[0] + npr * regs[1] + regs[2] > pool or min(regs) < 24 or any(r % 8 for r in regs):
         raise ValueError(f"ws_regs={regs}: with {nc} consumers and {npr} prep warpgroups, {nc} x consumers + {npr} x "
                          f"prep + TMA must be <= {pool} (the CTA's register pool), each a multiple of 8 >= 24")
-    per = -(-n_blocks // np_)
-    seq_slots = max(2 * nc, -(-per // nc) * nc)  # every block its slot; the ring's B operands in 2 per consumer
     n_ring_tiles = -(-R // RT)
-    ring_tiles_per_cta = -(-n_ring_tiles // np_)
+    flat_fields = {}
+    if flat:
+        if config.ws_static_slots or config.ws_pair_merge:
+            raise ValueError("ws_flat: the balanced schedule runs with runtime slots and one partial per consumer "
+                             "(no ws_static_slots, no ws_pair_merge)")
+        ctas = config.ws_flat_ctas or num_sms()
+        cap = flat_cap(B, H, ctas)
+        rw = ring_weight(view, D, G, R, scale_dtype, fp_dtype)
+        # a share's bound (`flat_work`): blocks and segments (pairs overlapping it) of one CTA
+        share = max(-(-(B * H * (n_blocks + rw)) // ctas), -(-(n_blocks + rw) // cap))
+        segs = min(B * H, share // rw + 2)
+        per, ring_tiles_per_cta = share, n_ring_tiles * segs
+        flat_fields = dict(flat=True, flat_ctas=ctas, flat_slots=cap + 1, ring_w=rw, seq_segs=segs)
+    else:
+        per = -(-n_blocks // np_)
+        ring_tiles_per_cta = -(-n_ring_tiles // np_)
+    seq_slots = max(2 * nc, -(-per // nc) * nc)  # every block its slot; the ring's B operands in 2 per consumer
     seq_ring_slots = 2 * ring_tiles_per_cta
     return _WsStatic(view=view, B=B, H=H, D=D, G=G, R=R, C=C, NP=int(np_), stages=int(stages), ring_bufs=bufs,
                      seq_slots=seq_slots, seq_ring_slots=seq_ring_slots,
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      pipeline=bool(pipeline),
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
-                     consumers=nc, preps=npr, pair_merge=pair_merge_default(np_, config.ws_pair_merge),
-                     scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs)
+                     consumers=nc, preps=npr, pair_merge=not flat and pair_merge_default(np_, config.ws_pair_merge),
+                     scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs, **flat_fields)
 
 
 def build(st: _WsStatic):

@@ -74,11 +74,13 @@ def dense_bytes(b: int, hkv: int, ctx: int, d: int, t: int, hq: int) -> int:
 
 # ----------------------------------------------------------------------------- variants
 def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx: int, t: int, trials: int,
-               configs: list, key, impl: str = "triton", trace_dir: Any = None) -> list[dict]:
+               configs: list, key, impl: str = "triton", trace_dir: Any = None,
+               lengths: np.ndarray | None = None) -> list[dict]:
     """Times one of our kernels (`impl` "triton" or "mosaic" for the quantized views) under each
     config in `configs` (KernelConfig / MgpuConfig); returns one row each. With `trace_dir` a row
     also has "kernel_s" (the attention kernel alone, from a profiler trace) and "gpu_s" (every GPU
-    kernel of the call: query preparation, the kernel, the split merge), per call."""
+    kernel of the call: query preparation, the kernel, the split merge), per call. `lengths`
+    int32[batch] <= ctx: rows of different lengths (all ctx by default)."""
     import pallas_kernels as pk
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.cache import QuantSpecCache  # noqa: F401
@@ -97,8 +99,9 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
         shape = (copies, batch, hkv, ctx, d)
         k = jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
         v = jax.random.normal(vk, shape, jnp.float32).astype(jnp.bfloat16)
-        q_pos = jnp.full((batch, t), ctx - t, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-        nbytes = dense_bytes(batch, hkv, ctx, d, t, hq)
+        rows_len = np.full((batch,), ctx) if lengths is None else np.asarray(lengths)
+        q_pos = jnp.asarray(rows_len[:, None] - t, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+        nbytes = sum(dense_bytes(1, hkv, int(n), d, t, hq) for n in rows_len)
 
         data = (q_pos, k, v)
 
@@ -110,7 +113,7 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
                 return x
             return step
     else:
-        cache = random_quant_cache(cfg, batch, ctx, key, layers=copies, fp_start=3)
+        cache = random_quant_cache(cfg, batch, ctx, key, layers=copies, fp_start=3, lengths=lengths)
         tot = cache.q_len + cache.fp_len
         q_pos = tot[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
         nbytes = quant_bytes(cache, t, hq, kind == "target")

@@ -1,6 +1,6 @@
 """Dump and summarize what the compiler emitted for the Mosaic GPU decode-attention kernels.
 
-    PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR [--schedule legacy|ws] [--cases draft:1,target:5]
+    PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR [--schedule legacy|ws] [--cases draft:1,target:5] [--flat]
 
 Compiles the INT4 draft (T=1) and INT8 target (T=5) kernels (or --cases) at the Llama-3-8B shape
 with MOSAIC_GPU_DUMP_TO set, without running them, then prints per kernel: ptxas registers/spills
@@ -27,19 +27,19 @@ import jax.numpy as jnp  # noqa: E402
 
 
 def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5", consumers: int | None = None,
-         preps: int | None = None) -> int:
+         preps: int | None = None, flat: bool = False, batch: int = 1) -> int:
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.bench.synthetic import random_quant_cache
     from qspec_jax.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_layers=1, num_heads=32,
                       num_kv_heads=8, head_dim=128, dtype="bfloat16")
-    cache = random_quant_cache(cfg, 1, 8192, jax.random.PRNGKey(0), layers=1)
-    conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps)
+    cache = random_quant_cache(cfg, batch, 8192, jax.random.PRNGKey(0), layers=1)
+    conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps, ws_flat=flat or None)
     for case in cases.split(","):
         view, t = case.split(":")
         t = int(t)
-        q = jnp.ones((1, t, 32, 128), jnp.bfloat16)
+        q = jnp.ones((batch, t, 32, 128), jnp.bfloat16)
         qp = (cache.q_len + cache.fp_len)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
         jax.jit(lambda q, p, c, v=view: mg.quantized_decode_attention_mgpu(q, p, c, 0, view=v, config=conf)).lower(
             q, qp, cache).compile()
@@ -80,5 +80,7 @@ if __name__ == "__main__":
     ap.add_argument("--cases", default="draft:1,target:5")
     ap.add_argument("--consumers", type=int, default=None, help="ws: consumer warpgroups (MgpuConfig.ws_consumers)")
     ap.add_argument("--preps", type=int, default=None, help="ws: prep warpgroups (MgpuConfig.ws_preps)")
+    ap.add_argument("--flat", action="store_true", help="ws, draft view: the balanced schedule (MgpuConfig.ws_flat)")
+    ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args()
-    sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers, a.preps))
+    sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers, a.preps, a.flat, a.batch))

@@ -11,6 +11,11 @@
 #   fixed  tools/device/w4a16_fixed_cost.py --diag (t0 + bytes / rate fits of the small INT4 linears);
 #   ragged `qspec-bench profile --batch 8 --contexts 32768` with and without --ragged, QSPEC_MGPU_SPLITS unset / 4;
 #   peers  `make bench-kernel` and `make bench-w4a16`'s commands (the peers timed in the same run).
+# Added in the twelfth session:
+#   raggedk tools/device/ragged_attention.py: the attention kernels alone at batch 8 / 32k, uniform and ragged rows,
+#          the ws kernel's CTAs per (row, KV head) swept ($RAGGED_NPS);
+#   fused  tools/device/check_w4a16.py's fused-kernel checks (the draft layer's four fused INT4 kernels, default config);
+#   exact  tools/device/exactness_check.py (speculative == autoregressive, random 8B-shaped model, a few layers).
 #   cd <repo> && OUT=/tmp/out STAGES="env stash l2 batch" bash tools/device/session11_gpu.sh
 # Logs go to $OUT/logs, packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
@@ -63,7 +68,7 @@ PY
         stamp "profile chains=$c"
       done;;
     fixed)  # the small INT4 linears' fixed cost: time against K at N 4096 / 6144, full kernel and TMA ring only
-      timeout ${FIXED_LIMIT:-240} python3 tools/device/w4a16_fixed_cost.py --diag 2>&1 | grep -v "^W[0-9]" \
+      timeout ${FIXED_LIMIT:-240} python3 tools/device/w4a16_fixed_cost.py --diag ${FIXED_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
         | tee $L/w4a16_fixed_cost.log
       stamp fixed;;
     ragged)  # batch 8 at 32k, rows of 16k..32k (the e2e batch part's) vs all at 32k; the ws split count 2 (default) vs 4
@@ -83,6 +88,19 @@ PY
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout ${PEERS_LIMIT:-500} python3 -m qspec_jax.cli.bench w4a16 --m 1,8,32 \
         --out $OUT/bench/w4a16.json 2>&1 | grep -v "^W[0-9]" > $L/bench_w4a16.log; tail -5 $L/bench_w4a16.log
       stamp w4a16;;
+    raggedk)
+      timeout ${RAGGEDK_LIMIT:-300} python3 tools/device/ragged_attention.py --nps ${RAGGED_NPS:-0,3,4,6} \
+        --layouts ${RAGGED_LAYOUTS:-uniform,ragged,ragged_desc} --views ${RAGGED_VIEWS:-draft,target,dense} 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/ragged_attention.log | grep -v "^|"
+      stamp raggedk;;
+    fused)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${FUSED_LIMIT:-150} python3 tools/device/check_w4a16.py --out $L \
+        --skip sass,correctness,rows,diag,timing,fused_timing 2>&1 | grep -v "^W[0-9]" > $L/check_w4a16.log
+      grep -E "FAIL|BAD|checks:|rror" $L/check_w4a16.log | tail -8; stamp fused;;
+    exact)
+      timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/exactness_check.log | tail -4
+      stamp exact;;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

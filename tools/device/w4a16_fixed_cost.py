@@ -36,28 +36,31 @@ def main(argv=None) -> int:
     ap.add_argument("--k", default="512,1024,2048,4096")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--diag", action="store_true", help="also the TMA-ring-only diagnostic of each shape")
+    ap.add_argument("--stages", default="0", help="comma list of ring depths (0: the launch shape's own)")
     args = ap.parse_args(argv)
     g = 32
     key = jax.random.PRNGKey(0)
     ceiling = read_ceiling_bps()
-    for n in (int(v) for v in args.n.split(",")):
-        for diag in ("", "stream") if args.diag else ("",):
-            pts = []
-            for k in (int(v) for v in args.k.split(",")):
-                nbytes = int(k * n * (0.5 + 4 / g))
-                copies = max(2, min(16, -(-L2_DEFEAT // nbytes)))
-                ws = weights(key, k, n, g, copies)
-                x = jax.random.normal(jax.random.fold_in(key, k), (args.m, k), jnp.float32).astype(jnp.bfloat16)
-                cfg = mg.default_config(k, n, g, reduce=mg.reduce_mode(args.m, False)).replace(diag=diag)
-                iters = max(2, int(2e-3 / (nbytes / 3e12) / copies))
-                sec, _ = time_config(cfg, x, ws, iters)
-                pts.append((nbytes, sec * 1e6))
-                print(f"N={n} K={k:5d} {diag or 'full':6s} {sec * 1e6:8.2f} us  floor {nbytes / ceiling * 1e6:6.2f} us  "
-                      f"wgs{cfg.wgs} kt{cfg.k_tile} S{cfg.splits} {cfg.reduce}", flush=True)
-            b, t = np.array(pts, dtype=np.float64).T
-            slope, t0 = np.polyfit(b, t, 1)
-            print(f"== N={n} {diag or 'full'}: t0 {t0:.2f} us, streaming {1e-6 / slope:.2f} TB/s "
-                  f"({1e-6 / slope / (ceiling / 1e12):.0%} of the ceiling)  (launch shapes differ by K)", flush=True)
+    runs = [(n, st, diag) for n in (int(v) for v in args.n.split(",")) for st in (int(v) for v in args.stages.split(","))
+            for diag in (("", "stream") if args.diag else ("",))]
+    for n, stages, diag in runs:
+        pts = []
+        for k in (int(v) for v in args.k.split(",")):
+            nbytes = int(k * n * (0.5 + 4 / g))
+            copies = max(2, min(16, -(-L2_DEFEAT // nbytes)))
+            ws = weights(key, k, n, g, copies)
+            x = jax.random.normal(jax.random.fold_in(key, k), (args.m, k), jnp.float32).astype(jnp.bfloat16)
+            cfg = mg.default_config(k, n, g, reduce=mg.reduce_mode(args.m, False)).replace(diag=diag)
+            cfg = cfg.replace(stages=stages or cfg.stages)
+            iters = max(2, int(2e-3 / (nbytes / 3e12) / copies))
+            sec, _ = time_config(cfg, x, ws, iters)
+            pts.append((nbytes, sec * 1e6))
+            print(f"N={n} K={k:5d} {diag or 'full':6s} {sec * 1e6:8.2f} us  floor {nbytes / ceiling * 1e6:6.2f} us  "
+                  f"wgs{cfg.wgs} kt{cfg.k_tile} S{cfg.splits} {cfg.reduce} stages {cfg.stages}", flush=True)
+        b, t = np.array(pts, dtype=np.float64).T
+        slope, t0 = np.polyfit(b, t, 1)
+        print(f"== N={n} stages {stages or 'default'} {diag or 'full'}: t0 {t0:.2f} us, streaming {1e-6 / slope:.2f} TB/s "
+              f"({1e-6 / slope / (ceiling / 1e12):.0%} of the ceiling)  (launch shapes differ by K)", flush=True)
     return 0
 
 

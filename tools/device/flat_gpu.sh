@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The draft view's balanced schedule (`MgpuConfig.ws_flat`, twelfth session) on the GPU, one stage list per call:
+#   check   tools/device/check_attention.py on the draft cases with ws_flat=1 (fresh random caches, jnp reference,
+#           every partial written and finite);
+#   kernel  tools/device/ragged_attention.py: flat vs the default split at batch 8 / 32k, uniform and ragged rows
+#           (with its own check against the reference);
+#   profile `qspec-bench profile --batch 8 --contexts 32768 --ragged --programs draft,spec_loop`, QSPEC_MGPU_FLAT=0 / 1;
+#   e2e     issue 31's measure with QSPEC_MGPU_FLAT=0, then 1: `qspec-bench e2e --parts batch --batch-contexts 32768 --alphas 0.9`.
+#   ab      the default schedule of an earlier build against this one on one machine, kernel alone at batch 8 / 32k
+#           (both views, uniform and ragged rows; base, new, base, new): BASE holds the earlier build's pallas_kernels/,
+#           carried (`mkdir -p tools/device/_ab/base && git archive 178f384 pallas_kernels | tar x -C tools/device/_ab/base`,
+#           carry tools/device/_ab/base).
+#   cd <repo> && OUT=/tmp/out STAGES="check kernel" bash tools/device/flat_gpu.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+T0=$(date +%s)
+L=$OUT/logs && mkdir -p $L
+stamp() { echo "== $1 ($(( $(date +%s) - T0 )) s)"; }
+for stage in ${STAGES:-check kernel}; do
+  case $stage in
+    check)
+      timeout ${CHECK_LIMIT:-180} python3 tools/device/check_attention.py --parts check --impls mosaic-ws \
+        --check-config ws_flat=1 --cases "${FLAT_CASES:-llama3-8b:draft:1:none,llama3-8b:draft:5:1000,llama3-8b:draft:9:none,smollm2:draft:1:none,smollm2:draft:5:1000}" \
+        2>&1 | grep -v "^W[0-9]" | tee $L/check_flat.log | grep -E "check|FAIL|rror" | tail -12
+      stamp check;;
+    kernel)
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --nps ${FLAT_NPS:-0,flat} --views draft \
+        --layouts ${FLAT_LAYOUTS:-uniform,ragged} ${KERNEL_ARGS:-} 2>&1 | grep -v "^W[0-9]" | tee $L/ragged_flat.log | grep -v "^|"
+      stamp kernel;;
+    profile)
+      for f in 0 1; do
+        QSPEC_MGPU_FLAT=$f timeout ${PROF_LIMIT:-150} python3 -m qspec_jax.cli.bench profile --steps 8 --trials 3 \
+          --batch 8 --contexts 32768 --ragged --programs ${PROF_PROGS:-draft,spec_loop} --verify-t 5 \
+          --out $OUT/p_flat$f 2>&1 | grep -v "^W[0-9]" > $L/profile_b8_32k_ragged_flat$f.log
+        grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_b8_32k_ragged_flat$f.log; rm -rf $OUT/p_flat$f/traces
+        stamp "profile flat=$f"
+      done;;
+    e2e)
+      for f in 0 1; do
+        QSPEC_MGPU_FLAT=$f timeout ${E2E_LIMIT:-200} python3 -m qspec_jax.cli.bench e2e --parts batch \
+          --batch-contexts 32768 --alphas 0.9 --out $OUT/e2e_flat$f 2>&1 | grep -v "^W[0-9]" > $L/e2e_batch_flat$f.log
+        grep -o '"ar_bf16_tok_s": [0-9.]*, "spec_a0.9_tok_s": [0-9.]*' $L/e2e_batch_flat$f.log; stamp "e2e flat=$f"
+      done;;
+    ab)
+      base=${BASE:-tools/device/_ab/base}
+      [ -d "$base/pallas_kernels" ] || { echo "no $base/pallas_kernels"; continue; }
+      rm -rf /tmp/ab_base && mkdir -p /tmp/ab_base && cp -r qspec_jax tools /tmp/ab_base/ \
+        && cp -r $base/pallas_kernels /tmp/ab_base/  # this checkout with the earlier build's kernels
+      for src in base new base new; do
+        dir=$([ $src = base ] && echo /tmp/ab_base || echo $PWD)
+        (cd $dir && timeout ${AB_LIMIT:-120} python3 tools/device/ragged_attention.py --nps 0 --views draft,target \
+          --layouts uniform,ragged) 2>&1 | grep -v "^W[0-9]" | tee -a $L/ab_default_$src.log | grep -E "kernel"
+        stamp "ab $src"
+      done;;
+    *) echo "unknown stage $stage" >&2;;
+  esac
+done
+tar czf $OUT/logs.tgz -C $OUT logs $(cd $OUT && ls -d e2e_* p_* 2>/dev/null) && rm -rf $L $OUT/e2e_* $OUT/p_*
+stamp "all done"

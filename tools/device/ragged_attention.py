@@ -1,0 +1,120 @@
+"""Decode attention over rows of different lengths: does the Mosaic ws kernel's cost follow the sum
+of the lengths, and at which split count (issue 31's batch-8 gap).
+
+    PYTHONPATH=. python3 tools/device/ragged_attention.py [--batch 8] [--ctx 32768] [--nps 0,2,3,4,6,8,flat]
+
+For the INT4 draft view (T 1), the INT8 verify view (T 5) and our dense bf16 kernel (T 1), 8B
+shape: every row at --ctx against rows evenly from ctx/2 to ctx (`e2e.batch_lengths`, the e2e
+batch part's). The Mosaic views under each CTA count per (row, KV head) in --nps (0: the
+default, `mosaic_gpu_ws.default_ctas`; "flat": the draft view's balanced schedule, `ws_flat`).
+Prints per call the wall time in a device loop, the attention kernel alone and all GPU kernels
+(query prep, kernel, merge) from a profiler trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.getcwd())
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import qspec_jax  # noqa: E402,F401  (XLA flags)
+from pallas_kernels.decode_attention.mosaic_gpu import MgpuConfig  # noqa: E402
+from qspec_jax.bench import kernel as K  # noqa: E402
+from qspec_jax.bench.e2e import batch_lengths  # noqa: E402
+from qspec_jax.bench.synthetic import random_quant_cache  # noqa: E402
+
+
+def config_of(token: str) -> MgpuConfig:
+    """"4" -> 4 CTAs per (row, KV head), "0" the default, "flat" the balanced schedule; a ":stream"
+    suffix: the kernel's TMA-only timing diagnostic (wrong results)."""
+    split, _, diag = token.partition(":")
+    base = MgpuConfig(ws_flat=True) if split == "flat" else MgpuConfig(num_splits=int(split) or None)
+    return dataclasses.replace(base, ws_diag=diag or None)
+
+
+def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
+    """The balanced schedule against the jnp reference and the default schedule, fresh random
+    cache and queries per layout (relative error; the two schedules sum in different orders)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.decode_attention import mosaic_gpu as mg
+    from qspec_jax import attention as A
+    from qspec_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    for i, (name, lengths) in enumerate(layouts.items()):
+        key = jax.random.PRNGKey(100 + i)
+        cache = random_quant_cache(cfg, args.batch, args.ctx, key, layers=1, fp_start=3, lengths=lengths)
+        q = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, 1, hq, d), jnp.float32).astype(jnp.bfloat16)
+        q_pos = (cache.q_len + cache.fp_len)[:, None] - 1
+        run = jax.jit(lambda q, p, c, conf: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view="draft",
+                                                                               config=conf), static_argnums=3)
+        ref = np.asarray(jax.jit(lambda q, p, c: A.quantized_cache_attention(q, p, c, jnp.int32(0), "draft", None))(
+            q, q_pos, cache), np.float64)
+        outs = {n: np.asarray(run(q, q_pos, cache, conf).astype(jnp.float32), np.float64)
+                for n, conf in (("default", None), ("flat", MgpuConfig(ws_flat=True)))}
+        for n, o in outs.items():
+            err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+            ok = np.isfinite(o).all() and err <= 2e-2
+            print(f"check {n:7s} {name:11s}: relerr {err:.2e} vs the jnp reference {'ok' if ok else 'FAIL'}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--nps", default="0,2,3,4,6,8")
+    ap.add_argument("--views", default="draft,target,dense")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--layouts", default="uniform,ragged,ragged_desc",
+                    help="uniform: every row at ctx; ragged: e2e.batch_lengths (shortest row first); ragged_desc: "
+                         "the same rows longest first (the grid's row order is the dispatch order)")
+    args = ap.parse_args(argv)
+    hq, hkv, d = K.SHAPES["llama3-8b"]
+    key = jax.random.PRNGKey(0)
+    ragged = batch_lengths(args.batch, args.ctx)
+    layouts = {"uniform": None, "ragged": ragged, "ragged_desc": ragged[::-1].copy()}
+    layouts = {k: layouts[k] for k in args.layouts.split(",")}
+    print(f"ragged rows: {ragged.tolist()}", flush=True)
+    if "flat" in args.nps.split(",") and "draft" in args.views:
+        check_flat(args, hq, hkv, d, layouts)
+    table = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for view in args.views.split(","):
+            kind, t, impl = {"draft": ("draft", 1, "mosaic"), "target": ("target", 5, "mosaic"),
+                             "dense": ("dense", 1, "triton")}[view]
+            nps = args.nps.split(",") if impl == "mosaic" else ["0"]
+            if kind != "draft":
+                nps = [n for n in nps if not n.startswith("flat")]
+            confs = [None if impl != "mosaic" else config_of(n) for n in nps]
+            for name, lengths in layouts.items():
+                rows = K.bench_ours(kind, "llama3-8b", hq, hkv, d, args.batch, args.ctx, t, args.trials, confs, key,
+                                    impl=impl, trace_dir=f"{tmp}/{view}-{name}", lengths=lengths)
+                for n, r in zip(nps, rows):
+                    n = "dflt" if n == "0" else n
+                    if "s" not in r:
+                        print(f"{view:6s} {name:7s} NP {n:>4}: {r.get('error', '')[:300]}", flush=True)
+                        continue
+                    gs = r.get("gpu_s", float("nan"))
+                    ks = r.get("kernel_s") or gs  # the dense kernel's trace name is not matched: all GPU kernels
+                    table.append((view, name, n, r["s"], ks, gs, r["bytes"]))
+                    print(f"{view:6s} {name:7s} NP {n:>4}: {r['s'] * 1e6:8.1f} us/call, kernel "
+                          f"{ks * 1e6:8.1f} us ({r['bytes'] / ks / 1e12:.2f} TB/s), all GPU {gs * 1e6:8.1f} us",
+                          flush=True)
+    print("\n| view | rows | NP | us/call | kernel us | all GPU us | kernel TB/s |\n|---|---|---|---|---|---|---|")
+    for view, name, n, s, ks, gs, nb in table:
+        print(f"| {view} | {name} | {n} | {s * 1e6:.1f} | {ks * 1e6:.1f} | {gs * 1e6:.1f} | "
+              f"{nb / ks / 1e12:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
