@@ -963,7 +963,7 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
         if all(k in inputs and inputs[k].shape == v for k, v in want.items()):
             pairs, ctas = inputs["ws_pairs"], inputs["ws_ctas"]
         else:
-            pairs, ctas = ws.flat_work(meta[:, 0], hkv, G, st_ws.flat_ctas, st_ws.flat_slots - 1, st_ws.ring_w)
+            pairs, ctas = ws.flat_work(meta[:, 0], hkv, G, st_ws.flat_ctas, st_ws.flat_cap, st_ws.ring_w)
         args += [pairs, ctas]
     o, ml = kernel(*args)[:2]  # ("ws" with ws_pair_merge: the consumers' exchange buffers follow)
     if return_partials:

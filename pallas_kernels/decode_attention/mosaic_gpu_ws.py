@@ -137,10 +137,11 @@ class _WsStatic:
     pair_merge: bool = False
     # The balanced ("flat") schedule of the draft view (see `flat_work`): a grid of `flat_ctas` CTAs,
     # each an equal share of the flattened (row, KV head, block) work, walking the (row, head)
-    # segments of its share with one continuous TMA stream; `flat_slots` partials per (row, head).
+    # segments of its share with one continuous TMA stream; `flat_cap` + 1 partial slots per (row,
+    # head) and consumer. (`flat_split` derives the three numbers; `flat_work` uses them.)
     flat: bool = False
     flat_ctas: int = 0
-    flat_slots: int = 0
+    flat_cap: int = 0
     ring_w: int = 0  # a (row, head)'s FP ring in block units of the flattened work
     seq_segs: int = 1  # interpret mode: query buffers, one per segment of a CTA
 
@@ -269,6 +270,15 @@ def ring_weight(view: str, D: int, G: int, R: int, scale_dtype: Any, fp_dtype: A
     return max(1, -(-ring // block))
 
 
+def flat_split(B: int, H: int, D: int, G: int, R: int, view: str, scale_dtype: Any, fp_dtype: Any,
+               ctas: int | None = None) -> dict[str, int]:
+    """The balanced schedule's static numbers for a cache geometry: its CTA count (one per SM by
+    default), `flat_cap` and the ring's weight (`_WsStatic` fields, `flat_work`'s arguments)."""
+    ctas = ctas or num_sms()
+    return dict(flat_ctas=ctas, flat_cap=flat_cap(B, H, ctas),
+                ring_w=ring_weight(view, D, G, R, scale_dtype, fp_dtype))
+
+
 def flat_work(q_len: Array, hkv: int, G: int, ctas: int, cap: int, ring_w: int) -> tuple[Array, Array]:
     """The balanced schedule's work split (computed once per pass, outside the layer loop).
 
@@ -303,9 +313,9 @@ def flat_inputs(cache: Any, view: str) -> dict[str, Array]:
     if view != "draft" or not flat_of(None, view):
         return {}
     _, B, H, _, dh = cache.k_hi.shape
-    ctas = num_sms()
-    rw = ring_weight(view, 2 * dh, cache.group_size, cache.ring_size, cache.k_scale.dtype, cache.k_fp.dtype)
-    pairs, work = flat_work(cache.q_len, H, cache.group_size, ctas, flat_cap(B, H, ctas), rw)
+    G = cache.group_size
+    f = flat_split(B, H, 2 * dh, G, cache.ring_size, view, cache.k_scale.dtype, cache.k_fp.dtype)
+    pairs, work = flat_work(cache.q_len, H, G, f["flat_ctas"], f["flat_cap"], f["ring_w"])
     return {"ws_pairs": pairs, "ws_ctas": work}
 
 
@@ -465,7 +475,7 @@ def _build_ws(st: _WsStatic):
                 # the CTA holding the pair's first ring unit attends its whole ring; the partial slot
                 # is this CTA's index among the pair's; the pair's last CTA neutralises the unused slots
                 nrt = jnp.where((lo <= nb) & (nb < hi), n_ring_tiles, 0)
-                r0, rstride, ring_owner = i32(0), 1, i32(0 if NRB == 4 else NC - 1)
+                r0, rstride, ring_owner = i32(0), 1, i32(RING_OWNER_FLAT)
                 j_out, last = p - c_first, start + nb + st.ring_w <= g1
             else:
                 b, h = grid_b, grid_h
@@ -512,9 +522,9 @@ def _build_ws(st: _WsStatic):
             return gi if seq else lax.rem(gi, S)
 
         class Seg:
-            """Segment k's numbers, each derived where it is read (`segment`, a few scalar loads):
-            held across a segment's block loop they would spill (ptxas, H200 2026-11-28: 220
-            bytes of spill stores in the balanced schedule's consumers)."""
+            """Segment k's numbers, each derived where it is read (`segment`, a few scalar loads)
+            rather than held across the segment's block loop (ptxas, H200 2026-11-28: spill stores
+            220 -> 208 bytes, and the block loop's spills gone; default schedule: `seg0`)."""
 
             def __init__(self, k):
                 self.k = k
@@ -558,8 +568,8 @@ def _build_ws(st: _WsStatic):
 
         def tma_stream(blocks: bool = True, ring: bool = True):
             def seg_stream(k, sg, base, rbase, _):
-                b, h, qb = sg["b"], sg["h"], sg["qb"]
                 if blocks:
+                    b, h, qb = sg["b"], sg["h"], sg["qb"]
                     if FLAT and not seq:  # the query buffer of segment k - QB: read by every role
                         _when(k >= QB)(lambda: plgpu.barrier_wait(qfree.at[qb]))
                     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[qb], qbar.at[qb])
@@ -1080,7 +1090,7 @@ def _build_ws(st: _WsStatic):
                         store(sg["j_out"] * NC + w, c, parts[c])
                     if FLAT:  # the pair's last CTA: its slots after this one are neutral (m NEG, l 0, O 0)
                         empty = (neg_c(), _cast(jnp.zeros((NT,), f32), COL), [zeros_t() for _ in range(MTV)])
-                        for jj in range(1, st.flat_slots):
+                        for jj in range(1, st.flat_cap + 1):
                             @_when(sg["last"] & (jj > sg["j_out"]))
                             def _():
                                 for c in range(C):
@@ -1167,7 +1177,7 @@ def _build_ws(st: _WsStatic):
         kernel(*args, **{k: refs.get(k) for k in scratch})
 
     if FLAT:
-        NPP = st.flat_slots * NC
+        NPP = (st.flat_cap + 1) * NC
     else:
         NPP = st.NP if st.pair_merge else st.NP * NC  # partials per (row, KV head)
     out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, CN, D), jnp.float32),
@@ -1252,14 +1262,13 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
         if config.ws_static_slots or config.ws_pair_merge:
             raise ValueError("ws_flat: the balanced schedule runs with runtime slots and one partial per consumer "
                              "(no ws_static_slots, no ws_pair_merge)")
-        ctas = config.ws_flat_ctas or num_sms()
-        cap = flat_cap(B, H, ctas)
-        rw = ring_weight(view, D, G, R, scale_dtype, fp_dtype)
+        f = flat_split(B, H, D, G, R, view, scale_dtype, fp_dtype, config.ws_flat_ctas)
+        rw = f["ring_w"]
         # a share's bound (`flat_work`): blocks and segments (pairs overlapping it) of one CTA
-        share = max(-(-(B * H * (n_blocks + rw)) // ctas), -(-(n_blocks + rw) // cap))
+        share = max(-(-(B * H * (n_blocks + rw)) // f["flat_ctas"]), -(-(n_blocks + rw) // f["flat_cap"]))
         segs = min(B * H, share // rw + 2)
         per, ring_tiles_per_cta = share, n_ring_tiles * segs
-        flat_fields = dict(flat=True, flat_ctas=ctas, flat_slots=cap + 1, ring_w=rw, seq_segs=segs)
+        flat_fields = dict(flat=True, seq_segs=segs, **f)
     else:
         per = -(-n_blocks // np_)
         ring_tiles_per_cta = -(-n_ring_tiles // np_)
