@@ -413,7 +413,7 @@ def test_ws_flat_balanced_schedule(ctas, window):
     """`ws_flat` (the draft view's balanced schedule): `ctas` persistent CTAs over the flattened
     (row, KV head, block) work, so CTAs span several pairs and pairs several CTAs. The checks of
     `_ws_variant_runs` (error bound, T = 1 row == T = 5 row bitwise), the default schedule's
-    result within the same bound, one partial per consumer and slot, and every slot after a
+    result (the row-local split) within the same bound, one partial per consumer and slot, and every slot after a
     pair's last written one neutral (m = NEG, l = 0, o = 0)."""
     g = 64
     cache = build_cache(23, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
@@ -432,7 +432,7 @@ def test_ws_flat_balanced_schedule(ctas, window):
             assert (ml[x, :, written, mg.MT // 2, :4] > 0).any()  # some partial of the pair saw its tokens
             assert (ml[x, :, unused, mg.MT // 2] == 0).all() and (o[x, :, unused] == 0).all()
             assert (ml[x, :, unused, 0] == np.float32(mg.NEG)).all()
-        default = np.asarray(call(config=mg.MgpuConfig(register_a=False, schedule="ws")))
+        default = np.asarray(call(config=mg.MgpuConfig(register_a=False, schedule="ws", ws_flat=False)))  # row split
         bound = error_bound(*_queries(jax.random.PRNGKey(11), cache, 5, 4, 64, jnp.float32), cache, 0, "draft", window)
         assert (np.abs(o5 - default) <= 2 * bound).all()  # both within the bound of the reference
 
@@ -473,17 +473,40 @@ def test_flat_work_covers_every_unit_once(case):
 
 def test_flat_schedule_resolution(monkeypatch):
     """ws_flat None: $QSPEC_MGPU_FLAT ("1": the draft view only, the target keeps its row-local
-    split), else off; a config asking for it on the target view, or a bad env value, is named."""
+    split; "0": off), else on for the draft view from FLAT_MIN_BATCH rows up unless the config or
+    $QSPEC_MGPU_SPLITS asks for a split count, static slots or the pair merge; a config asking for
+    it on the target view, or a bad env value, is named."""
     monkeypatch.delenv(ws.FLAT_ENV, raising=False)
-    assert not ws.flat_of(None, "draft") and ws.flat_of(mg.MgpuConfig(ws_flat=True), "draft")
+    monkeypatch.delenv(ws.SPLITS_ENV, raising=False)
+    b = ws.FLAT_MIN_BATCH
+    assert ws.flat_of(None, "draft", b) and not ws.flat_of(None, "draft", b - 1)
+    assert not ws.flat_of(None, "target", b) and ws.flat_of(mg.MgpuConfig(ws_flat=True), "draft", 1)
+    for asks in (dict(num_splits=2), dict(ws_static_slots=True), dict(ws_pair_merge=True)):
+        assert not ws.flat_of(mg.MgpuConfig(**asks), "draft", b), asks
+    monkeypatch.setenv(ws.SPLITS_ENV, "3")
+    assert not ws.flat_of(None, "draft", b)
+    monkeypatch.delenv(ws.SPLITS_ENV)
+    monkeypatch.setenv(ws.FLAT_ENV, "0")
+    assert not ws.flat_of(None, "draft", b)
     monkeypatch.setenv(ws.FLAT_ENV, "1")
-    assert ws.flat_of(None, "draft") and not ws.flat_of(None, "target")
-    assert not ws.flat_of(mg.MgpuConfig(ws_flat=False), "draft")
+    assert ws.flat_of(None, "draft", 1) and not ws.flat_of(None, "target", b)
+    assert not ws.flat_of(mg.MgpuConfig(ws_flat=False), "draft", b)
     with pytest.raises(ValueError, match="draft view only"):
-        ws.flat_of(mg.MgpuConfig(ws_flat=True), "target")
+        ws.flat_of(mg.MgpuConfig(ws_flat=True), "target", b)
     monkeypatch.setenv(ws.FLAT_ENV, "yes")
     with pytest.raises(ValueError, match="QSPEC_MGPU_FLAT='yes'"):
-        ws.flat_of(None, "draft")
+        ws.flat_of(None, "draft", b)
+    # the ring's weight in blocks: by bytes (R 320: 5 tiles of 64 tokens, bf16 K and V rows of D 128, against a
+    # block of 128 tokens' K and V upper nibbles + four f16 scale / zero vectors: 163840 / 17408 -> 10), or
+    # $QSPEC_MGPU_FLAT_RING_W for timing runs
+    monkeypatch.delenv(ws.FLAT_RING_W_ENV, raising=False)
+    ring, block = 5 * 64 * 128 * 2 * 2, 128 * 128 + 4 * 128 * 2
+    assert ws.ring_weight("draft", 128, 128, 320, jnp.float16, jnp.bfloat16) == -(-ring // block) == 10
+    monkeypatch.setenv(ws.FLAT_RING_W_ENV, "6")
+    assert ws.ring_weight("draft", 128, 128, 320, jnp.float16, jnp.bfloat16) == 6
+    monkeypatch.setenv(ws.FLAT_RING_W_ENV, "0")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_FLAT_RING_W='0'"):
+        ws.ring_weight("draft", 128, 128, 320, jnp.float16, jnp.bfloat16)
 
 
 def test_pair_merge_default_follows_the_cta_count():

@@ -138,7 +138,8 @@ class MgpuConfig:
     merge: str | None = None
     # "ws", draft view: the balanced schedule (`mosaic_gpu_ws.flat_work`): persistent CTAs, each an equal
     # share of the flattened (row, KV head, block) work, so rows of different lengths cost their sum.
-    # None: $QSPEC_MGPU_FLAT, else off. ws_flat_ctas: its CTA count (None: one per SM).
+    # None: $QSPEC_MGPU_FLAT, else on from two rows up (`mosaic_gpu_ws.flat_of`). ws_flat_ctas: its CTA
+    # count (None: one per SM).
     ws_flat: bool | None = None
     ws_flat_ctas: int | None = None
 

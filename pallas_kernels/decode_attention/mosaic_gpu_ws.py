@@ -39,7 +39,7 @@ changes the number of column tiles C, each computed by the same instructions.
 
 Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_heads`.
 
-Balanced schedule (draft view, opt-in: `MgpuConfig.ws_flat` or $QSPEC_MGPU_FLAT=1; `flat_work`): a
+Balanced schedule (draft view, by default from two rows up; `MgpuConfig.ws_flat`, $QSPEC_MGPU_FLAT=0|1; `flat_work`): a
 grid of one CTA per SM, each taking an equal share of the (row, KV head) pairs' work laid end to
 end and walking the pairs its share overlaps ("segments") with one continuous TMA stream, so that
 rows of different lengths cost the sum of their lengths (the default grid gives each pair NP CTAs
@@ -235,13 +235,19 @@ def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
     return best
 
 
-FLAT_ENV = "QSPEC_MGPU_FLAT"  # "1": the draft view's balanced schedule where a config does not say (A/B runs)
+FLAT_ENV = "QSPEC_MGPU_FLAT"  # "1" / "0": the draft view's balanced schedule on / off where a config does not say
+# The balanced schedule is the draft view's default from this batch up (H200, 2026-11-28, kernel alone: 8B
+# batch 8 / 32k 107.1 -> 92.6 us on rows of 16k-32k, 107.0 -> 116.1 with every row at 32k; SmolLM2 batch 32 /
+# 8k 42.4 -> 38.3 us uniform, 38.6 -> 31.6 ragged). At batch 1 every pair is as long as the others.
+FLAT_MIN_BATCH = 2
 
 
-def flat_of(config: Any, view: str) -> bool:
-    """Whether a call runs the balanced schedule: `config.ws_flat`, else $QSPEC_MGPU_FLAT, else off.
-    Draft view only: its CTA shares depend on every row's length, and the target view's bits must
-    depend on the row's own (its verify and autoregressive rows see different batches)."""
+def flat_of(config: Any, view: str, batch: int) -> bool:
+    """Whether a call runs the balanced schedule: `config.ws_flat`, else $QSPEC_MGPU_FLAT, else on
+    for the draft view from FLAT_MIN_BATCH rows up, unless the call asks for what the balanced
+    schedule does not have (a split count, static slots, the in-kernel pair merge). Draft view only:
+    its CTA shares depend on every row's length, and the target view's bits must depend on the
+    row's own (its verify and autoregressive rows see different batches)."""
     import os
 
     asked = getattr(config, "ws_flat", None)
@@ -249,7 +255,11 @@ def flat_of(config: Any, view: str) -> bool:
         v = os.environ.get(FLAT_ENV, "")
         if v not in ("", "0", "1"):
             raise ValueError(f"${FLAT_ENV}={v!r}: expected 0 or 1")
-        asked = v == "1" and view == "draft"
+        if v:
+            asked = v == "1" and view == "draft"
+        else:
+            other = any(getattr(config, f, None) for f in ("num_splits", "ws_static_slots", "ws_pair_merge"))
+            asked = view == "draft" and batch >= FLAT_MIN_BATCH and not other and env_splits() is None
     if asked and view != "draft":
         raise ValueError(f"ws_flat: the balanced schedule is for the draft view only, got view={view!r}")
     return bool(asked)
@@ -262,8 +272,19 @@ def flat_cap(batch: int, hkv: int, ctas: int) -> int:
     return max(2, -(-ctas // (batch * hkv)))
 
 
+FLAT_RING_W_ENV = "QSPEC_MGPU_FLAT_RING_W"  # the balanced schedule's ring weight in blocks (A/B runs)
+
+
 def ring_weight(view: str, D: int, G: int, R: int, scale_dtype: Any, fp_dtype: Any) -> int:
-    """A (row, KV head)'s FP ring (all its tiles, K and V) in quantized blocks of the same bytes."""
+    """A (row, KV head)'s FP ring (all its tiles, K and V) in quantized blocks of the same bytes
+    ($QSPEC_MGPU_FLAT_RING_W overrides it, for timing runs)."""
+    import os
+
+    v = os.environ.get(FLAT_RING_W_ENV)
+    if v:
+        if not v.isdigit() or int(v) < 1:
+            raise ValueError(f"${FLAT_RING_W_ENV}={v!r}: expected a weight in blocks >= 1")
+        return int(v)
     planes = 2 if view == "target" else 1
     block = planes * G * D + (2 * D + 2 * G) * jnp.dtype(scale_dtype).itemsize
     ring = -(-R // RT) * RT * D * 2 * jnp.dtype(fp_dtype).itemsize
@@ -308,11 +329,11 @@ def flat_work(q_len: Array, hkv: int, G: int, ctas: int, cap: int, ring_w: int) 
 
 def flat_inputs(cache: Any, view: str) -> dict[str, Array]:
     """`flat_work` of a QuantSpecCache for the calls of a pass that run the balanced schedule by
-    default ($QSPEC_MGPU_FLAT; a config's ws_flat_ctas other than one per SM recomputes per call),
+    default (`flat_of` without a config; a config's ws_flat_ctas other than one per SM recomputes per call),
     as `mosaic_gpu.kernel_inputs` entries "ws_pairs" / "ws_ctas"; {} where the schedule is off."""
-    if view != "draft" or not flat_of(None, view):
-        return {}
     _, B, H, _, dh = cache.k_hi.shape
+    if view != "draft" or not flat_of(None, view, B):
+        return {}
     G = cache.group_size
     f = flat_split(B, H, 2 * dh, G, cache.ring_size, view, cache.k_scale.dtype, cache.k_fp.dtype)
     pairs, work = flat_work(cache.q_len, H, G, f["flat_ctas"], f["flat_cap"], f["ring_w"])
@@ -1222,7 +1243,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     if not C <= c_max:
         raise ValueError(f"C={C} column tiles > c_max={c_max}")
     n_blocks = max(1, S_max // G)
-    flat = flat_of(config, view)
+    flat = flat_of(config, view, B)
     np_ = config.num_splits or env_splits() or default_ctas(B, H, n_blocks, view)
     # Software-pipelined consumers (a block's value MMA overlapping the next block's K conversion
     # and score MMA) by default for the draft view only: the verify kernel's two planes and wider

@@ -10,6 +10,12 @@
 #           (both views, uniform and ragged rows; base, new, base, new): BASE holds the earlier build's pallas_kernels/,
 #           carried (`mkdir -p tools/device/_ab/base && git archive 178f384 pallas_kernels | tar x -C tools/device/_ab/base`,
 #           carry tools/device/_ab/base).
+# Added in the thirteenth session:
+#   sweep   ragged_attention.py: the 8B draft at batch 8 / 32k under the default, flat on one CTA per SM and flat on
+#           128 CTAs (a multiple of the 64 pairs: one segment per CTA on uniform rows), then SmolLM2 at batch 32 / 8k;
+#   ringw   the balanced schedule with the ring weighted $RING_WS blocks ($QSPEC_MGPU_FLAT_RING_W), 8B batch 8 / 32k;
+#   sass    mgpu_dump.py: ptxas and SASS of the default and the balanced draft kernel at batch 8;
+#   smolprof `qspec-bench profile --shape smollm2 --batch 32 --contexts 8192 --ragged --programs draft`, FLAT 0 / 1.
 #   cd <repo> && OUT=/tmp/out STAGES="check kernel" bash tools/device/flat_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -40,6 +46,35 @@ for stage in ${STAGES:-check kernel}; do
         QSPEC_MGPU_FLAT=$f timeout ${E2E_LIMIT:-200} python3 -m qspec_jax.cli.bench e2e --parts batch \
           --batch-contexts 32768 --alphas 0.9 --out $OUT/e2e_flat$f 2>&1 | grep -v "^W[0-9]" > $L/e2e_batch_flat$f.log
         grep -o '"ar_bf16_tok_s": [0-9.]*, "spec_a0.9_tok_s": [0-9.]*' $L/e2e_batch_flat$f.log; stamp "e2e flat=$f"
+      done;;
+    sweep)
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --nps ${SWEEP_NPS:-0,flat,flat128} \
+        --views draft --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" | tee $L/sweep_8b.log | grep -v "^|"
+      stamp "sweep 8b"
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${SMOL_NPS:-0,flat} --views draft --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/sweep_smollm2.log | grep -v "^|"
+      stamp "sweep smollm2";;
+    ringw)  # the ring's weight in the balanced schedule ($QSPEC_MGPU_FLAT_RING_W), 8B draft at batch 8 / 32k
+      for rw in ${RING_WS:-10 5 3}; do
+        QSPEC_MGPU_FLAT_RING_W=$rw timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py \
+          --nps ${RINGW_NPS:-flat} --views draft --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" \
+          | tee $L/ringw_$rw.log | grep -E "check|NP"
+        stamp "ringw $rw"
+      done;;
+    sass)  # ptxas and the SASS of the default and the balanced draft kernel at batch 8 (mgpu_dump.py)
+      python3 tools/device/mgpu_dump.py $L/sass_default --cases draft:1 --batch 8 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/sass_default.log | grep -iE "spill|regist" | head -4
+      python3 tools/device/mgpu_dump.py $L/sass_flat --cases draft:1 --batch 8 --flat 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/sass_flat.log | grep -iE "spill|regist" | head -4
+      stamp sass;;
+    smolprof)
+      for f in 0 1; do
+        QSPEC_MGPU_FLAT=$f timeout ${PROF_LIMIT:-150} python3 -m qspec_jax.cli.bench profile --steps 8 --trials 3 \
+          --shape smollm2 --batch 32 --contexts 8192 --ragged --programs ${PROF_PROGS:-draft} --verify-t 5 \
+          --out $OUT/p_smol_flat$f 2>&1 | grep -v "^W[0-9]" > $L/profile_smollm2_b32_8k_ragged_flat$f.log
+        grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_smollm2_b32_8k_ragged_flat$f.log
+        rm -rf $OUT/p_smol_flat$f/traces; stamp "smolprof flat=$f"
       done;;
     ab)
       base=${BASE:-tools/device/_ab/base}

@@ -5,8 +5,8 @@ of the lengths, and at which split count (issue 31's batch-8 gap).
 
 For the INT4 draft view (T 1), the INT8 verify view (T 5) and our dense bf16 kernel (T 1), 8B
 shape: every row at --ctx against rows evenly from ctx/2 to ctx (`e2e.batch_lengths`, the e2e
-batch part's). The Mosaic views under each CTA count per (row, KV head) in --nps (0: the
-default, `mosaic_gpu_ws.default_ctas`; "flat": the draft view's balanced schedule, `ws_flat`).
+batch part's). The Mosaic views under each CTA count per (row, KV head) in --nps (0: the row
+split's default, `mosaic_gpu_ws.default_ctas`; "flat": the draft view's balanced schedule, `ws_flat`).
 Prints per call the wall time in a device loop, the attention kernel alone and all GPU kernels
 (query prep, kernel, merge) from a profiler trace.
 """
@@ -32,15 +32,22 @@ from qspec_jax.bench.synthetic import random_quant_cache  # noqa: E402
 
 
 def config_of(token: str) -> MgpuConfig:
-    """"4" -> 4 CTAs per (row, KV head), "0" the default, "flat" the balanced schedule; a ":stream"
-    suffix: the kernel's TMA-only timing diagnostic (wrong results)."""
+    """"4" -> 4 CTAs per (row, KV head), "0" the row split's default count (`default_ctas`; the
+    balanced schedule off, as before it became the draft's default from two rows up), "flat" the
+    balanced schedule ("flat128": on 128 CTAs); a ":stream" suffix: the kernel's TMA-only timing
+    diagnostic (wrong results)."""
     split, _, diag = token.partition(":")
-    base = MgpuConfig(ws_flat=True) if split == "flat" else MgpuConfig(num_splits=int(split) or None)
+    if split.startswith("flat"):
+        base = MgpuConfig(ws_flat=True, ws_flat_ctas=int(split[4:]) if split[4:] else None)
+    else:
+        # (an earlier build's MgpuConfig, in the `ab` runs of flat_gpu.sh, may have no ws_flat)
+        row = {"ws_flat": False} if "ws_flat" in {f.name for f in dataclasses.fields(MgpuConfig)} else {}
+        base = MgpuConfig(num_splits=int(split) or None, **row)
     return dataclasses.replace(base, ws_diag=diag or None)
 
 
 def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
-    """The balanced schedule against the jnp reference and the default schedule, fresh random
+    """The balanced schedule against the jnp reference and the row split, fresh random
     cache and queries per layout (relative error; the two schedules sum in different orders)."""
     import jax.numpy as jnp
 
@@ -60,7 +67,7 @@ def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
         ref = np.asarray(jax.jit(lambda q, p, c: A.quantized_cache_attention(q, p, c, jnp.int32(0), "draft", None))(
             q, q_pos, cache), np.float64)
         outs = {n: np.asarray(run(q, q_pos, cache, conf).astype(jnp.float32), np.float64)
-                for n, conf in (("default", None), ("flat", MgpuConfig(ws_flat=True)))}
+                for n, conf in (("row", MgpuConfig(ws_flat=False)), ("flat", MgpuConfig(ws_flat=True)))}
         for n, o in outs.items():
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
             ok = np.isfinite(o).all() and err <= 2e-2
@@ -69,6 +76,7 @@ def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(K.SHAPES))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--nps", default="0,2,3,4,6,8")
@@ -78,13 +86,13 @@ def main(argv=None) -> int:
                     help="uniform: every row at ctx; ragged: e2e.batch_lengths (shortest row first); ragged_desc: "
                          "the same rows longest first (the grid's row order is the dispatch order)")
     args = ap.parse_args(argv)
-    hq, hkv, d = K.SHAPES["llama3-8b"]
+    hq, hkv, d = K.SHAPES[args.shape]
     key = jax.random.PRNGKey(0)
     ragged = batch_lengths(args.batch, args.ctx)
     layouts = {"uniform": None, "ragged": ragged, "ragged_desc": ragged[::-1].copy()}
     layouts = {k: layouts[k] for k in args.layouts.split(",")}
     print(f"ragged rows: {ragged.tolist()}", flush=True)
-    if "flat" in args.nps.split(",") and "draft" in args.views:
+    if any(n.startswith("flat") for n in args.nps.split(",")) and "draft" in args.views:
         check_flat(args, hq, hkv, d, layouts)
     table = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +104,7 @@ def main(argv=None) -> int:
                 nps = [n for n in nps if not n.startswith("flat")]
             confs = [None if impl != "mosaic" else config_of(n) for n in nps]
             for name, lengths in layouts.items():
-                rows = K.bench_ours(kind, "llama3-8b", hq, hkv, d, args.batch, args.ctx, t, args.trials, confs, key,
+                rows = K.bench_ours(kind, args.shape, hq, hkv, d, args.batch, args.ctx, t, args.trials, confs, key,
                                     impl=impl, trace_dir=f"{tmp}/{view}-{name}", lengths=lengths)
                 for n, r in zip(nps, rows):
                     n = "dflt" if n == "0" else n
