@@ -525,8 +525,18 @@ def _build_ws(st: _WsStatic):
         # reads them (the balanced schedule derives its segments' where they are read, see `Seg`).
         seg0 = None if FLAT else segment(i32(0))
 
+        # The query / positions buffer qb. One buffer (the default schedule): the buffer itself, so that
+        # every shared-memory address of the prep's per-block query loads is static (an index, even a
+        # constant 0, gives the swizzled view a runtime offset: d515913's row split measured 2-3% slower
+        # than 178f384's, which had no buffer index; H200 2026-11-28, not yet re-timed with this).
+        def q_buf(qb):
+            return q_s if QB == 1 else q_s.at[qb]
+
+        def pos_buf(qb):
+            return pos_s if QB == 1 else pos_s.at[qb]
+
         def q_tile(qb, c):  # the raw query, float32 [D, NT] (exact: it is stored as bfloat16)
-            return _load(q_s.at[qb, :, pl.ds(c * NT, NT)], plgpu.Layout.WGMMA).astype(f32)
+            return _load(q_buf(qb).at[:, pl.ds(c * NT, NT)], plgpu.Layout.WGMMA).astype(f32)
 
         def ring_start(t):  # the last tile is moved back to end at R; its overlap is masked
             return jnp.minimum(t * RT, R - RT)
@@ -593,8 +603,8 @@ def _build_ws(st: _WsStatic):
                     b, h, qb = sg["b"], sg["h"], sg["qb"]
                     if FLAT and not seq:  # the query buffer of segment k - QB: read by every role
                         _when(k >= QB)(lambda: plgpu.barrier_wait(qfree.at[qb]))
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_s.at[qb], qbar.at[qb])
-                    plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_s.at[qb], qbar.at[qb])
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_buf(qb), qbar.at[qb])
+                    plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_buf(qb), qbar.at[qb])
                     blocks_stream(sg, base)
                 if ring:
                     ring_stream(sg, rbase)
@@ -856,7 +866,7 @@ def _build_ws(st: _WsStatic):
                 blk0, n, qb = sg["blk0"], sg["n"], sg["qb"]
                 if not seq:  # (interpret mode: the prep role waited)
                     plgpu.barrier_wait(qbar.at[qb])
-                pos_c = [_load(pos_s.at[qb, pl.ds(c * NT, NT)], COL) for c in range(C)]
+                pos_c = [_load(pos_buf(qb).at[pl.ds(c * NT, NT)], COL) for c in range(C)]
                 # this consumer's first block of the segment (default schedule: base 0)
                 i0 = lax.rem(w - lax.rem(base, NC) + NC, NC) if FLAT else w
 
@@ -1168,8 +1178,8 @@ def _build_ws(st: _WsStatic):
     fp_item = jnp.dtype(st.fp_dtype).itemsize
     tw = None if reg_a else plgpu.SMEM  # the twin's operand tiles (interpret mode only)
     scratch = dict(
-        q_s=plgpu.SMEM((QB, D, CN), jnp.bfloat16, transforms=mg.swizzle_transforms(NT * 2, 2)),
-        pos_s=plgpu.SMEM((QB, mg.pos_width(CN)), jnp.int32),
+        q_s=plgpu.SMEM((D, CN) if QB == 1 else (QB, D, CN), jnp.bfloat16, transforms=mg.swizzle_transforms(NT * 2, 2)),
+        pos_s=plgpu.SMEM((mg.pos_width(CN),) if QB == 1 else (QB, mg.pos_width(CN)), jnp.int32),
         k_s=plgpu.SMEM((SLOTS, n_planes, G, Dh), jnp.uint8, transforms=mg.swizzle_transforms(Dh, 1)),
         v_s=plgpu.SMEM((SLOTS, n_planes, D, Gh), jnp.uint8, transforms=mg.swizzle_transforms(Gh, 1)),
         sk_s=plgpu.SMEM((SLOTS, D), sd), zk_s=plgpu.SMEM((SLOTS, D), sd),
