@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = os.path.abspath(args.base_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        if not os.path.isdir(os.path.join(base, "qspec_jax")):  # the base build's kernels with this checkout's model code
+        if not os.path.isdir(os.path.join(base, "qspec_jax")):  # its kernels with this checkout's model code
             os.symlink(os.path.join(here, "qspec_jax"), os.path.join(tmp, "qspec_jax"))
             os.symlink(os.path.join(base, "pallas_kernels"), os.path.join(tmp, "pallas_kernels"))
             base = tmp

@@ -527,8 +527,8 @@ def _build_ws(st: _WsStatic):
 
         # The query / positions buffer qb. One buffer (the default schedule): the buffer itself, so that
         # every shared-memory address of the prep's per-block query loads is static (an index, even a
-        # constant 0, gives the swizzled view a runtime offset: d515913's row split measured 2-3% slower
-        # than 178f384's, which had no buffer index; H200 2026-11-28, not yet re-timed with this).
+        # constant 0, gives the swizzled view a runtime offset: with it d515913's row split measured 2-3%
+        # slower than 178f384's, which had no buffer index; without it ~1%, H200 2026-11-28).
         def q_buf(qb):
             return q_s if QB == 1 else q_s.at[qb]
 
