@@ -437,6 +437,75 @@ def test_ws_flat_balanced_schedule(ctas, window):
         assert (np.abs(o5 - default) <= 2 * bound).all()  # both within the bound of the reference
 
 
+@pytest.mark.parametrize("view,window,flat", [("draft", None, False), ("target", None, False), ("draft", None, True)])
+def test_ws_prep_query_in_registers_same_bits(view, window, flat):
+    """`ws_prep_q_regs`: the prep warpgroup loads a segment's query tiles into registers once
+    instead of from shared memory for every block. Same operands, so the checks of
+    `_ws_variant_runs` and the same bits as with it off; here D = 64 and T = 5 of 4 query heads are
+    C = 2 column tiles (16 registers per thread), so each tile must come from its own registers."""
+    assert ws.prep_q_regs_of(mg.MgpuConfig(ws_prep_q_regs=True), 64, mg.column_tiles(4, 5))
+    fields = dict(ws_flat=True, ws_flat_ctas=3) if flat else {}
+    for cfg, o5, call in _ws_variant_runs(view, window, 29, 12, ws_prep_q_regs=True, **fields):
+        if flat:  # (`_ws_variant_runs` passes num_splits; the balanced schedule ignores it)
+            assert ws.flat_of(cfg, view, 4)
+        off = np.asarray(call(config=dataclasses.replace(cfg, ws_prep_q_regs=False)))
+        np.testing.assert_array_equal(o5, off)
+
+
+def test_prep_query_registers_resolution(monkeypatch):
+    """Config, then $QSPEC_MGPU_PREP_QREGS, then on for the draft's row split only; in every case
+    only where the tiles fit PREP_Q_REGS_MAX registers."""
+    monkeypatch.delenv(ws.PREP_Q_REGS_ENV, raising=False)
+    on, off = mg.MgpuConfig(ws_prep_q_regs=True), mg.MgpuConfig(ws_prep_q_regs=False)
+    assert ws.prep_q_regs_of(None, 128, 1, "draft") and ws.prep_q_regs_of(mg.MgpuConfig(), 128, 1, "draft")
+    assert not ws.prep_q_regs_of(None, 128, 1, "draft", flat=True) and not ws.prep_q_regs_of(None, 64, 1, "target")
+    assert not ws.prep_q_regs_of(off, 128, 1, "draft")
+    assert ws.prep_q_regs_of(on, 128, 1) and not ws.prep_q_regs_of(on, 128, 2)  # 16 / 32 registers
+    assert ws.prep_q_regs_of(on, 64, 2, "target") and not ws.prep_q_regs_of(on, 64, 3, "target")
+    monkeypatch.setenv(ws.PREP_Q_REGS_ENV, "1")
+    assert ws.prep_q_regs_of(None, 128, 1, "draft", flat=True) and not ws.prep_q_regs_of(off, 128, 1)
+    monkeypatch.setenv(ws.PREP_Q_REGS_ENV, "0")
+    assert not ws.prep_q_regs_of(None, 128, 1, "draft") and ws.prep_q_regs_of(on, 128, 1)
+    monkeypatch.setenv(ws.PREP_Q_REGS_ENV, "yes")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_PREP_QREGS"):
+        ws.prep_q_regs_of(None, 128, 1)
+
+
+def test_live_columns_resolution(monkeypatch):
+    """`live_cols`: each tile's real columns rounded up to 8 (at most NT); `live_of`: on for the
+    verify view unless the config or $QSPEC_MGPU_LIVE_COLS=0 says no; the draft view refuses it."""
+    assert ws.live_cols(4, 1) == (8,) and ws.live_cols(3, 1) == (8,) and ws.live_cols(9, 1) == (16,)
+    assert ws.live_cols(20, 2) == (16, 8) and ws.live_cols(32, 2) == (16, 16) and ws.live_cols(15, 1) == (16,)
+    monkeypatch.delenv(ws.LIVE_COLS_ENV, raising=False)
+    assert ws.live_of(None, 20, 2, "target") == (16, 8) and ws.live_of(None, 4, 1, "draft") == ()
+    assert ws.live_of(mg.MgpuConfig(ws_live_cols=False), 20, 2, "target") == ()
+    assert ws.live_of(None, None, 2, "target") == ()
+    with pytest.raises(ValueError, match="ws_live_cols"):
+        ws.live_of(mg.MgpuConfig(ws_live_cols=True), 4, 1, "draft")
+    with pytest.raises(ValueError, match="cols=40"):
+        ws.live_of(None, 40, 2, "target")
+    monkeypatch.setenv(ws.LIVE_COLS_ENV, "0")
+    assert ws.live_of(None, 20, 2, "target") == ()
+    monkeypatch.setenv(ws.LIVE_COLS_ENV, "on")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_LIVE_COLS"):
+        ws.live_of(None, 20, 2, "target")
+
+
+@pytest.mark.parametrize("window", [None, 60])
+def test_ws_live_columns_same_bits(window):
+    """The verify view's softmax on each tile's live columns (`ws_live_cols`, the default there)
+    computes every real column by the same operations as on whole tiles: at T = 5 of 4 query heads
+    the tiles are 16 and 8 live columns wide, at T = 1 one tile of 8; the checks of
+    `_ws_variant_runs` (T = 1 == T = 5 bitwise, the bound), and the same bits as whole tiles, at
+    both T (in interpret mode; the GPU's T-invariance: tools/device/check_attention.py)."""
+    assert ws.live_of(None, 20, 2, "target") == (16, 8)
+    for cfg, o5, call in _ws_variant_runs("target", window, 31, 13, ws_live_cols=True):
+        whole = dataclasses.replace(cfg, ws_live_cols=False)
+        np.testing.assert_array_equal(o5, np.asarray(call(config=whole)))
+        o, ml = (np.asarray(x) for x in call(partials=True, config=cfg))
+        assert np.isfinite(o).all() and np.isfinite(ml).all()  # dead columns: zero P, finite partials
+
+
 @pytest.mark.parametrize("case", [*range(6), "boundaries"])
 def test_flat_work_covers_every_unit_once(case):
     """`flat_work` against a brute-force walk: the CTAs' shares tile [0, total) in order; each
@@ -838,9 +907,12 @@ LOWER_SCRIPT = textwrap.dedent("""
              ("ws3", "draft", 128, 128, 1, 4, None), ("ws3", "target", 64, 128, 5, 3, 100),
              ("ws2p", "draft", 128, 128, 1, 4, None), ("ws2p", "target", 128, 128, 5, 4, 100),
              ("wspm", "draft", 128, 128, 1, 4, None), ("wspm", "target", 64, 128, 5, 3, 100),
-             ("wsflat", "draft", 128, 128, 1, 4, None), ("wsflat", "draft", 64, 128, 1, 3, 100)]
+             ("wsflat", "draft", 128, 128, 1, 4, None), ("wsflat", "draft", 64, 128, 1, 3, 100),
+             ("wsq", "target", 64, 128, 5, 3, 100), ("wsflatq", "draft", 128, 128, 1, 4, None)]
     variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2),
-                "wspm": dict(schedule="ws", ws_pair_merge=True), "wsflat": dict(schedule="ws", ws_flat=True)}
+                "wspm": dict(schedule="ws", ws_pair_merge=True), "wsflat": dict(schedule="ws", ws_flat=True),
+                "wsq": dict(schedule="ws", ws_prep_q_regs=True),
+                "wsflatq": dict(schedule="ws", ws_flat=True, ws_prep_q_regs=True)}
     for schedule, view, d, group, t, n_rep, window in cases:
         config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,

@@ -142,6 +142,14 @@ class MgpuConfig:
     # count (None: one per SM).
     ws_flat: bool | None = None
     ws_flat_ctas: int | None = None
+    # "ws": the prep warpgroup holds a segment's query in registers instead of reloading it from shared
+    # memory per block (same values). None: $QSPEC_MGPU_PREP_QREGS, else on for the draft's row split
+    # (`mosaic_gpu_ws.prep_q_regs_of`).
+    ws_prep_q_regs: bool | None = None
+    # "ws", verify view: the prep's q s_k and the consumers' softmax on each column tile's live columns only (its
+    # real query columns rounded up to 8; `mosaic_gpu_ws.live_cols`), the rest of the tile zero P. None:
+    # $QSPEC_MGPU_LIVE_COLS (0: off), else on for the verify view (`mosaic_gpu_ws.live_of`; True for the draft raises).
+    ws_live_cols: bool | None = None
 
 
 def merge_of(config: "MgpuConfig | None") -> str:
@@ -915,7 +923,7 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     st_ws = None
     if ws_schedule:
         st_ws = ws.static_config(B, hkv, D, G, R, S, C, c_max, view, window, register_a, bool(interpret),
-                                 cache.k_scale.dtype, cache.k_fp.dtype, cfg)
+                                 cache.k_scale.dtype, cache.k_fp.dtype, cfg, cols=n_rep * t)
         kernel = ws.build(st_ws)
     else:
         ns, nr = default_splits(B, hkv, S, G, R, D, view, cfg)

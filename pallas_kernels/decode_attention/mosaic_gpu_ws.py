@@ -35,7 +35,10 @@ depend on the other columns (T-invariance, issue 11).
 
 Exactness: the block partition, the consumer of each block, the ring-tile assignment and every
 reduction order depend on (B, Hkv, n_rep, D, G, S_max, R, view, config), never on T; T only
-changes the number of column tiles C, each computed by the same instructions.
+changes the number of column tiles C, each computed by the same instructions, and (verify view,
+`live_cols`) how many of a tile's 8-column register tiles the softmax runs on; a column's own
+operations are the same at either width, and every reduction over a column's tokens runs over the
+whole tile (Mosaic's warpgroup column sum orders differently at another width: H200, 2026-11-29).
 
 Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_heads`.
 
@@ -64,6 +67,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -144,6 +148,10 @@ class _WsStatic:
     flat_cap: int = 0
     ring_w: int = 0  # a (row, head)'s FP ring in block units of the flattened work
     seq_segs: int = 1  # interpret mode: query buffers, one per segment of a CTA
+    prep_q_regs: bool = False  # the prep holds a segment's query in registers (`prep_q_regs_of`)
+    # per column tile, its live columns (8 or NT, `live_cols`): the prep's q s_k and the
+    # consumers' softmax run on these only (with T = 1 and n_rep <= 8, half of each tile). Empty: all.
+    live: tuple[int, ...] = ()
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -235,6 +243,16 @@ def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
     return best
 
 
+def env_flag(name: str) -> bool | None:
+    """A "0" / "1" environment switch of a ws option (A/B runs): None when unset or empty."""
+    import os
+
+    v = os.environ.get(name, "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"${name}={v!r}: expected 0 or 1")
+    return None if not v else v == "1"
+
+
 FLAT_ENV = "QSPEC_MGPU_FLAT"  # "1" / "0": the draft view's balanced schedule on / off where a config does not say
 # The balanced schedule is the draft view's default from this batch up (H200, 2026-11-28, kernel alone: 8B
 # batch 8 / 32k 107.1 -> 92.6 us on rows of 16k-32k, 107.0 -> 116.1 with every row at 32k; SmolLM2 batch 32 /
@@ -248,15 +266,11 @@ def flat_of(config: Any, view: str, batch: int) -> bool:
     schedule does not have (a split count, static slots, the in-kernel pair merge). Draft view only:
     its CTA shares depend on every row's length, and the target view's bits must depend on the
     row's own (its verify and autoregressive rows see different batches)."""
-    import os
-
     asked = getattr(config, "ws_flat", None)
     if asked is None:
-        v = os.environ.get(FLAT_ENV, "")
-        if v not in ("", "0", "1"):
-            raise ValueError(f"${FLAT_ENV}={v!r}: expected 0 or 1")
-        if v:
-            asked = v == "1" and view == "draft"
+        v = env_flag(FLAT_ENV)
+        if v is not None:
+            asked = v and view == "draft"
         else:
             other = any(getattr(config, f, None) for f in ("num_splits", "ws_static_slots", "ws_pair_merge"))
             asked = view == "draft" and batch >= FLAT_MIN_BATCH and not other and env_splits() is None
@@ -387,6 +401,30 @@ def _wg_colreduce(x: Array, scratch, op: str) -> Array:
     return colreduce(x, scratch)
 
 
+def _wg_cat_cols(parts: list, layout: Any) -> Array:
+    """Concatenate arrays of one `layout` (WGMMA [64k, n_i] or its column layout [n_i], each n_i a
+    multiple of 8) along their last axis: the registers placed side by side, no instruction."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    shape = (*parts[0].shape[:-1], sum(x.shape[-1] for x in parts))
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(parts),
+                       return_type=plgpu.ShapeDtypeStruct(shape, parts[0].dtype, layout=layout))
+    def cat(ctx, *arrays):
+        del ctx
+        regs = np.concatenate([a.registers for a in arrays], axis=len(shape) - 1)  # one register axis per dim
+        return fa.FragmentedArray(_registers=regs, _layout=arrays[0].layout, _is_signed=arrays[0].is_signed)
+
+    return cat(*parts)
+
+
+def live_cols(cols: int, C: int) -> tuple[int, ...]:
+    """Per column tile, the columns computed past the MMAs (`_WsStatic.live`): the tile's real
+    query columns (of `cols` = n_rep T) rounded up to the WGMMA layout's 8-column register tile.
+    The rest of the tile is padding: its scores are never read and its P operand is zero."""
+    return tuple(min(NT, max(8, -(-(cols - c * NT) // 8) * 8)) for c in range(C))
+
+
 # ---------------------------------------------------------------------------------- kernel
 def _build_ws(st: _WsStatic):
     target = st.view == "target"
@@ -445,6 +483,24 @@ def _build_ws(st: _WsStatic):
         if interp:
             return lax.broadcasted_iota(jnp.int32, shape, dim)
         return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    LIVE = st.live or (NT,) * C
+
+    def cols(x, a, b):  # columns [a, b) of x (lax.slice without strides: Mosaic GPU lowers no strides)
+        return lax.slice(x, (0,) * (x.ndim - 1) + (a,), (*x.shape[:-1], b))
+
+    def lv(x, c):
+        """The live columns of column tile c's [rows, NT] array or [NT] column vector."""
+        return x if LIVE[c] == NT else cols(x, 0, LIVE[c])
+
+    def with_lv(full, part, c):
+        """`full` (column tile c's) with its live columns replaced by `part` (registers only)."""
+        if LIVE[c] == NT:
+            return part
+        rest = cols(full, LIVE[c], NT)
+        if interp:
+            return jnp.concatenate([part, rest], axis=-1)
+        return _wg_cat_cols([part, rest], plgpu.Layout.WGMMA if full.ndim == 2 else COL)
 
     def any_positive(tiles):
         if interp:
@@ -708,10 +764,14 @@ def _build_ws(st: _WsStatic):
             r's alone: NPREP | S)."""
             if not seq:
                 plgpu.set_max_registers(prep_regs, action="decrease")
-            ch_row = _iota((D, NT), 0)
-            off_k = jnp.where(ch_row < Dh, off_lo, off_hi)  # [D, NT]
+            off_k = {}  # [D, width]: the code offset of each channel
+            for width in set(LIVE):
+                off_k[width] = jnp.where(_iota((D, width), 0) < Dh, off_lo, off_hi)
+            # the dead columns of q s_k and of the bias terms: zero (their scores are never read)
+            zeros_qs = _cast(jnp.zeros((D, NT), f16), plgpu.Layout.WGMMA) if min(LIVE) < NT else None
+            zeros_w = _cast(jnp.zeros((D, NT), f32), plgpu.Layout.WGMMA) if min(LIVE) < NT else None
 
-            def prep_block(qb, slot):
+            def prep_block(qb, slot, q_regs):
                 plgpu.barrier_wait(full.at[slot])
                 if stream_only or st.diag == "noprep":  # timing diagnostics: no qs / bias
                     plgpu.barrier_arrive(prepped.at[slot])
@@ -720,12 +780,16 @@ def _build_ws(st: _WsStatic):
                 zk = _load(zk_s.at[slot], ROW).astype(f32)
                 s_eff = sk * (kfac * QSCALE)  # q's softmax scale folded in, per channel
                 z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
-                for c in range(C):
-                    qt = q_tile(qb, c)
-                    qs = (qt * bcast_row(s_eff, (D, NT))).astype(f16)
-                    qp_s[slot, c, pl.ds(0, D)] = qs
-                    w = qt * bcast_row(z_eff, (D, NT)) - off_k * qs.astype(f32)
-                    # [NT] q.z' - sum(off * qs); with several prep warpgroups, each on its own scratch
+                for c in range(C):  # (the live columns of each tile, `live_cols`)
+                    nl = LIVE[c]
+                    qt = lv(q_tile(qb, c), c) if q_regs is None else q_regs[c]
+                    qs = (qt * bcast_row(s_eff, (D, nl))).astype(f16)
+                    qp_s[slot, c, pl.ds(0, D)] = qs if nl == NT else with_lv(zeros_qs, qs, c)
+                    w = qt * bcast_row(z_eff, (D, nl)) - off_k[nl] * qs.astype(f32)
+                    # [NT] q.z' - sum(off * qs); with several prep warpgroups, each on its own scratch.
+                    # Summed over the whole tile: Mosaic's cross-warp sum of a column may take another
+                    # order at another width (H200: T = 1 against T = 5 rows differed in the last bits)
+                    w = w if nl == NT else with_lv(zeros_w, w, c)
                     bias_s[slot, pl.ds(c * NT, NT)] = (jnp.sum(w, axis=0) if NPREP == 1
                                                       else colreduce(w, red_s.at[NC + r], "add"))
                 plgpu.commit_smem()
@@ -735,20 +799,24 @@ def _build_ws(st: _WsStatic):
                 qb, n = sg["qb"], sg["n"]
                 if not seq or r == 0:  # interpret mode: one waiter per barrier completion (see SLOTS)
                     plgpu.barrier_wait(qbar.at[qb])
+                # `q_regs`: the segment's query tiles loaded once, into registers (float32 [D, NT] per
+                # column tile: D NT / 128 per thread), where every block would reload them from shared
+                # memory (through a runtime-offset view when the balanced schedule double-buffers them)
+                q_regs = [lv(q_tile(qb, c), c) for c in range(C)] if st.prep_q_regs else None
                 if NPREP > 1 or seq or FLAT or not st.static_slots:  # runtime slots
                     if NPREP == 1:
                         i0, count = 0, n
                     else:  # this warpgroup's first block of the segment and its block count (n - i0 + NPREP - 1 >= 0)
                         i0 = lax.rem(r - lax.rem(base, NPREP) + NPREP, NPREP) if FLAT else r
                         count = (n - i0 + NPREP - 1) // NPREP
-                    pl.loop(0, count)(lambda j: prep_block(qb, slot_of(base + i0 + NPREP * j)))
+                    pl.loop(0, count)(lambda j: prep_block(qb, slot_of(base + i0 + NPREP * j), q_regs))
                 else:  # static slots (see the consumers' `unrolled`), then the rest (base 0)
                     @pl.loop(0, n // S)
                     def _(k):
                         for u in range(S):
-                            prep_block(qb, u)
+                            prep_block(qb, u, q_regs)
 
-                    pl.loop(n // S * S, n)(lambda i: prep_block(qb, lax.rem(i, S)))
+                    pl.loop(n // S * S, n)(lambda i: prep_block(qb, lax.rem(i, S), q_regs))
                 if FLAT and not seq:
                     plgpu.barrier_arrive(qfree.at[qb])  # done with the segment's query
                 return carry
@@ -760,9 +828,11 @@ def _build_ws(st: _WsStatic):
             if not seq:
                 plgpu.set_max_registers(cons_regs, action="increase")
             red = red_s.at[w]
-            tok_row = _iota((MT, NT), 0)
+            tok_rows = {width: _iota((MT, width), 0) for width in set(LIVE) | {NT}}  # token row of each element
             zeros_t = lambda: _cast(jnp.zeros((MT, NT), f32), plgpu.Layout.WGMMA)  # noqa: E731
+            zeros_p = lambda: _cast(jnp.zeros((MT, NT), f16), plgpu.Layout.WGMMA)  # noqa: E731
             neg_c = lambda: _cast(jnp.full((NT,), NEG, f32), COL)  # noqa: E731
+            ones_c = lambda: _cast(jnp.ones((NT,), f32), COL)  # noqa: E731
 
             def scores(a_tiles, b_refs):
                 """S^T tiles [a][c] = A_a [64, K] . B_c [K, NT] (a: register values or SMEM tiles)."""
@@ -810,7 +880,7 @@ def _build_ws(st: _WsStatic):
                 m + LAZY_TH; then it takes the block's exact max. The flag (any column changed)
                 costs one warpgroup barrier, which also orders this block's score-MMA reads of the
                 slot's B operand before its P stores."""
-                flag = any_positive([s - bcast_col(m + LAZY_TH, (MT, NT)) for s_t, m in zip(s_by_c, ms) for s in s_t])
+                flag = any_positive([s - bcast_col(m + LAZY_TH, s.shape) for s_t, m in zip(s_by_c, ms) for s in s_t])
 
                 def exact(ms):
                     out = []
@@ -878,34 +948,39 @@ def _build_ws(st: _WsStatic):
                     zv = [_load(zv_s.at[slot, pl.ds(mt * MT, MT)], ROW).astype(f32) for mt in range(MTK)]
                     if target:
                         zv = [z - s * 8.0 for z, s in zip(zv, sv)]  # min - s/2 with sv = s/16
-                    tok_off = [jnp.where(mt * MT + tok_row < Gh, off_lo, off_hi) for mt in range(MTK)]
                     s_by_c, vis_by_c = [], []
-                    for c in range(C):
-                        bias = _load(bias_s.at[slot, pl.ds(c * NT, NT)], COL)
-                        s_t = [s_all[mt * C + c] + bcast_col(bias, (MT, NT)) for mt in range(MTK)]
+                    for c in range(C):  # the live columns of each tile (`live_cols`)
+                        nl = LIVE[c]
+                        bias = _load(bias_s.at[slot, pl.ds(c * NT, nl)], COL)
+                        s_t = [lv(s_all[mt * C + c], c) + bcast_col(bias, (MT, nl)) for mt in range(MTK)]
                         vis = None
                         if st.window is not None:
-                            vis = [bcast_col(pos_c[c], (MT, NT)) - (blk * G + mt * MT + tok_row) < st.window
+                            vis = [bcast_col(lv(pos_c[c], c), (MT, nl)) - (blk * G + mt * MT + tok_rows[nl]) < st.window
                                    for mt in range(MTK)]
                             s_t = [jnp.where(v, s, NEG) for s, v in zip(s_t, vis)]
                         s_by_c.append(s_t)
                         vis_by_c.append(vis)
-                    new_ms, alphas, flag = lazy_reference(s_by_c, ms)
+                    live_ms, live_alphas, flag = lazy_reference(s_by_c, [lv(m, c) for c, m in enumerate(ms)])
+                    alphas = [a if LIVE[c] == NT else with_lv(ones_c(), a, c) for c, a in enumerate(live_alphas)]
                     ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
                     new_ls, new_ys = [], []
                     for c in range(C):
-                        pr = [jnp.exp2(s - bcast_col(new_ms[c], (MT, NT))) for s in s_by_c[c]]
+                        nl = LIVE[c]
+                        pr = [jnp.exp2(s - bcast_col(live_ms[c], (MT, nl))) for s in s_by_c[c]]
                         if vis_by_c[c] is not None:
                             pr = [jnp.where(v, x, 0.0) for x, v in zip(pr, vis_by_c[c])]
-                        pp = [(pr[mt] * bcast_row(sv[mt], (MT, NT))).astype(f16) for mt in range(MTK)]
-                        y = ys[c]
+                        pp = [(pr[mt] * bcast_row(sv[mt], (MT, nl))).astype(f16) for mt in range(MTK)]
+                        y = lv(ys[c], c)
                         for mt in range(MTK):
-                            y = y + pr[mt] * bcast_row(zv[mt], (MT, NT)) - tok_off[mt] * pp[mt].astype(f32)
-                            qp_s[slot, c, pl.ds(mt * MT, MT)] = pp[mt]
-                        new_ls.append(ls[c] + functools.reduce(jnp.add, pr))
-                        new_ys.append(y)
+                            tok_off = jnp.where(mt * MT + tok_rows[nl] < Gh, off_lo, off_hi)
+                            y = y + pr[mt] * bcast_row(zv[mt], (MT, nl)) - tok_off * pp[mt].astype(f32)
+                            # (the dead columns' P: zero, so their O^T columns stay finite)
+                            qp_s[slot, c, pl.ds(mt * MT, MT)] = pp[mt] if nl == NT else with_lv(zeros_p(), pp[mt], c)
+                        new_ls.append(with_lv(ls[c], lv(ls[c], c) + functools.reduce(jnp.add, pr), c))
+                        new_ys.append(with_lv(ys[c], y, c))
                     plgpu.commit_smem()
-                    return tuple(new_ms), tuple(new_ls), tuple(new_ys), os_
+                    new_ms = tuple(with_lv(m, live_ms[c], c) for c, m in enumerate(ms))
+                    return new_ms, tuple(new_ls), tuple(new_ys), os_
 
                 # Slots: consumer w's j-th block (i = w + NC j) sits in slot w + NC (j % S2). With
                 # `static_slots` the loops below are unrolled over the S2 slots, so that every shared-
@@ -1243,13 +1318,63 @@ def pair_merge_default(np_: int, asked: bool | None) -> bool:
     return bool(asked) if asked is not None else np_ >= PAIR_MERGE_MIN_CTAS
 
 
+PREP_Q_REGS_ENV = "QSPEC_MGPU_PREP_QREGS"  # "1" / "0": the prep's query in registers or not (A/B runs)
+# The prep's query registers per thread the default allows (D x C NT / 128 float32): the draft's C = 1 at
+# D = 128 is 16; the verify view's wider calls would crowd the prep's 56 registers.
+PREP_Q_REGS_MAX = 16
+
+
+def prep_q_regs_of(config: Any, D: int, C: int, view: str = "draft", flat: bool = False) -> bool:
+    """Whether the prep warpgroup loads a segment's query tiles into registers once, rather than
+    from shared memory for every block: `config.ws_prep_q_regs`, else $QSPEC_MGPU_PREP_QREGS, else
+    on for the draft view's row split (H200 2026-11-29, 8B batch 1 / 128k: 56.2 -> 54.9 us; at batch
+    8 and in the balanced schedule within +-1%); in every case only where they fit in
+    PREP_Q_REGS_MAX registers per thread (D C NT / 128). The operands' values are the same either
+    way (only where they are read from changes), so a choice that depends on C (i.e. on T) keeps
+    T-invariance."""
+    asked = getattr(config, "ws_prep_q_regs", None)
+    if asked is None:
+        v = env_flag(PREP_Q_REGS_ENV)
+        asked = v if v is not None else (view == "draft" and not flat)
+    return bool(asked) and D * C * NT // 128 <= PREP_Q_REGS_MAX
+
+
+LIVE_COLS_ENV = "QSPEC_MGPU_LIVE_COLS"  # "0": whole tiles where the live columns are the default (A/B runs)
+
+
+# The views whose calls may run on their live columns (`live_of`), on by default there. The verify
+# view: H200 2026-11-29, 8B batch 8 / 32k, T 5, 182-186 -> 170-171 us (rows at 32k), 181 -> 168 (16k-32k),
+# T = 1 and T = 5 rows bitwise equal. Not the draft: 107.5 -> 124.1 us at batch 8, 56.1 -> 64.2 at batch 1 /
+# 128k, and its T = 1 and T = 5 rows differed in the last bits (docs/kernel_notes.md, fourteenth session).
+LIVE_COLS_VIEWS = ("target",)
+
+
+def live_of(config: Any, cols: int | None, C: int, view: str) -> tuple[int, ...]:
+    """`_WsStatic.live` of a call with `cols` query columns (n_rep T; None: all C NT): `live_cols`
+    for a view of LIVE_COLS_VIEWS unless `config.ws_live_cols` or $QSPEC_MGPU_LIVE_COLS=0 turns it
+    off; () (every column of every tile) otherwise. A real column is computed by the same
+    instructions at every T (its tile's live width may change with T: the bias is summed over the
+    whole tile, see `_build_ws`), so T-invariance holds."""
+    asked = getattr(config, "ws_live_cols", None)
+    if asked and view not in LIVE_COLS_VIEWS:
+        raise ValueError(f"ws_live_cols: the live-column softmax runs for views {LIVE_COLS_VIEWS}, got view={view!r}")
+    if asked is None:
+        asked = env_flag(LIVE_COLS_ENV) is not False
+    if not asked or view not in LIVE_COLS_VIEWS or cols is None:
+        return ()
+    if not 0 < cols <= C * NT:
+        raise ValueError(f"cols={cols}: expected 1 .. {C * NT} query columns for {C} column tiles")
+    return live_cols(cols, C)
+
+
 def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_max: int, view: str,
                   window: int | None, register_a: bool, interpret: bool, scale_dtype: Any, fp_dtype: Any,
-                  config: Any) -> _WsStatic:
+                  config: Any, cols: int | None = None) -> _WsStatic:
     """The kernel's static parameters for a call with C column tiles. Stages and ring buffers are
     sized for c_max >= C, the column tiles of the widest call of this cache (T = gamma_max + 1), so
     that every T runs the same schedule (they change the ring's consumer and order). Raises if
-    c_max tiles cannot fit in shared memory."""
+    c_max tiles cannot fit in shared memory. `cols`: the call's query columns (n_rep T), for the
+    live columns of its last tile (`live_of`)."""
     if not C <= c_max:
         raise ValueError(f"C={C} column tiles > c_max={c_max}")
     n_blocks = max(1, S_max // G)
@@ -1311,7 +1436,9 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      pipeline=bool(pipeline),
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
                      consumers=nc, preps=npr, pair_merge=not flat and pair_merge_default(np_, config.ws_pair_merge),
-                     scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs, **flat_fields)
+                     scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs,
+                     prep_q_regs=prep_q_regs_of(config, D, C, view, flat), live=live_of(config, cols, C, view),
+                     **flat_fields)
 
 
 def build(st: _WsStatic):

@@ -16,6 +16,14 @@
 #   ringw   the balanced schedule with the ring weighted $RING_WS blocks ($QSPEC_MGPU_FLAT_RING_W), 8B batch 8 / 32k;
 #   sass    mgpu_dump.py: ptxas and SASS of the default and the balanced draft kernel at batch 8;
 #   smolprof `qspec-bench profile --shape smollm2 --batch 32 --contexts 8192 --ragged --programs draft`, FLAT 0 / 1.
+# Added in the fourteenth session (the prep's query in registers, `ws_prep_q_regs`, tokens "+q" / "-q"):
+#   qregs   ragged_attention.py with and without it: 8B batch 8 / 32k (row split and balanced, checked bitwise
+#           against it off and against the reference), SmolLM2 batch 32 / 8k (draft and verify T 5), 8B batch 1 /
+#           128k (row split);
+#   qsass   mgpu_dump.py: ptxas and SASS of the default and the balanced draft kernel at batch 8 with it.
+#   live    the verify view's softmax on each column tile's live columns (`ws_live_cols`, tokens "+l" / "-l"):
+#           check_attention.py (check and T-invariance, quick cases), then the verify kernel alone at 8B batch 8 / 32k;
+#   livesmol the same at SmolLM2's shape, batch 32 / 8k (not yet run).
 #   cd <repo> && OUT=/tmp/out STAGES="check kernel" bash tools/device/flat_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -76,6 +84,35 @@ for stage in ${STAGES:-check kernel}; do
         grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_smollm2_b32_8k_ragged_flat$f.log
         rm -rf $OUT/p_smol_flat$f/traces; stamp "smolprof flat=$f"
       done;;
+    qregs)
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --nps 0,0+q,flat,flat+q --views draft \
+        --layouts uniform,ragged --check-q-regs 2>&1 | grep -v "^W[0-9]" | tee $L/qregs_8b_b8.log | grep -v "^|"
+      stamp "qregs 8b b8"
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps 0,0+q,flat,flat+q --views draft,target --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/qregs_smollm2_b32.log | grep -v "^|"
+      stamp "qregs smollm2"
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --batch 1 --ctx 131072 --nps 0,0+q,0,0+q \
+        --views draft --layouts uniform 2>&1 | grep -v "^W[0-9]" | tee $L/qregs_8b_b1_128k.log | grep -v "^|"
+      stamp "qregs 8b b1";;
+    live)  # (the draft's "+l" runs were the fourteenth session's first measurement; the draft now refuses it)
+      timeout ${CHECK_LIMIT:-240} python3 tools/device/check_attention.py --parts check,tinv --impls mosaic-ws --quick \
+        2>&1 | grep -v "^W[0-9]" | tee $L/check_live.log | grep -E "check|tinv|FAIL|rror" | tail -14
+      stamp "live check"
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --nps 0-l,0+l,0-l,0+l \
+        --views target --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" | tee $L/live_8b_b8.log | grep -v "^|"
+      stamp "live 8b b8";;
+    livesmol)
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps 0-l,0+l --views target --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/live_smollm2_b32.log | grep -v "^|"
+      stamp "live smollm2";;
+    qsass)
+      for f in "" --flat; do
+        QSPEC_MGPU_PREP_QREGS=1 python3 tools/device/mgpu_dump.py $L/sass_q${f} --cases draft:1 --batch 8 $f 2>&1 \
+          | grep -v "^W[0-9]" | tee $L/sass_q${f}.log | grep -iE "spill|regist" | head -4
+      done
+      stamp qsass;;
     ab)
       base=${BASE:-tools/device/_ab/base}
       [ -d "$base/pallas_kernels" ] || { echo "no $base/pallas_kernels"; continue; }

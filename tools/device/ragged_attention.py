@@ -34,16 +34,22 @@ from qspec_jax.bench.synthetic import random_quant_cache  # noqa: E402
 def config_of(token: str) -> MgpuConfig:
     """"4" -> 4 CTAs per (row, KV head), "0" the row split's default count (`default_ctas`; the
     balanced schedule off, as before it became the draft's default from two rows up), "flat" the
-    balanced schedule ("flat128": on 128 CTAs); a ":stream" suffix: the kernel's TMA-only timing
-    diagnostic (wrong results)."""
+    balanced schedule ("flat128": on 128 CTAs); "+q" / "-q" suffixes: the prep's query in registers
+    or not (`ws_prep_q_regs`), "+l" / "-l": the softmax on the live columns or whole tiles
+    (`ws_live_cols`); a ":stream" suffix: the kernel's TMA-only timing diagnostic (wrong results)."""
     split, _, diag = token.partition(":")
+    extra = {}
+    fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols"}
+    while split[-2:-1] in ("+", "-") and split[-1:] in fields:
+        extra[fields[split[-1]]] = split[-2] == "+"
+        split = split[:-2]
     if split.startswith("flat"):
         base = MgpuConfig(ws_flat=True, ws_flat_ctas=int(split[4:]) if split[4:] else None)
     else:
         # (an earlier build's MgpuConfig, in the `ab` runs of flat_gpu.sh, may have no ws_flat)
         row = {"ws_flat": False} if "ws_flat" in {f.name for f in dataclasses.fields(MgpuConfig)} else {}
         base = MgpuConfig(num_splits=int(split) or None, **row)
-    return dataclasses.replace(base, ws_diag=diag or None)
+    return dataclasses.replace(base, ws_diag=diag or None, **extra)
 
 
 def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
@@ -66,12 +72,21 @@ def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
                                                                                config=conf), static_argnums=3)
         ref = np.asarray(jax.jit(lambda q, p, c: A.quantized_cache_attention(q, p, c, jnp.int32(0), "draft", None))(
             q, q_pos, cache), np.float64)
-        outs = {n: np.asarray(run(q, q_pos, cache, conf).astype(jnp.float32), np.float64)
-                for n, conf in (("row", MgpuConfig(ws_flat=False)), ("flat", MgpuConfig(ws_flat=True)))}
+        confs = {"row": MgpuConfig(ws_flat=False), "flat": MgpuConfig(ws_flat=True)}
+        if args.check_q_regs:  # the prep's query in registers: the same operands, so the same bits
+            confs.update({"row+q": MgpuConfig(ws_flat=False, ws_prep_q_regs=True),
+                          "flat+q": MgpuConfig(ws_flat=True, ws_prep_q_regs=True)})
+        outs = {n: np.asarray(run(q, q_pos, cache, conf).astype(jnp.float32), np.float64) for n, conf in confs.items()}
         for n, o in outs.items():
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
             ok = np.isfinite(o).all() and err <= 2e-2
-            print(f"check {n:7s} {name:11s}: relerr {err:.2e} vs the jnp reference {'ok' if ok else 'FAIL'}", flush=True)
+            if n.endswith("+q"):
+                same = np.array_equal(o, outs[n[:-2]])
+                ok = ok and same
+                err_s = f"relerr {err:.2e}, {'bitwise equal to' if same else 'DIFFERS from'} {n[:-2]}"
+            else:
+                err_s = f"relerr {err:.2e} vs the jnp reference"
+            print(f"check {n:7s} {name:11s}: {err_s} {'ok' if ok else 'FAIL'}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -82,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nps", default="0,2,3,4,6,8")
     ap.add_argument("--views", default="draft,target,dense")
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--check-q-regs", action="store_true",
+                    help="also check the prep's query in registers (ws_prep_q_regs) bitwise against it off")
     ap.add_argument("--layouts", default="uniform,ragged,ragged_desc",
                     help="uniform: every row at ctx; ragged: e2e.batch_lengths (shortest row first); ragged_desc: "
                          "the same rows longest first (the grid's row order is the dispatch order)")
