@@ -1345,7 +1345,8 @@ LIVE_COLS_ENV = "QSPEC_MGPU_LIVE_COLS"  # "0": whole tiles where the live column
 # The views whose calls may run on their live columns (`live_of`), on by default there. The verify
 # view: H200 2026-11-29, 8B batch 8 / 32k, T 5, 182-186 -> 170-171 us (rows at 32k), 181 -> 168 (16k-32k),
 # T = 1 and T = 5 rows bitwise equal. Not the draft: 107.5 -> 124.1 us at batch 8, 56.1 -> 64.2 at batch 1 /
-# 128k, and its T = 1 and T = 5 rows differed in the last bits (docs/kernel_notes.md, fourteenth session).
+# 128k (ptxas serializes its pipelined consumer's wgmmas, C7511), and its T = 1 and T = 5 rows differed in the
+# last bits (docs/kernel_notes.md, fourteenth session).
 LIVE_COLS_VIEWS = ("target",)
 
 
