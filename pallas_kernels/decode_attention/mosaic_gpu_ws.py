@@ -767,7 +767,11 @@ def _build_ws(st: _WsStatic):
             off_k = {}  # [D, width]: the code offset of each channel
             for width in set(LIVE):
                 off_k[width] = jnp.where(_iota((D, width), 0) < Dh, off_lo, off_hi)
-            # the dead columns of q s_k and of the bias terms: zero (their scores are never read)
+            def q_live(qb, c):  # the raw query's live columns, float32 [D, live]
+                return lv(q_tile(qb, c), c)
+
+            # the dead columns of q s_k and of the bias terms: zero (their scores are never read; None
+            # where every tile is whole, and `with_lv` then never reads them)
             zeros_qs = _cast(jnp.zeros((D, NT), f16), plgpu.Layout.WGMMA) if min(LIVE) < NT else None
             zeros_w = _cast(jnp.zeros((D, NT), f32), plgpu.Layout.WGMMA) if min(LIVE) < NT else None
 
@@ -782,14 +786,14 @@ def _build_ws(st: _WsStatic):
                 z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
                 for c in range(C):  # (the live columns of each tile, `live_cols`)
                     nl = LIVE[c]
-                    qt = lv(q_tile(qb, c), c) if q_regs is None else q_regs[c]
+                    qt = q_live(qb, c) if q_regs is None else q_regs[c]
                     qs = (qt * bcast_row(s_eff, (D, nl))).astype(f16)
-                    qp_s[slot, c, pl.ds(0, D)] = qs if nl == NT else with_lv(zeros_qs, qs, c)
+                    qp_s[slot, c, pl.ds(0, D)] = with_lv(zeros_qs, qs, c)
                     w = qt * bcast_row(z_eff, (D, nl)) - off_k[nl] * qs.astype(f32)
                     # [NT] q.z' - sum(off * qs); with several prep warpgroups, each on its own scratch.
                     # Summed over the whole tile: Mosaic's cross-warp sum of a column may take another
                     # order at another width (H200: T = 1 against T = 5 rows differed in the last bits)
-                    w = w if nl == NT else with_lv(zeros_w, w, c)
+                    w = with_lv(zeros_w, w, c)
                     bias_s[slot, pl.ds(c * NT, NT)] = (jnp.sum(w, axis=0) if NPREP == 1
                                                       else colreduce(w, red_s.at[NC + r], "add"))
                 plgpu.commit_smem()
@@ -799,10 +803,10 @@ def _build_ws(st: _WsStatic):
                 qb, n = sg["qb"], sg["n"]
                 if not seq or r == 0:  # interpret mode: one waiter per barrier completion (see SLOTS)
                     plgpu.barrier_wait(qbar.at[qb])
-                # `q_regs`: the segment's query tiles loaded once, into registers (float32 [D, NT] per
-                # column tile: D NT / 128 per thread), where every block would reload them from shared
+                # `q_regs`: the segment's query tiles loaded once, into registers (float32 [D, live] per
+                # column tile: at most D NT / 128 per thread), where every block would reload them from shared
                 # memory (through a runtime-offset view when the balanced schedule double-buffers them)
-                q_regs = [lv(q_tile(qb, c), c) for c in range(C)] if st.prep_q_regs else None
+                q_regs = [q_live(qb, c) for c in range(C)] if st.prep_q_regs else None
                 if NPREP > 1 or seq or FLAT or not st.static_slots:  # runtime slots
                     if NPREP == 1:
                         i0, count = 0, n
@@ -828,7 +832,7 @@ def _build_ws(st: _WsStatic):
             if not seq:
                 plgpu.set_max_registers(cons_regs, action="increase")
             red = red_s.at[w]
-            tok_rows = {width: _iota((MT, width), 0) for width in set(LIVE) | {NT}}  # token row of each element
+            tok_rows = {width: _iota((MT, width), 0) for width in set(LIVE)}  # token row of each element
             zeros_t = lambda: _cast(jnp.zeros((MT, NT), f32), plgpu.Layout.WGMMA)  # noqa: E731
             zeros_p = lambda: _cast(jnp.zeros((MT, NT), f16), plgpu.Layout.WGMMA)  # noqa: E731
             neg_c = lambda: _cast(jnp.full((NT,), NEG, f32), COL)  # noqa: E731

@@ -20,7 +20,8 @@
 #   qregs   ragged_attention.py with and without it: 8B batch 8 / 32k (row split and balanced, checked bitwise
 #           against it off and against the reference), SmolLM2 batch 32 / 8k (draft and verify T 5), 8B batch 1 /
 #           128k (row split);
-#   qsass   mgpu_dump.py: ptxas and SASS of the default and the balanced draft kernel at batch 8 with it.
+#   qsass   mgpu_dump.py: ptxas and SASS of the row-split (batch 1) and the balanced (batch 8) draft kernel with it
+#           (as first run, both at batch 8: both the balanced kernel).
 #   live    the verify view's softmax on each column tile's live columns (`ws_live_cols`, tokens "+l" / "-l"):
 #           check_attention.py (check and T-invariance, quick cases), then the verify kernel alone at 8B batch 8 / 32k;
 #   livesmol the same at SmolLM2's shape, batch 32 / 8k (not yet run).
@@ -85,14 +86,14 @@ for stage in ${STAGES:-check kernel}; do
         rm -rf $OUT/p_smol_flat$f/traces; stamp "smolprof flat=$f"
       done;;
     qregs)
-      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --nps 0,0+q,flat,flat+q --views draft \
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --nps 0-q,0+q,flat-q,flat+q --views draft \
         --layouts uniform,ragged --check-q-regs 2>&1 | grep -v "^W[0-9]" | tee $L/qregs_8b_b8.log | grep -v "^|"
       stamp "qregs 8b b8"
       timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
-        --nps 0,0+q,flat,flat+q --views draft,target --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" \
+        --nps 0-q,0+q,flat-q,flat+q --views draft,target --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" \
         | tee $L/qregs_smollm2_b32.log | grep -v "^|"
       stamp "qregs smollm2"
-      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --batch 1 --ctx 131072 --nps 0,0+q,0,0+q \
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --batch 1 --ctx 131072 --nps 0-q,0+q,0-q,0+q \
         --views draft --layouts uniform 2>&1 | grep -v "^W[0-9]" | tee $L/qregs_8b_b1_128k.log | grep -v "^|"
       stamp "qregs 8b b1";;
     live)  # (the draft's "+l" runs were the fourteenth session's first measurement; the draft now refuses it)
@@ -108,9 +109,9 @@ for stage in ${STAGES:-check kernel}; do
         | tee $L/live_smollm2_b32.log | grep -v "^|"
       stamp "live smollm2";;
     qsass)
-      for f in "" --flat; do
-        QSPEC_MGPU_PREP_QREGS=1 python3 tools/device/mgpu_dump.py $L/sass_q${f} --cases draft:1 --batch 8 $f 2>&1 \
-          | grep -v "^W[0-9]" | tee $L/sass_q${f}.log | grep -iE "spill|regist" | head -4
+      for b in 1 8; do  # batch 1: the row split; batch 8: the balanced schedule (each its default there)
+        QSPEC_MGPU_PREP_QREGS=1 python3 tools/device/mgpu_dump.py $L/sass_q_b$b --cases draft:1 --batch $b 2>&1 \
+          | grep -v "^W[0-9]" | tee $L/sass_q_b$b.log | grep -iE "spill|regist" | head -4
       done
       stamp qsass;;
     ab)

@@ -73,9 +73,9 @@ def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
         ref = np.asarray(jax.jit(lambda q, p, c: A.quantized_cache_attention(q, p, c, jnp.int32(0), "draft", None))(
             q, q_pos, cache), np.float64)
         confs = {"row": MgpuConfig(ws_flat=False), "flat": MgpuConfig(ws_flat=True)}
-        if args.check_q_regs:  # the prep's query in registers: the same operands, so the same bits
-            confs.update({"row+q": MgpuConfig(ws_flat=False, ws_prep_q_regs=True),
-                          "flat+q": MgpuConfig(ws_flat=True, ws_prep_q_regs=True)})
+        if args.check_q_regs:  # the prep's query in registers (on by default for the row split) against it off:
+            # the same operands, so the same bits
+            confs = {n + x: dataclasses.replace(c, ws_prep_q_regs=x == "+q") for n, c in confs.items() for x in ("", "+q")}
         outs = {n: np.asarray(run(q, q_pos, cache, conf).astype(jnp.float32), np.float64) for n, conf in confs.items()}
         for n, o in outs.items():
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
