@@ -472,34 +472,53 @@ def test_prep_query_registers_resolution(monkeypatch):
 
 
 def test_live_columns_resolution(monkeypatch):
-    """`live_cols`: each tile's real columns rounded up to 8 (at most NT); `live_of`: on for the
-    verify view unless the config or $QSPEC_MGPU_LIVE_COLS=0 says no; the draft view refuses it."""
+    """`live_cols`: each tile's real columns rounded up to 8 (at most NT); `live_of`: on unless the
+    config or $QSPEC_MGPU_LIVE_COLS=0 says no (both views); `static_config` passes it through for
+    the draft's T = 1 call and the verify's T = 5 call."""
     assert ws.live_cols(4, 1) == (8,) and ws.live_cols(3, 1) == (8,) and ws.live_cols(9, 1) == (16,)
     assert ws.live_cols(20, 2) == (16, 8) and ws.live_cols(32, 2) == (16, 16) and ws.live_cols(15, 1) == (16,)
     monkeypatch.delenv(ws.LIVE_COLS_ENV, raising=False)
-    assert ws.live_of(None, 20, 2, "target") == (16, 8) and ws.live_of(None, 4, 1, "draft") == ()
-    assert ws.live_of(mg.MgpuConfig(ws_live_cols=False), 20, 2, "target") == ()
-    assert ws.live_of(None, None, 2, "target") == ()
-    with pytest.raises(ValueError, match="ws_live_cols"):
-        ws.live_of(mg.MgpuConfig(ws_live_cols=True), 4, 1, "draft")
+    assert ws.live_of(None, 20, 2) == (16, 8) and ws.live_of(None, 4, 1) == (8,)
+    assert ws.live_of(mg.MgpuConfig(ws_live_cols=False), 20, 2) == ()
+    assert ws.live_of(None, None, 2) == ()
     with pytest.raises(ValueError, match="cols=40"):
-        ws.live_of(None, 40, 2, "target")
+        ws.live_of(None, 40, 2)
+    st = functools.partial(ws.static_config, 1, 8, 128, 128, 256, 8192, window=None, register_a=True, interpret=False,
+                           scale_dtype=jnp.float16, fp_dtype=jnp.bfloat16, config=mg.MgpuConfig())
+    assert st(C=1, c_max=2, view="draft", cols=4).live == (8,) and st(C=2, c_max=2, view="target", cols=20).live == (16, 8)
     monkeypatch.setenv(ws.LIVE_COLS_ENV, "0")
-    assert ws.live_of(None, 20, 2, "target") == ()
+    assert ws.live_of(None, 20, 2) == () and st(C=1, c_max=2, view="draft", cols=4).live == ()
     monkeypatch.setenv(ws.LIVE_COLS_ENV, "on")
     with pytest.raises(ValueError, match="QSPEC_MGPU_LIVE_COLS"):
-        ws.live_of(None, 20, 2, "target")
+        ws.live_of(None, 20, 2)
 
 
-@pytest.mark.parametrize("window", [None, 60])
-def test_ws_live_columns_same_bits(window):
-    """The verify view's softmax on each tile's live columns (`ws_live_cols`, the default there)
-    computes every real column by the same operations as on whole tiles: at T = 5 of 4 query heads
-    the tiles are 16 and 8 live columns wide, at T = 1 one tile of 8; the checks of
-    `_ws_variant_runs` (T = 1 == T = 5 bitwise, the bound), and the same bits as whole tiles, at
-    both T (in interpret mode; the GPU's T-invariance: tools/device/check_attention.py)."""
-    assert ws.live_of(None, 20, 2, "target") == (16, 8)
-    for cfg, o5, call in _ws_variant_runs("target", window, 31, 13, ws_live_cols=True):
+def test_pipeline_default_by_schedule():
+    """The draft's consumers are software-pipelined in the row split and run one block after the
+    other in the balanced schedule (faster there with the live columns); the verify view never
+    pipelines by default; a config's ws_pipeline wins."""
+    st = functools.partial(ws.static_config, H=8, D=128, G=128, R=256, S_max=8192, C=1, c_max=2, window=None,
+                           register_a=True, interpret=False, scale_dtype=jnp.float16, fp_dtype=jnp.bfloat16, cols=4)
+    assert st(B=1, view="draft", config=mg.MgpuConfig()).pipeline
+    d8 = st(B=8, view="draft", config=mg.MgpuConfig())
+    assert d8.flat and not d8.pipeline  # (the balanced schedule: the draft's default from two rows up)
+    flat8 = st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=True))
+    assert flat8.flat and not flat8.pipeline
+    assert st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=False)).pipeline
+    assert st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=True, ws_pipeline=True)).pipeline
+    assert not st(B=1, view="target", config=mg.MgpuConfig()).pipeline
+
+
+@pytest.mark.parametrize("view,window", [("target", None), ("target", 60), ("draft", None), ("draft", 60)])
+def test_ws_live_columns_same_bits(view, window):
+    """The softmax on each tile's live columns (`ws_live_cols`, the default) computes every real
+    column by the same operations as on whole tiles: at T = 5 of 4 query heads the tiles are 16 and
+    8 live columns wide, at T = 1 one tile of 8; the checks of `_ws_variant_runs` (T = 1 == T = 5
+    bitwise, the bound), and the same bits as whole tiles, at both T (in interpret mode; the GPU's
+    T-invariance: tools/device/check_attention.py). The draft's pipelined consumer runs here as its
+    SMEM twin; its register-only piece (`_wg_keep`) is lowered by the CUDA lowering test."""
+    assert ws.live_of(None, 20, 2) == (16, 8)
+    for cfg, o5, call in _ws_variant_runs(view, window, 31, 13, ws_live_cols=True):
         whole = dataclasses.replace(cfg, ws_live_cols=False)
         np.testing.assert_array_equal(o5, np.asarray(call(config=whole)))
         o, ml = (np.asarray(x) for x in call(partials=True, config=cfg))
@@ -908,11 +927,13 @@ LOWER_SCRIPT = textwrap.dedent("""
              ("ws2p", "draft", 128, 128, 1, 4, None), ("ws2p", "target", 128, 128, 5, 4, 100),
              ("wspm", "draft", 128, 128, 1, 4, None), ("wspm", "target", 64, 128, 5, 3, 100),
              ("wsflat", "draft", 128, 128, 1, 4, None), ("wsflat", "draft", 64, 128, 1, 3, 100),
-             ("wsq", "target", 64, 128, 5, 3, 100), ("wsflatq", "draft", 128, 128, 1, 4, None)]
+             ("wsq", "target", 64, 128, 5, 3, 100), ("wsflatq", "draft", 128, 128, 1, 4, None),
+             ("wsrow", "draft", 128, 128, 1, 4, None), ("wsrow", "draft", 64, 128, 5, 3, 100)]
     variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2),
                 "wspm": dict(schedule="ws", ws_pair_merge=True), "wsflat": dict(schedule="ws", ws_flat=True),
                 "wsq": dict(schedule="ws", ws_prep_q_regs=True),
-                "wsflatq": dict(schedule="ws", ws_flat=True, ws_prep_q_regs=True)}
+                "wsflatq": dict(schedule="ws", ws_flat=True, ws_prep_q_regs=True),
+                "wsrow": dict(schedule="ws", ws_flat=False)}  # the draft's row split: pipelined, `_wg_keep`
     for schedule, view, d, group, t, n_rep, window in cases:
         config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,
@@ -926,6 +947,8 @@ LOWER_SCRIPT = textwrap.dedent("""
             lowering_platforms=("cuda",)).as_text()
         assert "custom_call @mosaic_gpu" in txt, view
         assert "lop3.b32" in txt, "the code conversion is one lop3 per output word"
+        if schedule == "wsrow" and n_rep * t <= 8:  # pipelined, a dead register tile: kept (`_wg_keep`)
+            assert "mov.u32 $0, 0;" in txt, "the pipelined draft's unread accumulator columns must be kept"
         print("lowered", schedule, view, d, group, t, flush=True)
     print("ALL OK", jax.__version__)
 """)

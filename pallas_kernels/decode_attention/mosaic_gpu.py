@@ -119,7 +119,7 @@ class MgpuConfig:
     ws_diag: str | None = None
     # "ws": issue a block's value MMA, then the next block's K conversion and score MMA, before
     # waiting (software-pipelined consumers); False: one block after the other. Same bits.
-    # None: pipelined for the draft view only (see mosaic_gpu_ws.static_config).
+    # None: pipelined for the draft view's row split only (see mosaic_gpu_ws.static_config).
     ws_pipeline: bool | None = None
     # "ws": the consumer and prep loops unrolled over their slots, so that shared-memory addresses
     # are compile-time offsets. Same bits either way; None: off (it spills, see mosaic_gpu_ws).
@@ -146,9 +146,9 @@ class MgpuConfig:
     # memory per block (same values). None: $QSPEC_MGPU_PREP_QREGS, else on for the draft's row split
     # (`mosaic_gpu_ws.prep_q_regs_of`).
     ws_prep_q_regs: bool | None = None
-    # "ws", verify view: the prep's q s_k and the consumers' softmax on each column tile's live columns only (its
-    # real query columns rounded up to 8; `mosaic_gpu_ws.live_cols`), the rest of the tile zero P. None:
-    # $QSPEC_MGPU_LIVE_COLS (0: off), else on for the verify view (`mosaic_gpu_ws.live_of`; True for the draft raises).
+    # "ws": the prep's q s_k and the consumers' softmax on each column tile's live columns only (its real
+    # query columns rounded up to 8; `mosaic_gpu_ws.live_cols`), the rest of the tile zero P. None:
+    # $QSPEC_MGPU_LIVE_COLS (0: off), else on (`mosaic_gpu_ws.live_of`).
     ws_live_cols: bool | None = None
 
 

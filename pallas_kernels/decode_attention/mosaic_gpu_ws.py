@@ -13,11 +13,12 @@ dependency chain, is meant to bound the kernel. One CTA per SM; by default four 
   into the block's slot before the consumer gets there. Done ahead, off the consumers' chain.
 * wg 0 and 1, consumers: block i of the program goes to consumer i % 2 (its own slots, i % 2 ==
   slot % 2), each with its own online-softmax state and its own partial; per block: codes ->
-  float16 operands in registers, score MMA, softmax, P, value MMA accumulated in place. Draft view
-  by default (`MgpuConfig.ws_pipeline`): software-pipelined, a block's value MMA issued together
-  with the K conversion and score MMA of the consumer's next block (`values_then_scores`), with 3
-  slots per consumer (6 stages); the verify view runs one block after the other (pipelined, its
-  wgmmas serialize for lack of registers).
+  float16 operands in registers, score MMA, softmax, P, value MMA accumulated in place. The draft
+  view's row split by default (`MgpuConfig.ws_pipeline`): software-pipelined, a block's value MMA
+  issued together with the K conversion and score MMA of the consumer's next block
+  (`values_then_scores`), with 3 slots per consumer (6 stages); the verify view (pipelined, its
+  wgmmas serialize for lack of registers) and the balanced schedule (faster unpipelined) run one
+  block after the other.
 
 Options measured and left off (H100 / H200, 2026-11-26; docs/kernel_notes.md): three consumer
 warpgroups (`ws_consumers=3`, block i to consumer i % 3), two prep warpgroups (`ws_preps=2`), and
@@ -35,8 +36,8 @@ depend on the other columns (T-invariance, issue 11).
 
 Exactness: the block partition, the consumer of each block, the ring-tile assignment and every
 reduction order depend on (B, Hkv, n_rep, D, G, S_max, R, view, config), never on T; T only
-changes the number of column tiles C, each computed by the same instructions, and (verify view,
-`live_cols`) how many of a tile's 8-column register tiles the softmax runs on; a column's own
+changes the number of column tiles C, each computed by the same instructions, and (`live_cols`)
+how many of a tile's 8-column register tiles the softmax runs on; a column's own
 operations are the same at either width, and every reduction over a column's tokens runs over the
 whole tile (Mosaic's warpgroup column sum orders differently at another width: H200, 2026-11-29).
 
@@ -48,7 +49,10 @@ end and walking the pairs its share overlaps ("segments") with one continuous TM
 rows of different lengths cost the sum of their lengths (the default grid gives each pair NP CTAs
 and, being bound by its consumers, lasts as long as the longest row's CTAs). Partials: one per
 consumer and CTA share of a pair (cap + 1 slots, the unused ones neutral). Its summation order
-depends on every row's length, which the draft may have and the target may not.
+depends on every row's length, which the draft may have and the target may not. Its ring buffers
+are sized for the call's own C (the draft's calls all have T = 1), which may move the ring to
+another consumer at another T; measured (H200 2026-11-29, check_attention.py tinv): bitwise
+T-invariant as run by default (unpipelined), 8e-6 apart when pipelined with live columns.
 
 Testing: as for the legacy schedule, ``register_a=False`` is the SMEM-operand twin GPU interpret
 mode runs on the CPU; the GPU-only pieces (register operands, `bar.red.or`, the cross-warp
@@ -416,6 +420,29 @@ def _wg_cat_cols(parts: list, layout: Any) -> Array:
         return fa.FragmentedArray(_registers=regs, _layout=arrays[0].layout, _is_signed=arrays[0].is_signed)
 
     return cat(*parts)
+
+
+def _wg_keep(x: Array) -> Array:
+    """x (a WGMMA array) unchanged, every one of its registers read by a side-effecting asm (one
+    `mov` of a constant) here: a pipelined consumer's score accumulator whose dead columns
+    (`live_cols`) are never read otherwise, so that all of its registers have the use pattern of
+    a whole-tile read (ptxas serializes the wgmma pipeline otherwise, C7511)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm, vector
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA))
+    def keep(ctx, a):
+        del ctx
+        vals = []
+        for reg in a.registers.flat:
+            for e in range(ir.VectorType(reg.type).shape[0]):
+                vals.append(vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e])))
+        llvm.inline_asm(ir.IntegerType.get_signless(32), vals, "mov.u32 $0, 0;",
+                        "=r" + ",f" * len(vals), has_side_effects=True)
+        return a
+
+    return keep(x)
 
 
 def live_cols(cols: int, C: int) -> tuple[int, ...]:
@@ -956,6 +983,13 @@ def _build_ws(st: _WsStatic):
                     for c in range(C):  # the live columns of each tile (`live_cols`)
                         nl = LIVE[c]
                         bias = _load(bias_s.at[slot, pl.ds(c * NT, nl)], COL)
+                        if st.pipeline and nl < NT and not interp:
+                            # every accumulator register used here, the unread columns too: with half of
+                            # them dead, ptxas serialized the pipelined wgmmas (C7511; H200 2026-11-29,
+                            # block loop 605 -> 484 instructions, batch 1 / 128k 64.2 -> 49.3 us)
+                            s_all = list(s_all)
+                            for mt in range(MTK):
+                                s_all[mt * C + c] = _wg_keep(s_all[mt * C + c])
                         s_t = [lv(s_all[mt * C + c], c) + bcast_col(bias, (MT, nl)) for mt in range(MTK)]
                         vis = None
                         if st.window is not None:
@@ -1346,26 +1380,18 @@ def prep_q_regs_of(config: Any, D: int, C: int, view: str = "draft", flat: bool 
 LIVE_COLS_ENV = "QSPEC_MGPU_LIVE_COLS"  # "0": whole tiles where the live columns are the default (A/B runs)
 
 
-# The views whose calls may run on their live columns (`live_of`), on by default there. The verify
-# view: H200 2026-11-29, 8B batch 8 / 32k, T 5, 182-186 -> 170-171 us (rows at 32k), 181 -> 168 (16k-32k),
-# T = 1 and T = 5 rows bitwise equal. Not the draft: 107.5 -> 124.1 us at batch 8, 56.1 -> 64.2 at batch 1 /
-# 128k (ptxas serializes its pipelined consumer's wgmmas, C7511), and its T = 1 and T = 5 rows differed in the
-# last bits (docs/kernel_notes.md, fourteenth session).
-LIVE_COLS_VIEWS = ("target",)
-
-
-def live_of(config: Any, cols: int | None, C: int, view: str) -> tuple[int, ...]:
+def live_of(config: Any, cols: int | None, C: int) -> tuple[int, ...]:
     """`_WsStatic.live` of a call with `cols` query columns (n_rep T; None: all C NT): `live_cols`
-    for a view of LIVE_COLS_VIEWS unless `config.ws_live_cols` or $QSPEC_MGPU_LIVE_COLS=0 turns it
-    off; () (every column of every tile) otherwise. A real column is computed by the same
-    instructions at every T (its tile's live width may change with T: the bias is summed over the
-    whole tile, see `_build_ws`), so T-invariance holds."""
+    unless `config.ws_live_cols` or $QSPEC_MGPU_LIVE_COLS=0 turns it off; () (every column of every
+    tile) then. A real column is computed by the same instructions at every T (its tile's live width
+    may change with T: the bias is summed over the whole tile, see `_build_ws`), so T-invariance
+    holds. Measured (H200 2026-11-29, docs/kernel_notes.md, fourteenth and fifteenth sessions): the
+    verify view at 8B batch 8 / 32k, T 5, 182-186 -> 170-171 us; the draft view, once its pipelined
+    consumer reads every accumulator register (`_wg_keep`), 8B batch 1 / 128k 54.9 -> 49.3 us."""
     asked = getattr(config, "ws_live_cols", None)
-    if asked and view not in LIVE_COLS_VIEWS:
-        raise ValueError(f"ws_live_cols: the live-column softmax runs for views {LIVE_COLS_VIEWS}, got view={view!r}")
     if asked is None:
         asked = env_flag(LIVE_COLS_ENV) is not False
-    if not asked or view not in LIVE_COLS_VIEWS or cols is None:
+    if not asked or cols is None:
         return ()
     if not 0 < cols <= C * NT:
         raise ValueError(f"cols={cols}: expected 1 .. {C * NT} query columns for {C} column tiles")
@@ -1394,7 +1420,11 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     if (nc, npr) not in REGS:
         raise ValueError(f"ws_consumers={nc}, ws_preps={npr}: the warp-specialized schedule has (consumers, preps) "
                          f"in {sorted(REGS)}")
-    pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2)
+    # Not in the balanced schedule, whose consumers switch segments: there one block after the other is
+    # faster with the live columns (H200 2026-11-29, 8B batch 8 / 32k: 103.9 -> 94.3 us on rows at
+    # 32k, 82.4 -> 73.8 on 16k-32k; SmolLM2 batch 32 / 8k 34.5 -> 33.8), while the row split keeps
+    # it (batch 1 / 128k: 49.3 pipelined, 50.6 not).
+    pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2 and not flat)
     # (the balanced schedule is for the draft view, whose calls all have T = 1: sized for its C)
     plan = functools.partial(ring_plan, view, D, G, C if flat else c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
                              consumers=nc, preps=npr, flat=flat)
@@ -1442,7 +1472,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
                      consumers=nc, preps=npr, pair_merge=not flat and pair_merge_default(np_, config.ws_pair_merge),
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs,
-                     prep_q_regs=prep_q_regs_of(config, D, C, view, flat), live=live_of(config, cols, C, view),
+                     prep_q_regs=prep_q_regs_of(config, D, C, view, flat), live=live_of(config, cols, C),
                      **flat_fields)
 
 

@@ -25,6 +25,14 @@
 #   live    the verify view's softmax on each column tile's live columns (`ws_live_cols`, tokens "+l" / "-l"):
 #           check_attention.py (check and T-invariance, quick cases), then the verify kernel alone at 8B batch 8 / 32k;
 #   livesmol the same at SmolLM2's shape, batch 32 / 8k (not yet run).
+# Added in the fifteenth session (why live columns slowed the draft: ptxas C7511):
+#   probe   mgpu_dump.py (ptxas of the batch-1 draft kernel: live columns, + 216 consumer registers, whole tiles
+#           + 216, live unpipelined), then the draft kernel alone with each (ragged_attention.py --check-tokens) at
+#           batch 1 / 128k and batch 8 / 32k. (As first run, before `_wg_keep` landed, with "--diag keep_dead"
+#           and ":keep_dead" variants of the probe that became `_wg_keep`.)
+#   live2   the draft's live columns as landed: kernel alone at 8B batch 8 / 32k and SmolLM2 batch 32 / 8k (whole
+#           tiles, live, live unpipelined, whole unpipelined), then check_attention.py's T-invariance (balanced
+#           schedule at batch 2, and the row split).
 #   cd <repo> && OUT=/tmp/out STAGES="check kernel" bash tools/device/flat_gpu.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -96,7 +104,7 @@ for stage in ${STAGES:-check kernel}; do
       timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --batch 1 --ctx 131072 --nps 0-q,0+q,0-q,0+q \
         --views draft --layouts uniform 2>&1 | grep -v "^W[0-9]" | tee $L/qregs_8b_b1_128k.log | grep -v "^|"
       stamp "qregs 8b b1";;
-    live)  # (the draft's "+l" runs were the fourteenth session's first measurement; the draft now refuses it)
+    live)  # the verify view (the draft's live columns: stages `probe`, `live2`)
       timeout ${CHECK_LIMIT:-240} python3 tools/device/check_attention.py --parts check,tinv --impls mosaic-ws --quick \
         2>&1 | grep -v "^W[0-9]" | tee $L/check_live.log | grep -E "check|tinv|FAIL|rror" | tail -14
       stamp "live check"
@@ -125,6 +133,41 @@ for stage in ${STAGES:-check kernel}; do
           --layouts uniform,ragged) 2>&1 | grep -v "^W[0-9]" | tee -a $L/ab_default_$src.log | grep -E "kernel"
         stamp "ab $src"
       done;;
+    probe)
+      for v in "1" "0" "1 --regs 216/56/24" "0 --regs 216/56/24" "1 --pipeline 0"; do
+        n=$(echo "$v" | tr -cd '[:alnum:]')
+        python3 tools/device/mgpu_dump.py $L/sass_probe_$n --cases draft:1 --batch 1 --live $v 2>&1 \
+          | grep -v "^W[0-9]" > $L/sass_probe_$n.log
+        echo "-- live $v: $(grep -ciE 'C7511' $L/sass_probe_$n.log) C7511 lines;" \
+          "$(grep -iE 'registers|spill' $L/sass_probe_$n.log | head -2 | tr '\n' ' ')"
+        grep -E "instructions$" -A1 $L/sass_probe_$n.log | head -2
+      done
+      stamp "probe sass"
+      P="${PROBE_TOKENS:-0-l,0+l,0+l@216/56/24,0-l@216/56/24,0+l-p}"
+      timeout ${KERNEL_LIMIT:-240} python3 tools/device/ragged_attention.py --batch 1 --ctx 131072 --nps $P \
+        --views draft --layouts uniform --check-tokens 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/probe_b1_128k.log | grep -v "^|"
+      stamp "probe b1"
+      timeout ${KERNEL_LIMIT:-240} python3 tools/device/ragged_attention.py --nps ${PROBE_TOKENS8:-${P//0/flat}} \
+        --views draft --layouts uniform --check-tokens 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/probe_b8_32k.log | grep -v "^|"
+      stamp "probe b8";;
+    live2)  # the draft's live columns as landed (pipelined: every accumulator register kept, `_wg_keep`)
+      timeout ${KERNEL_LIMIT:-230} python3 tools/device/ragged_attention.py --nps ${LIVE2_TOKENS:-flat-l,flat+l,flat+l-p,flat-l-p} \
+        --views draft --layouts uniform,ragged --check-tokens 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/live2_8b_b8.log | grep -v "^|"
+      stamp "live2 8b b8"
+      timeout ${KERNEL_LIMIT:-150} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${LIVE2_SMOL_TOKENS:-flat-l,flat+l,flat+l-p} --views draft --layouts uniform,ragged 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/live2_smollm2_b32.log | grep -v "^|"
+      stamp "live2 smollm2"
+      timeout ${CHECK_LIMIT:-150} python3 tools/device/check_attention.py --parts tinv --impls mosaic-ws --quick \
+        2>&1 | grep -v "^W[0-9]" | tee $L/tinv_live2.log | grep -E "tinv|FAIL|rror" | tail -10
+      stamp "live2 tinv"
+      timeout ${CHECK_LIMIT:-100} python3 tools/device/check_attention.py --parts tinv --impls mosaic-ws --quick \
+        --check-config ws_flat=0 --cases "llama3-8b:draft:float32:none,llama3-8b:draft:bfloat16:1000" \
+        2>&1 | grep -v "^W[0-9]" | tee $L/tinv_live2_row.log | grep -E "tinv|FAIL|rror" | tail -4
+      stamp "live2 tinv row split";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

@@ -1,14 +1,14 @@
 """Dump and summarize what the compiler emitted for the Mosaic GPU decode-attention kernels.
 
     PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR [--schedule legacy|ws] [--cases draft:1,target:5] [--flat]
-        [--batch B] [--live 0|1]
+        [--batch B] [--live 0|1] [--regs C/P/T] [--diag D] [--pipeline 0|1]
 
 Compiles the INT4 draft (T=1) and INT8 target (T=5) kernels (or --cases) at the Llama-3-8B shape
 with MOSAIC_GPU_DUMP_TO set, without running them, then prints per kernel: ptxas registers/spills
 and the count of each SASS opcode (HGMMA present? PRMT/LOP3 per converted word? LDS/STS, SHFL,
 BAR, MUFU). Copies the SASS of the kernels to OUT_DIR. --live 0|1 sets MgpuConfig.ws_live_cols for every
-case; for the draft view, which refuses it in the library (slower, not T-invariant on the GPU), this
-dump-only script lifts the refusal to compare the compiled code (docs/kernel_notes.md, fourteenth session).
+case, --regs / --diag / --pipeline its ws_regs / ws_diag / ws_pipeline (docs/kernel_notes.md, fourteenth and
+fifteenth sessions: ptxas's C7511 with and without the live columns).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import jax.numpy as jnp  # noqa: E402
 
 
 def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5", consumers: int | None = None,
-         preps: int | None = None, flat: bool = False, batch: int = 1, live: int | None = None) -> int:
+         preps: int | None = None, flat: bool = False, batch: int = 1, live: int | None = None,
+         regs: tuple[int, int, int] | None = None, diag: str | None = None, pipeline: bool | None = None) -> int:
     from pallas_kernels.decode_attention import mosaic_gpu as mg
-    from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
     from qspec_jax.bench.synthetic import random_quant_cache
     from qspec_jax.config import ModelConfig
 
@@ -40,9 +40,8 @@ def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target
                       num_kv_heads=8, head_dim=128, dtype="bfloat16")
     cache = random_quant_cache(cfg, batch, 8192, jax.random.PRNGKey(0), layers=1)
     conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps, ws_flat=flat or None,
-                         ws_live_cols=None if live is None else bool(live))
-    if live:  # compile only: the draft's live columns, for their SASS
-        ws.LIVE_COLS_VIEWS = ("target", "draft")
+                         ws_live_cols=None if live is None else bool(live), ws_regs=regs, ws_diag=diag,
+                         ws_pipeline=pipeline)
     for case in cases.split(","):
         view, t = case.split(":")
         t = int(t)
@@ -89,6 +88,11 @@ if __name__ == "__main__":
     ap.add_argument("--preps", type=int, default=None, help="ws: prep warpgroups (MgpuConfig.ws_preps)")
     ap.add_argument("--flat", action="store_true", help="ws, draft view: the balanced schedule (MgpuConfig.ws_flat)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--live", type=int, choices=(0, 1), default=None, help="MgpuConfig.ws_live_cols (also the draft's)")
+    ap.add_argument("--live", type=int, choices=(0, 1), default=None, help="MgpuConfig.ws_live_cols")
+    ap.add_argument("--regs", default=None, help="MgpuConfig.ws_regs as C/P/T, e.g. 216/56/24")
+    ap.add_argument("--diag", default=None, help="MgpuConfig.ws_diag (e.g. and_or)")
+    ap.add_argument("--pipeline", type=int, choices=(0, 1), default=None, help="MgpuConfig.ws_pipeline")
     a = ap.parse_args()
-    sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers, a.preps, a.flat, a.batch, a.live))
+    sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers, a.preps, a.flat, a.batch, a.live,
+                  None if a.regs is None else tuple(int(x) for x in a.regs.split("/")), a.diag,
+                  None if a.pipeline is None else bool(a.pipeline)))

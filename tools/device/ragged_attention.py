@@ -36,10 +36,13 @@ def config_of(token: str) -> MgpuConfig:
     balanced schedule off, as before it became the draft's default from two rows up), "flat" the
     balanced schedule ("flat128": on 128 CTAs); "+q" / "-q" suffixes: the prep's query in registers
     or not (`ws_prep_q_regs`), "+l" / "-l": the softmax on the live columns or whole tiles
-    (`ws_live_cols`); a ":stream" suffix: the kernel's TMA-only timing diagnostic (wrong results)."""
+    (`ws_live_cols`), "+p" / "-p": the software-pipelined consumers or not (`ws_pipeline`); a
+    ":stream" suffix: the kernel's TMA-only timing diagnostic (wrong results), or another `ws_diag`;
+    an "@216/56/24" suffix (last): setmaxnreg per role (`ws_regs`)."""
+    token, _, regs = token.partition("@")
     split, _, diag = token.partition(":")
-    extra = {}
-    fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols"}
+    extra = {"ws_regs": tuple(int(x) for x in regs.split("/"))} if regs else {}
+    fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols", "p": "ws_pipeline"}
     while split[-2:-1] in ("+", "-") and split[-1:] in fields:
         extra[fields[split[-1]]] = split[-2] == "+"
         split = split[:-2]
@@ -52,9 +55,9 @@ def config_of(token: str) -> MgpuConfig:
     return dataclasses.replace(base, ws_diag=diag or None, **extra)
 
 
-def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
-    """The balanced schedule against the jnp reference and the row split, fresh random
-    cache and queries per layout (relative error; the two schedules sum in different orders)."""
+def draft_cases(args, hq: int, hkv: int, d: int, layouts: dict, seed: int):
+    """Per layout: (name, run(config) -> float64 output, the jnp reference's output), on a fresh random
+    cache and query (draft view, T 1; PRNG seed + the layout's index)."""
     import jax.numpy as jnp
 
     from pallas_kernels.decode_attention import mosaic_gpu as mg
@@ -63,20 +66,28 @@ def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
 
     cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
                       num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    call = jax.jit(lambda q, p, c, conf: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view="draft",
+                                                                            config=conf), static_argnums=3)
     for i, (name, lengths) in enumerate(layouts.items()):
-        key = jax.random.PRNGKey(100 + i)
+        key = jax.random.PRNGKey(seed + i)
         cache = random_quant_cache(cfg, args.batch, args.ctx, key, layers=1, fp_start=3, lengths=lengths)
         q = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, 1, hq, d), jnp.float32).astype(jnp.bfloat16)
         q_pos = (cache.q_len + cache.fp_len)[:, None] - 1
-        run = jax.jit(lambda q, p, c, conf: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view="draft",
-                                                                               config=conf), static_argnums=3)
         ref = np.asarray(jax.jit(lambda q, p, c: A.quantized_cache_attention(q, p, c, jnp.int32(0), "draft", None))(
             q, q_pos, cache), np.float64)
+        yield name, (lambda conf, q=q, q_pos=q_pos, cache=cache: np.asarray(
+            call(q, q_pos, cache, conf).astype(jnp.float32), np.float64)), ref
+
+
+def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
+    """The balanced schedule against the jnp reference and the row split, fresh random
+    cache and queries per layout (relative error; the two schedules sum in different orders)."""
+    for name, run, ref in draft_cases(args, hq, hkv, d, layouts, 100):
         confs = {"row": MgpuConfig(ws_flat=False), "flat": MgpuConfig(ws_flat=True)}
         if args.check_q_regs:  # the prep's query in registers (on by default for the row split) against it off:
             # the same operands, so the same bits
             confs = {n + x: dataclasses.replace(c, ws_prep_q_regs=x == "+q") for n, c in confs.items() for x in ("", "+q")}
-        outs = {n: np.asarray(run(q, q_pos, cache, conf).astype(jnp.float32), np.float64) for n, conf in confs.items()}
+        outs = {n: run(conf) for n, conf in confs.items()}
         for n, o in outs.items():
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
             ok = np.isfinite(o).all() and err <= 2e-2
@@ -89,6 +100,22 @@ def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
             print(f"check {n:7s} {name:11s}: {err_s} {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def check_tokens(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
+    """Every --nps token's draft call against the jnp reference (relative error, finite) and against
+    the first token's call (bitwise or not), fresh random cache and queries per layout."""
+    tokens = list(dict.fromkeys(args.nps.split(",")))
+    for name, run, ref in draft_cases(args, hq, hkv, d, layouts, 200):
+        first = None
+        for tok in tokens:
+            o = run(config_of(tok))
+            err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+            ok = bool(np.isfinite(o).all()) and err <= 2e-2
+            same = "" if first is None else (", bitwise equal to " if np.array_equal(o, first) else ", differs from ") + tokens[0]
+            first = o if first is None else first
+            print(f"check {tok:16s} {name:11s}: relerr {err:.2e} vs the jnp reference{same} {'ok' if ok else 'FAIL'}",
+                  flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(K.SHAPES))
@@ -99,6 +126,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--check-q-regs", action="store_true",
                     help="also check the prep's query in registers (ws_prep_q_regs) bitwise against it off")
+    ap.add_argument("--check-tokens", action="store_true",
+                    help="check every --nps token's draft call against the jnp reference first (fresh inputs)")
     ap.add_argument("--layouts", default="uniform,ragged,ragged_desc",
                     help="uniform: every row at ctx; ragged: e2e.batch_lengths (shortest row first); ragged_desc: "
                          "the same rows longest first (the grid's row order is the dispatch order)")
@@ -109,7 +138,9 @@ def main(argv=None) -> int:
     layouts = {"uniform": None, "ragged": ragged, "ragged_desc": ragged[::-1].copy()}
     layouts = {k: layouts[k] for k in args.layouts.split(",")}
     print(f"ragged rows: {ragged.tolist()}", flush=True)
-    if any(n.startswith("flat") for n in args.nps.split(",")) and "draft" in args.views:
+    if args.check_tokens and "draft" in args.views:
+        check_tokens(args, hq, hkv, d, layouts)
+    elif any(n.startswith("flat") for n in args.nps.split(",")) and "draft" in args.views:
         check_flat(args, hq, hkv, d, layouts)
     table = []
     with tempfile.TemporaryDirectory() as tmp:
