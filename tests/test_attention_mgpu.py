@@ -494,19 +494,51 @@ def test_live_columns_resolution(monkeypatch):
 
 
 def test_pipeline_default_by_schedule():
-    """The draft's consumers are software-pipelined in the row split and run one block after the
-    other in the balanced schedule (faster there with the live columns); the verify view never
-    pipelines by default; a config's ws_pipeline wins."""
+    """The draft's row split runs three unpipelined consumers by default; with two they are
+    software-pipelined. The balanced schedule runs two, one block after the other (faster there with
+    the live columns); the verify view never pipelines by default; a config's ws_pipeline wins."""
     st = functools.partial(ws.static_config, H=8, D=128, G=128, R=256, S_max=8192, C=1, c_max=2, window=None,
                            register_a=True, interpret=False, scale_dtype=jnp.float16, fp_dtype=jnp.bfloat16, cols=4)
-    assert st(B=1, view="draft", config=mg.MgpuConfig()).pipeline
+    d1 = st(B=1, view="draft", config=mg.MgpuConfig(), S_max=32768)  # 16 blocks per CTA: three consumers
+    assert (d1.consumers, d1.pipeline, d1.stages, d1.regs) == (3, False, 6, ws.REGS[3, 1])
+    d1s = st(B=1, view="draft", config=mg.MgpuConfig())  # 4 blocks per CTA: two, pipelined
+    assert d1s.consumers == 2 and d1s.pipeline
+    assert st(B=1, view="draft", config=mg.MgpuConfig(ws_consumers=2), S_max=32768).pipeline
     d8 = st(B=8, view="draft", config=mg.MgpuConfig())
-    assert d8.flat and not d8.pipeline  # (the balanced schedule: the draft's default from two rows up)
+    assert d8.flat and not d8.pipeline and d8.consumers == 2  # (the balanced schedule: from two rows up)
     flat8 = st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=True))
     assert flat8.flat and not flat8.pipeline
-    assert st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=False)).pipeline
+    row8 = st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=False))
+    assert row8.consumers == 3 and not row8.pipeline
+    assert st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=False, ws_consumers=2)).pipeline
     assert st(B=8, view="draft", config=mg.MgpuConfig(ws_flat=True, ws_pipeline=True)).pipeline
-    assert not st(B=1, view="target", config=mg.MgpuConfig()).pipeline
+    t1 = st(B=1, view="target", config=mg.MgpuConfig())
+    assert t1.consumers == 2 and not t1.pipeline
+
+
+def test_consumers_resolution(monkeypatch):
+    """`consumers_of`: the config's count, else $QSPEC_MGPU_CONSUMERS, else three for the draft's row
+    split where its CTAs have THREE_CONSUMERS_MIN_BLOCKS blocks or more; a bad environment value is
+    an error naming the variable. In `static_config` the count follows the cache's length (blocks
+    per CTA), never T."""
+    monkeypatch.delenv(ws.CONSUMERS_ENV, raising=False)
+    many, few = ws.THREE_CONSUMERS_MIN_BLOCKS, ws.THREE_CONSUMERS_MIN_BLOCKS - 1
+    assert ws.consumers_of(mg.MgpuConfig(), "draft", False, many) == 3
+    assert ws.consumers_of(mg.MgpuConfig(), "draft", False, few) == 2
+    assert ws.consumers_of(mg.MgpuConfig(), "draft", True, many) == 2
+    assert ws.consumers_of(mg.MgpuConfig(), "target", False, many) == 2
+    assert ws.consumers_of(mg.MgpuConfig(ws_consumers=2), "draft", False, many) == 2
+    assert ws.consumers_of(mg.MgpuConfig(ws_preps=2), "draft", False, many) == 2  # (3, 2) is no schedule
+    st = functools.partial(ws.static_config, B=1, H=8, D=128, G=128, R=256, c_max=2, view="draft", window=None,
+                           register_a=True, interpret=False, scale_dtype=jnp.float16, fp_dtype=jnp.bfloat16,
+                           config=mg.MgpuConfig(num_splits=4))
+    assert [st(S_max=128 * 4 * b, C=c, cols=4 * c).consumers for b in (few, many) for c in (1, 2)] == [2, 2, 3, 3]
+    monkeypatch.setenv(ws.CONSUMERS_ENV, "2")
+    assert ws.consumers_of(mg.MgpuConfig(), "draft", False, many) == 2
+    assert ws.consumers_of(mg.MgpuConfig(ws_consumers=3), "target", False, few) == 3
+    monkeypatch.setenv(ws.CONSUMERS_ENV, "4")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_CONSUMERS"):
+        ws.consumers_of(mg.MgpuConfig(), "draft", False, many)
 
 
 @pytest.mark.parametrize("view,window", [("target", None), ("target", 60), ("draft", None), ("draft", 60)])
@@ -637,7 +669,7 @@ def test_ws_register_budget():
     with pytest.raises(ValueError, match="register pool"):
         ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=3, ws_regs=(144, 56, 24)))
     with pytest.raises(ValueError, match="register pool"):
-        ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_regs=(216, 56, 40)))
+        ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=2, ws_regs=(216, 56, 40)))
     assert ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_consumers=3)).regs == ws.REGS[3, 1]
     with pytest.raises(ValueError, match="register pool"):  # 2 preps: 5 warpgroups, the 4-warpgroup budget
         ws.static_config(*args, mg.MgpuConfig(schedule="ws", ws_preps=2, ws_regs=(208, 56, 40)))
@@ -660,10 +692,11 @@ def test_mgpu_partials_written_and_neutral():
 
 
 def test_ws_default_schedule_per_view(monkeypatch):
-    """The ws defaults depend on (geometry, view), never on T: software-pipelined consumers with
-    three slots each for the draft, one block after the other for the verify (its wgmmas serialize
-    for lack of registers when pipelined); CTAs per (row, KV head) from the per-view fixed cost
-    (the SmolLM2 shape at batch 32 reads each pair's verify blocks in one CTA, its draft in 4)."""
+    """The ws defaults depend on (geometry, view), never on T: at 128k the draft's row split runs
+    three unpipelined consumers with two slots each (64 blocks per CTA), the verify two, one block
+    after the other (its wgmmas serialize for lack of registers when pipelined); CTAs per (row, KV
+    head) from the per-view fixed cost (the SmolLM2 shape at batch 32 reads each pair's verify blocks
+    in one CTA, its draft in 4)."""
     monkeypatch.setattr(ws, "num_sms", lambda: 132)
     assert ws.default_ctas(32, 3, 64, "target") == 1 and ws.default_ctas(32, 3, 64, "draft") == 4
     assert ws.default_ctas(1, 8, 1024, "draft") == ws.default_ctas(1, 8, 1024, "target") == 16
@@ -674,8 +707,11 @@ def test_ws_default_schedule_per_view(monkeypatch):
                                                 jnp.float16, jnp.bfloat16, mg.MgpuConfig(schedule="ws"))
     for view in ("draft", "target"):  # the same schedule for every column-tile count
         one, two = statics[view, 1], statics[view, 2]
-        assert (one.pipeline, one.stages, one.ring_bufs, one.NP) == (two.pipeline, two.stages, two.ring_bufs, two.NP)
-    assert statics["draft", 1].pipeline and statics["draft", 1].stages == 6
+        assert (one.pipeline, one.stages, one.ring_bufs, one.NP, one.consumers) == (
+            two.pipeline, two.stages, two.ring_bufs, two.NP, two.consumers)
+    d = statics["draft", 1]
+    assert (d.consumers, d.pipeline, d.stages) == (3, False, 6)
+    assert statics["target", 1].consumers == 2
     assert all(st.tma_warp and not st.static_slots for st in statics.values())
     assert not statics["target", 1].pipeline
     forced = ws.static_config(1, 8, 128, 128, 64, 1024 * 128, 1, 2, "target", None, True, False, jnp.float16,
@@ -933,7 +969,8 @@ LOWER_SCRIPT = textwrap.dedent("""
                 "wspm": dict(schedule="ws", ws_pair_merge=True), "wsflat": dict(schedule="ws", ws_flat=True),
                 "wsq": dict(schedule="ws", ws_prep_q_regs=True),
                 "wsflatq": dict(schedule="ws", ws_flat=True, ws_prep_q_regs=True),
-                "wsrow": dict(schedule="ws", ws_flat=False)}  # the draft's row split: pipelined, `_wg_keep`
+                # the draft's row split with two consumers: pipelined, `_wg_keep` (three: "ws3", its default)
+                "wsrow": dict(schedule="ws", ws_flat=False, ws_consumers=2)}
     for schedule, view, d, group, t, n_rep, window in cases:
         config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,

@@ -64,13 +64,14 @@ def _epi_kwargs(epi: mg.Epilogue, gw, res) -> dict:
 
 
 def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi: mg.Epilogue, nt: int = 1,
-                 reduce: str = "gmem") -> None:
+                 reduce: str = "gmem", k_groups: int = 1) -> None:
     """The interpret-mode twin with epilogue `epi` against `epilogue_reference` on the kernel's own
     bf16 weight: float32 outputs to 1e-5 (only float32 summation order differs); a residual,
     added in bf16, against the unfused kernel's output plus the residual, bit for bit."""
     k, n = 2 * splits * max(kt, g), 64 * wgs * nt
     p, x, gw, res = _fused_case(seed, m, k, n, g)
-    cfg = mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2, reduce=reduce)
+    cfg = mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2 * k_groups, reduce=reduce,
+                        k_groups=k_groups)
     wb = lay.dequantize_bf16(p).astype(jnp.float32)
     run = functools.partial(mg.int4_matmul_mgpu, x, p, config=cfg, variant="smem", interpret=True)
     if epi.residual:
@@ -144,6 +145,22 @@ def test_sem_split_sum_matches_gmem_bitwise():
     plain and with the residual, at plain and wide row counts; and runs SiLU·up and the norm (the
     splits' row sums x^2 added the same way) on its sums, against `epilogue_reference`."""
     _child("_case_sem")
+
+
+def test_k_groups_run_every_epilogue():
+    """`MgpuConfig.k_groups` = 2 (two warpgroups per row tile, their partials added in the CTA
+    before everything else): the norm, SiLU·up (warpgroups 0 and 1 of group 0 pair), the residual
+    (bitwise the plain kernel's output plus the residual), and after the "sem" split sum, against
+    `epilogue_reference`."""
+    _child("_case_k_groups")
+
+
+def _case_k_groups() -> None:
+    for seed, m, g, kt, wgs, splits, name, red in ((51, 3, 32, 64, 2, 1, "norm+swiglu", "gmem"),
+                                                  (52, 5, 32, 64, 1, 1, "norm", "gmem"),
+                                                  (53, 2, 64, 64, 1, 2, "res", "sem"),
+                                                  (54, 32, 32, 64, 2, 1, "norm+swiglu", "gmem")):
+        _check_fused(seed, m, g, kt, wgs, splits, _epi(name), reduce=red, k_groups=2)
 
 
 def _case_sem() -> None:
@@ -298,6 +315,8 @@ def lower(f, *a):
 FUSED_LOWER_SCRIPT = _LOWER_PRELUDE + r'''
 cl = mg.MgpuConfig(wgs=1, k_tile=256, splits=2, reduce="cluster", tma_view="wide")
 sm = mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="sem", tma_view="wide")  # the last split sums
+kc = cl.replace(k_groups=2)  # two warpgroups per row tile, then the cluster sum
+kw = mg.MgpuConfig(wgs=2, k_tile=128, k_groups=2, tma_view="wide")  # one CTA per column tile, k groups
 n_ok = 0
 for m in (1, 13, 24, 32, 40, 64):  # above 24 rows the wide exchange (no cluster sum there)
     x, i = S((m, 1024), jnp.bfloat16), S((), jnp.int32)
@@ -324,8 +343,12 @@ for m in (1, 13, 24, 32, 40, 64):  # above 24 rows the wide exchange (no cluster
              (x, W((), 1024, 512))),
             (lambda x, w, g, l: mg.int4_matmul_mgpu(x, w, layer=l, norm_weight=g, config=sm, variant=variant,
                                                     interpret=False), (x, W((3,), 1024, 256), gs, i)),
+            (lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, swiglu=True, config=kw, variant=variant,
+                                                 interpret=False), (x, W((), 1024, 512), g1)),
+            (lambda x, w, r, l: mg.int4_matmul_mgpu(x, w, layer=l, residual=r, config=kc, variant=variant,
+                                                    interpret=False), (x, W((3,), 1024, 256), res, i)),
         ]
-        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5, 6, 7, 8, 9)]):
+        for f, a in (cases if m <= mg.PLAIN_EXCHANGE_MP else [cases[i] for i in (0, 1, 2, 5, 6, 7, 8, 9, 10)]):
             text = lower(f, *a)
             assert "mosaic_gpu" in text
             n_ok += 1

@@ -335,6 +335,35 @@ def test_twin_matches_reference_random_shapes(seed, m, g, kt, splits):
     _check_twin(seed, m, g, kt, splits)
 
 
+@pytest.mark.parametrize("m,wgs,kg,splits,reduce,stages", [(3, 1, 2, 1, "gmem", 4), (5, 2, 2, 2, "sem", 4),
+                                                            (1, 1, 4, 1, "gmem", 4), (9, 1, 2, 2, "gmem", 6)])
+def test_k_groups_twin_matches_reference(m, wgs, kg, splits, reduce, stages):
+    """`k_groups`: a CTA's k steps dealt round-robin to kg warpgroups per row tile, their partials
+    added in the CTA (group order) before the split-K sum: the kernel's own arithmetic (float32
+    sums; a lost group's partial is ~1/kg of the result), every element written, the pipeline
+    rounded down to a multiple of kg stages (6 -> 4 at kg 2), and the rows independent bitwise."""
+    k, n = 2 * 4 * splits * 64, 64 * wgs
+    p = lay.pack_quantized(_qweight(61 + kg, (), k, n, 32))
+    cfg = mg.MgpuConfig(wgs=wgs, k_tile=64, splits=splits, stages=stages, reduce=reduce, k_groups=kg)
+    assert mg._stages_for("int4", cfg, 8, 32) == stages - stages % kg
+    x = _x(62, m, k)
+    y = np.asarray(mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True, out_dtype=jnp.float32))
+    assert y.shape == (m, n) and not np.isnan(y).any(), "unwritten output elements"
+    assert _rel(y, _bf16_emulation(x, p)) < 1e-5
+    if m == 3:
+        f = jax.jit(lambda x: mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True))
+        _rows_are_independent(f, k)
+
+
+def test_k_groups_bad_configs_raise():
+    p = lay.pack_quantized(_qweight(63, (), 256, 64, 32))
+    x = _x(64, 2, 256)
+    with pytest.raises(ValueError, match="k_groups=3"):
+        mg.int4_matmul_mgpu(x, p, config=mg.MgpuConfig(wgs=1, k_tile=64, k_groups=3), variant="smem")
+    with pytest.raises(ValueError, match=r"k_groups=4: .* dividing the 2 k steps"):
+        mg.int4_matmul_mgpu(x, p, config=mg.MgpuConfig(wgs=1, k_tile=64, splits=2, k_groups=4), variant="smem")
+
+
 def test_twin_two_warpgroups_stacked_layer_bf16_out():
     qw = _qweight(5, (3,), 256, 128, 32)
     p = lay.pack_quantized(qw)
@@ -431,16 +460,22 @@ def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
     with QSPEC_W4A16_TUNED=0; every entry is a valid launch shape of its weight."""
     monkeypatch.delenv("QSPEC_W4A16_TUNED", raising=False)
     for kind, table in mg.TUNED_SHAPES.items():
-        for (k, n, g), (wgs, kt, splits, red) in table.items():
+        for (k, n, g), (wgs, kt, splits, red, *rest) in table.items():
             cfg = mg.tuned_config(k, n, g, device_kind=f"NVIDIA {kind} SXM")
             assert (cfg.wgs, cfg.k_tile, cfg.splits, cfg.reduce) == (wgs, kt, splits, red)
+            assert (cfg.k_groups, cfg.stages) == (tuple(rest) or (1, 4))
             mg._check_cfg(cfg, k, n, lay.chunk_cols(g))
             assert cfg == mg.default_config(k, n, g, device_kind=f"NVIDIA {kind} SXM")
     down = (14336, 4096, 32)
     model = mg.default_config(*down, device_kind="", num_sms=132)
     tuned = mg.default_config(*down, device_kind=H100, num_sms=132)
     assert (tuned.wgs, tuned.splits, tuned.reduce) == (2, 4, "gmem") and tuned != model
-    assert mg.default_config(*down, device_kind="NVIDIA H200", num_sms=132) == model  # not measured there
+    h200 = mg.default_config(*down, device_kind="NVIDIA H200", num_sms=132)
+    assert (h200.wgs, h200.splits, h200.reduce, h200.k_groups, h200.stages) == (1, 2, "cluster", 2, 8)
+    assert mg.default_config(*down, device_kind="NVIDIA L40S", num_sms=132) == model  # not measured there
+    # a cluster entry where the call sums through global memory (M_pad > 24): the model's shape
+    assert mg.default_config(*down, device_kind="NVIDIA H200", num_sms=132, reduce="gmem") == mg.default_config(
+        *down, device_kind="", num_sms=132, reduce="gmem")
     assert mg.default_config(14336, 4096, 128, device_kind=H100, num_sms=132) == mg.default_config(
         14336, 4096, 128, device_kind="", num_sms=132)  # another group size: the model
     # a residual runs after a global-memory split sum; the norm and SiLU·up need the whole K in the kernel
@@ -524,6 +559,7 @@ def _lower(f, *args) -> str:
     (64, (3,), mg.MgpuConfig(wgs=2, k_tile=128, splits=2)),
     (128, (), mg.MgpuConfig(wgs=1, k_tile=256, splits=2, reduce="cluster")),
     (32, (2,), mg.MgpuConfig(wgs=4, k_tile=256, splits=2, reduce="cluster", tma_view="wide")),
+    (32, (), mg.MgpuConfig(wgs=1, k_tile=256, splits=2, reduce="cluster", tma_view="wide", k_groups=2)),
 ])
 @pytest.mark.parametrize("m", [1, 13])
 @pytest.mark.parametrize("variant", ["mma", "wgmma"])

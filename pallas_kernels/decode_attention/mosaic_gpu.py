@@ -119,14 +119,15 @@ class MgpuConfig:
     ws_diag: str | None = None
     # "ws": issue a block's value MMA, then the next block's K conversion and score MMA, before
     # waiting (software-pipelined consumers); False: one block after the other. Same bits.
-    # None: pipelined for the draft view's row split only (see mosaic_gpu_ws.static_config).
+    # None: pipelined for the draft view's row split with two consumers only (see mosaic_gpu_ws.static_config).
     ws_pipeline: bool | None = None
     # "ws": the consumer and prep loops unrolled over their slots, so that shared-memory addresses
     # are compile-time offsets. Same bits either way; None: off (it spills, see mosaic_gpu_ws).
     ws_static_slots: bool | None = None
     # "ws": one warp of the TMA warpgroup issues the copies, the other three leave (None: on).
     ws_tma_warp: bool | None = None
-    # "ws": consumer warpgroups per CTA, 2 (default) or 3 (unpipelined, 2 slots and 136 registers each)
+    # "ws": consumer warpgroups per CTA, 2 or 3 (unpipelined, 2 slots and 136 registers each). None:
+    # $QSPEC_MGPU_CONSUMERS, else 3 for the draft's row split on long rows, 2 otherwise (`mosaic_gpu_ws.consumers_of`)
     ws_consumers: int | None = None
     # "ws": prep warpgroups per CTA (block i prepared by i % ws_preps), 1 (default) or 2 (with 2 consumers)
     ws_preps: int | None = None

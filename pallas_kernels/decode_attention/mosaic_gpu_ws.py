@@ -13,16 +13,17 @@ dependency chain, is meant to bound the kernel. One CTA per SM; by default four 
   into the block's slot before the consumer gets there. Done ahead, off the consumers' chain.
 * wg 0 and 1, consumers: block i of the program goes to consumer i % 2 (its own slots, i % 2 ==
   slot % 2), each with its own online-softmax state and its own partial; per block: codes ->
-  float16 operands in registers, score MMA, softmax, P, value MMA accumulated in place. The draft
-  view's row split by default (`MgpuConfig.ws_pipeline`): software-pipelined, a block's value MMA
-  issued together with the K conversion and score MMA of the consumer's next block
-  (`values_then_scores`), with 3 slots per consumer (6 stages); the verify view (pipelined, its
-  wgmmas serialize for lack of registers) and the balanced schedule (faster unpipelined) run one
-  block after the other.
+  float16 operands in registers, score MMA, softmax, P, value MMA accumulated in place. The verify
+  view and the balanced schedule run one block after the other. The draft view's row split (batch
+  1) has three consumers by default (`consumers_of`, `MgpuConfig.ws_consumers`: block i to
+  consumer i % 3, two slots each, unpipelined; the prep and TMA warpgroups are then wg 3 and 4).
+  With two consumers there (`MgpuConfig.ws_pipeline`) they are software-pipelined, a block's
+  value MMA issued together with the K conversion and score MMA of the consumer's next block
+  (`values_then_scores`), with 3 slots per consumer (6 stages); the verify view's pipelined wgmmas
+  serialize for lack of registers, and the balanced schedule is faster unpipelined.
 
-Options measured and left off (H100 / H200, 2026-11-26; docs/kernel_notes.md): three consumer
-warpgroups (`ws_consumers=3`, block i to consumer i % 3), two prep warpgroups (`ws_preps=2`), and
-loops unrolled over their slots (`ws_static_slots`). The register budgets of every variant are
+Options measured and left off (H100 / H200, 2026-11-26; docs/kernel_notes.md): two prep warpgroups
+(`ws_preps=2`), and loops unrolled over their slots (`ws_static_slots`). The register budgets of every variant are
 checked against the CTA's pool (`register_pool`): setmaxnreg cannot hand out more than a CTA
 launched with, and asking for more hangs.
 
@@ -281,6 +282,32 @@ def flat_of(config: Any, view: str, batch: int) -> bool:
     if asked and view != "draft":
         raise ValueError(f"ws_flat: the balanced schedule is for the draft view only, got view={view!r}")
     return bool(asked)
+
+
+CONSUMERS_ENV = "QSPEC_MGPU_CONSUMERS"  # "2" / "3": consumer warpgroups per CTA where a config does not say (A/B runs)
+# Blocks per CTA from which the draft's row split runs three consumers (H200 2026-11-29, 8B batch 1: at
+# 128k, 64 blocks per CTA, 49.3 us with two pipelined consumers, 47.1 with three; at 4k, 2 blocks per CTA,
+# 8.8 us per layer with two, 9.1 with three, whose third consumer has no block).
+THREE_CONSUMERS_MIN_BLOCKS = 8
+
+
+def consumers_of(config: Any, view: str, flat: bool, blocks_per_cta: int) -> int:
+    """Consumer warpgroups per CTA: `config.ws_consumers`, else $QSPEC_MGPU_CONSUMERS, else 3 for
+    the draft view's row split where a CTA has THREE_CONSUMERS_MIN_BLOCKS blocks or more
+    (unpipelined, 136 registers and two slots each) and CONSUMERS (2) otherwise. From the view, the
+    schedule and the cache's geometry only, never from T: every T of a cache runs the same
+    consumers in the same order (T-invariance)."""
+    import os
+
+    nc = getattr(config, "ws_consumers", None)
+    if nc is None:
+        v = os.environ.get(CONSUMERS_ENV, "")
+        if v not in ("", "2", "3"):
+            raise ValueError(f"${CONSUMERS_ENV}={v!r}: expected 2 or 3")
+        three = (view == "draft" and not flat and blocks_per_cta >= THREE_CONSUMERS_MIN_BLOCKS
+                 and (getattr(config, "ws_preps", None) or 1) == 1)  # (three consumers take one prep)
+        nc = int(v) if v else (3 if three else CONSUMERS)
+    return int(nc)
 
 
 def flat_cap(batch: int, hkv: int, ctas: int) -> int:
@@ -1415,14 +1442,15 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     # accumulators run out of registers (ptxas serializes its wgmmas; H100 run 2026-11-26: 128 vs
     # 106 us at 128k, T = 5). A pipelined consumer holds both of its slots at once, so it gets three
     # (6 stages) where they fit: with 4 it was slower than unpipelined (67 vs 59 us), with 6 faster (56.5).
-    nc, npr = config.ws_consumers or CONSUMERS, config.ws_preps or 1
+    nc, npr = consumers_of(config, view, flat, -(-n_blocks // np_)), config.ws_preps or 1
     if (nc, npr) not in REGS:
         raise ValueError(f"ws_consumers={nc}, ws_preps={npr}: the warp-specialized schedule has (consumers, preps) "
                          f"in {sorted(REGS)}")
     # Not in the balanced schedule, whose consumers switch segments: there one block after the other is
     # faster with the live columns (H200 2026-11-29, 8B batch 8 / 32k: 103.9 -> 94.3 us on rows at
-    # 32k, 82.4 -> 73.8 on 16k-32k; SmolLM2 batch 32 / 8k 34.5 -> 33.8), while the row split keeps
-    # it (batch 1 / 128k: 49.3 pipelined, 50.6 not).
+    # 32k, 82.4 -> 73.8 on 16k-32k; SmolLM2 batch 32 / 8k 34.5 -> 33.8). The row split of two
+    # consumers keeps it (batch 1 / 128k: 49.3 pipelined, 50.6 not); its default now is three
+    # unpipelined consumers (47.1, `consumers_of`).
     pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2 and not flat)
     # (the balanced schedule is for the draft view, whose calls all have T = 1: sized for its C)
     plan = functools.partial(ring_plan, view, D, G, C if flat else c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,

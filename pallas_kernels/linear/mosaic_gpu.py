@@ -25,7 +25,9 @@ from M: a measured shape from `TUNED_SHAPES` where there is one, else the cost m
 (N / (64 wgs), splits) CTAs; each CTA has `wgs` compute warpgroups (64 rows each) and one
 producer warpgroup that streams the weight tiles, the scale records and the x tile with TMA
 through a `stages`-deep ring of shared-memory buffers (full / empty mbarriers). CTA (j, s) sums
-k in [s K/S, (s+1) K/S) in order, 16 columns per MMA step, into a float32 accumulator.
+k in [s K/S, (s+1) K/S) in order, 16 columns per MMA step, into a float32 accumulator; with
+`k_groups` G > 1, G warpgroups per row tile take the CTA's k steps round-robin and add their
+accumulators in the CTA (p_0 + p_1 + ...; more warps per row tile without a split-K sum).
 With splits S > 1 the partials are summed in a fixed order, p[0] + p[1] + ... + p[S-1], either by
 an unrolled XLA sum of float32 partials [S, M, N] ("gmem"), inside the kernel across the CTAs
 of a thread-block cluster through distributed shared memory ("cluster", the model's default), or
@@ -123,6 +125,13 @@ class MgpuConfig:
     # 2026-11-28, draft step at 4k, batch 1: INT4 linears 2.184 ms with 1 chain, 2.072 with 2, 2.074
     # with 4 (down 593 -> 518 us, o 250 -> 228); docs/kernel_notes.md.
     mma_chains: int = 2
+    # Consumer warpgroups per row tile: the CTA's k steps dealt round-robin to `k_groups` warpgroups of
+    # its `wgs` row tiles (step i to group i % k_groups, each with its own slots of the ring), whose
+    # float32 partials the group-0 warpgroup adds in group order, p_0 + p_1 + ..., in shared memory
+    # before the split-K sum and the epilogue. More warps streaming a row tile at the same CTA count
+    # and no global sum (the split-K sums cost a kernel or a cluster barrier); changes the float32
+    # summation order only (fixed per config, never dependent on M). 1: one warpgroup per row tile.
+    k_groups: int = 1
 
     def replace(self, **kw: Any) -> "MgpuConfig":
         return dataclasses.replace(self, **kw)
@@ -268,10 +277,12 @@ def _w_stage_bytes(kind: str, wgs: int, kt: int, g: int | None) -> int:
 def _stages_for(kind: str, cfg: MgpuConfig, mp: int, g: int | None, fit: tuple[int, int] | None = None) -> int:
     """Pipeline depth: cfg.stages, within SMEM_BUDGET for the weight and x stage buffers and, with
     `fit` = (bytes of the other scratch, bytes of all scratch per stage), within SMEM_LIMIT for the
-    CTA's whole scratch (the output and epilogue tiles are up to ~60 KB at M_pad 64 with a norm)."""
+    CTA's whole scratch (the output and epilogue tiles are up to ~60 KB at M_pad 64 with a norm);
+    rounded down to a multiple of cfg.k_groups (each k group owns the slots of its residue)."""
     per = _w_stage_bytes(kind, cfg.wgs, cfg.k_tile, g) + _x_stage_bytes(mp, cfg.k_tile)
     limit = SMEM_BUDGET // per if fit is None else min(SMEM_BUDGET // per, (SMEM_LIMIT - fit[0]) // fit[1])
-    return max(2, min(cfg.stages, limit))
+    st = max(2, min(cfg.stages, limit))
+    return max(cfg.k_groups, st - st % cfg.k_groups)
 
 
 def _smem_bytes(scratch: dict[str, Any]) -> int:
@@ -316,19 +327,26 @@ def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) ->
 
 
 # Measured launch shapes that beat the cost model, per device kind (a substring of
-# `jax.Device.device_kind`) and INT4 weight (K, N, G): (wgs, k_tile, splits, reduce). Each entry
+# `jax.Device.device_kind`) and INT4 weight (K, N, G): (wgs, k_tile, splits, reduce[, k_groups,
+# stages]) (k_groups 1 and 4 stages where not given). Each entry
 # comes from `tools/device/w4a16_config_sweep.py` (every valid shape timed, 4 stages, the split's
 # XLA sum included) and is used where it can run the call's epilogue (`epilogue_allows`) and its
 # reduction (a "cluster" entry only where the call allows cluster sums). From (K, N, G) only, never
-# from M, like the model. Not yet measured on the H200 (its sweep of 2026-11-22 kept the model's
-# shapes for o and gate_up).
-TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple[int, int, int, str]]] = {
+# from M, like the model.
+TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # H100 SXM, jax 0.11.2, 2026-11-27 (docs/bench/w4a16_config_sweep_h100_2026-11-27.log), M = 1 / 8:
     # the 8B draft's down 19.6 / 21.8 us against 22.1 / 22.2 for the model's wgs 1, S 2 cluster (the
     # same shape with a cluster sum: 27.1 / 28.3). In the draft step (4k) down went 615 -> 508 us at
     # batch 1 and 606 -> 517 at batch 8 for ~42 us of XLA sums. o's best (wgs 2, S 8, gmem: 9.1 us
     # against 10.0) saved 38-42 us of kernel time and cost as much in XLA sums: not taken.
     "H100": {(14336, 4096, 32): (2, 256, 4, "gmem")},
+    # H200, jax 0.11.2, 2026-11-29 (docs/bench/*_h200_2026-11-29d*): the 8B draft's down and o with two k
+    # groups per row tile (`MgpuConfig.k_groups`), the model's wgs 1, S 2 cluster otherwise. Stand-alone at
+    # M = 1: down 19.86 -> 17.07 us (8 stages; the split sums through global memory ran 17.9-19.4 plus a
+    # launch), o 8.26 -> 7.79 us (4 stages). In the draft step at 4k (`tuned_table_run.py`): batch 1 down
+    # 522.8 -> 453.9 us, o 228.7 -> 216.8, wall 2.684 -> 2.599 ms; batch 8 wall 3.287 -> 3.177 ms; launches
+    # unchanged. qkv with two k groups: no gain (342.9 -> 350.2 us), not taken.
+    "H200": {(14336, 4096, 32): (1, 256, 2, "cluster", 2, 8), (4096, 4096, 32): (1, 256, 2, "cluster", 2, 4)},
 }
 
 
@@ -338,11 +356,12 @@ def tuned_config(k: int, n: int, group_size: int | None, *, device_kind: str | N
     kind = _common.device_kind() if device_kind is None else device_kind
     for key, table in TUNED_SHAPES.items():
         if key in kind and (k, n, group_size) in table:
-            wgs, kt, splits, red = table[k, n, group_size]
+            wgs, kt, splits, red, *rest = table[k, n, group_size]
+            kg, stages = rest if rest else (1, 4)
             if (red == "cluster" and reduce != "cluster") or not epilogue_allows(epilogue, wgs, splits, red):
                 return None
-            return MgpuConfig(wgs=wgs, k_tile=kt, splits=splits, reduce=red, stages=4, tma_view=_tma_view(),
-                              pdl=_pdl(), mma_chains=_mma_chains())
+            return MgpuConfig(wgs=wgs, k_tile=kt, splits=splits, reduce=red, stages=stages, tma_view=_tma_view(),
+                              pdl=_pdl(), mma_chains=_mma_chains(), k_groups=kg)
     return None
 
 
@@ -360,6 +379,7 @@ def _pdl() -> bool:
 
 
 MMA_CHAINS = (1, 2, 4)  # the values `MgpuConfig.mma_chains` takes (a power of two dividing KT/16 >= 4)
+K_GROUPS = (1, 2, 4)  # the values `MgpuConfig.k_groups` takes
 
 
 def _mma_chains() -> int:
@@ -940,10 +960,14 @@ def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
 def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int,
             wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
             n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
-            k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1):
+            k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1, k_groups: int = 1):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
-    `epi` the fused glue (`Epilogue`; `norm_ahead`: `MgpuConfig.norm_ahead`). `names` names the
-    refs (inputs, output, scratch: `_call`)."""
+    `epi` the fused glue (`Epilogue`; `norm_ahead`: `MgpuConfig.norm_ahead`; `k_groups`:
+    `MgpuConfig.k_groups`). `names` names the refs (inputs, output, scratch: `_call`).
+
+    Warpgroups: consumers wg = q wgs + r (row tile r, k group q) for q < k_groups, then the
+    producer. Group 0's warpgroups are wg 0 .. wgs - 1 and run everything after the main loop
+    (split-K sum, epilogue, store), so there `wg` is the row tile."""
     r = dict(zip(names, refs))
     x_gmem, w_gmem, sz_gmem, g_gmem, res_gmem = (r.get(k) for k in ("x", "w", "sz", "g", "res"))
     out_gmem, ws_gmem, wss_gmem = r["out"], r.get("ws"), r.get("wss")
@@ -955,6 +979,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     res_smem, res_bar, pair, pair_bar = (r.get(k) for k in ("res_smem", "res_bar", "pair", "pair_bar"))
     cs_gmem, slots_gmem, qbuf, kring, vring = (r.get(k) for k in ("cs", "slots", "qbuf", "kring", "vring"))
     rpair, rope_bar, seq_bar = (r.get(k) for k in ("rpair", "rope_bar", "seq_bar"))
+    kx, kx_bar = r.get("kx"), r.get("kx_bar")  # k groups > 1: the partials of groups 1 .. k_groups - 1
     nt = lax.axis_index("nt")
     ks = lax.axis_index("ks")
     wg = lax.axis_index("wg")
@@ -967,7 +992,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     lead: tuple[Any, ...] = (layer_idx,) if w_stacked else ()
     g_lead: tuple[Any, ...] = (layer_idx,) if g_stacked else ()
 
-    @pl.when(wg == wgs)
+    @pl.when(wg == wgs * k_groups)
     def _producer():
         def issue_x(i, slot):
             k0 = ks * k_split + i * kt
@@ -1229,47 +1254,72 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
             final(total(ws_gmem, acc), total(wss_gmem, ss) if epi.norm else None)
 
-    @pl.when(wg < wgs)
+    def gather_groups(acc):
+        """k_groups > 1: group q > 0 leaves its partial in shared memory; the group-0 warpgroup of
+        the same row tile adds them in group order (p_0 + p_1 + ...) and goes on (`finish`)."""
+        if k_groups == 1:
+            finish(acc)
+            return
+        q, rt = wg // wgs, lax.rem(wg, wgs)
+
+        @pl.when(q > 0)
+        def _():
+            kx.at[q - 1, rt][...] = acc
+            plgpu.barrier_arrive(kx_bar.at[rt])
+
+        @pl.when(q == 0)
+        def _():
+            plgpu.barrier_wait(kx_bar.at[rt])
+            tot = acc
+            for i in range(k_groups - 1):
+                tot = tot + _load_acc(kx.at[i, rt], interpret)
+            finish(tot)
+
+    @pl.when(wg < wgs * k_groups)
     def _compute():
         if pdl:  # every thread that stores the output waits for the earlier grid too
             plgpu.griddepcontrol_wait()
             plgpu.griddepcontrol_launch_dependents()
+        # this warpgroup's row tile and k group: steps i = q, q + k_groups, ... (slots i % stages, whose
+        # residues mod k_groups are q's alone: stages is a multiple of k_groups)
+        rt, q = lax.rem(wg, wgs), wg // wgs
+        group_steps = steps // k_groups
         if kind == "int4" and variant == "mma":  # register A, warp-level MMAs, no async state
-            def mma_step(i, acc):
-                slot = lax.rem(i, stages)
+            def mma_step(j, acc):
+                slot = lax.rem(j * k_groups + q, stages)
                 plgpu.barrier_wait(full.at[slot])
-                acc = _mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, wg], sz_smem.at[slot, wg],
+                acc = _mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, rt], sz_smem.at[slot, rt],
                                                               x_smem.at[slot], acc)
                 plgpu.barrier_arrive(empty.at[slot])
                 return acc
 
             acc0 = plgpu.layout_cast(jnp.zeros((lay.ROWS, mp), jnp.float32), plgpu.Layout.WGMMA)
-            finish(lax.fori_loop(0, steps, mma_step, acc0))
+            gather_groups(lax.fori_loop(0, group_steps, mma_step, acc0))
             return
 
         def acc_scope(acc_ref):
-            def step(i, carry):
-                slot = lax.rem(i, stages)
+            def step(j, carry):
+                slot = lax.rem(j * k_groups + q, stages)
                 plgpu.barrier_wait(full.at[slot])
                 if kind == "bf16" and not interpret:  # A straight from shared memory, transposed
-                    plgpu.wgmma(acc_ref, _T(w_smem.at[slot, wg]), _T(x_smem.at[slot]))
+                    plgpu.wgmma(acc_ref, _T(w_smem.at[slot, rt]), _T(x_smem.at[slot]))
                 for kb in range(kt // lay.KB if (kind == "int4" or interpret) else 0):
                     cols = pl.ds(kb * lay.KB, lay.KB)
                     x_kb = x_smem.at[slot, :, cols]
                     if kind == "int4" and variant == "wgmma":
-                        a = _dequant_block(g, kb)(w_smem.at[slot, wg], sz_smem.at[slot, wg])
+                        a = _dequant_block(g, kb)(w_smem.at[slot, rt], sz_smem.at[slot, rt])
                         plgpu.wgmma(acc_ref, a, _T(x_kb))
                         plgpu.wgmma_wait(1)
                         continue
                     a_smem, xt_smem = twin
                     if kind == "int4":  # the twin: dequantize into shared memory
                         c = lay.chunk_cols(g)
-                        tile = _twin_dequant(w_smem.at[slot, wg, kb][...].reshape(lay.THREADS, lay.WORDS),
-                                             sz_smem.at[slot, wg, kb // (c // lay.KB)][...], g, kb)
+                        tile = _twin_dequant(w_smem.at[slot, rt, kb][...].reshape(lay.THREADS, lay.WORDS),
+                                             sz_smem.at[slot, rt, kb // (c // lay.KB)][...], g, kb)
                         a_smem.at[wg][...] = tile
                         a_op = a_smem.at[wg]
                     else:  # bf16 weights, interpret mode: materialize W^T
-                        a_smem.at[wg][...] = w_smem.at[slot, wg, cols, :][...].T
+                        a_smem.at[wg][...] = w_smem.at[slot, rt, cols, :][...].T
                         a_op = a_smem.at[wg]
                     if interpret:  # the interpreter's wgmma takes no transposed operand
                         xt_smem.at[wg][...] = x_kb[...].T
@@ -1282,10 +1332,10 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 plgpu.barrier_arrive(empty.at[slot])
                 return carry
 
-            lax.fori_loop(0, steps, step, 0)
+            lax.fori_loop(0, group_steps, step, 0)
             return acc_ref[...]
 
-        finish(pl.run_scoped(acc_scope, plgpu.ACC((lay.ROWS, mp), jnp.float32)))
+        gather_groups(pl.run_scoped(acc_scope, plgpu.ACC((lay.ROWS, mp), jnp.float32)))
 
     if red is not None:
         _cluster_sync()
@@ -1405,7 +1455,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     the refs "qbuf", "kring", "vring" (flat, `jax.new_ref`), which the kernel writes in place."""
     m = x.shape[0]
     mp = rows_for(m)
-    kt, wgs, s = cfg.k_tile, cfg.wgs, cfg.splits
+    kt, wgs, s, kg = cfg.k_tile, cfg.wgs, cfg.splits, cfg.k_groups
     steps = k // (kt * s)
     reduce = cfg.reduce if s > 1 else "gmem"
     if interpret and reduce == "cluster":
@@ -1434,15 +1484,19 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
             scratch["sz_smem"] = plgpu.SMEM((stages, wgs, kt // c, 64 * c // g), jnp.uint32)
         else:
             scratch["w_smem"] = plgpu.SMEM((stages, wgs, kt, lay.ROWS), jnp.bfloat16, transforms=x_tf)
-        if use_twin:
+        if use_twin:  # one operand tile per consumer warpgroup
             a_tf = () if interpret else x_tf
-            scratch["a_twin"] = plgpu.SMEM((wgs, lay.ROWS, lay.KB), jnp.bfloat16, transforms=a_tf)
-            scratch["xt_twin"] = plgpu.SMEM((wgs, lay.KB, mp), jnp.bfloat16)
+            scratch["a_twin"] = plgpu.SMEM((wgs * kg, lay.ROWS, lay.KB), jnp.bfloat16, transforms=a_tf)
+            scratch["xt_twin"] = plgpu.SMEM((wgs * kg, lay.KB, mp), jnp.bfloat16)
         scratch["o_smem"] = plgpu.SMEM((wgs, mp, lay.ROWS), o_dtype)
         scratch["full"] = plgpu.Barrier(num_barriers=stages, num_arrivals=n_full)
         scratch["empty"] = plgpu.Barrier(num_barriers=stages, num_arrivals=wgs)
         if reduce == "cluster":
             scratch["red"] = plgpu.SMEM((wgs, lay.ROWS, mp), f32)
+        if kg > 1:  # the partials of k groups 1 .. kg - 1, per row tile, for group 0
+            scratch["kx"] = plgpu.SMEM((kg - 1, wgs, lay.ROWS, mp), f32,
+                                       transforms=() if interpret else exchange_transforms(mp))
+            scratch["kx_bar"] = plgpu.Barrier(num_barriers=wgs, num_arrivals=kg - 1)
         if epi.norm:
             scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2)  # x and g tiles
             scratch["g_smem"] = plgpu.SMEM((stages, kt), jnp.bfloat16)
@@ -1468,6 +1522,9 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     # Pipeline depth: the declaration at 0 and 1 stages gives the other scratch and a stage's.
     other = _smem_bytes(declare_scratch(0))
     stages = _stages_for(kind, cfg, mp, g, (other, _smem_bytes(declare_scratch(1)) - other))
+    if stages % kg:
+        raise ValueError(f"k_groups={kg}: the pipeline's {stages} stages (k_tile={kt}, M_pad={mp}) must be a "
+                         f"multiple of it (each k group owns the slots of its residue)")
     scratch = declare_scratch(stages)
     n_out = n // 2 if epi.swiglu else n
     out_shape = (m, n_out) if whole else (s, m, n)
@@ -1492,7 +1549,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
-        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains)
+        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()
@@ -1503,15 +1560,15 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     out_type = jax.ShapeDtypeStruct(out_shape, o_dtype)
     if sem_ws:
         out_type = (out_type, *[jax.ShapeDtypeStruct((s - 1, n // lay.ROWS, lay.ROWS, mp), f32) for _ in ws_names])
-    name = f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}{epi.tag()}"
+    name = f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}{f'_kg{kg}' if kg > 1 else ''}{epi.tag()}"
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     if epi.qkv is None:
-        call = plgpu.kernel(kernel, out_type=out_type, num_threads=wgs + 1, thread_name="wg",
+        call = plgpu.kernel(kernel, out_type=out_type, num_threads=wgs * kg + 1, thread_name="wg",
                             scratch_types=list(scratch.values()), compiler_params=params, kernel_name=name, **kw)
         y = call(*inputs.values())
     else:  # refs among the operands, aliased in and out: pl.kernel (plgpu.kernel's vmap wrapper takes no refs)
         interp = kw.pop("interpret", False)
-        mesh = plgpu.Mesh(num_threads=wgs + 1, thread_name="wg", kernel_name=name, **kw)
+        mesh = plgpu.Mesh(num_threads=wgs * kg + 1, thread_name="wg", kernel_name=name, **kw)
 
         def body(*refs):
             pl.run_scoped(functools.partial(kernel, *refs), *scratch.values(), collective_axes="wg")
@@ -1558,6 +1615,10 @@ def _check_cfg(cfg: MgpuConfig, k: int, n: int, c: int) -> None:
         raise ValueError(f"diag={cfg.diag!r}; expected one of {DIAGNOSTICS}")
     if cfg.mma_chains not in MMA_CHAINS:
         raise ValueError(f"mma_chains={cfg.mma_chains}; expected one of {MMA_CHAINS}")
+    if cfg.k_groups not in K_GROUPS or (k // (cfg.k_tile * cfg.splits)) % cfg.k_groups:
+        raise ValueError(f"k_groups={cfg.k_groups}: expected one of {K_GROUPS}, dividing the "
+                         f"{k // (cfg.k_tile * cfg.splits)} k steps of a split (K={k}, k_tile={cfg.k_tile}, "
+                         f"splits={cfg.splits})")
     if cfg.tma_view not in TMA_VIEWS:
         raise ValueError(f"tma_view={cfg.tma_view!r}; expected one of {tuple(TMA_VIEWS)}")
 

@@ -5,6 +5,8 @@
 #      with QSPEC_QKV_CACHE=1 (off for 64) against all (on), batch 1 and 8 (above 24 rows it does not apply);
 #   3. the 8B at batch 1: every program at 4k (verify T 5), draft / verify (T 8) / loops at 128k.
 #   cd <repo> && OUT=/tmp/out bash tools/device/h200_state_gpu.sh     (STAGES="probe smol 8b" by default)
+#   STAGES="loops e2e b8long consumers smolloops": the issues' loop, batch-8 and SmolLM2 points, and a probe
+#   of the draft's consumer count and ring depth at batch 1 / 128k (sixteenth session)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -37,6 +39,83 @@ for stage in ${STAGES:-probe smol 8b}; do
     8b)
       prof 8b_b1_4k --batch 1 --contexts 4096 --programs ar_bf16,draft,verify,ar_loop,spec_loop --verify-t 5
       prof 8b_b1_128k --batch 1 --contexts 131072 --programs draft,verify,ar_loop,spec_loop --verify-t 8;;
+    loops)  # issue 31 / 32's loop targets (sixteenth session): the 8B at batch 1, 4k and 128k
+      prof 8b_b1_4k_loops --batch 1 --contexts 4096 --programs ${LOOP_PROGS_4K:-draft,ar_loop,spec_loop} --verify-t 5
+      prof 8b_b1_128k_loops --batch 1 --contexts 131072 --programs ${LOOP_PROGS_128K:-draft,ar_loop,spec_loop} \
+        --verify-t 8;;
+    smolloops)  # SmolLM2's shape at batch 32 / 8k, rows of 4k-8k (issue 31's real-model point, random weights)
+      prof smollm2_b32_8k_loops --shape smollm2 --batch 32 --contexts 8192 --ragged \
+        --programs ${SMOL_LOOP_PROGS:-draft,ar_loop,spec_loop} --verify-t 5;;
+    e2e)  # issue 31's batch-8 measure
+      timeout ${E2E_LIMIT:-200} python3 -m qspec_jax.cli.bench e2e --parts batch --batch-contexts 32768 --alphas 0.9 \
+        --out $OUT/p_e2e 2>&1 | grep -v "^W[0-9]" > $L/e2e_batch_32k.log
+      grep -o '"ar_bf16_tok_s": [0-9.]*, "spec_a0.9_tok_s": [0-9.]*' $L/e2e_batch_32k.log
+      echo "== e2e done ($(( $(date +%s) - T0 )) s)";;
+    b8long)  # issue 31's batch-8 stand-alone targets at 128k (INT4 draft <= 0.37 ms, INT8 T 5 <= 0.75 ms)
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --batch 8 --ctx 131072 --nps flat \
+        --views draft --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" | tee $L/ragged_b8_128k_draft.log | grep -v "^|"
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --batch 8 --ctx 131072 --nps 0 \
+        --views target,dense --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" | tee $L/ragged_b8_128k_target.log \
+        | grep -v "^|"
+      echo "== b8long done ($(( $(date +%s) - T0 )) s)";;
+    linsweep)  # the small INT4 linears' launch shapes on the H200 with the in-kernel "sem" split-K sum (M 1)
+      timeout ${SWEEP_LIMIT:-260} python3 tools/device/w4a16_config_sweep.py --shapes ${SWEEP_SHAPES:-down,o,qkv} --m 1 \
+        --stages 4 --k-tiles 256 --splits 1,2,4,8 --budget ${SWEEP_BUDGET:-220} 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/w4a16_sweep_sem_m1.log | grep -E "^==|FAILED|rror"
+      echo "== linsweep done ($(( $(date +%s) - T0 )) s)";;
+    linab)  # candidate H200 TUNED_SHAPES for down / o in the draft step (tools/device/tuned_table_run.py)
+      i=0  # LINAB_TABLES: ';'-separated tuned_table_run.py arguments, one table each ("" = the checkout's)
+      IFS=';' read -ra tabs <<< "${LINAB_TABLES:-}"
+      for t in "${tabs[@]}"; do
+        timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py $t -- profile --steps 8 --trials 3 \
+          --batch ${LINAB_BATCH:-1} --contexts 4096 --programs draft --out $OUT/p_linab$i 2>&1 | grep -v "^W[0-9]" \
+          > $L/profile_linab$i.log
+        echo "-- table $i: $t"; grep -E "^== draft|^   linear|k14336 n4096|k4096 n4096 |k4096 n6144|rror" $L/profile_linab$i.log
+        rm -rf $OUT/p_linab$i/traces; i=$((i + 1))
+      done
+      echo "== linab done ($(( $(date +%s) - T0 )) s)";;
+    kgsweep)  # MgpuConfig.k_groups on the GPU: down and o, each config checked against the default (rel)
+      timeout ${SWEEP_LIMIT:-150} python3 tools/device/w4a16_config_sweep.py --shapes ${KG_SHAPES:-down,o} --m 1 \
+        --stages 4,8 --k-tiles 256 --splits 2 --reduces cluster --wgs 1 --k-groups 1,2 --budget 120 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/w4a16_sweep_kgroups_m1.log | grep -E "^  |^==|FAILED|rror"
+      echo "== kgsweep done ($(( $(date +%s) - T0 )) s)";;
+    cons4k)  # the draft attention at 4k, batch 1: two pipelined consumers (the old default) against three
+      QSPEC_MGPU_CONSUMERS=2 prof 8b_b1_4k_draft_cons2 --batch 1 --contexts 4096 --programs draft
+      grep -E "quantspec_draft" $L/profile_8b_b1_4k_draft_cons2.log;;
+    best)  # the fastest LINAB table by draft wall time, for the stages after it (tuned_table_run.py)
+      best=$(for f in $L/profile_linab*.log; do
+               w=$(grep -oE "^== draft at [0-9]+: wall [0-9.]+" $f | awk '{print $NF}'); echo "$w ${f##*linab}"; done \
+             | sort -n | head -1 | awk '{print $2}'); best=${best%.log}
+      IFS=';' read -ra tabs <<< "${LINAB_TABLES:-}"; BEST_T="${tabs[$best]:-}"
+      echo "== best table $best: $BEST_T";;
+    tinvrow)  # T-invariance of the draft's row split (three consumers now) and of the verify view
+      timeout ${CHECK_LIMIT:-150} python3 tools/device/check_attention.py --parts tinv --impls mosaic-ws --quick \
+        --check-config ws_flat=0 --cases "llama3-8b:draft:float32:none,llama3-8b:draft:bfloat16:1000" \
+        2>&1 | grep -v "^W[0-9]" | tee $L/tinv_row3.log | grep -E "tinv|FAIL|rror" | tail -6
+      echo "== tinvrow done ($(( $(date +%s) - T0 )) s)";;
+    e2eb)  # issue 31's batch-8 measure with the best table
+      timeout ${E2E_LIMIT:-200} python3 tools/device/tuned_table_run.py ${BEST_T:-} -- e2e --parts batch \
+        --batch-contexts 32768 --alphas 0.9 --out $OUT/p_e2eb 2>&1 | grep -v "^W[0-9]" > $L/e2e_batch_32k_best.log
+      grep -o '"ar_bf16_tok_s": [0-9.]*, "spec_a0.9_tok_s": [0-9.]*' $L/e2e_batch_32k_best.log
+      echo "== e2eb done ($(( $(date +%s) - T0 )) s)";;
+    loopsb)  # the loops with the best table: batch 1 at 4k and 128k
+      for ctx in ${LOOPB_CTXS:-131072 4096}; do
+        vt=$([ $ctx = 4096 ] && echo 5 || echo 8)
+        timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py ${BEST_T:-} -- profile --steps 8 --trials 3 \
+          --batch 1 --contexts $ctx --programs draft,ar_loop,spec_loop --verify-t $vt --out $OUT/p_lb$ctx 2>&1 \
+          | grep -v "^W[0-9]" > $L/profile_8b_b1_${ctx}_loops_best.log
+        grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_8b_b1_${ctx}_loops_best.log; rm -rf $OUT/p_lb$ctx/traces
+        echo "== loopsb $ctx done ($(( $(date +%s) - T0 )) s)"
+      done;;
+    exact)
+      timeout ${EXACT_LIMIT:-150} python3 tools/device/exactness_check.py 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/exactness_check.log | tail -4
+      echo "== exact done ($(( $(date +%s) - T0 )) s)";;
+    consumers)  # the draft's row split at batch 1 / 128k: 3 unpipelined consumers, deeper rings (issue 31's 47 us)
+      timeout ${KERNEL_LIMIT:-240} python3 tools/device/ragged_attention.py --batch 1 --ctx 131072 \
+        --nps ${CONS_TOKENS:-0,0~3,0%8,0-p%8} --views draft --layouts uniform --check-tokens 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/consumers_b1_128k.log | grep -v "^|"
+      echo "== consumers done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

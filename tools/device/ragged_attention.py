@@ -38,14 +38,21 @@ def config_of(token: str) -> MgpuConfig:
     or not (`ws_prep_q_regs`), "+l" / "-l": the softmax on the live columns or whole tiles
     (`ws_live_cols`), "+p" / "-p": the software-pipelined consumers or not (`ws_pipeline`); a
     ":stream" suffix: the kernel's TMA-only timing diagnostic (wrong results), or another `ws_diag`;
-    an "@216/56/24" suffix (last): setmaxnreg per role (`ws_regs`)."""
+    an "@216/56/24" suffix (last): setmaxnreg per role (`ws_regs`); "~3": consumer warpgroups per CTA
+    (`ws_consumers`), "%8": pipeline stages (`stages`), both before any other suffix ("0~3%6+l")."""
     token, _, regs = token.partition("@")
     split, _, diag = token.partition(":")
-    extra = {"ws_regs": tuple(int(x) for x in regs.split("/"))} if regs else {}
+    extra: dict = {"ws_regs": tuple(int(x) for x in regs.split("/"))} if regs else {}
     fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols", "p": "ws_pipeline"}
     while split[-2:-1] in ("+", "-") and split[-1:] in fields:
         extra[fields[split[-1]]] = split[-2] == "+"
         split = split[:-2]
+    split, _, stages = split.partition("%")
+    split, _, consumers = split.partition("~")
+    if stages:
+        extra["stages"] = int(stages)
+    if consumers:
+        extra["ws_consumers"] = int(consumers)
     if split.startswith("flat"):
         base = MgpuConfig(ws_flat=True, ws_flat_ctas=int(split[4:]) if split[4:] else None)
     else:

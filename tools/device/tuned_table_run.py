@@ -2,7 +2,7 @@
 entries added, replaced or dropped for this process only, so that several tables can be compared in the model on
 one warm machine without editing the tree between runs.
 
-    PYTHONPATH=. python3 tools/device/tuned_table_run.py [--set KIND:K,N,G=WGS,KT,S,REDUCE ...] \
+    PYTHONPATH=. python3 tools/device/tuned_table_run.py [--set KIND:K,N,G=WGS,KT,S,REDUCE[,K_GROUPS,STAGES] ...] \
         [--drop KIND:K,N,G ...] [--attn-splits VIEW=N ...] [--attn-config FIELD=VALUE,...] \
         -- profile --batch 1 --contexts 4096 ...
 
@@ -34,7 +34,7 @@ def main() -> int:
     argv = sys.argv[1:]
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser()
-    ap.add_argument("--set", action="append", default=[], help="KIND:K,N,G=WGS,KT,S,REDUCE")
+    ap.add_argument("--set", action="append", default=[], help="KIND:K,N,G=WGS,KT,S,REDUCE[,K_GROUPS,STAGES]")
     ap.add_argument("--drop", action="append", default=[], help="KIND:K,N,G")
     ap.add_argument("--attn-splits", action="append", default=[], help="VIEW=N (draft or target)")
     ap.add_argument("--attn-config", default="", help="FIELD=VALUE,... defaults of the attention's MgpuConfig")
@@ -44,10 +44,10 @@ def main() -> int:
         mg.TUNED_SHAPES.get(kind, {}).pop(key, None)
     for spec in args.set:
         kind, key, value = _entry(spec)
-        wgs, kt, s, red = value.split(",")
-        if red not in mg.REDUCE_MODES:
-            raise SystemExit(f"--set {spec}: reduce {red!r} not in {mg.REDUCE_MODES}")
-        mg.TUNED_SHAPES.setdefault(kind, {})[key] = (int(wgs), int(kt), int(s), red)
+        wgs, kt, s, red, *more = value.split(",")  # (not `rest`: the qspec-bench arguments)
+        if red not in mg.REDUCE_MODES or len(more) not in (0, 2):
+            raise SystemExit(f"--set {spec}: expected WGS,KT,S,REDUCE[,K_GROUPS,STAGES] with REDUCE in {mg.REDUCE_MODES}")
+        mg.TUNED_SHAPES.setdefault(kind, {})[key] = (int(wgs), int(kt), int(s), red, *(int(v) for v in more))
     print(f"TUNED_SHAPES = {mg.TUNED_SHAPES}", flush=True)
     if args.attn_splits:
         from pallas_kernels.decode_attention import mosaic_gpu_ws as ws

@@ -79,26 +79,36 @@ def time_config(cfg, x, ws, iters, trials=5):
     return statistics.median(ts), ys[0]
 
 
-def configs(k, n, g, stage_counts=(4, 6)):
+def configs(k, n, g, stage_counts=(4, 6), k_tiles=(256, 128, 64), splits=(1, 2, 3, 4, 6, 8, 9, 12, 16),
+            reduces=("cluster", "gmem", "sem"), wgs_values=(2, 1), k_groups=(1,)):
     """Every valid launch shape; pipeline depths from `stage_counts`, each at most a CTA's k steps
-    (deeper only adds empty buffers), the smallest always."""
+    (deeper only adds empty buffers), the smallest always; warpgroups per CTA, k tiles, split counts,
+    split-K sums (for S > 1) and k groups (`MgpuConfig.k_groups`) restricted to the given ones."""
     c = lay.chunk_cols(g)
-    for wgs in (2, 1):
+    for wgs in wgs_values:
         if n % (lay.ROWS * wgs):
             continue
-        for kt in (256, 128, 64):
+        for kt in k_tiles:
             if kt % c or k % kt:
                 continue
             steps = k // kt
-            for s in (1, 2, 3, 4, 6, 8, 9, 12, 16):
+            for s in splits:
                 if steps % s or (s > 1 and steps // s < 2):
                     continue
-                for reduce in (("cluster", "gmem") if 1 < s <= mg.MAX_CLUSTER else ("gmem",)):
-                    for stages in sorted(set(stage_counts)):
-                        if stages > steps // s and stages != min(stage_counts):
+                allowed = [r for r in ("cluster", "gmem", "sem") if r != "cluster" or s <= mg.MAX_CLUSTER]
+                for reduce in ([r for r in allowed if r in reduces] if s > 1 else ["gmem"]):
+                    for kg in k_groups:
+                        if (steps // s) % kg:
                             continue
-                        yield mg.MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce, stages=stages,
-                                            tma_view="wide")
+                        for stages in sorted(set(stage_counts)):
+                            if stages > steps // s and stages != min(stage_counts):
+                                continue
+                            yield mg.MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce, stages=stages,
+                                                tma_view="wide", k_groups=kg)
+
+
+def ints(csv: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in csv.split(","))
 
 
 def main(argv=None) -> int:
@@ -109,6 +119,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole sweep")
     ap.add_argument("--stages", default="4,6",
                     help="pipeline depths swept (comma-separated; e.g. 4,6,9 for SmolLM2's 9-step K = 576)")
+    ap.add_argument("--k-tiles", default="256,128,64", help="k tiles swept")
+    ap.add_argument("--splits", default="1,2,3,4,6,8,9,12,16", help="split-K factors swept")
+    ap.add_argument("--reduces", default="cluster,gmem,sem", help="split-K sums swept (S > 1)")
+    ap.add_argument("--wgs", default="2,1", help="warpgroups (64-row tiles) per CTA swept")
+    ap.add_argument("--k-groups", default="1", help="k groups per row tile swept (MgpuConfig.k_groups)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time only the default config, with and without programmatic dependent launch")
     args = ap.parse_args(argv)
@@ -128,7 +143,9 @@ def main(argv=None) -> int:
         rows = []
         ref = None
         candidates = ([default, default.replace(pdl=not default.pdl)] if args.pdl_ab
-                      else [default, *[c for c in configs(k, n, g, stage_counts) if c != default]])
+                      else [default, *[c for c in configs(k, n, g, stage_counts, ints(args.k_tiles), ints(args.splits),
+                                                           tuple(args.reduces.split(",")), ints(args.wgs),
+                                                           ints(args.k_groups)) if c != default]])
         for cfg in candidates:
             if time.perf_counter() - t_start > args.budget:
                 print(f"  budget reached; {name} partially swept", flush=True)
@@ -143,7 +160,7 @@ def main(argv=None) -> int:
             err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
             rows.append((sec * 1e6, cfg, err))
             print(f"  {name:8s} {sec * 1e6:8.2f} us {nbytes / sec / 1e12:5.2f} TB/s  rel {err:.1e}  "
-                  f"wgs{cfg.wgs} kt{cfg.k_tile} S{cfg.splits} {cfg.reduce} st{cfg.stages} pdl={cfg.pdl}"
+                  f"wgs{cfg.wgs} kt{cfg.k_tile} S{cfg.splits} {cfg.reduce} st{cfg.stages} kg{cfg.k_groups} pdl={cfg.pdl}"
                   f"{'  (default)' if cfg == default else ''}", flush=True)
         if not rows:
             continue
@@ -154,7 +171,8 @@ def main(argv=None) -> int:
         best_all[name] = {"k": k, "n": n, "g": g, "m": args.m, "best_us": us, "default_us": d_us,
                           "floor_us": floor_us, "rel_err_vs_default": err,
                           "best": {"wgs": cfg.wgs, "k_tile": cfg.k_tile, "splits": cfg.splits,
-                                   "reduce": cfg.reduce, "stages": cfg.stages, "pdl": cfg.pdl}}
+                                   "reduce": cfg.reduce, "stages": cfg.stages, "k_groups": cfg.k_groups,
+                                   "pdl": cfg.pdl}}
         print(f"== {name}: best {us:.2f} us (default {d_us:.2f}, floor {floor_us:.2f}) {cfg}", flush=True)
     print("BEST " + json.dumps(best_all), flush=True)
     return 0
