@@ -79,7 +79,8 @@ def kernel_layout_wanted(cfg: Any) -> bool:
 
 
 def to_kernel_layout(w: Any) -> Any:
-    """An INT4 QuantizedWeight in the Hopper kernel's layout (`W4A16Packed`, exact); weights of
+    """An INT4 QuantizedWeight in the Hopper kernel's layout (`W4A16Packed`: the same codes, each
+    group's scale / zero as the kernel's bf16 pair, i.e. the kernel's own weight); weights of
     other kinds, and shapes the kernel does not take, come back unchanged."""
     if not isinstance(w, QuantizedWeight):
         return w
@@ -221,12 +222,12 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
         # the dot's operand. The CPU path.
         if layer is not None:  # one layer first: never unpack or dequantize the whole stack
             w = jax.tree.map(lambda a: a[layer], w)
-        if not isinstance(w, QuantizedWeight):
-            from pallas_kernels.linear.layout import unpack_fields
+        if isinstance(w, QuantizedWeight):
+            wd = w.dequantize().astype(x.dtype)
+        else:  # the Hopper layout: the Mosaic kernel's own weight (prefill and decode see the same W)
+            from pallas_kernels.linear.layout import dequantize_f32
 
-            f = unpack_fields(w)
-            w = QuantizedWeight(packed=f.packed, scale=f.scale, zero=f.zero)
-        wd = w.dequantize().astype(x.dtype)
+            wd = dequantize_f32(w).astype(x.dtype)
         return jnp.einsum("...i,io->...o", x, wd).astype(out_dtype)
     from pallas_kernels.linear import int4_linear, supports  # lazily: kernels import Pallas GPU backends
 

@@ -72,9 +72,10 @@ def _rel(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
-def _oracle(x, p: lay.W4A16Packed) -> np.ndarray:
-    """The jnp/numpy reference: x (exact bf16 values) @ (U * scale + zero) in float64."""
-    return np.asarray(x, np.float64) @ np.asarray(lay.dequantize_f32(p), np.float64)
+def _oracle(x, qw: QuantizedWeight) -> np.ndarray:
+    """The jnp/numpy reference: x (exact bf16 values) @ (U * scale + zero) in float64 (the SPEC's
+    weight, from the QuantizedWeight fields: the layout keeps only the kernel's bf16 pair)."""
+    return np.asarray(x, np.float64) @ np.asarray(qw.dequantize(), np.float64)
 
 
 def _bf16_emulation(x, p: lay.W4A16Packed) -> np.ndarray:
@@ -91,10 +92,20 @@ def _random_fields(seed: int, lead: tuple[int, ...], k: int, n: int, g: int) -> 
     return QuantizedWeight(packed=jnp.asarray(packed), scale=jnp.asarray(sz[0]), zero=jnp.asarray(sz[1]))
 
 
+def _same_bits_or_both_nan(a, b) -> bool:
+    """bf16 arrays equal bit for bit, except that a NaN may have any payload (XLA may canonicalize)."""
+    a, b = np.asarray(a), np.asarray(b)
+    na, nb = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    return a.shape == b.shape and np.array_equal(na, nb) and np.array_equal(a.view(np.uint16)[~na],
+                                                                           b.view(np.uint16)[~nb])
+
+
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 1000), lead=st.sampled_from([(), (2,), (2, 3)]), g=st.sampled_from([32, 64, 128]),
        kc=st.integers(1, 3), nt=st.integers(1, 3))
-def test_pack_roundtrip_is_exact(seed, lead, g, kc, nt):
+def test_pack_keeps_the_codes_and_stores_the_kernel_pair(seed, lead, g, kc, nt):
+    """Arbitrary bits (every code, every float16 incl. NaN, inf, -0): the codes come back bit for
+    bit, and each group's record holds `kernel_scales` of its float16 scale / zero."""
     k, n = kc * max(64, g), 64 * nt
     qw = _random_fields(seed, lead, k, n, g)
     p = lay.pack_quantized(qw)
@@ -102,18 +113,26 @@ def test_pack_roundtrip_is_exact(seed, lead, g, kc, nt):
     assert p.sz.shape == (*lead, n // 64, k // max(64, g), 64 * max(64, g) // g)
     assert p.shape == (*lead, k, n) and p.group_size == g
     assert p.nbytes == qw.packed.size + 2 * qw.scale.size * 2  # same bytes as the draft format
-    back = lay.unpack_fields(p)
-    for a, b in zip(back, (qw.packed, qw.scale, qw.zero)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))  # bits
+    codes = lay.unpack_packed_codes(p)
+    assert codes.dtype == jnp.uint8 and np.array_equal(np.asarray(codes), np.asarray(qw.packed))
+    _, s, zc = lay.unpack_codes(p)
+    want_s, want_zc = lay.kernel_scales(qw.scale, qw.zero)
+    assert s.dtype == zc.dtype == jnp.bfloat16
+    assert _same_bits_or_both_nan(s, want_s) and _same_bits_or_both_nan(zc, want_zc)
 
 
 def test_dequantize_matches_the_draft_format():
     qw = _qweight(2, (2,), 256, 128, 32)
     p = lay.pack_quantized(qw)
-    np.testing.assert_array_equal(np.asarray(lay.dequantize_f32(p)), np.asarray(qw.dequantize()))
     np.testing.assert_array_equal(np.asarray(lay.dequantize_fields(qw.packed, qw.scale, qw.zero)),
                                   np.asarray(qw.dequantize()))
+    # the kernel's weight from the fields, without the layout: fma(U - 8, bf16(s), bf16(z + 8 s)) in
+    # float32, rounded once (what layout version 1 computed in the kernel from float16 records)
+    s, zc = (np.repeat(np.asarray(v, np.float32), 32, axis=-2) for v in lay.kernel_scales(qw.scale, qw.zero))
+    u = np.asarray(qw.codes()).reshape(2, 256, 128).astype(np.float32)
+    want = ((u - 8) * s + zc).astype(jnp.bfloat16)
+    assert np.array_equal(np.asarray(lay.dequantize_bf16(p)).view(np.uint16), want.view(np.uint16))
+    assert np.array_equal(np.asarray(lay.dequantize_f32(p)), (u - 8) * s + zc)
     wb = np.asarray(lay.dequantize_bf16(p), np.float64)
     w32 = np.asarray(qw.dequantize(), np.float64)
     s = np.repeat(np.asarray(qw.scale, np.float64), 32, axis=-2)
@@ -143,17 +162,18 @@ def test_layout_bits_follow_the_fragment_map():
             np.testing.assert_array_equal(got, want)
     # the A-fragment rows/cols: thread 37 = warp 1, row group 1, column pair 1
     assert tuple(te[37, 2, 3, 1]) == (16 + 1 + 8, 32 + 2 + 8 + 1)
-    # scale records: word 2 (C/G) r + 2 i + e of row 16 (r // 8) + r % 8 + 8 e
+    # scale records: word 2 (C/G) r + 2 i + e of row 16 (r // 8) + r % 8 + 8 e, the kernel pair
     rec = np.asarray(p.sz)[1, 1, 2 * 13 + 1]  # rt 1, chunk 1, r = 13, i = 0, e = 1
     row, grp = 64 + 16 + 5 + 8, 1
-    assert rec & 0xFFFF == np.asarray(qw.scale).view(np.uint16)[grp, row]
-    assert rec >> 16 == np.asarray(qw.zero).view(np.uint16)[grp, row]
+    s, zc = (np.asarray(v).view(np.uint16) for v in lay.kernel_scales(qw.scale, qw.zero))
+    assert rec & 0xFFFF == s[grp, row] and rec >> 16 == zc[grp, row]
+    assert s[grp, row] != zc[grp, row]  # the halves are told apart
 
 
 def test_pack_float_and_bad_layout_inputs():
     w = jnp.asarray(np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32))
     p = lay.pack_float(w, 32, quantize_weight)
-    assert np.array_equal(np.asarray(lay.unpack_fields(p).packed), np.asarray(quantize_weight(w, 32).packed))
+    assert np.array_equal(np.asarray(lay.unpack_packed_codes(p)), np.asarray(quantize_weight(w, 32).packed))
     qw = quantize_weight(w, 32)
     with pytest.raises(ValueError, match="multiple of 64"):
         lay.pack_fields(qw.packed[:, :48], qw.scale[:, :48], qw.zero[:, :48])
@@ -309,7 +329,8 @@ def test_mma_path_replay_matches_layout(g, mp):
 # ------------------------------------------------------------------ the twin, interpret mode
 def _check_twin(seed: int, m: int, g: int, kt: int, splits: int, n: int = 64, tma_view: str = "thread") -> None:
     k = 2 * splits * max(kt, g)
-    p = lay.pack_quantized(_qweight(seed, (), k, n, g))
+    qw = _qweight(seed, (), k, n, g)
+    p = lay.pack_quantized(qw)
     x = _x(seed + 1, m, k)
     cfg = mg.MgpuConfig(wgs=1, k_tile=max(kt, g), splits=splits, stages=2, tma_view=tma_view)
     # Interpret mode allocates outputs as NaN: a tile the kernel never writes stays NaN.
@@ -317,7 +338,7 @@ def _check_twin(seed: int, m: int, g: int, kt: int, splits: int, n: int = 64, tm
     y = np.asarray(y)
     assert y.shape == (m, n) and not np.isnan(y).any(), "unwritten output elements"
     assert _rel(y, _bf16_emulation(x, p)) < 1e-5  # the kernel's own arithmetic, float32 sums
-    assert _rel(y, _oracle(x, p)) < 2e-2  # vs U * s + z in float64 (weights rounded to bf16)
+    assert _rel(y, _oracle(x, qw)) < 2e-2  # vs U * s + z in float64 (weights rounded to bf16)
 
 
 @pytest.mark.parametrize("m,g,kt,splits,view", [(5, 32, 64, 2, "thread"), (8, 64, 128, 1, "thread"),
@@ -372,7 +393,7 @@ def test_twin_two_warpgroups_stacked_layer_bf16_out():
     y = mg.int4_matmul_mgpu(x, p, layer=jnp.int32(2), config=cfg, variant="smem", interpret=True)
     assert y.dtype == jnp.bfloat16 and y.shape == (3, 128)
     p2 = lay.W4A16Packed(qw=p.qw[2], sz=p.sz[2], group_size=32)
-    assert _rel(y, _oracle(x, p2)) < 1e-2
+    assert _rel(y, _oracle(x, jax.tree.map(lambda a: a[2], qw))) < 1e-2
     assert _rel(y, _bf16_emulation(x, p2)) < 5e-3  # bf16 output rounding only
 
 
@@ -484,6 +505,24 @@ def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
     assert normed.splits == 1 or normed.reduce == "cluster"
     monkeypatch.setenv("QSPEC_W4A16_TUNED", "0")
     assert mg.default_config(*down, device_kind=H100, num_sms=132) == model
+
+
+def test_layout_weights_never_go_to_triton(monkeypatch):
+    """The layout holds the kernel's bf16 pair, not the fields the Triton kernel reads: "auto" on a
+    GPU before Hopper sends it to "xla" (the layout's own weight), an explicit "triton" is refused."""
+    monkeypatch.setattr(linear.api, "device_arch", lambda: ("gpu", 8))
+    assert linear.pick_backend("int4", 1, 4096, 4096, jnp.bfloat16, hopper_layout=True) == "xla"
+    assert linear.pick_backend("int4", 1, 4096, 4096, jnp.bfloat16, hopper_layout=False) == "triton"
+    monkeypatch.setattr(linear.api, "device_arch", lambda: ("gpu", 9))
+    assert linear.pick_backend("int4", 1, 4096, 4096, jnp.bfloat16, hopper_layout=True) == "mosaic"
+    qw = _qweight(34, (), 128, 128, 32)
+    with pytest.raises(ValueError, match="backend='triton' reads the QuantizedWeight fields"):
+        linear.int4_linear(_x(35, 1, 128), lay.pack_quantized(qw), backend="triton")
+    # "xla" / "reference" on the layout: the kernel's own weight, not U * s + z
+    x = _x(36, 2, 128)
+    y = linear.int4_linear(x, lay.pack_quantized(qw), backend="reference", out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x, np.float64) @ np.asarray(
+        lay.dequantize_f32(lay.pack_quantized(qw)), np.float64), rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_backends_agree_on_cpu():
@@ -657,7 +696,8 @@ def test_programmatic_dependent_launch_is_opt_in(pdl):
     assert ("griddepcontrol.wait" in text) == pdl
     assert ("griddepcontrol.launch_dependents" in text) == pdl
     assert mg.default_config(k, n, g).pdl is False
-    p = lay.pack_quantized(_qweight(51, (), k, n, g))
+    qw = _qweight(51, (), k, n, g)
+    p = lay.pack_quantized(qw)
     x = _x(52, 3, k)
     twin = mg.int4_matmul_mgpu(x, p, config=cfg.replace(reduce="gmem"), variant="smem", interpret=True)
-    assert _rel(twin, _oracle(x, p)) < 2e-2
+    assert _rel(twin, _oracle(x, qw)) < 2e-2

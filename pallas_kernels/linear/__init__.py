@@ -2,7 +2,8 @@
 
 * `api`: the entry (`int4_linear`, `dense_linear`) and the dispatch by device (`pick_backend`); its
   "reference" backend is the jnp oracle of every kernel test, "xla" the CPU path.
-* `layout`: the pre-packed Hopper INT4 layout and its exact inverse (`pack_fields` / `unpack_fields`).
+* `layout`: the pre-packed Hopper INT4 layout (`pack_fields`; codes kept bit for bit, each group's scale / zero
+  stored as the kernel's bf16 pair) and its dequantization (`dequantize_bf16`: the kernels' own weight).
 * `mosaic_gpu`: the Hopper (sm_90) skinny GEMMs, INT4 and bf16, with the fused draft-layer epilogues
   (and `epilogue_reference`, their jnp oracle).
 * `triton`: the Triton W4A16 kernel for GPUs before Hopper.

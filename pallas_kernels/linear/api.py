@@ -12,18 +12,21 @@ Backends ("auto" picks by the default device):
 | "triton"   | older GPUs: `triton.w4a16_matmul` (Triton)     | (n/a: "xla")                      |
 | "xla"      | CPU: dequantize -> dot (float32 weight)       | XLA dot (cuBLAS on GPU)           |
 | "interpret"| the Mosaic SMEM twin in GPU interpret mode    | the Mosaic kernel, interpreted    |
-| "reference"| the jnp oracle: x (f32) @ (U * s + z), HIGHEST| x (f32) @ W (f32), HIGHEST        |
+| "reference"| the jnp oracle: x (f32) @ W (f32), HIGHEST    | x (f32) @ W (f32), HIGHEST        |
 
 "auto": "mosaic" on a GPU of compute capability 9.x with bf16 activations, M within the
-kernels' range and (int4) a weight already in the Hopper layout; "triton" (int4) / "xla"
-(bf16) on other GPUs; "xla" on the CPU. Shapes a kernel does not take (prefill-sized M, odd N)
+kernels' range and (int4) a weight already in the Hopper layout; "triton" (int4 fields) / "xla"
+(bf16, or the layout) on other GPUs; "xla" on the CPU. Shapes a kernel does not take (prefill-sized M, odd N)
 fall back to "xla".
 
 Weights: `int4_linear` takes the Hopper layout (`layout.W4A16Packed`) or the
-QuantizedWeight fields (any object with .packed / .scale / .zero). Each backend reads its own
-format; given the other one it converts with the exact `pack_fields` / `unpack_fields`, which
-re-reads and re-writes the whole weight: convert once at load time, not per call. Stacked
-weights ([L, ...]) take `layer=` (int or traced scalar) and are read in place by the kernels.
+QuantizedWeight fields (any object with .packed / .scale / .zero). The Mosaic backends read the
+layout (fields are packed per call by `pack_fields`, which re-reads and re-writes the whole
+weight: pack once at load time, not per call); the Triton kernel reads the fields only (the
+layout keeps the kernel's bf16 pair, not the float16 scale / zero); "xla" and "reference" take
+either, each with its own weight: U * scale + zero from the fields, the Mosaic kernel's own
+bf16 weight (`layout.dequantize_f32`) from the layout. Stacked weights ([L, ...]) take `layer=`
+(int or traced scalar) and are read in place by the kernels.
 """
 
 from __future__ import annotations
@@ -57,13 +60,14 @@ def pick_backend(kind: str, m: int, k: int, n: int, x_dtype: Any, *, hopper_layo
     """The backend "auto" resolves to for an [M, K] @ [K, N] call of weight `kind` ("int4"/"bf16").
 
     `hopper_layout` False (an INT4 weight given as QuantizedWeight fields): never "mosaic",
-    whose layout would have to be rebuilt on every call; the Triton kernel reads the fields."""
+    whose layout would have to be rebuilt on every call; True: never "triton", which reads the
+    fields only."""
     platform, major = device_arch()
     if platform != "gpu":
         return "xla"
     if major == 9 and hopper_layout and jnp.dtype(x_dtype) == jnp.bfloat16 and supports("mosaic", m, k, n):
         return "mosaic"
-    if kind == "int4" and supports("triton", m, k, n):
+    if kind == "int4" and not hopper_layout and supports("triton", m, k, n):
         return "triton"
     return "xla"
 
@@ -78,10 +82,12 @@ def supports(backend: str, m: int, k: int, n: int) -> bool:
     return True
 
 
-def _as_fields(w: Any) -> lay.Int4Fields:
+def _dequantize_f32(w: Any) -> Array:
+    """W [..., K, N] float32 as the weight's own format defines it: U * scale + zero from the
+    fields, the Mosaic kernel's weight (before its bf16 rounding) from the layout."""
     if isinstance(w, lay.W4A16Packed):
-        return lay.unpack_fields(w)
-    return lay.Int4Fields(w.packed, w.scale, w.zero)
+        return lay.dequantize_f32(w)
+    return lay.dequantize_fields(w.packed, w.scale, w.zero)
 
 
 def _as_packed(w: Any) -> lay.W4A16Packed:
@@ -137,7 +143,7 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
         if layer is not None:
             w = jax.tree.map(lambda a: a[layer], w) if wlead else w
             norm_weight = norm_weight[layer] if g_stacked else norm_weight
-        wf = lay.dequantize_fields(*_as_fields(w))
+        wf = _dequantize_f32(w)
         y = mg.epilogue_reference(x2, wf if backend == "reference" else wf.astype(x2.dtype), epi,
                                   norm_weight=norm_weight, residual=res2, out_dtype=out_dtype)
         return y.reshape(*lead, n_out)
@@ -147,15 +153,17 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
                                 interpret=backend == "interpret", norm_weight=norm_weight, norm_eps=norm_eps,
                                 swiglu=swiglu, residual=res2)
     elif backend == "triton":
+        if isinstance(w, lay.W4A16Packed):
+            raise ValueError("backend='triton' reads the QuantizedWeight fields (.packed, .scale, .zero); got a "
+                             "W4A16Packed weight, whose records hold the Mosaic kernel's bf16 pair and not the "
+                             "float16 scale / zero: pass the fields, or use backend 'mosaic' / 'xla'")
         from pallas_kernels.linear.triton import w4a16_matmul  # Triton: imported only where used
 
-        f = _as_fields(w)
-        y = w4a16_matmul(x2, f.packed, f.scale, f.zero, out_dtype=out_dtype, layer=layer)
+        y = w4a16_matmul(x2, w.packed, w.scale, w.zero, out_dtype=out_dtype, layer=layer)
     else:
         if layer is not None:  # one layer first: never unpack or dequantize the whole stack
             w = jax.tree.map(lambda a: a[layer], w)
-        f = _as_fields(w)
-        wf = lay.dequantize_fields(*f)
+        wf = _dequantize_f32(w)
         if backend == "reference":
             y = jnp.dot(x2.astype(jnp.float32), wf, precision=lax.Precision.HIGHEST).astype(out_dtype)
         else:  # "xla": the weight in the activation dtype, as the model's XLA path does
@@ -182,7 +190,7 @@ def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, s
     if backend == "reference":
         w1 = jax.tree.map(lambda a: a[layer], w) if wlead else w
         g1 = norm_weight[layer] if norm_weight is not None and norm_weight.ndim == 2 else norm_weight
-        return mg.qkv_cache_reference(x2, lay.dequantize_fields(*_as_fields(w1)), norm_weight=g1, **kw)
+        return mg.qkv_cache_reference(x2, _dequantize_f32(w1), norm_weight=g1, **kw)
     return mg.int4_qkv_cache_mgpu(x2, _as_packed(w), norm_weight=norm_weight, interpret=backend == "interpret", **kw)
 
 

@@ -9,7 +9,8 @@ the same and M = 16 little more.
   block a thread loads its 32 codes with one 16-byte shared-memory load and turns them into its A
   fragment in registers: per bf16 pair one shift, one lop3 (128 + U exactly), one bf16x2
   subtraction (U - 8 exactly) and one bf16x2 fma with (bf16(s), bf16(z + 8 s)): 15 instructions
-  per 8 weights; each (group, row) scale record costs 5 more (f16 -> f32, fma, f32 -> bf16x2).
+  per 8 weights; each (group, row) scale record, stored as that bf16 pair, costs 2 more (byte
+  permutes to (s, s) and (zc, zc)).
   No shuffle: the layout stores the nibbles in the fragment's own order.
   `variant`: "mma" (default: warp-level `mma.sync.m16n8k16`, activation fragments by `ldmatrix`),
   "wgmma" (the same registers as the register A operand of `wgmma`) or "smem", the SMEM-operand
@@ -467,17 +468,9 @@ fma.rn.bf16x2 $1, t1, $7, $8;
 fma.rn.bf16x2 $2, t2, $5, $6;
 fma.rn.bf16x2 $3, t3, $7, $8;
 }"""
-# One scale record (float16 scale | zero << 16) -> (bf16x2 (s, s), bf16x2 (z + 8 s, z + 8 s)).
-_SCALE_ASM = """{
-.reg .b16 hs, hz;
-.reg .f32 fs, fz;
-mov.b32 {hs, hz}, $2;
-cvt.f32.f16 fs, hs;
-cvt.f32.f16 fz, hz;
-fma.rn.f32 fz, fs, 0f41000000, fz;
-cvt.rn.bf16x2.f32 $0, fs, fs;
-cvt.rn.bf16x2.f32 $1, fz, fz;
-}"""
+# One scale record (bf16 s | bf16 zc << 16, the layout's kernel pair) -> bf16x2 (s, s) and (zc, zc):
+# two byte permutes (layout version 1 stored float16 scale / zero: five instructions per record).
+_SCALE_ASM = "prmt.b32 $0, $2, 0, 0x1010;\nprmt.b32 $1, $2, 0, 0x3232;"
 
 
 def _mgpu_modules():
@@ -942,9 +935,8 @@ def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
     codes = jnp.transpose(nib, (0, 5, 1, 3, 4, 2, 6)).reshape(lay.ROWS, lay.KB)
     # records: word 2 gpc r + 2 i + e of row pair r = 8 w + g -> row 16 w + 8 e + g
     rec = jnp.transpose(recs.reshape(4, 8, gpc, 2), (0, 3, 1, 2)).reshape(lay.ROWS, gpc)
-    scale = lax.bitcast_convert_type((rec & 0xFFFF).astype(jnp.uint16), jnp.float16)
-    zero = lax.bitcast_convert_type((rec >> 16).astype(jnp.uint16), jnp.float16)
-    ss, zz = lay.kernel_scales(scale, zero)  # [64, gpc]
+    ss = lax.bitcast_convert_type((rec & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)  # [64, gpc] (s, zc)
+    zz = lax.bitcast_convert_type((rec >> 16).astype(jnp.uint16), jnp.bfloat16)
     if gpc == 1:
         ss = jnp.broadcast_to(ss, (lay.ROWS, lay.KB))
         zz = jnp.broadcast_to(zz, (lay.ROWS, lay.KB))

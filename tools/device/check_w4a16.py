@@ -67,12 +67,13 @@ def _rel(y, ref) -> float:
     return float(jnp.linalg.norm(y - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 
 
-def _ref_int4(x, p):
+def _ref_int4(x, qw, p):
     """(x @ W_f32, x @ W_bf16) with the weights formed on the host CPU backend (XLA:GPU may
-    drop a float32 -> bf16 -> float32 rounding as excess precision) and float64 products."""
+    drop a float32 -> bf16 -> float32 rounding as excess precision) and float64 products: W_f32 =
+    U * scale + zero from the fields, W_bf16 the kernel's own weight from the layout."""
     cpu = jax.devices("cpu")[0]
     pc = jax.device_put(p, cpu)
-    w32 = np.asarray(lay.dequantize_f32(pc), np.float64)
+    w32 = np.asarray(jax.device_put(qw, cpu).dequantize(), np.float64)
     w16 = np.asarray(lay.dequantize_bf16(pc).astype(jnp.float32), np.float64)
     xf = np.asarray(x.astype(jnp.float32), np.float64)
     return jnp.asarray(xf @ w32, jnp.float32), jnp.asarray(xf @ w16, jnp.float32)
@@ -95,7 +96,7 @@ def check_correctness(shapes, groups, ms, results, log):
             if k % max(64, g):
                 continue
             key, kw = jax.random.split(key)
-            _, p = _int4_weight(kw, k, n, g)
+            qw, p = _int4_weight(kw, k, n, g)
             cfg = mg.default_config(k, n, g)
             cfgs = [(cfg, "mma")]
             if not DRY["interpret"]:
@@ -106,7 +107,7 @@ def check_correctness(shapes, groups, ms, results, log):
             for m in ms:
                 key, kx = jax.random.split(key)
                 x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-                ref32, ref16 = _ref_int4(x, p)
+                ref32, ref16 = _ref_int4(x, qw, p)
                 outs = []
                 for c, kern in cfgs:
                     t0 = time.perf_counter()

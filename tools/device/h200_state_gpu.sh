@@ -7,6 +7,9 @@
 #   cd <repo> && OUT=/tmp/out bash tools/device/h200_state_gpu.sh     (STAGES="probe smol 8b" by default)
 #   STAGES="loops e2e b8long consumers smolloops": the issues' loop, batch-8 and SmolLM2 points, and a probe
 #   of the draft's consumer count and ring depth at batch 1 / 128k (sixteenth session)
+#   STAGES="lindiag ncu_lin": the INT4 linears' stage work by part and their Nsight Compute reports (seventeenth);
+#   STAGES="lincheck": the INT4 kernels checked against the oracle after a change to their arithmetic;
+#   STAGES="wave": gate_up's stream at one equal wave of CTAs (kernel_notes, seventeenth session, Next 2)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -39,18 +42,25 @@ for stage in ${STAGES:-probe smol 8b}; do
     8b)
       prof 8b_b1_4k --batch 1 --contexts 4096 --programs ar_bf16,draft,verify,ar_loop,spec_loop --verify-t 5
       prof 8b_b1_128k --batch 1 --contexts 131072 --programs draft,verify,ar_loop,spec_loop --verify-t 8;;
-    loops)  # issue 31 / 32's loop targets (sixteenth session): the 8B at batch 1, 4k and 128k
-      prof 8b_b1_4k_loops --batch 1 --contexts 4096 --programs ${LOOP_PROGS_4K:-draft,ar_loop,spec_loop} --verify-t 5
-      prof 8b_b1_128k_loops --batch 1 --contexts 131072 --programs ${LOOP_PROGS_128K:-draft,ar_loop,spec_loop} \
-        --verify-t 8;;
+    loops)  # issue 31 / 32's loop targets: the 8B at batch 1, 4k and 128k (BEST_T: a table from `best`, else the checkout's)
+      for ctx in ${LOOP_CTXS:-4096 131072}; do
+        vt=$([ $ctx = 4096 ] && echo 5 || echo 8)
+        timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py ${BEST_T:-} -- profile --steps 8 --trials 3 \
+          --batch 1 --contexts $ctx --programs ${LOOP_PROGS:-draft,ar_loop,spec_loop} --verify-t $vt --out $OUT/p_l$ctx \
+          2>&1 | grep -v "^W[0-9]" > $L/profile_8b_b1_${ctx}_loops.log
+        grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_8b_b1_${ctx}_loops.log; rm -rf $OUT/p_l$ctx/traces
+        echo "== loops $ctx done ($(( $(date +%s) - T0 )) s)"
+      done;;
     smolloops)  # SmolLM2's shape at batch 32 / 8k, rows of 4k-8k (issue 31's real-model point, random weights)
       prof smollm2_b32_8k_loops --shape smollm2 --batch 32 --contexts 8192 --ragged \
         --programs ${SMOL_LOOP_PROGS:-draft,ar_loop,spec_loop} --verify-t 5;;
-    e2e)  # issue 31's batch-8 measure
-      timeout ${E2E_LIMIT:-200} python3 -m qspec_jax.cli.bench e2e --parts batch --batch-contexts 32768 --alphas 0.9 \
-        --out $OUT/p_e2e 2>&1 | grep -v "^W[0-9]" > $L/e2e_batch_32k.log
-      grep -o '"ar_bf16_tok_s": [0-9.]*, "spec_a0.9_tok_s": [0-9.]*' $L/e2e_batch_32k.log
-      echo "== e2e done ($(( $(date +%s) - T0 )) s)";;
+    e2e)  # issue 31's batch-8 measure (BEST_T: a table from `best`, else the checkout's); E2E_RUNS runs
+      for r in $(seq 1 ${E2E_RUNS:-1}); do
+        timeout ${E2E_LIMIT:-200} python3 tools/device/tuned_table_run.py ${BEST_T:-} -- e2e --parts batch \
+          --batch-contexts 32768 --alphas 0.9 --out $OUT/p_e2e$r 2>&1 | grep -v "^W[0-9]" > $L/e2e_batch_32k_run$r.log
+        grep -o '"ar_bf16_tok_s": [0-9.]*, "spec_a0.9_tok_s": [0-9.]*' $L/e2e_batch_32k_run$r.log
+        echo "== e2e run $r done ($(( $(date +%s) - T0 )) s)"
+      done;;
     b8long)  # issue 31's batch-8 stand-alone targets at 128k (INT4 draft <= 0.37 ms, INT8 T 5 <= 0.75 ms)
       timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --batch 8 --ctx 131072 --nps flat \
         --views draft --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" | tee $L/ragged_b8_128k_draft.log | grep -v "^|"
@@ -82,6 +92,14 @@ for stage in ${STAGES:-probe smol 8b}; do
     cons4k)  # the draft attention at 4k, batch 1: two pipelined consumers (the old default) against three
       QSPEC_MGPU_CONSUMERS=2 prof 8b_b1_4k_draft_cons2 --batch 1 --contexts 4096 --programs draft
       grep -E "quantspec_draft" $L/profile_8b_b1_4k_draft_cons2.log;;
+    consctx)  # THREE_CONSUMERS_MIN_BLOCKS between its measured points: the draft at 8k / 16k / 32k, batch 1, with
+      # the default consumer count and the other one (8k: 4 blocks per CTA, two by default; 16k / 32k: 8 / 16, three)
+      for ctx in ${CONS_CTXS:-8192 16384 32768}; do
+        other=$([ $ctx -lt 16384 ] && echo 3 || echo 2)
+        prof 8b_b1_${ctx}_draft --batch 1 --contexts $ctx --programs draft
+        QSPEC_MGPU_CONSUMERS=$other prof 8b_b1_${ctx}_draft_cons$other --batch 1 --contexts $ctx --programs draft
+        grep -hE "quantspec_draft" $L/profile_8b_b1_${ctx}_draft.log $L/profile_8b_b1_${ctx}_draft_cons$other.log
+      done;;
     best)  # the fastest LINAB table by draft wall time, for the stages after it (tuned_table_run.py)
       best=$(for f in $L/profile_linab*.log; do
                w=$(grep -oE "^== draft at [0-9]+: wall [0-9.]+" $f | awk '{print $NF}'); echo "$w ${f##*linab}"; done \
@@ -93,24 +111,30 @@ for stage in ${STAGES:-probe smol 8b}; do
         --check-config ws_flat=0 --cases "llama3-8b:draft:float32:none,llama3-8b:draft:bfloat16:1000" \
         2>&1 | grep -v "^W[0-9]" | tee $L/tinv_row3.log | grep -E "tinv|FAIL|rror" | tail -6
       echo "== tinvrow done ($(( $(date +%s) - T0 )) s)";;
-    e2eb)  # issue 31's batch-8 measure with the best table
-      timeout ${E2E_LIMIT:-200} python3 tools/device/tuned_table_run.py ${BEST_T:-} -- e2e --parts batch \
-        --batch-contexts 32768 --alphas 0.9 --out $OUT/p_e2eb 2>&1 | grep -v "^W[0-9]" > $L/e2e_batch_32k_best.log
-      grep -o '"ar_bf16_tok_s": [0-9.]*, "spec_a0.9_tok_s": [0-9.]*' $L/e2e_batch_32k_best.log
-      echo "== e2eb done ($(( $(date +%s) - T0 )) s)";;
-    loopsb)  # the loops with the best table: batch 1 at 4k and 128k
-      for ctx in ${LOOPB_CTXS:-131072 4096}; do
-        vt=$([ $ctx = 4096 ] && echo 5 || echo 8)
-        timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py ${BEST_T:-} -- profile --steps 8 --trials 3 \
-          --batch 1 --contexts $ctx --programs draft,ar_loop,spec_loop --verify-t $vt --out $OUT/p_lb$ctx 2>&1 \
-          | grep -v "^W[0-9]" > $L/profile_8b_b1_${ctx}_loops_best.log
-        grep -E "^==|^   (linear|attention|glue) |rror" $L/profile_8b_b1_${ctx}_loops_best.log; rm -rf $OUT/p_lb$ctx/traces
-        echo "== loopsb $ctx done ($(( $(date +%s) - T0 )) s)"
-      done;;
     exact)
       timeout ${EXACT_LIMIT:-150} python3 tools/device/exactness_check.py 2>&1 | grep -v "^W[0-9]" \
         | tee $L/exactness_check.log | tail -4
       echo "== exact done ($(( $(date +%s) - T0 )) s)";;
+    lincheck)  # the INT4 kernels against the oracle on fresh random inputs (mma, wgmma, wide view, cluster / gmem
+      # sums; the fused epilogues at M 1 and 8), tools/device/check_w4a16.py: after a change to the kernels' arithmetic
+      timeout ${CHECK_LIMIT:-150} python3 tools/device/check_w4a16.py --out $L --skip rows,sass,diag,timing,fused_timing \
+        --check-groups ${CHECK_GROUPS:-32,128} --check-m 1,5,16 --fused-m 1,8 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/check_w4a16.log | grep -E "FAIL|rror|checks|==" | tail -12
+      echo "== lincheck done ($(( $(date +%s) - T0 )) s)";;
+    lindiag)  # the INT4 linears' stage work by part (diagnostic variants; wrong results, timing only), M 1
+      timeout ${SWEEP_LIMIT:-200} python3 tools/device/w4a16_config_sweep.py --shapes ${DIAG_SHAPES:-gate_up,down,qkv,o} \
+        --m 1 --diags ${DIAGS:-stream,load,convert,prmt} --budget 180 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/w4a16_diags_m1.log | grep -E "^  |^==|FAILED|rror"
+      echo "== lindiag done ($(( $(date +%s) - T0 )) s)";;
+    wave)  # is gate_up's stream held by its uneven wave (224 CTAs of two row tiles on 132 SMs, two per SM)? The same K at
+      # N for 132 / 264 / 396 CTAs (one equal wave of 1 / 2 / 3 per SM), full kernel and stream-only, M 1
+      timeout ${SWEEP_LIMIT:-200} python3 tools/device/w4a16_config_sweep.py \
+        --shapes ${WAVE_SHAPES:-gate_up,4096x16896,4096x33792,4096x50688} --m 1 --diags stream --budget 180 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/w4a16_wave_m1.log | grep -E "^  |^==|FAILED|rror"
+      echo "== wave done ($(( $(date +%s) - T0 )) s)";;
+    ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
+      CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
+      echo "== ncu_lin done ($(( $(date +%s) - T0 )) s)";;
     consumers)  # the draft's row split at batch 1 / 128k: 3 unpipelined consumers, deeper rings (issue 31's 47 us)
       timeout ${KERNEL_LIMIT:-240} python3 tools/device/ragged_attention.py --batch 1 --ctx 131072 \
         --nps ${CONS_TOKENS:-0,0~3,0%8,0-p%8} --views draft --layouts uniform --check-tokens 2>&1 | grep -v "^W[0-9]" \

@@ -113,7 +113,9 @@ def ints(csv: str) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default=",".join(LLAMA31_8B_FUSED))
+    ap.add_argument("--shapes", default=",".join(LLAMA31_8B_FUSED),
+                    help="qspec-bench w4a16 shape names, or KxN for any other (e.g. 4096x33792: gate_up's K at 264 "
+                         "CTAs of two row tiles, one equal wave of two per SM)")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--group", type=int, default=32)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole sweep")
@@ -126,13 +128,23 @@ def main(argv=None) -> int:
     ap.add_argument("--k-groups", default="1", help="k groups per row tile swept (MgpuConfig.k_groups)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="time only the default config, with and without programmatic dependent launch")
+    ap.add_argument("--default-only", action="store_true", help="time only the default config (e.g. under ncu)")
+    ap.add_argument("--diags", default="",
+                    help="time only the default config and its MgpuConfig.diag variants (e.g. stream,prmt; wrong "
+                         "results, timing only: their rel column is against the real kernel)")
     args = ap.parse_args(argv)
     stage_counts = tuple(int(v) for v in args.stages.split(","))
     t_start = time.perf_counter()
     key = jax.random.PRNGKey(0)
     best_all = {}
     for name in args.shapes.split(","):
-        k, n = SHAPES[name]
+        if name in SHAPES:
+            k, n = SHAPES[name]
+        else:
+            try:
+                k, n = (int(v) for v in name.split("x"))
+            except ValueError:
+                ap.error(f"--shapes: {name!r} is neither a shape name ({', '.join(SHAPES)}) nor KxN")
         g = args.group
         nbytes = int(k * n * (0.5 + 4 / g))
         copies = max(1, min(8, -(-L2_DEFEAT // nbytes)))
@@ -142,7 +154,9 @@ def main(argv=None) -> int:
         default = mg.default_config(k, n, g, reduce=mg.reduce_mode(args.m, False))
         rows = []
         ref = None
-        candidates = ([default, default.replace(pdl=not default.pdl)] if args.pdl_ab
+        candidates = ([default] if args.default_only
+                      else [default, default.replace(pdl=not default.pdl)] if args.pdl_ab
+                      else [default, *[default.replace(diag=d) for d in args.diags.split(",")]] if args.diags
                       else [default, *[c for c in configs(k, n, g, stage_counts, ints(args.k_tiles), ints(args.splits),
                                                            tuple(args.reduces.split(",")), ints(args.wgs),
                                                            ints(args.k_groups)) if c != default]])
@@ -161,6 +175,7 @@ def main(argv=None) -> int:
             rows.append((sec * 1e6, cfg, err))
             print(f"  {name:8s} {sec * 1e6:8.2f} us {nbytes / sec / 1e12:5.2f} TB/s  rel {err:.1e}  "
                   f"wgs{cfg.wgs} kt{cfg.k_tile} S{cfg.splits} {cfg.reduce} st{cfg.stages} kg{cfg.k_groups} pdl={cfg.pdl}"
+                  f"{f' diag={cfg.diag}' if cfg.diag else ''}"
                   f"{'  (default)' if cfg == default else ''}", flush=True)
         if not rows:
             continue
