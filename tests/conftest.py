@@ -53,6 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Synthetic models have no tokenizer files; the converter's warning about it is expected
     # (tests that check it use pytest.warns, which sees it regardless).
     config.addinivalue_line("filterwarnings", "ignore:.*the checkpoint will have no tokenizer:UserWarning")
+    config.addinivalue_line("markers", "sms(n): the SM count `few_sms` gives the decode-attention kernels (default 8)")
     # The tools keep state under the user's cache directory (compiled programs, the planner's
     # step costs): during the tests (and the subprocesses they start) that is a temporary one.
     config._qspec_cache_home = tempfile.mkdtemp(prefix="qspec-test-cache-")  # type: ignore[attr-defined]
@@ -74,14 +75,36 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads xdist_group to name the group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Real-model tests are slow by definition: mark every test that uses SmolLM2's weights,
     directly or through another fixture. Under pytest-xdist (`make test`: `--dist loadgroup`)
-    they also share one worker, so its session fixtures convert the model once, not per worker."""
+    they also share one worker, so its session fixtures convert the model once, not per worker
+    (without tryfirst the group mark came after xdist had read the marks, and both workers
+    converted SmolLM2 twice each)."""
     for item in items:
         if SMOLLM2_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("smollm2"))
+
+
+FEW_SMS = 8
+
+
+@pytest.fixture
+def few_sms(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The decode-attention kernels' SM count set to FEW_SMS instead of the 132 assumed off the GPU.
+    Their schedules size grids by it (a CTA per SM for the balanced split, programs per SM for the
+    legacy and Triton splits), and interpret mode runs every CTA in turn: 8 instead of 132 cut a
+    test of both schedules from 209 to 68 s on a 2-core CPU. The rules under test take the count as
+    an input; a test of the GPU's own numbers says which count with `@pytest.mark.sms(132)`."""
+    from pallas_kernels.decode_attention import mosaic_gpu, mosaic_gpu_ws, triton
+
+    mark = request.node.get_closest_marker("sms")
+    n = int(mark.args[0]) if mark else FEW_SMS
+    for mod in (mosaic_gpu, mosaic_gpu_ws, triton):
+        monkeypatch.setattr(mod, "num_sms", lambda: n)
+    return n
 
 
 def _freeze(obj: Any) -> Any:

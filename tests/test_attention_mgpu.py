@@ -118,6 +118,11 @@ def _queries(key, cache, t: int, hq: int, d: int, dtype=jnp.bfloat16):
 
 SCHEDULES = mg.SCHEDULES
 
+# Every test here runs the kernels as if on a GPU of 8 SMs (conftest.few_sms): the schedules that
+# launch a CTA per SM interpret 8 CTAs in turn instead of 132. Tests of the GPU's own policy say
+# `@pytest.mark.sms(132)`.
+pytestmark = pytest.mark.usefixtures("few_sms")
+
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "partials", "config", "schedule"))
 def _mgpu(q, q_pos, cache, layer, view, window=None, partials=False, config=None, schedule=None):
@@ -264,7 +269,8 @@ def error_bound(q, q_pos, cache, layer: int, view: str, window=None) -> np.ndarr
 # Random examples every run, checked against `error_bound` (elementwise, derived from the operand
 # roundings and the softmax) instead of a norm-relative tolerance, which outlier-dominated outputs
 # break (a |v| = 79 outlier among 6 ring tokens: 1.5% relative error from 2 bf16 ulps).
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@settings(max_examples=6, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     schedule=st.sampled_from(SCHEDULES),
     view=st.sampled_from(["draft", "target"]),
@@ -493,6 +499,7 @@ def test_live_columns_resolution(monkeypatch):
         ws.live_of(None, 20, 2)
 
 
+@pytest.mark.sms(132)  # the H100 / H200 SXM count: the policy's own numbers
 def test_pipeline_default_by_schedule():
     """The draft's row split runs three unpipelined consumers by default; with two they are
     software-pipelined. The balanced schedule runs two, one block after the other (faster there with
@@ -629,6 +636,7 @@ def test_flat_schedule_resolution(monkeypatch):
         ws.ring_weight("draft", 128, 128, 320, jnp.float16, jnp.bfloat16)
 
 
+@pytest.mark.sms(132)  # the H100 / H200 SXM count: the policy's own numbers
 def test_pair_merge_default_follows_the_cta_count():
     """ws_pair_merge None: on from PAIR_MERGE_MIN_CTAS CTAs per (row, KV head) (the 8B draft at batch
     1, where it was measured to pay), off below (batch 8, where it cost); a config's True / False wins."""
@@ -643,6 +651,7 @@ def test_pair_merge_default_follows_the_cta_count():
     assert static(8, 4096, num_splits=ws.PAIR_MERGE_MIN_CTAS).pair_merge
 
 
+@pytest.mark.sms(132)  # the H100 / H200 SXM count: the policy's own numbers
 def test_split_count_env_override(monkeypatch):
     """$QSPEC_MGPU_SPLITS forces the ws kernel's CTAs per (row, KV head) where a config does not
     name it (A/B runs of the model: batch 8 at 32k gets 2 from `default_ctas`, one wave of 128
@@ -691,13 +700,13 @@ def test_mgpu_partials_written_and_neutral():
     assert (l[:, :, 4:] > 0).any()  # the ring programs see the ring
 
 
-def test_ws_default_schedule_per_view(monkeypatch):
+@pytest.mark.sms(132)  # the H100 / H200 SXM count: the policy's own numbers
+def test_ws_default_schedule_per_view():
     """The ws defaults depend on (geometry, view), never on T: at 128k the draft's row split runs
     three unpipelined consumers with two slots each (64 blocks per CTA), the verify two, one block
     after the other (its wgmmas serialize for lack of registers when pipelined); CTAs per (row, KV
     head) from the per-view fixed cost (the SmolLM2 shape at batch 32 reads each pair's verify blocks
     in one CTA, its draft in 4)."""
-    monkeypatch.setattr(ws, "num_sms", lambda: 132)
     assert ws.default_ctas(32, 3, 64, "target") == 1 and ws.default_ctas(32, 3, 64, "draft") == 4
     assert ws.default_ctas(1, 8, 1024, "draft") == ws.default_ctas(1, 8, 1024, "target") == 16
     statics = {}
@@ -881,11 +890,12 @@ def test_per_pass_inputs_match_per_call_ones():
         for view in ("draft", "target"):
             inputs = pk.attention_inputs(jax.ShapeDtypeStruct(q.shape, q.dtype), q_pos, cache, view=view, impl=impl)
             assert inputs["meta"].shape == (2, 3)
+            # the layer is traced (as in the model's layer scan): one program per (impl, view, inputs)
+            f = jax.jit(lambda q, p, c, i, l, v=view, im=impl: pk.cache_attention(
+                q, p, c, l, view=v, impl=im, interpret=True, inputs=i))
             for layer in (0, 1):
-                f = jax.jit(lambda q, p, c, i, l=layer, v=view, im=impl: pk.cache_attention(
-                    q, p, c, jnp.int32(l), view=v, impl=im, interpret=True, inputs=i))
-                np.testing.assert_array_equal(np.asarray(f(q, q_pos, cache, inputs), np.float32),
-                                              np.asarray(f(q, q_pos, cache, None), np.float32))
+                np.testing.assert_array_equal(np.asarray(f(q, q_pos, cache, inputs, jnp.int32(layer)), np.float32),
+                                              np.asarray(f(q, q_pos, cache, None, jnp.int32(layer)), np.float32))
     one_row = cache.replace(q_len=cache.q_len[:1], fp_len=cache.fp_len[:1], fp_start=cache.fp_start[:1])
     other = pk.attention_inputs(q[:1], q_pos[:1], one_row, view="draft", impl="mosaic")
     with pytest.raises(ValueError, match="inputs do not match"):
@@ -898,7 +908,7 @@ def test_per_pass_inputs_match_per_call_ones():
 
 
 @pytest.mark.slow  # interpret-mode kernels over one CTA per (assumed) SM: full suite only
-def test_flat_work_per_pass(monkeypatch):
+def test_flat_work_per_pass(monkeypatch, few_sms):
     """With the balanced schedule on ($QSPEC_MGPU_FLAT=1), the draft view's per-pass inputs carry
     its work split (`flat_work` over one CTA per SM; none for the target view), and a call given
     them returns the bits of a call computing them itself."""
@@ -908,7 +918,8 @@ def test_flat_work_per_pass(monkeypatch):
     struct = jax.ShapeDtypeStruct(q.shape, q.dtype)
     assert "ws_ctas" not in pk.attention_inputs(struct, q_pos, cache, view="target", impl="mosaic")
     inputs = pk.attention_inputs(struct, q_pos, cache, view="draft", impl="mosaic")
-    ctas = mg.num_sms()
+    ctas = ws.num_sms()
+    assert ctas == few_sms
     rw = ws.ring_weight("draft", 64, 64, cache.ring_size, cache.k_scale.dtype, cache.k_fp.dtype)
     for got, want in zip((inputs["ws_pairs"], inputs["ws_ctas"]),
                          ws.flat_work(cache.q_len, 2, 64, ctas, ws.flat_cap(2, 2, ctas), rw)):

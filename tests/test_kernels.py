@@ -26,6 +26,10 @@ from qspec_jax import model as M
 from qspec_jax.cache import DenseKVCache, QuantSpecCache
 from qspec_jax.config import ModelConfig
 
+# The Triton kernels' split counts as on a GPU of 8 SMs (conftest.few_sms): interpret mode runs
+# every program in turn.
+pytestmark = pytest.mark.usefixtures("few_sms")
+
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
 
@@ -157,7 +161,7 @@ def test_shared_cache_covers_edge_rows():
 
 
 @pytest.mark.slow
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     view=st.sampled_from(["draft", "target"]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),

@@ -515,14 +515,14 @@ def test_layout_weights_never_go_to_triton(monkeypatch):
     assert linear.pick_backend("int4", 1, 4096, 4096, jnp.bfloat16, hopper_layout=False) == "triton"
     monkeypatch.setattr(linear.api, "device_arch", lambda: ("gpu", 9))
     assert linear.pick_backend("int4", 1, 4096, 4096, jnp.bfloat16, hopper_layout=True) == "mosaic"
-    qw = _qweight(34, (), 128, 128, 32)
+    packed = lay.pack_quantized(_qweight(34, (), 128, 128, 32))
     with pytest.raises(ValueError, match="backend='triton' reads the QuantizedWeight fields"):
-        linear.int4_linear(_x(35, 1, 128), lay.pack_quantized(qw), backend="triton")
+        linear.int4_linear(_x(35, 1, 128), packed, backend="triton")
     # "xla" / "reference" on the layout: the kernel's own weight, not U * s + z
     x = _x(36, 2, 128)
-    y = linear.int4_linear(x, lay.pack_quantized(qw), backend="reference", out_dtype=jnp.float32)
+    y = linear.int4_linear(x, packed, backend="reference", out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(y), np.asarray(x, np.float64) @ np.asarray(
-        lay.dequantize_f32(lay.pack_quantized(qw)), np.float64), rtol=1e-5, atol=1e-5)
+        lay.dequantize_f32(packed), np.float64), rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_backends_agree_on_cpu():
