@@ -22,7 +22,9 @@ before corrupting it).
 Markers (pyproject.toml): `slow` marks real-model (SmolLM2), multi-process and long tests. They
 run in the default `pytest` invocation (`make test`, CI) and are skipped by `make test-fast`
 (`pytest -m "not slow"`). Every test that uses SmolLM2's weights (smollm2_checkpoint,
-smollm2_hf_model) is marked slow here.
+smollm2_hf_model, smollm2_demo_checkpoint) is marked `slow` and `smollm2` here (`make test` runs
+`slow and not smollm2` at XLA -O0, then `smollm2` at the default level). `sms(n)`: the SM count
+the `few_sms` fixture gives the decode-attention kernels.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # (tests that check it use pytest.warns, which sees it regardless).
     config.addinivalue_line("filterwarnings", "ignore:.*the checkpoint will have no tokenizer:UserWarning")
     config.addinivalue_line("markers", "sms(n): the SM count `few_sms` gives the decode-attention kernels (default 8)")
+    config.addinivalue_line("markers", "smollm2: uses SmolLM2's weights (set by this conftest; `make test` runs these last, "
+                                       "in their own process at XLA's default optimization level)")
     # The tools keep state under the user's cache directory (compiled programs, the planner's
     # step costs): during the tests (and the subprocesses they start) that is a temporary one.
     config._qspec_cache_home = tempfile.mkdtemp(prefix="qspec-test-cache-")  # type: ignore[attr-defined]
@@ -75,17 +79,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(home, ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads xdist_group to name the group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Real-model tests are slow by definition: mark every test that uses SmolLM2's weights,
-    directly or through another fixture. Under pytest-xdist (`make test`: `--dist loadgroup`)
-    they also share one worker, so its session fixtures convert the model once, not per worker
-    (without tryfirst the group mark came after xdist had read the marks, and both workers
-    converted SmolLM2 twice each)."""
+    """Real-model tests are slow by definition: every test that uses SmolLM2's weights, directly
+    or through another fixture, is marked `slow` and `smollm2` (`make test` runs them in their
+    own pytest process, at XLA's default optimization level; the workers share the converted
+    checkpoints through `build_once_per_run`)."""
     for item in items:
         if SMOLLM2_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("smollm2"))
+            item.add_marker(pytest.mark.smollm2)
 
 
 FEW_SMS = 8
@@ -390,6 +392,30 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory,
     return make
 
 
+def build_once_per_run(tmp_path_factory: pytest.TempPathFactory, rel: str, build: Callable[[Path], Any]) -> Path:
+    """`build(path)` run once per test run for `rel` (a relative path): under pytest-xdist the
+    workers share the run's temporary root, so the first to get here builds (under a file lock;
+    the converter writes its output atomically, so a failed build leaves nothing) and the others
+    wait for it and reuse the result instead of converting the same model again on the same cores.
+    Returns the built path. Without fcntl (not Linux / macOS) each process builds its own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-USER/pytest-N, above each worker's popen-gwK
+    out = root / "built-once" / rel
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        out = tmp_path_factory.mktemp("built") / rel
+        build(out)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not out.exists():
+            build(out)
+    return out
+
+
 # ------------------------------------------------------------------------------- SmolLM2 (real)
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
@@ -419,8 +445,8 @@ def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_pa
     from convert import convert
     from qspec_jax.weight_quant import DraftWeightsConfig
 
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    return convert(smollm2_gguf_path, out, dtype="float32", progress=False, draft_weights=DraftWeightsConfig())
+    return build_once_per_run(tmp_path_factory, "smollm2/SmolLM2-135M-Instruct", lambda out: convert(
+        smollm2_gguf_path, out, dtype="float32", progress=False, draft_weights=DraftWeightsConfig()))
 
 
 @pytest.fixture(scope="session")
@@ -431,8 +457,8 @@ def smollm2_demo_checkpoint(tmp_path_factory: pytest.TempPathFactory, smollm2_gg
     from convert import convert
     from qspec_jax.weight_quant import DraftWeightsConfig
 
-    out = tmp_path_factory.mktemp("smollm2_demo") / "smollm2-135m-instruct"
-    return convert(smollm2_gguf_path, out, progress=False, draft_weights=DraftWeightsConfig())
+    return build_once_per_run(tmp_path_factory, "smollm2_demo/smollm2-135m-instruct", lambda out: convert(
+        smollm2_gguf_path, out, progress=False, draft_weights=DraftWeightsConfig()))
 
 
 @pytest.fixture(scope="session")
@@ -492,8 +518,8 @@ def tiny_chat_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_chat_sou
     from convert import convert
     from qspec_jax.weight_quant import DraftWeightsConfig
 
-    out = tmp_path_factory.mktemp("tiny_chat") / "ckpt"
-    return convert(tiny_chat_source, out, dtype="float32", progress=False, draft_weights=DraftWeightsConfig())
+    return build_once_per_run(tmp_path_factory, "tiny_chat/ckpt", lambda out: convert(
+        tiny_chat_source, out, dtype="float32", progress=False, draft_weights=DraftWeightsConfig()))
 
 
 # Wide K/V (4 layers of 16 KV heads x 64 channels: 32 KB a token in float32) and 2^26 positions: a
