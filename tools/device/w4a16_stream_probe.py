@@ -1,0 +1,60 @@
+"""What holds the INT4 linears' TMA ring below the read ceiling (issue 32)? Times the Mosaic GPU W4A16
+kernel and its stream-only diagnostic (`MgpuConfig(diag="stream")`: the producer's ring with consumers that only
+wait and release) over launch shapes that change one thing at a time: the TMA box size (wgs x k_tile: 8 KB
+boxes at wgs 1-2 / kt 256, 16 KB at kt 512, 32 KB at wgs 4), the bytes in flight per SM (stages x stage bytes x
+CTAs per SM) and the CTA count. Not in CI.
+
+    PYTHONPATH=. python3 tools/device/w4a16_stream_probe.py [--n 28672,33792] [--m 1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "tools", "device"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
+from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
+from w4a16_config_sweep import L2_DEFEAT, time_config, weights  # noqa: E402
+
+SHAPES = [(2, 256, 4), (2, 256, 8), (2, 512, 2), (2, 512, 3), (4, 256, 4), (4, 128, 6), (4, 128, 8), (1, 256, 8),
+          (2, 128, 8), (1, 512, 4)]  # (wgs, k_tile, stages)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", default="28672,33792")
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--m", type=int, default=1)
+    args = ap.parse_args()
+    k, g = args.k, 32
+    key = jax.random.PRNGKey(0)
+    for n in (int(v) for v in args.n.split(",")):
+        nbytes = int(k * n * (0.5 + 4 / g))
+        copies = max(1, min(8, -(-L2_DEFEAT // nbytes)))
+        ws = weights(key, k, n, g, copies)
+        x = jax.random.normal(jax.random.fold_in(key, 99), (args.m, k), jnp.float32).astype(jnp.bfloat16)
+        iters = max(2, int(2e-3 / (nbytes / 3e12) / copies))
+        floor = nbytes / read_ceiling_bps() * 1e6
+        for wgs, kt, st in SHAPES:
+            stage_kb = wgs * kt * 64 // 2 // 1024 + wgs * kt * 64 * 4 // 32 // 1024 // 2 + 16 * kt * 2 // 1024
+            line = f"N {n:6d} wgs{wgs} kt{kt:3d} st{st}  CTAs {n // (64 * wgs):4d}  stage ~{stage_kb:3d} KB"
+            for diag in ("stream", ""):
+                cfg = mg.MgpuConfig(wgs=wgs, k_tile=kt, splits=1, stages=st, reduce="gmem", tma_view="wide",
+                                    diag=diag, mma_chains=2)
+                try:
+                    sec, _ = time_config(cfg, x, ws, iters)
+                    line += f"  {diag or 'full':6s} {sec * 1e6:7.2f} us ({floor / (sec * 1e6):4.0%})"
+                except Exception as e:  # noqa: BLE001 - a launch shape that does not fit is a result
+                    line += f"  {diag or 'full':6s} FAILED {type(e).__name__}: {str(e)[:80]}"
+            print(line + f"  floor {floor:.2f} us", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
