@@ -8,8 +8,8 @@ producer runs on into the next linear's tiles while its consumers finish the pre
 
 --flags 1 adds what the real kernel needs between the linears (gate_up's x is o's whole output): a grid-wide flag
 the consumers wait on before each linear after the first. --flag-kind poll: every consumer warpgroup adds 1 to a
-uint32 counter in global memory (`red.release.gpu`) and polls it (`ld.acquire.gpu`, by every thread or by lane 0 of
-each warp: --spin) until it holds 2 x ctas; semaphore: CTA 0 waits on a Pallas semaphore for every count, then
+uint32 counter in global memory (`red.release.gpu`) and polls it (`ld.acquire.gpu`; --spin: by every thread, by
+lane 0 of each warp, or by thread 0 of the warpgroup) until it holds 2 x ctas; semaphore: CTA 0 waits on a Pallas semaphore for every count, then
 releases each CTA's own semaphore in turn. Every CTA must be resident at once (ctas <= 2 per SM at <= 100 KB of
 shared memory each), or a flag deadlocks (the commands below run under `timeout`).
 
@@ -48,6 +48,14 @@ WGS = 2  # row tiles (consumer warpgroups) per CTA
 VIEW = mg.TMA_VIEWS["wide"]
 
 
+def _mlir():
+    """The MLIR modules the inline PTX is built with (imported late: they need jaxlib's MLIR)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import utils as mu
+    return ir, arith, llvm, mu
+
+
 def _arrive(counter: Any) -> None:
     """Thread 0 of the calling warpgroup adds 1 to the uint32 `counter` (a global ref of one word)
     with release semantics at gpu scope."""
@@ -55,7 +63,7 @@ def _arrive(counter: Any) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def fn(ctx, ref):
         del ctx
-        ir, _, llvm, _, _, mu = mg._mgpu_modules()
+        ir, _, llvm, mu = _mlir()
         ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr],
                         "{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\n"
@@ -73,6 +81,11 @@ SPIN_ASM = {
     "warp": "{\n.reg .pred p, q;\n.reg .u32 v, t;\nmov.u32 t, %laneid;\nsetp.ne.u32 q, t, 0;\n"
             "@q bra DONE;\nSPIN:\nld.acquire.gpu.global.u32 v, [$0];\n"
             "setp.lt.u32 p, v, $1;\n@p bra SPIN;\nDONE:\nbar.warp.sync -1;\n}",
+    # thread 0 of the warpgroup polls, the others wait at the warpgroup barrier after it (`_spin`; 128x fewer
+    # pollers; not yet run on a GPU)
+    "wg": "{\n.reg .pred p, q;\n.reg .u32 v, t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.ne.u32 q, t, 0;\n"
+          "@q bra DONE;\nSPIN:\nld.acquire.gpu.global.u32 v, [$0];\n"
+          "setp.lt.u32 p, v, $1;\n@p bra SPIN;\nDONE:\n}",
 }
 
 
@@ -83,13 +96,15 @@ def _spin(counter: Any, target: int, spin: str) -> None:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
     def fn(ctx, ref):
         del ctx
-        ir, arith, llvm, _, _, mu = mg._mgpu_modules()
+        ir, arith, llvm, mu = _mlir()
         i32 = ir.IntegerType.get_signless(32)
         ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, arith.constant(i32, target)],
                         SPIN_ASM[spin], "l,r", has_side_effects=True)
 
     fn(counter)
+    if spin == "wg":  # the warpgroup waits for its poller (a warpgroup barrier)
+        plgpu.commit_smem()
 
 
 def balanced_chunks(k: int, n: int, ctas: int) -> int:
