@@ -10,6 +10,8 @@
 #   STAGES="lindiag ncu_lin": the INT4 linears' stage work by part and their Nsight Compute reports (seventeenth);
 #   STAGES="lincheck": the INT4 kernels checked against the oracle after a change to their arithmetic;
 #   STAGES="wave": gate_up's stream at one equal wave of CTAs (kernel_notes, seventeenth session, Next 2)
+#   STAGES="persist": o -> gate_up -> down streamed by one persistent kernel, the grid-wide flag polled by every
+#   thread / lane 0 of each warp / thread 0 of each warpgroup (w4a16_persistent_probe.py; nineteenth session, Next 1)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -132,6 +134,12 @@ for stage in ${STAGES:-probe smol 8b}; do
         --shapes ${WAVE_SHAPES:-gate_up,4096x16896,4096x33792,4096x50688} --m 1 --diags stream --budget 180 2>&1 \
         | grep -v "^W[0-9]" | tee $L/w4a16_wave_m1.log | grep -E "^  |^==|FAILED|rror"
       echo "== wave done ($(( $(date +%s) - T0 )) s)";;
+    persist)  # the persistent probe's flag by poller count (a flag that deadlocks is cut by the timeout)
+      for spin in ${SPINS:-all warp wg}; do
+        timeout ${PERSIST_LIMIT:-170} python3 tools/device/w4a16_persistent_probe.py --stages 4 --flags 0,1 --balance 1 \
+          --spin $spin 2>&1 | grep -v "^W[0-9]" | tee $L/persistent_probe_spin_$spin.log | grep -E "^  |rror"
+        echo "== persist $spin: probe rc=${PIPESTATUS[0]} (124: timed out) ($(( $(date +%s) - T0 )) s)"
+      done;;
     ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
       CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
       echo "== ncu_lin done ($(( $(date +%s) - T0 )) s)";;
