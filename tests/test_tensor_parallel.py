@@ -1,12 +1,11 @@
 """Tensor parallelism on 4 simulated CPU devices (in a subprocess: the device count is fixed
 when JAX initializes). See tests/helpers/tp_check.py for the checks."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 

@@ -40,12 +40,13 @@ def child_xla_flags(extra: str = "") -> str:
 def run_script(interpreter: str, script: str, host_devices: int | None = None,
                xla_flags: str = "") -> subprocess.CompletedProcess:
     """`script` under `interpreter` with the repository importable, on the CPU (with
-    `host_devices` simulated devices when given, and `xla_flags` added to XLA_FLAGS)."""
+    `host_devices` simulated devices when given, and `xla_flags` added to the parent's XLA_FLAGS less
+    a forced device count: `child_xla_flags`)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     if host_devices:
-        xla_flags = f"{xla_flags} --xla_force_host_platform_device_count={host_devices}"
+        xla_flags = f"{xla_flags} {DEVICE_COUNT_FLAG}={host_devices}"
     if xla_flags:
-        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
+        env["XLA_FLAGS"] = child_xla_flags(xla_flags)
     return subprocess.run([interpreter, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
 
 

@@ -1,8 +1,8 @@
 """What holds the INT4 linears' TMA ring below the read ceiling (issue 32)? Times the Mosaic GPU W4A16
 kernel and its stream-only diagnostic (`MgpuConfig(diag="stream")`: the producer's ring with consumers that only
-wait and release) over launch shapes that change one thing at a time: the TMA box size (wgs x k_tile: 8 KB
-boxes at wgs 1-2 / kt 256, 16 KB at kt 512, 32 KB at wgs 4), the bytes in flight per SM (stages x stage bytes x
-CTAs per SM) and the CTA count. Not in CI.
+wait and release) over launch shapes that change one thing at a time: the code words' TMA box (wgs x k_tile x 32 bytes: 8 KB at
+wgs 1 / kt 256 or wgs 2 / kt 128, 16 KB at wgs 2 / kt 256, 32 KB at wgs 2 / kt 512 or wgs 4 / kt 256), the bytes in
+flight (stages x stage bytes per CTA, one or two CTAs per SM) and the CTA count. Not in CI.
 
     PYTHONPATH=. python3 tools/device/w4a16_stream_probe.py [--n 28672,33792] [--m 1]
 """
@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.getcwd(), "tools", "device"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 from w4a16_config_sweep import L2_DEFEAT, time_config, weights  # noqa: E402
@@ -42,8 +43,12 @@ def main() -> int:
         iters = max(2, int(2e-3 / (nbytes / 3e12) / copies))
         floor = nbytes / read_ceiling_bps() * 1e6
         for wgs, kt, st in SHAPES:
-            stage_kb = wgs * kt * 64 // 2 // 1024 + wgs * kt * 64 * 4 // 32 // 1024 // 2 + 16 * kt * 2 // 1024
-            line = f"N {n:6d} wgs{wgs} kt{kt:3d} st{st}  CTAs {n // (64 * wgs):4d}  stage ~{stage_kb:3d} KB"
+            # a stage as the kernel sizes it (`mosaic_gpu._stages_for`): the codes (4 bits a weight), one
+            # 4-byte record per row and group, the x tile of rows_for(M) rows
+            box = wgs * kt * lay.ROWS // 2
+            stage = box + wgs * lay.ROWS * (kt // g) * 4 + mg.rows_for(args.m) * kt * 2
+            line = (f"N {n:6d} wgs{wgs} kt{kt:3d} st{st}  CTAs {n // (lay.ROWS * wgs):4d}  box {box // 1024:2d} KB  "
+                    f"stage {stage / 1024:4.1f} KB")
             for diag in ("stream", ""):
                 cfg = mg.MgpuConfig(wgs=wgs, k_tile=kt, splits=1, stages=st, reduce="gmem", tma_view="wide",
                                     diag=diag, mma_chains=2)
