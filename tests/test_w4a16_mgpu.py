@@ -27,32 +27,7 @@ ptx_emu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ptx_emu)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _reuse_interpreter_thread_programs():
-    """GPU interpret mode compiles every simulated warpgroup's program on every call (~2 s each);
-    reusing the compiled program for the same jaxpr and argument types keeps these tests fast.
-    Pure caching: a missing hook (another jax version) only makes the tests slower."""
-    try:
-        from jax._src.pallas.mosaic.interpret import thread_map
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    original = thread_map._run_jaxpr
-    cache: dict = {}
-
-    def run(jaxpr, consts, *args):
-        key = (id(jaxpr), tuple((np.shape(a), np.asarray(a).dtype.str)
-                                for a in (*jax.tree.leaves(consts), *args)))
-        if key not in cache:
-            def body(jaxpr, consts, *args):
-                jax.core.eval_jaxpr(jaxpr, consts, *args)
-            compiled = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-            cache[key] = (jaxpr, compiled)  # the jaxpr is kept alive so its id stays unique
-        cache[key][1](consts, *args)
-
-    thread_map._run_jaxpr = run
-    yield
-    thread_map._run_jaxpr = original
+pytestmark = pytest.mark.usefixtures("reuse_interpreter_programs")  # conftest: GPU interpret mode, faster
 
 
 def _qweight(seed: int, lead: tuple[int, ...], k: int, n: int, g: int) -> QuantizedWeight:

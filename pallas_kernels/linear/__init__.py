@@ -6,6 +6,9 @@
   stored as the kernel's bf16 pair) and its dequantization (`dequantize_bf16`: the kernels' own weight).
 * `mosaic_gpu`: the Hopper (sm_90) skinny GEMMs, INT4 and bf16, with the fused draft-layer epilogues
   (and `epilogue_reference`, their jnp oracle).
+* `tail_mgpu`: the draft layer's o -> RMSNorm -> gate_up -> SiLU·up -> down tail in one persistent Hopper kernel
+  (`int4_layer_tail_mgpu`, `layer_tail_reference`; checked on the H200, not yet faster than the three fused
+  kernels, so the model does not call it yet: docs/kernel_notes.md, "Twentieth session").
 * `triton`: the Triton W4A16 kernel for GPUs before Hopper.
 """
 

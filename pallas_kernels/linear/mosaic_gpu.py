@@ -104,7 +104,7 @@ class MgpuConfig:
     # the last split of each tile adds the others' partials from global memory once a semaphore says so)
     reduce: str = "gmem"
     tma_view: str = "thread"  # TMA view of the code words: "thread" [128, 4] | "wide" [2, 256]
-    diag: str = ""  # timing experiments on the "mma" kernel only (see _mma_stage); "" in real use
+    diag: str = ""  # timing experiments on the "mma" kernel only (see mma_stage); "" in real use
     # Programmatic dependent launch (jax >= 0.11 launches a kernel that waits on its grid
     # dependency with the PDL attribute): the producer streams the first `stages` weight tiles,
     # which no earlier kernel writes, before `griddepcontrol.wait`, and only then the activation
@@ -608,7 +608,7 @@ def mma_chain_plan(kt: int, chains: int) -> list[int]:
     return [s % chains for s in range(kt // 16)]
 
 
-def _mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
+def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -920,7 +920,7 @@ def _norm_twin(x: Array, g: Array) -> tuple[Array, Array]:
 
 
 # ------------------------------------------------------------------------------ the SMEM twin
-def _twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
+def twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
     """jnp: uint32 words [128, 4] and records [64 C/G] of one warpgroup and stage -> the bf16
     tile W^T [64 rows, 64 cols] of k block `kb`, with the register kernel's arithmetic.
     Static reshapes and transposes only (a Mosaic GPU kernel may not capture array constants)."""
@@ -1132,7 +1132,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         hq, hkv, dh = geo.num_heads, geo.num_kv_heads, geo.head_dim
         n_rep = hq // hkv
         tile = acc if interpret else plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
-        row = _iota((lay.ROWS, mp), 0, interpret)  # row of this warpgroup's tile
+        row = wgmma_iota((lay.ROWS, mp), 0, interpret)  # row of this warpgroup's tile
         if dh == QKV_HEAD_DIM:
             head, channel = nt, row + wg * lay.ROWS
             rpair.at[wg][...] = tile
@@ -1147,13 +1147,13 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             sign = (2 * wg - 1).astype(jnp.float32)
         else:  # other[r] = channel (r + 32) mod 64 (plain loads: a 32-row offset)
             half = rpair.at[wg, pl.ds(lay.ROWS // 2, lay.ROWS)]
-            other = half[...] if interpret else _load_wgmma(half, optimized=False)
+            other = half[...] if interpret else load_wgmma(half, optimized=False)
             sign = jnp.where(row < lay.ROWS // 2, -1.0, 1.0).astype(jnp.float32)
-        load_g = (lambda ref: ref[...]) if interpret else (lambda ref: _load_wgmma(ref, optimized=False))
+        load_g = (lambda ref: ref[...]) if interpret else (lambda ref: load_wgmma(ref, optimized=False))
         cos, sin = load_g(cs_gmem.at[0]), load_g(cs_gmem.at[1])  # row r: the angle of r's pair (rope_table)
         # rotate-half: channel c < D/2 gets x_c cos - x_(c+D/2) sin, channel c + D/2 x_(c+D/2) cos + x_c sin
         roped = acc * cos + sign * (other * sin)
-        b = _iota((lay.ROWS, mp), 1, interpret)  # row of x = batch row (one token per row)
+        b = wgmma_iota((lay.ROWS, mp), 1, interpret)  # row of x = batch row (one token per row)
         valid = b < m
         slot_col = slots_gmem[...] if interpret else _common.load_with_layout(
             slots_gmem, plgpu.Layout.WGMMA.reduce(0), optimized=False)
@@ -1280,7 +1280,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             def mma_step(j, acc):
                 slot = lax.rem(j * k_groups + q, stages)
                 plgpu.barrier_wait(full.at[slot])
-                acc = _mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, rt], sz_smem.at[slot, rt],
+                acc = mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, rt], sz_smem.at[slot, rt],
                                                               x_smem.at[slot], acc)
                 plgpu.barrier_arrive(empty.at[slot])
                 return acc
@@ -1306,7 +1306,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                     a_smem, xt_smem = twin
                     if kind == "int4":  # the twin: dequantize into shared memory
                         c = lay.chunk_cols(g)
-                        tile = _twin_dequant(w_smem.at[slot, rt, kb][...].reshape(lay.THREADS, lay.WORDS),
+                        tile = twin_dequant(w_smem.at[slot, rt, kb][...].reshape(lay.THREADS, lay.WORDS),
                                              sz_smem.at[slot, rt, kb // (c // lay.KB)][...], g, kb)
                         a_smem.at[wg][...] = tile
                         a_op = a_smem.at[wg]
@@ -1334,14 +1334,14 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
         @pl.when((wg < wgs) & (ks == 0))
         def _reduce():
-            tot = _load_wgmma(red.at[wg])
+            tot = load_wgmma(red.at[wg])
             for i in range(1, splits):  # fixed order: p[0] + p[1] + ... + p[S-1]
-                tot = tot + _load_wgmma(plgpu.cluster_ref(red, {"ks": i}).at[wg])
+                tot = tot + load_wgmma(plgpu.cluster_ref(red, {"ks": i}).at[wg])
             ss = None
             if epi.norm:  # the ranks' sums of x^2 over their k ranges, in the same order
-                ss = _load_wgmma(ss_ref)
+                ss = load_wgmma(ss_ref)
                 for i in range(1, splits):
-                    ss = ss + _load_wgmma(plgpu.cluster_ref(ss_ref, {"ks": i}))
+                    ss = ss + load_wgmma(plgpu.cluster_ref(ss_ref, {"ks": i}))
             final(tot, ss)
 
         _cluster_sync()  # no CTA leaves while rank 0 still reads its shared memory
@@ -1367,7 +1367,7 @@ def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int
     plgpu.wait_smem_to_gmem(0)
 
 
-def _iota(shape: tuple[int, int], dim: int, interpret: bool) -> Array:
+def wgmma_iota(shape: tuple[int, int], dim: int, interpret: bool) -> Array:
     if interpret:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
@@ -1412,7 +1412,7 @@ def _cluster_sync() -> None:
     fn()
 
 
-def _load_wgmma(ref: Any, optimized: bool = True) -> Array:
+def load_wgmma(ref: Any, optimized: bool = True) -> Array:
     """A [64, M_pad] float32 partial in the WGMMA layout from (local or peer) shared memory, or with
     optimized=False from global memory (plain loads: Mosaic has no optimized transfer from there)."""
     return _common.load_with_layout(ref, plgpu.Layout.WGMMA, optimized)
@@ -1420,12 +1420,12 @@ def _load_wgmma(ref: Any, optimized: bool = True) -> Array:
 
 def _load_partial(ref: Any, interpret: bool) -> Array:
     """A partial from the "sem" workspace in global memory; a plain load in interpret mode."""
-    return ref[...] if interpret else _load_wgmma(ref, optimized=False)
+    return ref[...] if interpret else load_wgmma(ref, optimized=False)
 
 
 def _load_acc(ref: Any, interpret: bool) -> Array:
-    """`_load_wgmma` on the GPU; a plain load in interpret mode."""
-    return ref[...] if interpret else _load_wgmma(ref)
+    """`load_wgmma` on the GPU; a plain load in interpret mode."""
+    return ref[...] if interpret else load_wgmma(ref)
 
 
 def _load_row_sums(ss_ref: Any, mp: int, interpret: bool) -> Array:

@@ -11,7 +11,9 @@
 #   STAGES="lincheck": the INT4 kernels checked against the oracle after a change to their arithmetic;
 #   STAGES="wave": gate_up's stream at one equal wave of CTAs (kernel_notes, seventeenth session, Next 2)
 #   STAGES="persist": o -> gate_up -> down streamed by one persistent kernel, the grid-wide flag polled by every
-#   thread / lane 0 of each warp / thread 0 of each warpgroup (w4a16_persistent_probe.py; nineteenth session, Next 1)
+#   thread / lane 0 of each warp / thread 0 of each warpgroup, and the flag's own cost without the wait
+#   (w4a16_persistent_probe.py --no-wait; nineteenth session, Next 1)
+#   STAGES="tail": the persistent layer-tail kernel checked and timed with its diagnostics (check_tail.py)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -135,11 +137,19 @@ for stage in ${STAGES:-probe smol 8b}; do
         | grep -v "^W[0-9]" | tee $L/w4a16_wave_m1.log | grep -E "^  |^==|FAILED|rror"
       echo "== wave done ($(( $(date +%s) - T0 )) s)";;
     persist)  # the persistent probe's flag by poller count (a flag that deadlocks is cut by the timeout)
-      for spin in ${SPINS:-all warp wg}; do
+      # SPINS entries: all | warp | wg, ":nowait" appended for the flag's own cost (arrive, poll once, no wait)
+      for sp in ${SPINS:-all warp wg wg:nowait}; do
+        spin=${sp%%:*}; extra=$([ "$sp" != "$spin" ] && echo --no-wait)
         timeout ${PERSIST_LIMIT:-170} python3 tools/device/w4a16_persistent_probe.py --stages 4 --flags 0,1 --balance 1 \
-          --spin $spin 2>&1 | grep -v "^W[0-9]" | tee $L/persistent_probe_spin_$spin.log | grep -E "^  |rror"
-        echo "== persist $spin: probe rc=${PIPESTATUS[0]} (124: timed out) ($(( $(date +%s) - T0 )) s)"
+          --spin $spin $extra 2>&1 | grep -v "^W[0-9]" | tee $L/persistent_probe_spin_${sp/:/_}.log | grep -E "^  |rror"
+        echo "== persist $sp: probe rc=${PIPESTATUS[0]} (124: timed out) ($(( $(date +%s) - T0 )) s)"
       done;;
+    tail)  # the persistent layer-tail kernel (tools/device/check_tail.py): checked, timed against the three fused
+      # kernels, and its diagnostics (no flags / no sync / the ring alone; twentieth session)
+      timeout ${TAIL_LIMIT:-300} python3 tools/device/check_tail.py --ms ${TAIL_MS:-1,8} --ctas-per-sm 1 \
+        --k-groups ${TAIL_KG:-2} --diags ${TAIL_DIAGS:-noflag,nosync,stream} 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/tail_check.log | grep -E "^check|^rows|^time|rror"
+      echo "== tail done ($(( $(date +%s) - T0 )) s)";;
     ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
       CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
       echo "== ncu_lin done ($(( $(date +%s) - T0 )) s)";;

@@ -9,7 +9,8 @@ producer runs on into the next linear's tiles while its consumers finish the pre
 --flags 1 adds what the real kernel needs between the linears (gate_up's x is o's whole output): a grid-wide flag
 the consumers wait on before each linear after the first. --flag-kind poll: every consumer warpgroup adds 1 to a
 uint32 counter in global memory (`red.release.gpu`) and polls it (`ld.acquire.gpu`; --spin: by every thread, by
-lane 0 of each warp, or by thread 0 of the warpgroup) until it holds 2 x ctas; semaphore: CTA 0 waits on a Pallas semaphore for every count, then
+lane 0 of each warp, or by thread 0 of the warpgroup) until it holds 2 x ctas (--no-wait: arrive, poll once, go
+on: the flag's own cost without the wait for the slowest CTA); semaphore: CTA 0 waits on a Pallas semaphore for every count, then
 releases each CTA's own semaphore in turn. Every CTA must be resident at once (ctas <= 2 per SM at <= 100 KB of
 shared memory each), or a flag deadlocks (the commands below run under `timeout`).
 
@@ -115,13 +116,14 @@ def balanced_chunks(k: int, n: int, ctas: int) -> int:
 
 
 def persistent_stream(shapes: list[tuple[int, int]], g: int, ctas: int, stages: int, barrier: bool,
-                      balance: bool = True, flag: str = "poll", spin: str = "all"):
+                      balance: bool = True, flag: str = "poll", spin: str = "all", wait: bool = True):
     """fn(dep, counters, *[qw_wide, sz] per linear) -> a dummy [ctas, 128] float32: the ring over
     every linear's weight tiles in one launch (module docstring); `dep` [8, 128] float32 is not
     read (it orders the call after the previous one in the timing chain). The grid-wide flag:
     `flag="poll"`, every consumer warpgroup adds 1 to counters[p] (uint32 [n_lin], zero on entry:
     the caller makes a fresh zero buffer per call; the kernel writes it in place) and polls it
-    until it holds 2 x ctas; `flag="semaphore"`, CTA 0 releases one Pallas semaphore per CTA."""
+    until it holds 2 x ctas (`wait=False`: until it holds 0, i.e. the arrival and one poll without
+    the wait for the other CTAs); `flag="semaphore"`, CTA 0 releases one Pallas semaphore per CTA."""
     c = lay.chunk_cols(g)
     n_lin = len(shapes)
     # work units (row-tile pair, K chunk) of linear p, dealt round robin from CTA base[p], where the
@@ -179,7 +181,7 @@ def persistent_stream(shapes: list[tuple[int, int]], g: int, ctas: int, stages: 
             for p, (k, n) in enumerate(shapes):
                 if barrier and p > 0 and flag == "poll":  # the previous linear done in every CTA
                     _arrive(counters.at[pl.ds(p - 1, 1)])
-                    _spin(counters.at[pl.ds(p - 1, 1)], WGS * ctas, spin)
+                    _spin(counters.at[pl.ds(p - 1, 1)], WGS * ctas if wait else 0, spin)
                 elif barrier and p > 0:
                     plgpu.semaphore_signal(root.at[p - 1], memory_scope="gpu")
 
@@ -250,6 +252,8 @@ def main() -> int:
     ap.add_argument("--flags", default="0,1", help="grid-wide flag off / on (comma-separated 0 / 1)")
     ap.add_argument("--flag-kind", default="poll", choices=("poll", "semaphore"))
     ap.add_argument("--spin", default="all", choices=tuple(SPIN_ASM), help="who polls the flag (SPIN_ASM)")
+    ap.add_argument("--no-wait", action="store_true",
+                    help="poll flag: arrive and poll once, do not wait for the other CTAs (the flag's own cost)")
     ap.add_argument("--balance", default="0,1", help="balanced work units off / on (comma-separated 0 / 1)")
     ap.add_argument("--lower-only", action="store_true", help="lower for CUDA and stop (CPU check)")
     args = ap.parse_args()
@@ -299,7 +303,8 @@ def main() -> int:
     for st in (int(s) for s in args.stages.split(",")):
         for barrier in (bool(int(f)) for f in args.flags.split(",")):
             for balance in (bool(int(b)) for b in args.balance.split(",")):
-                fn = persistent_stream(shapes, g, ctas, st, barrier, balance, args.flag_kind, args.spin)
+                fn = persistent_stream(shapes, g, ctas, st, barrier, balance, args.flag_kind, args.spin,
+                                       not args.no_wait)
 
                 def call(acc, cp, fn=fn):  # fresh zero counters per call (acc * 0: not a shared constant)
                     counters = jnp.zeros((len(shapes),), jnp.uint32) + (acc * 0).astype(jnp.uint32)
@@ -307,8 +312,9 @@ def main() -> int:
                               *[a for pair in wide[cp] for a in pair])
 
                 us = chained_us(lambda cp, call=call: [lambda acc, cp=cp: call(acc, cp)], copies, iters)
-                label = (f"persistent, stages {st}, flag {barrier and args.flag_kind}"
-                         f"{f' ({args.spin})' if barrier and args.flag_kind == 'poll' else ''}, balanced {balance}")
+                how = f" ({args.spin}{', no wait' if args.no_wait else ''})" if args.flag_kind == "poll" else ""
+                label = (f"persistent, stages {st}, flag {barrier and args.flag_kind}{how if barrier else ''}"
+                         f", balanced {balance}")
                 print(f"  {label:50s} {us:8.2f} us  {floor / us:4.0%} of the floor", flush=True)
     return 0
 

@@ -1,0 +1,719 @@
+"""The draft layer's tail in one persistent Mosaic GPU kernel (Hopper; issue 32):
+
+    x1  = bf16(attn Wo) + x                                  (o projection, residual)
+    act = silu(r bf16(x1 g) Wg) * (r bf16(x1 g) Wu),  r = rsqrt(mean(x1^2) + eps)   (RMSNorm, gate_up)
+    out = bf16(act Wd) + x1                                  (down projection, residual)
+
+with INT4 weights (`layout.W4A16Packed`), for M = B decode rows. `layer_tail_reference` is the
+math: `mosaic_gpu.epilogue_reference` three times.
+
+Why one kernel: per kernel the INT4 linears already read their bytes as fast as any kernel of
+that size reads on the H200 (docs/kernel_notes.md, "Nineteenth session"); what they lose is the
+fill and drain of each 10-60 MB read. A persistent grid of `ctas` CTAs streams the three weights
+in turn through one TMA ring: a CTA's producer runs on into the next linear's weight tiles
+(which no earlier work writes) while its consumers finish the previous linear, so the ring only
+waits where the data does. Measured with a stream-only probe (tools/device/w4a16_persistent_probe.py,
+H200): 39-43 us for o + gate_up + down against 54 us as three kernels. This kernel, measured (H200, 2026-11-29,
+docs/kernel_notes.md "Twentieth session"): its ring alone streams at 76% of the read ceiling, but whole it takes
+59-60 us against 50-52 for the three fused kernels (its consumers' per-unit work and the grid-wide flags), so the
+model does not call it yet.
+
+Work. Each linear's output columns are cut in row-tile pairs (128 columns; gate_up: gate tile j
+with up tile j, so the pair holds what SiLU·up needs) and its K in `chunks` equal ranges; a work
+unit is (pair, chunk), units dealt round robin over the CTAs, continuing where the previous
+linear's deal ended. A CTA has 2 x `k_groups` consumer warpgroups (a row tile of the pair and a
+k group each: the unit's steps dealt round robin, partials added in group order) and a producer
+warpgroup (TMA: per k step the two row tiles' code words and scale records and the x tile
+[M_pad, 256]). The chunks of a tile are summed in a fixed order, p[0] + p[1] + ... + p[C-1], by
+the unit of its last chunk, which waits on a global semaphore for the others' float32 partials
+(`mosaic_gpu`'s "sem" sum); the unit order makes that wait deadlock-free (a unit waits only on
+units of lower index, and every CTA takes its units in increasing order). So a row's bits depend
+on (K, N, chunks, k_groups) and never on M, the CTA count or the deal.
+
+Between the linears: the o tiles' owners write x1 (float32 tiles [D/64, 64, M_pad], the down
+residual), bf16(x1 g) (row-major [M_pad, D], gate_up's x operand) and each tile's row sums of
+x1^2 ([D/64, M_pad], `_column_sums`); each CTA's producer adds the tiles' row sums in tile order
+once (the same bits in every CTA) for the norm's r, and gate_up's owners write act (row-major
+[M_pad, F], down's x operand). A linear's x tiles can only be read once every CTA has finished
+the previous linear: a grid-wide flag per boundary, a global counter each group-0 consumer
+warpgroup adds 1 to (release, gpu scope) and the producer and consumers poll (acquire; thread 0
+of the warpgroup, `_spin`). Every CTA must be resident at once (`ctas` <= the SMs x the CTAs
+that fit on one: two per SM hang on the H200). The counters are zero on entry (a fresh buffer
+per call).
+
+Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, semaphores and waits
+are then program order and a shared-memory barrier), the register MMA is replaced by its jnp
+twin (`mosaic_gpu.twin_dequant` and a float32 dot), the stores and the residual loads by
+whole-slice ref updates. tools/device/check_tail.py runs the GPU kernel against the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _common
+from pallas_kernels.linear import layout as lay
+from pallas_kernels.linear import mosaic_gpu as mg
+
+Array = jax.Array
+
+KT = 256  # k columns per pipeline step (four 64-column k blocks)
+WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
+MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the gate / up exchange is a plain [64, M_pad] tile)
+TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
+MAX_STAGES = 8
+TAIL_DIAGNOSTICS = ("", "noflag", "nosync", "noepi", "stream")
+N_FULL = 2 * WGS + 1  # copies landing on a stage's barrier: codes + records per row tile, the x tile
+
+
+@dataclasses.dataclass(frozen=True)
+class TailConfig:
+    """Launch shape. `chunks` (the K ranges of o, gate_up and down) sets the partial sums' order, so
+    the math; `ctas` and `stages` only who does what and how far ahead (`default_tail_config`)."""
+
+    chunks: tuple[int, int, int]
+    ctas: int = 132  # the persistent grid (every CTA resident); interpret mode runs 1
+    stages: int = 4  # ring depth (a multiple of k_groups: each k group owns the slots of its residue)
+    mma_chains: int = 2  # `MgpuConfig.mma_chains` of the register MMA stage
+    # consumer warpgroups per row tile (`MgpuConfig.k_groups`): a unit's k steps dealt round robin,
+    # the groups' float32 partials added in group order p_0 + p_1 (changes the summation order)
+    k_groups: int = 2
+    # timing experiments only (wrong results): "noflag" drops the grid-wide flags, "nosync" also the
+    # chunk semaphores' waits; "noepi" also everything after a unit's MMA (k-group exchange, partial
+    # sums, epilogues); "stream" also the MMA (the ring alone)
+    diag: str = ""
+
+    def replace(self, **kw: Any) -> "TailConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def ring_stage_bytes(mp: int, group_size: int) -> int:
+    """Shared-memory bytes of one ring stage: two row tiles' code words and records, the x tile."""
+    return WGS * (KT * lay.ROWS // 2 + lay.ROWS * (KT // group_size) * 4) + mp * KT * 2
+
+
+def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1) -> int:
+    """K chunks per pair of a linear with `pairs` row-tile pairs and K = k: among the divisors of
+    its k steps that leave each unit a multiple of `k_groups` steps, the one that minimises the
+    most steps one CTA streams (units dealt round robin), the fewest chunks among equals (each
+    chunk above one costs a float32 partial round trip)."""
+    steps = k // KT
+    if steps % k_groups:
+        raise ValueError(f"K={k}: its {steps} k steps of {KT} must be a multiple of k_groups={k_groups}")
+
+    def most(ch: int) -> int:
+        return -(-(pairs * ch) // ctas) * (steps // ch)
+
+    return min((ch for ch in range(1, steps + 1) if steps % ch == 0 and (steps // ch) % k_groups == 0),
+               key=lambda ch: (most(ch), ch))
+
+
+def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num_sms: int | None = None,
+                        ctas_per_sm: int = 1, k_groups: int = 2) -> TailConfig:
+    """The launch shape for attention width kq, hidden size d and MLP width f at M = m rows:
+    `ctas_per_sm` CTAs per SM (1: always resident whatever the registers), the deepest ring that
+    fits (at most MAX_STAGES, TAIL_SMEM per CTA at two per SM), and the chunks balanced over the
+    CTAs. The chunks depend on the SM count, never on M."""
+    sms = num_sms or _common.num_sms()
+    ctas = ctas_per_sm * sms
+    budget = TAIL_SMEM if ctas_per_sm > 1 else mg.SMEM_BUDGET
+    stages = max(2, min(MAX_STAGES, budget // ring_stage_bytes(mg.rows_for(m), group_size)))
+    chunks = tuple(balanced_chunks(k, pairs, ctas, k_groups)
+                   for k, pairs in ((kq, d // 128), (d, f // 64), (f, d // 128)))
+    return TailConfig(chunks=chunks, ctas=ctas, stages=stages - stages % k_groups, k_groups=k_groups)
+
+
+def layer_tail_reference(attn: Array, x: Array, wo: Array, norm_weight: Array, w_gate_up: Array, w_down: Array,
+                         *, norm_eps: float = 1e-5) -> Array:
+    """jnp: what `int4_layer_tail_mgpu` computes, for the weights as its MMA sees them (float32
+    [K, N], `lay.dequantize_bf16`): the fused epilogues' math (`mg.epilogue_reference`)."""
+    x1 = mg.epilogue_reference(attn, wo, mg.Epilogue(residual=True), residual=x)
+    act = mg.epilogue_reference(x1, w_gate_up, mg.Epilogue(norm=True, eps=norm_eps, swiglu=True),
+                                norm_weight=norm_weight)
+    return mg.epilogue_reference(act, w_down, mg.Epilogue(residual=True), residual=x1)
+
+
+# ------------------------------------------------------------------------------ inline PTX pieces
+def _mlir():
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    return ir, arith, llvm, memref, fa, mu
+
+
+_ARRIVE_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
+               "@p fence.acq_rel.gpu;\n@p red.release.gpu.global.add.u32 [$0], 1;\n}")
+# thread 0 of the warpgroup polls until the counter reaches $1; then every thread fences the async
+# proxy (the producer's TMA reads what other CTAs' generic stores wrote)
+_SPIN_ASM = ("{\n.reg .pred p, q;\n.reg .u32 v, t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.ne.u32 q, t, 0;\n"
+             "@q bra DONE;\nSPIN:\nld.acquire.gpu.global.u32 v, [$0];\nsetp.lt.u32 p, v, $1;\n@p bra SPIN;\nDONE:\n}")
+_PROXY_FENCE_ASM = "fence.proxy.async.global;"
+
+
+def _arrive(counter: Any) -> None:
+    """The calling warpgroup's stores done (a warpgroup barrier), thread 0 adds 1 to the uint32
+    `counter` (one-word global ref) with release semantics at gpu scope."""
+    plgpu.commit_smem()
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def fn(ctx, ref):
+        del ctx
+        ir, _, llvm, _, _, mu = _mlir()
+        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr], _ARRIVE_ASM, "l", has_side_effects=True)
+
+    fn(counter)
+
+
+def _spin(counter: Any, target: int) -> None:
+    """The calling warpgroup waits until the uint32 `counter` reaches `target` (thread 0 polls with
+    acquire loads at gpu scope, the others wait at a warpgroup barrier), then fences the async proxy."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def fn(ctx, ref):
+        del ctx
+        ir, arith, llvm, _, _, mu = _mlir()
+        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, arith.constant(ir.IntegerType.get_signless(32), target)],
+                        _SPIN_ASM, "l,r", has_side_effects=True)
+
+    fn(counter)
+    plgpu.commit_smem()  # warpgroup barrier: the others wait for the poller
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        ir, _, llvm, _, _, _ = _mlir()
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], _PROXY_FENCE_ASM, "", has_side_effects=True)
+
+    fence()
+
+
+def _tile_access(mp: int, store: bool):
+    """inline_mgpu function over a 2-D global ref [R, C] and WGMMA-layout [64, M_pad] int32 arrays
+    (row, col) with a validity mask: store=True, (vals float32, row, col, ok, ref) ->
+    ref[row, col] = ref.dtype(vals) where ok; store=False, (row, col, ok, ref) -> float32 values
+    ref[row, col] where ok, else 0. Each thread its own elements (a few per thread at decode
+    sizes; plain global loads and stores, no shared memory)."""
+    wg = plgpu.Layout.WGMMA
+    types = ((wg,) if store else ()) + (wg, wg, wg, plgpu.RefType())
+    ret = None if store else plgpu.ShapeDtypeStruct((lay.ROWS, mp), jnp.float32, layout=wg)
+
+    @plgpu.inline_mgpu(arg_types=types, return_type=ret)
+    def fn(ctx, *args):
+        del ctx
+        ir, arith, llvm, memref, fa, _ = _mlir()
+        from jax._src.lib.mlir.dialects import scf, vector
+        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
+        vals, (rows, cols, oks, ref) = (args[0], args[1:]) if store else (None, args)
+        elt = ir.MemRefType(ref.type).element_type
+        zero_i, zero_f = arith.constant(i32, 0), arith.constant(f32, 0.0)
+        regs = rows.registers.flat
+        out = []
+        for n, (rreg, creg, oreg) in enumerate(zip(regs, cols.registers.flat, oks.registers.flat)):
+            width = ir.VectorType(rreg.type).shape[0]
+            acc = llvm.mlir_undef(ir.VectorType.get((width,), f32))
+            for e in range(width):
+                get = lambda reg: vector.extract(reg, dynamic_position=[], static_position=[e])  # noqa: E731
+                ok = arith.cmpi(arith.CmpIPredicate.ne, get(oreg), zero_i)
+                if store:
+                    branch = scf.IfOp(ok)
+                    with ir.InsertionPoint(branch.then_block):
+                        idx = [arith.index_cast(index, get(rreg)), arith.index_cast(index, get(creg))]
+                        v = get(vals.registers.flat[n])
+                        memref.store(arith.truncf(elt, v) if elt != f32 else v, ref, idx)
+                        scf.yield_([])
+                    continue
+                # a load: row 0 where not ok (always in bounds), the value replaced by 0
+                row = arith.select(ok, get(rreg), zero_i)
+                v = memref.load(ref, [arith.index_cast(index, row), arith.index_cast(index, get(creg))])
+                v = arith.extf(f32, v) if elt != f32 else v
+                acc = llvm.insertelement(acc, arith.select(ok, v, zero_f), arith.constant(i32, e))
+            out.append(acc)
+        if store:
+            return None
+        regs_out = np.asarray(out, dtype=object).reshape(rows.registers.shape)
+        return fa.FragmentedArray(_registers=regs_out, _layout=rows.layout, _is_signed=None)
+
+    return fn
+
+
+_SHFL = "shfl.sync.bfly.b32 $0, $1, {}, 0x1f, 0xffffffff;"  # float32 butterfly partner (lane ^ {})
+
+
+def _column_sums(mp: int):
+    """inline_mgpu function of one warpgroup: (v float32 [64, M_pad] WGMMA, buf shared float32 [4, M_pad]
+    (this warpgroup's own), dst global float32 [M_pad]) -> dst[c] = sum over the 64 rows of v[:, c].
+    Per thread its two rows of each column it holds, a butterfly over the 8 lanes that share the
+    columns (every lane ends with the same bits: float addition is commutative), then warps 0 + 1 +
+    2 + 3 in that order through `buf`. Not Mosaic's reduction: that one uses a scratch region shared
+    by every warpgroup of the CTA (two consumers reducing at once raced on it: H200, 2026-11-29)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))
+    def fn(ctx, v, buf, dst):
+        del ctx
+        ir, arith, llvm, memref, _, mu = _mlir()
+        from jax._src.lib.mlir.dialects import scf
+        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
+        c = lambda x: arith.constant(i32, x)  # noqa: E731
+        tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
+        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+        quad = arith.remui(lane, c(4))  # the thread's columns: 8 ct + 2 quad + e
+        regs = v.registers
+        mu.warpgroup_barrier()  # the previous call's reads of buf are done
+        for ct in range(mp // 8):
+            for e in range(2):
+                vals = []
+                for h in range(2):  # rows g and g + 8 of the warp's 16
+                    idx = [0] * regs.ndim
+                    idx[1], idx[4] = ct, h
+                    vals.append(llvm.extractelement(regs[tuple(idx)], c(e)))
+                tot = arith.addf(vals[0], vals[1])
+                for sh in (4, 8, 16):
+                    other = llvm.inline_asm(f32, [tot], _SHFL.format(sh), "=f,f", has_side_effects=True)
+                    tot = arith.addf(tot, other)
+                col = arith.addi(c(8 * ct + e), arith.muli(quad, c(2)))
+                branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lane, c(4)))
+                with ir.InsertionPoint(branch.then_block):
+                    memref.store(tot, buf, [arith.index_cast(index, warp), arith.index_cast(index, col)])
+                    scf.yield_([])
+        mu.warpgroup_barrier()
+        branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, c(mp)))
+        with ir.InsertionPoint(branch.then_block):
+            col = arith.index_cast(index, tid)
+            tot = memref.load(buf, [arith.constant(index, 0), col])
+            for w in range(1, 4):
+                tot = arith.addf(tot, memref.load(buf, [arith.constant(index, w), col]))
+            memref.store(tot, dst, [col])
+            scf.yield_([])
+
+    return fn
+
+
+# ------------------------------------------------------------------------------------- kernel
+def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int, f: int, kq: int,
+                 cfg: TailConfig, interpret: bool, stacked: bool, g_stacked: bool, n_layers: int, eps: float):
+    """One CTA of the persistent grid (module docstring). Warpgroups wg = q WGS + rt (q < k_groups):
+    consumers of row tile rt of each pair, k group q (the unit's steps q, q + k_groups, ...); group
+    0 also sums the chunks and runs the epilogues. Then the producer."""
+    r = dict(zip(names, refs))
+    ctas, stages, chunks, kg = cfg.ctas, cfg.stages, cfg.chunks, cfg.k_groups
+    c = lay.chunk_cols(g)
+    cta, wg = lax.axis_index("c"), lax.axis_index("wg")
+    layer_idx = jnp.clip(r["layer"][0], 0, n_layers - 1)
+    lead = (layer_idx,) if stacked else ()
+    g_row = layer_idx if g_stacked else 0
+    x_smem, w_smem, sz_smem = r["x_smem"], r["w_smem"], r["sz_smem"]
+    full, empty = r["full"], r["empty"]
+    # per linear p: (K, code words, records, x source, row-tile pairs)
+    lin = [(kq, r["wo_w"], r["wo_s"], r["attn"], d // 128),
+           (d, r["wgu_w"], r["wgu_s"], r["xg"], f // 64),
+           (f, r["wd_w"], r["wd_s"], r["act"], d // 128)]
+    units = [pairs * ch for (_, _, _, _, pairs), ch in zip(lin, chunks)]
+    base = [sum(units[:p]) % ctas for p in range(3)]
+    per = [k // KT // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
+    sems = [None if interpret or chunks[p] == 1 else
+            pl.get_global(plgpu.SemaphoreType.REGULAR((r[f"ws{p}"].shape[1],))) for p in range(3)]
+    flag_target = WGS * ctas  # group-0 consumer warpgroups arrive at each flag
+    sync = cfg.diag in ("", "noflag")  # the chunk semaphores (TailConfig.diag)
+    flags = not cfg.diag  # the grid-wide flags
+
+    def my_units(p):  # (first unit, count) of linear p dealt to this CTA
+        first = lax.rem(cta - base[p] + ctas, ctas)
+        return first, jnp.maximum(units[p] - first + ctas - 1, 0) // ctas
+
+    def unit_of(p, first, t):  # this CTA's step t of linear p -> (pair, chunk, k step of the unit)
+        j, i = t // per[p], lax.rem(t, per[p])
+        u = first + j * ctas
+        return u // chunks[p], lax.rem(u, chunks[p]), i
+
+    # ------------------------------------------------------------------ producer
+    @pl.when(wg == WGS * kg)
+    def _producer():
+        def issue_w(p, first, t, slot):
+            _, w_ref, s_ref, _, _ = lin[p]
+            pair, ch, i = unit_of(p, first, t)
+            k0 = (ch * per[p] + i) * KT
+            for cw in range(WGS):  # gate_up: gate tile j, up tile j + F/64; else tiles 2 pair + cw
+                row = pair + cw * (f // 64) if p == 1 else pair * WGS + cw
+                plgpu.copy_gmem_to_smem(w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, KT // lay.KB))],
+                                        w_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
+                plgpu.copy_gmem_to_smem(s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, KT // c))],
+                                        sz_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
+
+        def issue_x(p, first, t, slot):
+            x_ref = lin[p][3]
+            _, ch, i = unit_of(p, first, t)
+            k0 = (ch * per[p] + i) * KT
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, mp), pl.ds(k0, KT)], x_smem.at[slot], full.at[slot])
+
+        def reuse(cnt):
+            slot = lax.rem(cnt, stages)
+
+            @pl.when(cnt >= stages)
+            def _():
+                plgpu.barrier_wait(empty.at[slot])
+
+            return slot
+
+        cnt = jnp.int32(0)  # ring steps issued so far (slot cnt % stages)
+        for p in range(3):
+            first, count = my_units(p)
+            total = count * per[p]
+            ahead = jnp.minimum(total, stages)
+
+            # the weights of the first `stages` steps go out before the x they need exists
+            def pre_w(t, cnt, p=p, first=first):
+                issue_w(p, first, t, reuse(cnt))
+                return cnt + 1
+
+            cnt_pre = cnt
+            cnt = lax.fori_loop(0, ahead, pre_w, cnt)
+            if p > 0:  # x of linear p: written by every CTA's consumers in linear p - 1
+                if interpret:
+                    plgpu.barrier_wait(r["phase_bar"].at[0])
+                elif flags:
+                    _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
+            if p == 1:  # the rows' sums of x1^2, tile order (the same bits in every CTA), for the consumers
+                ssp = r["ssp"]
+                vec = (lambda t: ssp.at[t][...]) if interpret else (
+                    lambda t: _common.load_with_layout(ssp.at[t], plgpu.Layout.WGMMA.reduce(0), optimized=False))
+                ss = vec(0)
+                for t in range(1, d // lay.ROWS):
+                    ss = ss + vec(t)
+                r["ss"][...] = ss
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(r["ss_bar"].at[0])
+
+            def pre_x(t, carry, p=p, first=first, cnt_pre=cnt_pre):
+                issue_x(p, first, t, lax.rem(cnt_pre + t, stages))
+                return carry
+
+            lax.fori_loop(0, ahead, pre_x, 0)
+
+            def step(t, cnt, p=p, first=first):
+                slot = reuse(cnt)
+                issue_w(p, first, t, slot)
+                issue_x(p, first, t, slot)
+                return cnt + 1
+
+            cnt = lax.fori_loop(ahead, total, step, cnt)
+        if interpret:  # the interpreter checks that a waiter sees every phase of the barriers it waited on
+            @pl.when(cnt > stages)
+            def _():
+                for slot in range(stages):
+                    plgpu.barrier_wait(empty.at[slot])
+
+    # ------------------------------------------------------------------ consumers
+    rt, q = lax.rem(wg, WGS), wg // WGS  # row tile of each pair, k group
+    batch_row = mg.wgmma_iota((lay.ROWS, mp), 1, interpret)  # [64, M_pad]: the batch row of each element
+    tile_row = mg.wgmma_iota((lay.ROWS, mp), 0, interpret)  # the column within the 64-column tile
+    valid = batch_row < m
+
+    def mma(slot, acc):
+        if not interpret:
+            return mg.mma_stage(g, KT, mp, "", cfg.mma_chains)(w_smem.at[slot, rt], sz_smem.at[slot, rt],
+                                                               x_smem.at[slot], acc)
+        for kb in range(KT // lay.KB):  # the twin: dequantize with the register kernel's arithmetic, f32 dot
+            a = mg.twin_dequant(w_smem.at[slot, rt, kb][...].reshape(lay.THREADS, lay.WORDS),
+                                sz_smem.at[slot, rt, kb // (c // lay.KB)][...], g, kb)
+            xk = x_smem.at[slot, :, pl.ds(kb * lay.KB, lay.KB)][...]
+            acc = acc + jnp.dot(a.astype(jnp.float32), xk.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
+        return acc
+
+    def load_f32(ref):  # a [64, M_pad] float32 tile in the accumulator's layout from global memory
+        return ref[...] if interpret else mg.load_wgmma(ref, optimized=False)
+
+    def store_f32(ref, v):
+        ref[...] = v if interpret else plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+
+    def store_rows(ref, v, col0, rows):  # ref [R, C] rows 0..rows-1, columns col0..col0+63 = v^T
+        if interpret:
+            ref.at[pl.ds(0, rows), pl.ds(col0, lay.ROWS)][...] = v.T[:rows].astype(ref.dtype)
+        else:
+            _tile_access(mp, True)(v, batch_row, tile_row + col0, (batch_row < rows).astype(jnp.int32), ref)
+
+    def load_rows(ref, col0):  # ref [M, C] -> [64, M_pad] float32 of columns col0.., rows >= M zero
+        if interpret:
+            v = ref.at[:, pl.ds(col0, lay.ROWS)][...].astype(jnp.float32).T
+            return jnp.pad(v, ((0, 0), (0, mp - m)))
+        return _tile_access(mp, False)(batch_row, tile_row + col0, valid.astype(jnp.int32), ref)
+
+    def bf16(v):
+        return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+    def exchange(val, buf, bar, free, n_done, writer, reader):
+        """`writer` hands the [64, M_pad] float32 `val` to `reader` through shared `buf`; returns it on
+        the reader. `free` (the reader's release) guards buf's reuse from the writer's n_done-th use on."""
+        @pl.when(writer)
+        def _():
+            @pl.when(n_done > 0)
+            def _():
+                plgpu.barrier_wait(free)
+
+            buf[...] = val
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(bar)
+
+        def read():
+            plgpu.barrier_wait(bar)
+            v = buf[...] if interpret else mg.load_wgmma(buf)
+            plgpu.barrier_arrive(free)
+            return v
+
+        return read
+
+    def epilogue(p, tot, pair, n_pairs_done):
+        if p == 0:  # x1 = bf16(acc) + x; its tile, its rows' sums of x1^2, bf16(x1 g)
+            tile = pair * WGS + rt
+            col0 = tile * lay.ROWS
+            x1 = bf16(bf16(tot) + load_rows(r["x"], col0))
+            store_f32(r["x1t"].at[tile], x1)
+            sq = jnp.where(valid, x1 * x1, 0.0)
+            if interpret:
+                r["ssp"].at[tile][...] = jnp.sum(sq, axis=0)
+            else:
+                _column_sums(mp)(sq, r["colsum"].at[rt], r["ssp"].at[tile])
+            gv = r["g"].at[g_row, pl.ds(col0, lay.ROWS)]
+            gcol = (gv[...] if interpret else _common.load_with_layout(
+                gv, plgpu.Layout.WGMMA.reduce(1), optimized=False)).astype(jnp.float32)
+            store_rows(r["xg"], jnp.where(valid, x1 * lax.broadcast_in_dim(gcol, (lay.ROWS, mp), (0,)), 0.0),
+                       col0, mp)
+        elif p == 1:  # rr = rsqrt(mean x1^2 + eps); act = silu(gate rr) (up rr)
+            ss = r["ss"][...] if interpret else _common.load_with_layout(r["ss"], plgpu.Layout.WGMMA.reduce(0))
+            acc = tot * lax.rsqrt(lax.broadcast_in_dim(ss, (lay.ROWS, mp), (1,)) * (1.0 / d) + eps)
+            read = exchange(acc, r["pair"], r["pair_bar"].at[0], r["pair_free"].at[0], n_pairs_done,
+                            rt == 1, rt == 0)
+
+            @pl.when(rt == 0)  # gate: silu(gate) up into act columns 64 pair ..
+            def _():
+                up = read()
+                store_rows(r["act"], jnp.where(valid, acc / (1.0 + jnp.exp(-acc)) * up, 0.0), pair * lay.ROWS, mp)
+        else:  # out = bf16(acc) + x1
+            tile = pair * WGS + rt
+            store_rows(r["out"], bf16(tot) + load_f32(r["x1t"].at[tile]), tile * lay.ROWS, m)
+
+    def finish(p, acc, pair, ch, n_pairs_done):
+        """Group 0, the unit's partial: chunk < C-1 leaves it in the workspace and counts up the tile's
+        semaphore; the last chunk waits for C-1 counts and sums p[0] + ... + p[C-1]."""
+        if chunks[p] == 1:
+            epilogue(p, acc, pair, n_pairs_done)
+            return
+        tile = pair + rt * (f // 64) if p == 1 else pair * WGS + rt
+        ws = r[f"ws{p}"]
+
+        @pl.when(ch < chunks[p] - 1)
+        def _():
+            store_f32(ws.at[ch, tile], acc)
+            if not interpret and sync:
+                plgpu.commit_smem()  # every thread's stores before the release
+                plgpu.semaphore_signal(sems[p].at[tile], memory_scope="gpu")
+
+        @pl.when(ch == chunks[p] - 1)
+        def _():
+            if not interpret and sync:
+                plgpu.semaphore_wait(sems[p].at[tile], chunks[p] - 1, memory_scope="gpu")
+            tot = load_f32(ws.at[0, tile])
+            for i in range(1, chunks[p] - 1):
+                tot = tot + load_f32(ws.at[i, tile])
+            epilogue(p, tot + acc, pair, n_pairs_done)
+
+    @pl.when(wg < WGS * kg)
+    def _consumers():
+        cnt = jnp.int32(0)  # the CTA's ring steps before this unit (group q takes steps q, q + kg, ...)
+        n_units = jnp.int32(0)  # units this warpgroup has finished (the k groups' exchange slot)
+        n_pairs = jnp.int32(0)  # gate_up pairs this CTA has finished (the up tile's exchange slot)
+        for p in range(3):
+            if p > 0 and not interpret and flags:  # what the epilogues read was written by every CTA in p - 1
+                @pl.when(q == 0)
+                def _():
+                    _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
+            if p == 1:
+                @pl.when(q == 0)
+                def _():
+                    plgpu.barrier_wait(r["ss_bar"].at[0])
+            first, count = my_units(p)
+
+            def unit(j, carry, p=p, first=first):
+                cnt, n_units, n_pairs = carry
+                pair, ch, _ = unit_of(p, first, j * per[p])
+
+                def step(i, acc):
+                    slot = lax.rem(cnt + i * kg + q, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    if cfg.diag != "stream":
+                        acc = mma(slot, acc)
+                    plgpu.barrier_arrive(empty.at[slot])
+                    return acc
+
+                acc0 = jnp.zeros((lay.ROWS, mp), jnp.float32)
+                if not interpret:
+                    acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+                acc = lax.fori_loop(0, per[p] // kg, step, acc0)
+                if cfg.diag == "noepi":  # the accumulator stored so the MMA is not dead code (a slot per
+                    # warpgroup: one shared slot measured slower than the whole epilogue, its stores contending)
+                    store_f32(r["ws1"].at[0, lax.rem(cta * (WGS * kg) + wg, r["ws1"].shape[1])], acc)
+                elif cfg.diag == "stream":
+                    pass
+                elif kg > 1:  # group 1 hands its partial to group 0: p_0 + p_1
+                    read = exchange(acc, r["kx"].at[rt], r["kx_bar"].at[rt], r["kx_free"].at[rt], n_units,
+                                    q == 1, q == 0)
+
+                    @pl.when(q == 0)
+                    def _():
+                        finish(p, acc + read(), pair, ch, n_pairs)
+                else:
+                    finish(p, acc, pair, ch, n_pairs)
+                if p == 1:
+                    n_pairs = n_pairs + (ch == chunks[p] - 1).astype(jnp.int32)
+                return cnt + per[p], n_units + 1, n_pairs
+
+            cnt, n_units, n_pairs = lax.fori_loop(0, count, unit, (cnt, n_units, n_pairs))
+            if p < 2:
+                @pl.when(q == 0)
+                def _():
+                    if interpret:
+                        plgpu.barrier_arrive(r["phase_bar"].at[0])
+                    elif flags:
+                        _arrive(r["flags"].at[pl.ds(p, 1)])
+        if interpret:  # the writers see the readers' last release (the interpreter's check)
+            @pl.when((q == 0) & (rt == 1) & (n_pairs > 0))
+            def _():
+                plgpu.barrier_wait(r["pair_free"].at[0])
+
+            if kg > 1:
+                @pl.when((q == 1) & (n_units > 0))
+                def _():
+                    plgpu.barrier_wait(r["kx_free"].at[rt])
+
+
+def _check(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, wgu: lay.W4A16Packed,
+           wd: lay.W4A16Packed, layer: Any) -> tuple[int, int, int, int, int]:
+    for name, w in (("wo", wo), ("w_gate_up", wgu), ("w_down", wd)):
+        if not isinstance(w, lay.W4A16Packed):
+            raise TypeError(f"{name} must be a W4A16Packed (pallas_kernels.linear.layout.pack_*), got {type(w).__name__}")
+    if len({w.group_size for w in (wo, wgu, wd)}) != 1 or len({w.lead for w in (wo, wgu, wd)}) != 1:
+        raise ValueError(f"wo, w_gate_up, w_down must share group size and leading dims; got "
+                         f"{[(w.group_size, w.lead) for w in (wo, wgu, wd)]}")
+    if len(wo.lead) > 1 or (layer is None) != (not wo.lead):
+        raise ValueError(f"weight leading dims {wo.lead} need layer= exactly when stacked ([L, ...]); got layer={layer!r}")
+    kq, d, f2 = wo.k, wo.n, wgu.n
+    if wgu.k != d or f2 % 128 or wd.k != f2 // 2 or wd.n != d:
+        raise ValueError(f"shapes: wo [Kq, D] = [{kq}, {d}], w_gate_up must be [D, 2F] and w_down [F, D]; got "
+                         f"[{wgu.k}, {wgu.n}] and [{wd.k}, {wd.n}]")
+    if d % 128 or kq % KT or d % KT or (f2 // 2) % KT:
+        raise ValueError(f"Kq={kq}, D={d}, F={f2 // 2}: D must be a multiple of 128 and Kq, D, F of {KT}")
+    for name, a, cols in (("attn", attn, kq), ("x", x, d)):
+        if a.ndim != 2 or a.shape[1] != cols or a.dtype != jnp.bfloat16:
+            raise ValueError(f"{name} must be bfloat16 [M, {cols}], got {a.dtype} {a.shape}")
+    m = attn.shape[0]
+    if x.shape[0] != m or not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"attn and x must have the same M in 1..{MAX_ROWS} rows; got {attn.shape[0]} and {x.shape[0]}")
+    if norm_weight.dtype != jnp.bfloat16 or norm_weight.ndim not in (1, 2) or norm_weight.shape[-1] != d:
+        raise ValueError(f"norm_weight must be bfloat16 [D={d}] or a stack [L, D]; got {norm_weight.dtype} "
+                         f"{norm_weight.shape}")
+    return m, kq, d, f2 // 2, wo.group_size
+
+
+def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, w_gate_up: lay.W4A16Packed,
+                         w_down: lay.W4A16Packed, *, layer: Any = None, norm_eps: float = 1e-5,
+                         config: TailConfig | None = None, interpret: bool | None = None) -> Array:
+    """out [M, D] bf16 = x1 + down(silu(gate) up), x1 = bf16(attn Wo) + x, gate | up = RMSNorm(x1) Wgu
+    (module docstring; `layer_tail_reference` is the math), in one persistent kernel.
+
+    attn [M, Kq] bf16 (the attention's output), x [M, D] bf16 (the layer's input, the residual),
+    M in 1..MAX_ROWS; wo [Kq, D], w_gate_up [D, 2F] (gate | up halves), w_down [F, D]: INT4 in
+    the Hopper layout, one layer each or stacks [L, ...] read in place at `layer` (int or traced
+    int32 scalar, clamped); norm_weight bf16 [D] or a stack [L, D] (the MLP norm).
+    `interpret=None` interprets unless the default backend is a GPU (then one CTA, `config.ctas`
+    ignored)."""
+    m, kq, d, f, g = _check(attn, x, wo, norm_weight, w_gate_up, w_down, layer)
+    interp = _common.interpret_default(interpret)
+    cfg = config or default_tail_config(kq, d, f, g, m)
+    if cfg.diag not in TAIL_DIAGNOSTICS or (cfg.diag and interp):
+        raise ValueError(f"diag={cfg.diag!r}: one of {TAIL_DIAGNOSTICS}, and only on the GPU (timing)")
+    if cfg.k_groups not in (1, 2) or cfg.stages % cfg.k_groups or cfg.stages < 2:
+        raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
+    for p, k in enumerate((kq, d, f)):
+        if (k // KT) % cfg.chunks[p] or (k // KT // cfg.chunks[p]) % cfg.k_groups:
+            raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // KT} k steps "
+                             f"into units of a multiple of k_groups={cfg.k_groups} steps")
+    if interp:
+        cfg = cfg.replace(ctas=1)
+    mp = mg.rows_for(m)
+    n_layers = wo.lead[0] if wo.lead else (norm_weight.shape[0] if norm_weight.ndim == 2 else 1)
+    g2 = norm_weight if norm_weight.ndim == 2 else norm_weight[None]
+    if norm_weight.ndim == 2 and norm_weight.shape[0] != n_layers:
+        raise ValueError(f"norm_weight has {norm_weight.shape[0]} layers, the weights {n_layers}")
+    if m > 8 and m % 8:  # the x tiles' TMA view rows by 8: above 8 rows, M a multiple (zero rows, never stored)
+        attn = jnp.pad(attn, ((0, mp - m), (0, 0)))
+    view = mg.TMA_VIEWS["wide"]
+    f32 = jnp.float32
+    x_tf = (plgpu.TilingTransform((8, mg.SWIZZLE // 2)), plgpu.SwizzleTransform(mg.SWIZZLE))
+    inputs = {"attn": attn, "x": x, "g": g2,
+              "layer": jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)}
+    for name, w in (("wo", wo), ("wgu", w_gate_up), ("wd", w_down)):
+        inputs[f"{name}_w"] = w.qw.reshape(*w.qw.shape[:-2], *view)
+        inputs[f"{name}_s"] = w.sz
+    outs = {"out": jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
+            "xg": jax.ShapeDtypeStruct((mp, d), jnp.bfloat16),
+            "act": jax.ShapeDtypeStruct((mp, f), jnp.bfloat16),
+            "x1t": jax.ShapeDtypeStruct((d // lay.ROWS, lay.ROWS, mp), f32),
+            "ssp": jax.ShapeDtypeStruct((d // lay.ROWS, mp), f32)}
+    for p, n_tiles in enumerate((d // lay.ROWS, 2 * f // lay.ROWS, d // lay.ROWS)):
+        outs[f"ws{p}"] = jax.ShapeDtypeStruct((max(cfg.chunks[p] - 1, 1), n_tiles, lay.ROWS, mp), f32)
+    c = lay.chunk_cols(g)
+    st = cfg.stages
+    scratch = {"x_smem": plgpu.SMEM((st, mp, KT), jnp.bfloat16, transforms=x_tf),
+               "w_smem": plgpu.SMEM((st, WGS, KT // lay.KB, *view), jnp.uint32),
+               "sz_smem": plgpu.SMEM((st, WGS, KT // c, lay.ROWS * c // g), jnp.uint32),
+               "pair": plgpu.SMEM((lay.ROWS, mp), f32),
+               "ss": plgpu.SMEM((mp,), f32),
+               "full": plgpu.Barrier(num_barriers=st, num_arrivals=N_FULL),
+               "empty": plgpu.Barrier(num_barriers=st, num_arrivals=WGS),
+               "pair_bar": plgpu.Barrier(num_barriers=1, num_arrivals=1),
+               "pair_free": plgpu.Barrier(num_barriers=1, num_arrivals=1),
+               "ss_bar": plgpu.Barrier(num_barriers=1, num_arrivals=1)}
+    if cfg.k_groups > 1:  # group 1's partial per row tile, for group 0
+        scratch["kx"] = plgpu.SMEM((WGS, lay.ROWS, mp), f32)
+        scratch["kx_bar"] = plgpu.Barrier(num_barriers=WGS, num_arrivals=1)
+        scratch["kx_free"] = plgpu.Barrier(num_barriers=WGS, num_arrivals=1)
+    if interp:
+        scratch["phase_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=WGS)
+    else:  # each consumer's own buffer for the column sums (`_column_sums`)
+        scratch["colsum"] = plgpu.SMEM((WGS, 4, mp), f32)
+    flag_names = () if interp else ("flags",)
+    in_names = tuple(inputs)
+    names = (*in_names, *flag_names, *outs, *scratch)
+    kernel = functools.partial(_tail_kernel, names=names, m=m, mp=mp, g=g, d=d, f=f, kq=kq, cfg=cfg,
+                               interpret=interp, stacked=bool(wo.lead), g_stacked=norm_weight.ndim == 2,
+                               n_layers=n_layers, eps=float(norm_eps))
+    name = f"int4_layer_tail_kq{kq}_d{d}_f{f}_g{g}_c{'x'.join(map(str, cfg.chunks))}"
+    mesh = plgpu.Mesh(num_threads=WGS * cfg.k_groups + 1, thread_name="wg", grid=(cfg.ctas,), grid_names=("c",),
+                      kernel_name=name)
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+    def run(inputs):
+        extra = []
+        if not interp:  # the grid-wide flags: a fresh zero counter per boundary, written in place
+            extra = [jax.new_ref(jnp.zeros((2,), jnp.uint32), memory_space=plgpu.GMEM)]
+
+        def body(*refs):
+            pl.run_scoped(functools.partial(kernel, *refs), *scratch.values(), collective_axes="wg")
+
+        res = pl.kernel(body, out_type=tuple(outs.values()), mesh=mesh, compiler_params=params,
+                        interpret=_common.interpret_params() if interp else False,
+                        name=name)(*(inputs[k] for k in in_names), *extra)  # (jit re-sorts a dict's keys)
+        return res[0]
+
+    return jax.jit(run)(inputs)

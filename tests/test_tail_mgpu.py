@@ -1,0 +1,195 @@
+"""The persistent layer-tail kernel (pallas_kernels/linear/tail_mgpu.py) on the CPU: GPU interpret
+mode (one CTA; the jnp twin of the register MMA) against `layer_tail_reference`, stacked weights,
+bitwise row invariance, the launch-shape choice, bad inputs and CUDA lowering of the GPU kernel.
+
+The interpret-mode runs happen in a child process with 8 host devices (`_child`;
+`tests/helpers/subproc.run_in_child` says why: with one host device the simulation of the kernel's
+four or five warpgroups deadlocks on a 2-core machine, seen here). ~10-20 s per kernel call.
+The GPU kernel (its grid-wide flags, chunk semaphores, register MMA, inline loads and stores) runs
+in tools/device/check_tail.py against the same reference on the H200.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.linear import layout as lay
+from pallas_kernels.linear import tail_mgpu as tm
+
+_spec = importlib.util.spec_from_file_location("subproc", Path(__file__).parent / "helpers" / "subproc.py")
+subproc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(subproc)
+
+
+def _child(fn: str, *args) -> None:
+    """`fn(*args)` of this module in a child with 8 host devices (the module docstring says why)."""
+    subproc.run_in_child(__file__, fn, *args)
+
+
+def _packed(key: jax.Array, k: int, n: int, lead: tuple[int, ...] = (), g: int = 32) -> lay.W4A16Packed:
+    k1, k2, k3 = jax.random.split(key, 3)
+    # W = U s + z with codes U in 0..15: z ~ -8 s centres them, and s gives each product's outputs a
+    # std near 1 (U - 8 has std ~4.6), so the residual and the MLP carry comparable shares of the output
+    scale = jax.random.uniform(k2, (*lead, k // g, n), jnp.float32, 0.5, 1.5) / (4.6 * k ** 0.5)
+    zero = scale * (-8.0 + 0.5 * jax.random.normal(k3, scale.shape))
+    return lay.pack_fields(jax.random.bits(k1, (*lead, k // 2, n), jnp.uint8), scale.astype(jnp.float16),
+                           zero.astype(jnp.float16))
+
+
+def _inputs(seed: int, m: int, kq: int, d: int, f: int, lead: tuple[int, ...] = ()):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    ws = _packed(ks[0], kq, d, lead), _packed(ks[1], d, 2 * f, lead), _packed(ks[2], f, d, lead)
+    attn = jax.random.normal(ks[3], (m, kq)).astype(jnp.bfloat16)
+    x = jax.random.normal(ks[4], (m, d)).astype(jnp.bfloat16)
+    gw = (1.0 + 0.3 * jax.random.normal(ks[5], (*lead, d))).astype(jnp.bfloat16)
+    return attn, x, ws, gw
+
+
+def _reference(attn, x, ws, gw, layer=None):
+    pick = (lambda w: w) if layer is None else (lambda w: jax.tree.map(lambda a: a[layer], w))
+    wo, wgu, wd = (lay.dequantize_bf16(pick(w)).astype(jnp.float32) for w in ws)
+    return tm.layer_tail_reference(attn, x, wo, gw if layer is None else gw[layer], wgu, wd)
+
+
+# The kernel and the reference differ only in float32 summation order (chunks, k groups, MMA
+# chains against one HIGHEST dot) before each bf16 rounding: a near-tie may round to the other
+# neighbour, one bf16 ulp (2^-8 relative) of an element, and carry into act and the down product.
+# Relative to the output's norm that stays well under one ulp; the MLP's part of the output
+# (out - x1) is ~20% of its norm here, so a missing or wrong linear, norm or SiLU fails by far.
+TOL = 2.0 ** -8
+
+
+def _rel(y: jax.Array, ref: jax.Array) -> float:
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def _cfg(chunks: tuple[int, int, int], stages: int, k_groups: int) -> tm.TailConfig:
+    return tm.TailConfig(chunks=chunks, ctas=1, stages=stages, k_groups=k_groups)
+
+
+def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
+    attn, x, ws, gw = _inputs(m, m, *shape)
+    y = tm.int4_layer_tail_mgpu(attn, x, ws[0], gw, ws[1], ws[2], config=_cfg(*cfg), interpret=True)
+    ref = _reference(attn, x, ws, gw)
+    assert y.shape == (m, shape[1]) and y.dtype == jnp.bfloat16
+    assert _rel(y, ref) <= TOL, _rel(y, ref)
+    x1 = tm.mg.epilogue_reference(attn, lay.dequantize_bf16(ws[0]).astype(jnp.float32),
+                                  tm.mg.Epilogue(residual=True), residual=x)
+    assert _rel(x1, ref) > 20 * TOL  # the MLP's share is far above the tolerance
+
+
+@pytest.mark.parametrize("m,shape,cfg", [
+    # one k group, o and down summed over two K chunks, the ring reused (2 stages)
+    (3, (512, 256, 512), ((2, 1, 2), 2, 1)),
+    # M 9: M_pad 16, attn padded to it
+    (9, (1024, 256, 512), ((2, 1, 2), 4, 1)),
+    # two k groups (steps dealt round robin, partials added in group order)
+    (5, (1024, 512, 512), ((2, 1, 1), 2, 2)),
+])
+def test_tail_matches_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
+    _child("check_reference", m, shape, cfg)
+
+
+def check_stacked() -> None:
+    m, shape = 2, (512, 256, 512)
+    attn, x, ws, gw = _inputs(7, m, *shape, lead=(3,))
+    cfg = _cfg((2, 1, 2), 2, 1)
+    run = jax.jit(lambda layer: tm.int4_layer_tail_mgpu(attn, x, ws[0], gw, ws[1], ws[2], layer=layer, config=cfg,
+                                                         interpret=True))
+    y1 = np.asarray(run(jnp.int32(1)))
+    one = [jax.tree.map(lambda a: a[1], w) for w in ws]
+    alone = np.asarray(tm.int4_layer_tail_mgpu(attn, x, one[0], gw[1], one[1], one[2], config=cfg, interpret=True))
+    assert np.array_equal(y1.view(np.uint16), alone.view(np.uint16))
+    assert _rel(y1, _reference(attn, x, ws, gw, layer=1)) <= TOL
+    assert not np.array_equal(y1, np.asarray(run(jnp.int32(2))))  # another layer's weights
+    assert np.array_equal(np.asarray(run(jnp.int32(7))), np.asarray(run(jnp.int32(2))))  # clamped to L - 1
+
+
+def test_stacked_weights_read_in_place_at_the_layer() -> None:
+    """Stacks [L, ...] (weights and norm) at a traced layer give the layer's own result, bit for bit
+    (the same kernel on the same data), and the layer index is clamped like the linear kernels'."""
+    _child("check_stacked")
+
+
+def check_rows() -> None:
+    m, shape = 4, (512, 256, 512)
+    attn, x, ws, gw = _inputs(11, m, *shape)
+    cfg = _cfg((2, 1, 2), 2, 1)
+    run = jax.jit(lambda a, x: tm.int4_layer_tail_mgpu(a, x, ws[0], gw, ws[1], ws[2], config=cfg, interpret=True))
+    y = np.asarray(run(attn, x)).view(np.uint16)
+    for i in (0, 3):
+        assert np.array_equal(y[i], np.asarray(run(attn[i:i + 1], x[i:i + 1])).view(np.uint16)[0])
+
+
+def test_rows_are_independent_bit_for_bit() -> None:
+    """Row i of an M-row call == the row computed alone (issue 11: a row's bits never depend on M)."""
+    _child("check_rows")
+
+
+def test_default_config_balances_units_over_the_ctas() -> None:
+    """The 8B tail on 132 SMs: each linear's K chunks minimise the most k steps one CTA streams,
+    units a multiple of the k groups, the ring within the shared-memory budget."""
+    kq, d, f = 4096, 4096, 14336
+    cfg = tm.default_tail_config(kq, d, f, 32, 1, num_sms=132)
+    assert cfg.ctas == 132 and cfg.k_groups == 2 and cfg.stages % 2 == 0
+    assert cfg.stages * tm.ring_stage_bytes(8, 32) <= tm.mg.SMEM_BUDGET
+    for (k, pairs), ch in zip(((kq, d // 128), (d, f // 64), (f, d // 128)), cfg.chunks):
+        steps = k // tm.KT
+        assert steps % ch == 0 and (steps // ch) % cfg.k_groups == 0
+
+        def most(c: int, steps: int = steps, pairs: int = pairs) -> int:
+            return -(-(pairs * c) // cfg.ctas) * (steps // c)
+
+        assert all(most(ch) <= most(c) for c in range(1, steps + 1) if steps % c == 0 and (steps // c) % 2 == 0)
+    # two CTAs per SM: a shallower ring that two of fit on one SM
+    two = tm.default_tail_config(kq, d, f, 32, 16, num_sms=132, ctas_per_sm=2)
+    assert two.ctas == 264 and 2 * two.stages * tm.ring_stage_bytes(16, 32) <= 2 * tm.TAIL_SMEM
+
+
+def test_bad_inputs_name_the_problem() -> None:
+    attn, x, ws, gw = _inputs(0, 2, 512, 256, 512)
+    call = lambda **kw: tm.int4_layer_tail_mgpu(**{**dict(attn=attn, x=x, wo=ws[0], norm_weight=gw,  # noqa: E731
+                                                          w_gate_up=ws[1], w_down=ws[2], interpret=True), **kw})
+    with pytest.raises(ValueError, match=r"attn must be bfloat16 \[M, 512\]"):
+        call(attn=attn.astype(jnp.float32))
+    with pytest.raises(ValueError, match="same M"):
+        call(x=x[:1])
+    with pytest.raises(ValueError, match=r"w_gate_up must be \[D, 2F\]"):
+        call(w_gate_up=ws[2])
+    with pytest.raises(TypeError, match="w_down must be a W4A16Packed"):
+        call(w_down=lay.dequantize_bf16(ws[2]))
+    with pytest.raises(ValueError, match=r"norm_weight must be bfloat16 \[D=256\]"):
+        call(norm_weight=gw[:128])
+    with pytest.raises(ValueError, match="need layer= exactly when stacked"):
+        call(layer=0)
+    with pytest.raises(ValueError, match="chunk count 0 must divide"):
+        call(config=tm.TailConfig(chunks=(3, 1, 1), ctas=1, stages=2, k_groups=1))
+    with pytest.raises(ValueError, match="k_groups must be 1 or 2"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=3, k_groups=2))
+    with pytest.raises(ValueError, match="only on the GPU"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, diag="stream"))
+
+
+@pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1))])
+def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
+    """The GPU kernel (register MMA, flags, semaphores, inline loads / stores and column sums) at the
+    8B shape, stacked weights, lowers to a Mosaic GPU custom call on the CPU."""
+    def packed(k: int, n: int) -> lay.W4A16Packed:
+        return lay.pack_fields(jnp.zeros((2, k // 2, n), jnp.uint8), jnp.ones((2, k // 32, n), jnp.float16),
+                               jnp.zeros((2, k // 32, n), jnp.float16))
+
+    kq, d, f = 4096, 4096, 14336
+    wo, wgu, wd = packed(kq, d), packed(d, 2 * f), packed(f, d)
+
+    def fn(attn, x, g, layer):
+        return tm.int4_layer_tail_mgpu(attn, x, wo, g, wgu, wd, layer=layer, config=cfg, interpret=False)
+
+    args = (jnp.zeros((m, kq), jnp.bfloat16), jnp.zeros((m, d), jnp.bfloat16), jnp.ones((2, d), jnp.bfloat16),
+            jnp.int32(1))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

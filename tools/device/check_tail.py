@@ -1,0 +1,162 @@
+"""GPU check and timing of the persistent layer-tail kernel (pallas_kernels/linear/tail_mgpu.py). Not in CI.
+
+    PYTHONPATH=. timeout 300 python3 tools/device/check_tail.py --ms 1,8,16 --ctas-per-sm 1
+
+On fresh random INT4 weights of the given shape (stacked [L, ...], read at a layer), per M:
+1. the kernel against `layer_tail_reference` on the host CPU with the kernel's own bf16 weights
+   (relative error <= TOL_BF16: only float32 summation orders and bf16 roundings of near-ties
+   differ), against the model's three fused kernels (o + residual, gate_up + norm + SiLU·up,
+   down + residual), and bit for bit against a second identical call (a race would differ);
+2. row invariance at M = 5: row i of the call == the row alone, bit for bit;
+3. timing (in-device loop over the L layers, whose weights defeat the L2): the tail kernel against
+   the three fused kernels, kernel time per layer and the weights' read floor.
+A kernel that hangs (a grid-wide flag whose CTAs are not all resident) is cut by the outer timeout;
+the last "..." line says which call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from pallas_kernels.linear import layout as lay  # noqa: E402
+from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
+from pallas_kernels.linear import tail_mgpu as tm  # noqa: E402
+from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
+from qspec_jax.bench.w4a16 import TOL_BF16  # noqa: E402
+
+SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
+
+
+def weights(key, kq, d, f, layers, g=32):
+    def one(k, n, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        return lay.pack_fields(jax.random.bits(k1, (layers, k // 2, n), jnp.uint8),
+                               (0.02 * jax.random.uniform(k2, (layers, k // g, n), jnp.float32, 0.5, 1.5)
+                                ).astype(jnp.float16),
+                               (0.01 * jax.random.normal(k3, (layers, k // g, n))).astype(jnp.float16))
+    ks = jax.random.split(key, 4)
+    gw = (1.0 + 0.3 * jax.random.normal(ks[3], (layers, d))).astype(jnp.bfloat16)
+    return one(kq, d, ks[0]), gw, one(d, 2 * f, ks[1]), one(f, d, ks[2])
+
+
+def three_kernels(attn, x, wo, gw, wgu, wd, layer):
+    """The model's fused draft tail today: three INT4 kernels with their epilogues."""
+    x1 = mg.int4_matmul_mgpu(attn, wo, layer=layer, residual=x)
+    act = mg.int4_matmul_mgpu(x1, wgu, layer=layer, norm_weight=gw, swiglu=True)
+    return mg.int4_matmul_mgpu(act, wd, layer=layer, residual=x1)
+
+
+def reference(attn, x, wo, gw, wgu, wd, layer):
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        a = jax.device_put((attn, x, gw[layer]), cpu)
+        ws = [lay.dequantize_bf16(jax.device_put(jax.tree.map(lambda v: v[layer], w), cpu)).astype(jnp.float32)
+              for w in (wo, wgu, wd)]
+        return np.asarray(tm.layer_tail_reference(a[0], a[1], ws[0], a[2], ws[1], ws[2]), np.float32)
+
+
+def rel(y, ref):
+    y = np.asarray(y, np.float32)
+    if not np.all(np.isfinite(y)):
+        return float("inf")
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def chained_us(fn, layers, iters, trials=5):
+    """Median microseconds per call of fn(acc, layer) over an in-device loop through the layers."""
+    def f(_):
+        def body(i, acc):
+            for layer in range(layers):
+                _, acc = lax.optimization_barrier((i, acc))
+                acc = acc + jnp.sum(fn(acc, layer).astype(jnp.float32)[:1, :1])
+            return acc
+        return lax.fori_loop(0, iters, body, jnp.zeros((), jnp.float32))
+
+    exe = jax.jit(f).lower(0).compile()
+    jax.block_until_ready(exe(0))
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(0))
+        ts.append((time.perf_counter() - t0) / (iters * layers))
+    return statistics.median(ts) * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b", choices=tuple(SHAPES))
+    ap.add_argument("--ms", default="1,8,16")
+    ap.add_argument("--ctas-per-sm", default="1", help="comma-separated, each checked and timed")
+    ap.add_argument("--k-groups", default="2", help="comma-separated TailConfig.k_groups, each checked and timed")
+    ap.add_argument("--diags", default="", help="comma-separated TailConfig.diag values also timed (wrong results)")
+    ap.add_argument("--no-three", action="store_true", help="do not time the three fused kernels")
+    ap.add_argument("--no-full", action="store_true", help="time only the diagnostics (e.g. where the full kernel "
+                    "would hang: more CTAs than can be resident)")
+    ap.add_argument("--chunks", default="", help="o,gate_up,down K chunks instead of the default's (e.g. 4,2,4)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--skip-check", action="store_true")
+    args = ap.parse_args()
+    kq, d, f = SHAPES[args.shape]
+    L = args.layers
+    key = jax.random.PRNGKey(int(time.time()))  # fresh inputs every run
+    wo, gw, wgu, wd = weights(key, kq, d, f, L)
+    nbytes = sum(int(k * n * (0.5 + 4 / 32)) for k, n in ((kq, d), (d, 2 * f), (f, d)))
+    floor = nbytes / read_ceiling_bps() * 1e6
+    print(f"shape {args.shape}: Kq {kq} D {d} F {f}, {nbytes / 1e6:.1f} MB of INT4 weights per layer, "
+          f"floor {floor:.2f} us; {jax.devices()[0].device_kind}", flush=True)
+    combos = [(int(c), int(q)) for c in args.ctas_per_sm.split(",") for q in args.k_groups.split(",")]
+    for cps, kgs in combos:
+        for m in (int(v) for v in args.ms.split(",")):
+            cfg = tm.default_tail_config(kq, d, f, 32, m, ctas_per_sm=cps, k_groups=kgs)
+            if args.chunks:
+                cfg = cfg.replace(chunks=tuple(int(v) for v in args.chunks.split(",")))
+            kx = jax.random.fold_in(key, 100 * m + cps)
+            attn = jax.random.normal(kx, (m, kq)).astype(jnp.bfloat16)
+            x = jax.random.normal(jax.random.fold_in(kx, 1), (m, d)).astype(jnp.bfloat16)
+            tail = jax.jit(lambda a, x, layer, cfg=cfg: tm.int4_layer_tail_mgpu(a, x, wo, gw, wgu, wd, layer=layer,
+                                                                               config=cfg))
+            three = jax.jit(lambda a, x, layer: three_kernels(a, x, wo, gw, wgu, wd, layer))
+            print(f"... M={m} {cfg}", flush=True)
+            if not args.skip_check:
+                y = np.asarray(tail(attn, x, 1), np.float32)
+                y2 = np.asarray(tail(attn, x, 1), np.float32)
+                ref = reference(attn, x, wo, gw, wgu, wd, 1)
+                e_ref, e_three = rel(y, ref), rel(y, np.asarray(three(attn, x, 1), np.float32))
+                same = np.array_equal(y.view(np.uint32), y2.view(np.uint32))
+                ok = e_ref <= TOL_BF16 and same
+                print(f"check M={m} ctas/SM {cps}: rel_ref {e_ref:.2e} rel_three {e_three:.2e} deterministic {same} "
+                      f"{'ok' if ok else 'FAIL'}", flush=True)
+                if m == 8:  # row invariance on 5 of the rows
+                    a5, x5 = attn[:5], x[:5]
+                    y5 = np.asarray(tail(a5, x5, 1)).view(np.uint16)
+                    bad = sum(int(not np.array_equal(y5[i], np.asarray(tail(a5[i:i + 1], x5[i:i + 1], 1)
+                                                                       ).view(np.uint16)[0])) for i in range(5))
+                    print(f"rows M=5 ctas/SM {cps}: {bad} of 5 differ {'ok' if bad == 0 else 'FAIL'}", flush=True)
+            iters = max(4, int(20e-3 / (nbytes / 3e12) / L))
+            timed = (([] if args.no_full else [("tail kernel", tail)])
+                     + ([] if args.no_three else [("three fused kernels", three)]))
+            for diag in filter(None, args.diags.split(",")):
+                timed.append((f"tail, diag {diag}", jax.jit(
+                    lambda a, x, layer, cfg=cfg.replace(diag=diag): tm.int4_layer_tail_mgpu(
+                        a, x, wo, gw, wgu, wd, layer=layer, config=cfg))))
+            for label, fn in timed:
+                us = chained_us(lambda acc, layer, fn=fn: fn((attn.astype(jnp.float32) + acc).astype(jnp.bfloat16),
+                                                             x, layer), L, iters)
+                print(f"time M={m} ctas/SM {cps}: {label:20s} {us:8.2f} us  {floor / us:4.0%} of the floor",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
