@@ -18,22 +18,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
 
 from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from pallas_kernels.linear import tail_mgpu as tm  # noqa: E402
 from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 from qspec_jax.bench.w4a16 import TOL_BF16  # noqa: E402
+from w4a16_persistent_probe import chained_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
 
@@ -71,26 +71,6 @@ def rel(y, ref):
     if not np.all(np.isfinite(y)):
         return float("inf")
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def chained_us(fn, layers, iters, trials=5):
-    """Median microseconds per call of fn(acc, layer) over an in-device loop through the layers."""
-    def f(_):
-        def body(i, acc):
-            for layer in range(layers):
-                _, acc = lax.optimization_barrier((i, acc))
-                acc = acc + jnp.sum(fn(acc, layer).astype(jnp.float32)[:1, :1])
-            return acc
-        return lax.fori_loop(0, iters, body, jnp.zeros((), jnp.float32))
-
-    exe = jax.jit(f).lower(0).compile()
-    jax.block_until_ready(exe(0))
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(exe(0))
-        ts.append((time.perf_counter() - t0) / (iters * layers))
-    return statistics.median(ts) * 1e6
 
 
 def main() -> int:
@@ -151,8 +131,9 @@ def main() -> int:
                     lambda a, x, layer, cfg=cfg.replace(diag=diag): tm.int4_layer_tail_mgpu(
                         a, x, wo, gw, wgu, wd, layer=layer, config=cfg))))
             for label, fn in timed:
-                us = chained_us(lambda acc, layer, fn=fn: fn((attn.astype(jnp.float32) + acc).astype(jnp.bfloat16),
-                                                             x, layer), L, iters)
+                # the probe's chain: per "copy" (here a layer of the stack) one call, acc threaded through
+                us = chained_us(lambda layer, fn=fn: [lambda acc: fn((attn.astype(jnp.float32) + acc).astype(
+                    jnp.bfloat16), x, layer)], L, iters)
                 print(f"time M={m} ctas/SM {cps}: {label:20s} {us:8.2f} us  {floor / us:4.0%} of the floor",
                       flush=True)
     return 0

@@ -222,8 +222,9 @@ def persistent_stream(shapes: list[tuple[int, int]], g: int, ctas: int, stages: 
 
 
 def chained_us(fns_of_copy, copies: int, iters: int, trials: int = 5) -> float:
-    """Median seconds per pass of fns_of_copy(copy) (every linear once), chained by optimization barriers over
-    `copies` weight copies, in an in-device loop (the sweep's harness)."""
+    """Median microseconds per pass of fns_of_copy(copy) (a list of acc -> array calls: every linear once),
+    chained by optimization barriers over `copies` weight copies, in an in-device loop (the sweep's harness;
+    tools/device/check_tail.py times through it too)."""
     def f(_):
         def body(i, acc):
             _, acc = lax.optimization_barrier((i, acc))
