@@ -137,7 +137,9 @@ def test_default_config_balances_units_over_the_ctas() -> None:
     kq, d, f = 4096, 4096, 14336
     cfg = tm.default_tail_config(kq, d, f, 32, 1, num_sms=132)
     assert cfg.ctas == 132 and cfg.k_groups == 2 and cfg.stages % 2 == 0
-    assert cfg.stages * tm.ring_stage_bytes(8, 32) <= tm.mg.SMEM_BUDGET
+    assert cfg.stages * tm.ring_stage_bytes(8, 32) + tm.hand_bytes(8, 2, cfg.hand_bufs) <= tm.mg.SMEM_BUDGET
+    # the deepest such ring: one more stage would not fit beside the hand-off buffers
+    assert (cfg.stages + 2) * tm.ring_stage_bytes(8, 32) + tm.hand_bytes(8, 2, cfg.hand_bufs) > tm.mg.SMEM_BUDGET
     for (k, pairs), ch in zip(((kq, d // 128), (d, f // 64), (f, d // 128)), cfg.chunks):
         steps = k // tm.KT
         assert steps % ch == 0 and (steps // ch) % cfg.k_groups == 0

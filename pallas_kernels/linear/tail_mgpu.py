@@ -13,10 +13,11 @@ fill and drain of each 10-60 MB read. A persistent grid of `ctas` CTAs streams t
 in turn through one TMA ring: a CTA's producer runs on into the next linear's weight tiles
 (which no earlier work writes) while its consumers finish the previous linear, so the ring only
 waits where the data does. Measured with a stream-only probe (tools/device/w4a16_persistent_probe.py,
-H200): 39-43 us for o + gate_up + down against 54 us as three kernels. This kernel, measured (H200, 2026-11-29,
-docs/kernel_notes.md "Twentieth session"): its ring alone streams at 76% of the read ceiling, but whole it takes
-59-60 us against 50-52 for the three fused kernels (its consumers' per-unit work and the grid-wide flags), so the
-model does not call it yet.
+H200): 39-43 us for o + gate_up + down against 54 us as three kernels. This kernel, measured (H200,
+docs/kernel_notes.md "Twentieth session" and "Twenty-first session"): its ring alone streams at 74-76% of the read
+ceiling; whole, with the finisher warpgroup, it takes 51.5 us per layer at M 1, the same as the three fused kernels
+(59-60 us when the consumers did the epilogues themselves); without its two grid-wide flags' waits 45.3. Not faster,
+so the model does not call it yet.
 
 Work. Each linear's output columns are cut in row-tile pairs (128 columns; gate_up: gate tile j
 with up tile j, so the pair holds what SiLU·up needs) and its K in `chunks` equal ranges; a work
@@ -30,14 +31,21 @@ the unit of its last chunk, which waits on a global semaphore for the others' fl
 units of lower index, and every CTA takes its units in increasing order). So a row's bits depend
 on (K, N, chunks, k_groups) and never on M, the CTA count or the deal.
 
+The consumers only stream and multiply: at a unit's end each stores its float32 accumulator to a
+shared hand-off buffer (`hand_bufs` deep) and goes on to the next unit. One more warpgroup, the
+finisher, takes each unit's accumulators (k groups added in group order), stores or sums the
+chunk partials and runs the epilogues, so the partial stores, the semaphore waits and the global
+loads' latency stay off the ring's path (measured: 8 us of a layer's 59 when the consumers did
+it).
+
 Between the linears: the o tiles' owners write x1 (float32 tiles [D/64, 64, M_pad], the down
 residual), bf16(x1 g) (row-major [M_pad, D], gate_up's x operand) and each tile's row sums of
-x1^2 ([D/64, M_pad], `_column_sums`); each CTA's producer adds the tiles' row sums in tile order
+x1^2 ([D/64, M_pad], `_column_sums`); each CTA's finisher adds the tiles' row sums in tile order
 once (the same bits in every CTA) for the norm's r, and gate_up's owners write act (row-major
 [M_pad, F], down's x operand). A linear's x tiles can only be read once every CTA has finished
-the previous linear: a grid-wide flag per boundary, a global counter each group-0 consumer
-warpgroup adds 1 to (release, gpu scope) and the producer and consumers poll (acquire; thread 0
-of the warpgroup, `_spin`). Every CTA must be resident at once (`ctas` <= the SMs x the CTAs
+the previous linear: a grid-wide flag per boundary, a global counter each finisher adds 1 to
+(release, gpu scope) and the producer and the finisher poll (acquire; thread 0 of the warpgroup,
+`_spin`). Every CTA must be resident at once (`ctas` <= the SMs x the CTAs
 that fit on one: two per SM hang on the H200). The counters are zero on entry (a fresh buffer
 per call).
 
@@ -68,10 +76,10 @@ Array = jax.Array
 
 KT = 256  # k columns per pipeline step (four 64-column k blocks)
 WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
-MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the gate / up exchange is a plain [64, M_pad] tile)
+MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the hand-off buffers are plain [64, M_pad] tiles)
 TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
 MAX_STAGES = 8
-TAIL_DIAGNOSTICS = ("", "noflag", "nosync", "noepi", "stream")
+TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream")
 N_FULL = 2 * WGS + 1  # copies landing on a stage's barrier: codes + records per row tile, the x tile
 
 
@@ -87,9 +95,13 @@ class TailConfig:
     # consumer warpgroups per row tile (`MgpuConfig.k_groups`): a unit's k steps dealt round robin,
     # the groups' float32 partials added in group order p_0 + p_1 (changes the summation order)
     k_groups: int = 2
-    # timing experiments only (wrong results): "noflag" drops the grid-wide flags, "nosync" also the
-    # chunk semaphores' waits; "noepi" also everything after a unit's MMA (k-group exchange, partial
-    # sums, epilogues); "stream" also the MMA (the ring alone)
+    # units' accumulators in flight from the consumers to the finisher (shared [64, M_pad] float32
+    # buffers per row tile and k group): how far the consumers may run ahead of the epilogues
+    hand_bufs: int = 2
+    # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
+    # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
+    # chunk semaphores' waits; "noepi" also everything the finisher does after taking a unit's
+    # accumulators (k-group and chunk sums, epilogues); "stream" also the MMA (the ring alone)
     diag: str = ""
 
     def replace(self, **kw: Any) -> "TailConfig":
@@ -99,6 +111,12 @@ class TailConfig:
 def ring_stage_bytes(mp: int, group_size: int) -> int:
     """Shared-memory bytes of one ring stage: two row tiles' code words and records, the x tile."""
     return WGS * (KT * lay.ROWS // 2 + lay.ROWS * (KT // group_size) * 4) + mp * KT * 2
+
+
+def hand_bytes(mp: int, k_groups: int, bufs: int) -> int:
+    """Shared-memory bytes of the consumers' hand-off buffers: a float32 [64, M_pad] tile per
+    buffer, row tile and k group."""
+    return bufs * WGS * k_groups * lay.ROWS * mp * 4
 
 
 def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1) -> int:
@@ -125,8 +143,11 @@ def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num
     CTAs. The chunks depend on the SM count, never on M."""
     sms = num_sms or _common.num_sms()
     ctas = ctas_per_sm * sms
-    budget = TAIL_SMEM if ctas_per_sm > 1 else mg.SMEM_BUDGET
-    stages = max(2, min(MAX_STAGES, budget // ring_stage_bytes(mg.rows_for(m), group_size)))
+    mp = mg.rows_for(m)
+    # the ring and the hand-off buffers within the pipeline budget (8B, M 1: 6 stages; filling the CTA's
+    # shared memory with 8 measured ~2 us slower, 53.4 against 51.5 us on the H200, 2026-11-30)
+    budget = (TAIL_SMEM if ctas_per_sm > 1 else mg.SMEM_BUDGET) - hand_bytes(mp, k_groups, TailConfig.hand_bufs)
+    stages = max(2, min(MAX_STAGES, budget // ring_stage_bytes(mp, group_size)))
     chunks = tuple(balanced_chunks(k, pairs, ctas, k_groups)
                    for k, pairs in ((kq, d // 128), (d, f // 64), (f, d // 128)))
     return TailConfig(chunks=chunks, ctas=ctas, stages=stages - stages % k_groups, k_groups=k_groups)
@@ -304,8 +325,9 @@ def _column_sums(mp: int):
 def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int, f: int, kq: int,
                  cfg: TailConfig, interpret: bool, stacked: bool, g_stacked: bool, n_layers: int, eps: float):
     """One CTA of the persistent grid (module docstring). Warpgroups wg = q WGS + rt (q < k_groups):
-    consumers of row tile rt of each pair, k group q (the unit's steps q, q + k_groups, ...); group
-    0 also sums the chunks and runs the epilogues. Then the producer."""
+    consumers of row tile rt of each pair, k group q (the unit's steps q, q + k_groups, ...), which
+    hand each unit's accumulator to the finisher through shared memory and go on; then the
+    producer; then the finisher (k-group and chunk sums, epilogues, the flags' arrivals)."""
     r = dict(zip(names, refs))
     ctas, stages, chunks, kg = cfg.ctas, cfg.stages, cfg.chunks, cfg.k_groups
     c = lay.chunk_cols(g)
@@ -324,9 +346,12 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     per = [k // KT // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
     sems = [None if interpret or chunks[p] == 1 else
             pl.get_global(plgpu.SemaphoreType.REGULAR((r[f"ws{p}"].shape[1],))) for p in range(3)]
-    flag_target = WGS * ctas  # group-0 consumer warpgroups arrive at each flag
-    sync = cfg.diag in ("", "noflag")  # the chunk semaphores (TailConfig.diag)
-    flags = not cfg.diag  # the grid-wide flags
+    n_cons = WGS * kg  # consumer warpgroups; then the producer, then the finisher
+    flag_target = ctas  # each CTA's finisher arrives at each flag
+    # TailConfig.diag: the chunk semaphores, the grid-wide flags' arrivals and each flag's waits
+    sync = cfg.diag in ("", "noflag", "noflag0", "noflag1")
+    flags = cfg.diag in ("", "noflag0", "noflag1")
+    waits = (flags and cfg.diag != "noflag0", flags and cfg.diag != "noflag1")
 
     def my_units(p):  # (first unit, count) of linear p dealt to this CTA
         first = lax.rem(cta - base[p] + ctas, ctas)
@@ -338,7 +363,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         return u // chunks[p], lax.rem(u, chunks[p]), i
 
     # ------------------------------------------------------------------ producer
-    @pl.when(wg == WGS * kg)
+    @pl.when(wg == n_cons)
     def _producer():
         def issue_w(p, first, t, slot):
             _, w_ref, s_ref, _, _ = lin[p]
@@ -379,21 +404,11 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
             cnt_pre = cnt
             cnt = lax.fori_loop(0, ahead, pre_w, cnt)
-            if p > 0:  # x of linear p: written by every CTA's consumers in linear p - 1
+            if p > 0:  # x of linear p: written by every CTA's finisher in linear p - 1
                 if interpret:
                     plgpu.barrier_wait(r["phase_bar"].at[0])
-                elif flags:
+                elif waits[p - 1]:
                     _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
-            if p == 1:  # the rows' sums of x1^2, tile order (the same bits in every CTA), for the consumers
-                ssp = r["ssp"]
-                vec = (lambda t: ssp.at[t][...]) if interpret else (
-                    lambda t: _common.load_with_layout(ssp.at[t], plgpu.Layout.WGMMA.reduce(0), optimized=False))
-                ss = vec(0)
-                for t in range(1, d // lay.ROWS):
-                    ss = ss + vec(t)
-                r["ss"][...] = ss
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(r["ss_bar"].at[0])
 
             def pre_x(t, carry, p=p, first=first, cnt_pre=cnt_pre):
                 issue_x(p, first, t, lax.rem(cnt_pre + t, stages))
@@ -416,9 +431,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
     # ------------------------------------------------------------------ consumers
     rt, q = lax.rem(wg, WGS), wg // WGS  # row tile of each pair, k group
-    batch_row = mg.wgmma_iota((lay.ROWS, mp), 1, interpret)  # [64, M_pad]: the batch row of each element
-    tile_row = mg.wgmma_iota((lay.ROWS, mp), 0, interpret)  # the column within the 64-column tile
-    valid = batch_row < m
+    hand, hand_full, hand_free = r["hand"], r["hand_full"], r["hand_free"]
+    nbuf = cfg.hand_bufs
 
     def mma(slot, acc):
         if not interpret:
@@ -431,7 +445,53 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             acc = acc + jnp.dot(a.astype(jnp.float32), xk.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
         return acc
 
-    def load_f32(ref):  # a [64, M_pad] float32 tile in the accumulator's layout from global memory
+    @pl.when(wg < n_cons)
+    def _consumers():
+        cnt = jnp.int32(0)  # the CTA's ring steps before this unit (group q takes steps q, q + kg, ...)
+        n_units = jnp.int32(0)  # units handed to the finisher (hand buffer n_units % nbuf)
+        for p in range(3):
+            first, count = my_units(p)
+
+            def unit(j, carry, p=p):
+                cnt, n_units = carry
+
+                def step(i, acc):
+                    slot = lax.rem(cnt + i * kg + q, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    if cfg.diag != "stream":
+                        acc = mma(slot, acc)
+                    plgpu.barrier_arrive(empty.at[slot])
+                    return acc
+
+                acc0 = jnp.zeros((lay.ROWS, mp), jnp.float32)
+                if not interpret:
+                    acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
+                acc = lax.fori_loop(0, per[p] // kg, step, acc0)
+                if cfg.diag != "stream":  # the partial to the finisher; on at once to the next unit
+                    hb = lax.rem(n_units, nbuf)
+
+                    @pl.when(n_units >= nbuf)
+                    def _():
+                        plgpu.barrier_wait(hand_free.at[hb * WGS + rt])
+
+                    hand.at[hb, rt, q][...] = acc
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(hand_full.at[hb * WGS + rt])
+                return cnt + per[p], n_units + 1
+
+            cnt, n_units = lax.fori_loop(0, count, unit, (cnt, n_units))
+        if interpret and cfg.diag != "stream":  # the writers see the finisher's last releases (the interpreter's check)
+            for hb in range(nbuf):
+                @pl.when(n_units > hb)
+                def _():
+                    plgpu.barrier_wait(hand_free.at[hb * WGS + rt])
+
+    # ------------------------------------------------------------------ finisher
+    batch_row = mg.wgmma_iota((lay.ROWS, mp), 1, interpret)  # [64, M_pad]: the batch row of each element
+    tile_row = mg.wgmma_iota((lay.ROWS, mp), 0, interpret)  # the column within the 64-column tile
+    valid = batch_row < m
+
+    def load_f32(ref):  # a [64, M_pad] float32 tile in the accumulator's layout (global or shared memory)
         return ref[...] if interpret else mg.load_wgmma(ref, optimized=False)
 
     def store_f32(ref, v):
@@ -452,149 +512,112 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     def bf16(v):
         return v.astype(jnp.bfloat16).astype(jnp.float32)
 
-    def exchange(val, buf, bar, free, n_done, writer, reader):
-        """`writer` hands the [64, M_pad] float32 `val` to `reader` through shared `buf`; returns it on
-        the reader. `free` (the reader's release) guards buf's reuse from the writer's n_done-th use on."""
-        @pl.when(writer)
-        def _():
-            @pl.when(n_done > 0)
-            def _():
-                plgpu.barrier_wait(free)
+    def tiles_of(p, pair):  # the pair's two row tiles (gate_up: gate j, up j)
+        return [pair + t * (f // 64) if p == 1 else pair * WGS + t for t in range(WGS)]
 
-            buf[...] = val
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(bar)
+    def epilogue_loads(p, pair):
+        """What the pair's epilogue reads that no other unit of this linear writes: issued before the
+        chunk semaphore's wait, so their latency overlaps it."""
+        if p == 0:  # the residual x and the norm weight of each tile's 64 columns
+            cols = [tile * lay.ROWS for tile in tiles_of(p, pair)]
+            gvs = [r["g"].at[g_row, pl.ds(col0, lay.ROWS)] for col0 in cols]
+            return ([load_rows(r["x"], col0) for col0 in cols],
+                    [(gv[...] if interpret else _common.load_with_layout(
+                        gv, plgpu.Layout.WGMMA.reduce(1), optimized=False)).astype(jnp.float32) for gv in gvs])
+        if p == 2:  # x1 (written in linear 0, before the flag this warpgroup passed)
+            return [load_f32(r["x1t"].at[tile]) for tile in tiles_of(p, pair)]
+        return None
 
-        def read():
-            plgpu.barrier_wait(bar)
-            v = buf[...] if interpret else mg.load_wgmma(buf)
-            plgpu.barrier_arrive(free)
-            return v
-
-        return read
-
-    def epilogue(p, tot, pair, n_pairs_done):
+    def epilogue(p, tots, pair, pre, rr):
         if p == 0:  # x1 = bf16(acc) + x; its tile, its rows' sums of x1^2, bf16(x1 g)
-            tile = pair * WGS + rt
-            col0 = tile * lay.ROWS
-            x1 = bf16(bf16(tot) + load_rows(r["x"], col0))
-            store_f32(r["x1t"].at[tile], x1)
-            sq = jnp.where(valid, x1 * x1, 0.0)
-            if interpret:
-                r["ssp"].at[tile][...] = jnp.sum(sq, axis=0)
-            else:
-                _column_sums(mp)(sq, r["colsum"].at[rt], r["ssp"].at[tile])
-            gv = r["g"].at[g_row, pl.ds(col0, lay.ROWS)]
-            gcol = (gv[...] if interpret else _common.load_with_layout(
-                gv, plgpu.Layout.WGMMA.reduce(1), optimized=False)).astype(jnp.float32)
-            store_rows(r["xg"], jnp.where(valid, x1 * lax.broadcast_in_dim(gcol, (lay.ROWS, mp), (0,)), 0.0),
-                       col0, mp)
-        elif p == 1:  # rr = rsqrt(mean x1^2 + eps); act = silu(gate rr) (up rr)
-            ss = r["ss"][...] if interpret else _common.load_with_layout(r["ss"], plgpu.Layout.WGMMA.reduce(0))
-            acc = tot * lax.rsqrt(lax.broadcast_in_dim(ss, (lay.ROWS, mp), (1,)) * (1.0 / d) + eps)
-            read = exchange(acc, r["pair"], r["pair_bar"].at[0], r["pair_free"].at[0], n_pairs_done,
-                            rt == 1, rt == 0)
-
-            @pl.when(rt == 0)  # gate: silu(gate) up into act columns 64 pair ..
-            def _():
-                up = read()
-                store_rows(r["act"], jnp.where(valid, acc / (1.0 + jnp.exp(-acc)) * up, 0.0), pair * lay.ROWS, mp)
+            xs, gcols = pre
+            for t, tile in enumerate(tiles_of(p, pair)):
+                col0 = tile * lay.ROWS
+                x1 = bf16(bf16(tots[t]) + xs[t])
+                store_f32(r["x1t"].at[tile], x1)
+                sq = jnp.where(valid, x1 * x1, 0.0)
+                if interpret:
+                    r["ssp"].at[tile][...] = jnp.sum(sq, axis=0)
+                else:
+                    _column_sums(mp)(sq, r["colsum"], r["ssp"].at[tile])
+                gcol = lax.broadcast_in_dim(gcols[t], (lay.ROWS, mp), (0,))
+                store_rows(r["xg"], jnp.where(valid, x1 * gcol, 0.0), col0, mp)
+        elif p == 1:  # act = silu(gate rr) (up rr), rr = rsqrt(mean x1^2 + eps), into act columns 64 pair ..
+            gate, up = tots[0] * rr, tots[1] * rr
+            store_rows(r["act"], jnp.where(valid, gate / (1.0 + jnp.exp(-gate)) * up, 0.0), pair * lay.ROWS, mp)
         else:  # out = bf16(acc) + x1
-            tile = pair * WGS + rt
-            store_rows(r["out"], bf16(tot) + load_f32(r["x1t"].at[tile]), tile * lay.ROWS, m)
+            for t, tile in enumerate(tiles_of(p, pair)):
+                store_rows(r["out"], bf16(tots[t]) + pre[t], tile * lay.ROWS, m)
 
-    def finish(p, acc, pair, ch, n_pairs_done):
-        """Group 0, the unit's partial: chunk < C-1 leaves it in the workspace and counts up the tile's
-        semaphore; the last chunk waits for C-1 counts and sums p[0] + ... + p[C-1]."""
+    def finish(p, tots, pair, ch, rr):
+        """The pair's unit sums: chunk < C-1 leaves them in the workspace and counts up the pair's
+        semaphore; the last chunk waits for C-1 counts and sums p[0] + ... + p[C-1] per tile."""
         if chunks[p] == 1:
-            epilogue(p, acc, pair, n_pairs_done)
+            epilogue(p, tots, pair, epilogue_loads(p, pair), rr)
             return
-        tile = pair + rt * (f // 64) if p == 1 else pair * WGS + rt
-        ws = r[f"ws{p}"]
+        ws, tiles = r[f"ws{p}"], tiles_of(p, pair)
 
         @pl.when(ch < chunks[p] - 1)
         def _():
-            store_f32(ws.at[ch, tile], acc)
+            for t, tile in enumerate(tiles):
+                store_f32(ws.at[ch, tile], tots[t])
             if not interpret and sync:
                 plgpu.commit_smem()  # every thread's stores before the release
-                plgpu.semaphore_signal(sems[p].at[tile], memory_scope="gpu")
+                plgpu.semaphore_signal(sems[p].at[pair], memory_scope="gpu")
 
         @pl.when(ch == chunks[p] - 1)
         def _():
+            pre = epilogue_loads(p, pair)
             if not interpret and sync:
-                plgpu.semaphore_wait(sems[p].at[tile], chunks[p] - 1, memory_scope="gpu")
-            tot = load_f32(ws.at[0, tile])
-            for i in range(1, chunks[p] - 1):
-                tot = tot + load_f32(ws.at[i, tile])
-            epilogue(p, tot + acc, pair, n_pairs_done)
+                plgpu.semaphore_wait(sems[p].at[pair], chunks[p] - 1, memory_scope="gpu")
+            sums = []
+            for t, tile in enumerate(tiles):
+                tot = load_f32(ws.at[0, tile])
+                for i in range(1, chunks[p] - 1):
+                    tot = tot + load_f32(ws.at[i, tile])
+                sums.append(tot + tots[t])
+            epilogue(p, sums, pair, pre, rr)
 
-    @pl.when(wg < WGS * kg)
-    def _consumers():
-        cnt = jnp.int32(0)  # the CTA's ring steps before this unit (group q takes steps q, q + kg, ...)
-        n_units = jnp.int32(0)  # units this warpgroup has finished (the k groups' exchange slot)
-        n_pairs = jnp.int32(0)  # gate_up pairs this CTA has finished (the up tile's exchange slot)
+    @pl.when(wg == n_cons + 1)
+    def _finisher():
+        n_units = jnp.int32(0)  # units taken from the consumers (hand buffer n_units % nbuf)
+        rr = None
         for p in range(3):
-            if p > 0 and not interpret and flags:  # what the epilogues read was written by every CTA in p - 1
-                @pl.when(q == 0)
-                def _():
-                    _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
-            if p == 1:
-                @pl.when(q == 0)
-                def _():
-                    plgpu.barrier_wait(r["ss_bar"].at[0])
+            if p == 1 and cfg.diag not in ("noepi", "stream"):  # the norm's r from every o tile's row sums
+                if not interpret and waits[0]:
+                    _spin(r["flags"].at[pl.ds(0, 1)], flag_target)
+                ssp = r["ssp"]
+                vec = (lambda t: ssp.at[t][...]) if interpret else (
+                    lambda t: _common.load_with_layout(ssp.at[t], plgpu.Layout.WGMMA.reduce(0), optimized=False))
+                ss = vec(0)
+                for t in range(1, d // lay.ROWS):  # tile order: the same bits in every CTA
+                    ss = ss + vec(t)
+                rr = lax.rsqrt(lax.broadcast_in_dim(ss, (lay.ROWS, mp), (1,)) * (1.0 / d) + eps)
             first, count = my_units(p)
 
-            def unit(j, carry, p=p, first=first):
-                cnt, n_units, n_pairs = carry
+            def unit(j, n_units, p=p, first=first, rr=rr):
                 pair, ch, _ = unit_of(p, first, j * per[p])
+                hb = lax.rem(n_units, nbuf)
+                tots = []
+                for t in range(WGS):  # k groups added in group order: p_0 + p_1
+                    plgpu.barrier_wait(hand_full.at[hb * WGS + t])
+                    if cfg.diag != "noepi":
+                        tot = load_f32(hand.at[hb, t, 0])
+                        for qq in range(1, kg):
+                            tot = tot + load_f32(hand.at[hb, t, qq])
+                        tots.append(tot)
+                    plgpu.barrier_arrive(hand_free.at[hb * WGS + t])
+                if cfg.diag != "noepi":
+                    finish(p, tots, pair, ch, rr)
+                return n_units + 1
 
-                def step(i, acc):
-                    slot = lax.rem(cnt + i * kg + q, stages)
-                    plgpu.barrier_wait(full.at[slot])
-                    if cfg.diag != "stream":
-                        acc = mma(slot, acc)
-                    plgpu.barrier_arrive(empty.at[slot])
-                    return acc
-
-                acc0 = jnp.zeros((lay.ROWS, mp), jnp.float32)
-                if not interpret:
-                    acc0 = plgpu.layout_cast(acc0, plgpu.Layout.WGMMA)
-                acc = lax.fori_loop(0, per[p] // kg, step, acc0)
-                if cfg.diag == "noepi":  # the accumulator stored so the MMA is not dead code (a slot per
-                    # warpgroup: one shared slot measured slower than the whole epilogue, its stores contending)
-                    store_f32(r["ws1"].at[0, lax.rem(cta * (WGS * kg) + wg, r["ws1"].shape[1])], acc)
-                elif cfg.diag == "stream":
-                    pass
-                elif kg > 1:  # group 1 hands its partial to group 0: p_0 + p_1
-                    read = exchange(acc, r["kx"].at[rt], r["kx_bar"].at[rt], r["kx_free"].at[rt], n_units,
-                                    q == 1, q == 0)
-
-                    @pl.when(q == 0)
-                    def _():
-                        finish(p, acc + read(), pair, ch, n_pairs)
-                else:
-                    finish(p, acc, pair, ch, n_pairs)
-                if p == 1:
-                    n_pairs = n_pairs + (ch == chunks[p] - 1).astype(jnp.int32)
-                return cnt + per[p], n_units + 1, n_pairs
-
-            cnt, n_units, n_pairs = lax.fori_loop(0, count, unit, (cnt, n_units, n_pairs))
+            if cfg.diag != "stream":
+                n_units = lax.fori_loop(0, count, unit, n_units)
             if p < 2:
-                @pl.when(q == 0)
-                def _():
-                    if interpret:
-                        plgpu.barrier_arrive(r["phase_bar"].at[0])
-                    elif flags:
-                        _arrive(r["flags"].at[pl.ds(p, 1)])
-        if interpret:  # the writers see the readers' last release (the interpreter's check)
-            @pl.when((q == 0) & (rt == 1) & (n_pairs > 0))
-            def _():
-                plgpu.barrier_wait(r["pair_free"].at[0])
-
-            if kg > 1:
-                @pl.when((q == 1) & (n_units > 0))
-                def _():
-                    plgpu.barrier_wait(r["kx_free"].at[rt])
+                if interpret:
+                    plgpu.barrier_arrive(r["phase_bar"].at[0])
+                elif flags:
+                    _arrive(r["flags"].at[pl.ds(p, 1)])
 
 
 def _check(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, wgu: lay.W4A16Packed,
@@ -644,6 +667,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
         raise ValueError(f"diag={cfg.diag!r}: one of {TAIL_DIAGNOSTICS}, and only on the GPU (timing)")
     if cfg.k_groups not in (1, 2) or cfg.stages % cfg.k_groups or cfg.stages < 2:
         raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
+    if cfg.hand_bufs < 1:
+        raise ValueError(f"{cfg}: hand_bufs must be >= 1")
     for p, k in enumerate((kq, d, f)):
         if (k // KT) % cfg.chunks[p] or (k // KT // cfg.chunks[p]) % cfg.k_groups:
             raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // KT} k steps "
@@ -677,21 +702,17 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
     scratch = {"x_smem": plgpu.SMEM((st, mp, KT), jnp.bfloat16, transforms=x_tf),
                "w_smem": plgpu.SMEM((st, WGS, KT // lay.KB, *view), jnp.uint32),
                "sz_smem": plgpu.SMEM((st, WGS, KT // c, lay.ROWS * c // g), jnp.uint32),
-               "pair": plgpu.SMEM((lay.ROWS, mp), f32),
-               "ss": plgpu.SMEM((mp,), f32),
+               # [buffer, row tile, k group]: a unit's accumulators, consumers -> finisher
+               "hand": plgpu.SMEM((cfg.hand_bufs, WGS, cfg.k_groups, lay.ROWS, mp), f32),
                "full": plgpu.Barrier(num_barriers=st, num_arrivals=N_FULL),
                "empty": plgpu.Barrier(num_barriers=st, num_arrivals=WGS),
-               "pair_bar": plgpu.Barrier(num_barriers=1, num_arrivals=1),
-               "pair_free": plgpu.Barrier(num_barriers=1, num_arrivals=1),
-               "ss_bar": plgpu.Barrier(num_barriers=1, num_arrivals=1)}
-    if cfg.k_groups > 1:  # group 1's partial per row tile, for group 0
-        scratch["kx"] = plgpu.SMEM((WGS, lay.ROWS, mp), f32)
-        scratch["kx_bar"] = plgpu.Barrier(num_barriers=WGS, num_arrivals=1)
-        scratch["kx_free"] = plgpu.Barrier(num_barriers=WGS, num_arrivals=1)
+               # per (buffer, row tile): every k group's accumulator stored / the finisher's read done
+               "hand_full": plgpu.Barrier(num_barriers=cfg.hand_bufs * WGS, num_arrivals=cfg.k_groups),
+               "hand_free": plgpu.Barrier(num_barriers=cfg.hand_bufs * WGS, num_arrivals=1)}
     if interp:
-        scratch["phase_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=WGS)
-    else:  # each consumer's own buffer for the column sums (`_column_sums`)
-        scratch["colsum"] = plgpu.SMEM((WGS, 4, mp), f32)
+        scratch["phase_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
+    else:  # the finisher's buffer for the column sums (`_column_sums`)
+        scratch["colsum"] = plgpu.SMEM((4, mp), f32)
     flag_names = () if interp else ("flags",)
     in_names = tuple(inputs)
     names = (*in_names, *flag_names, *outs, *scratch)
@@ -699,7 +720,7 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                                interpret=interp, stacked=bool(wo.lead), g_stacked=norm_weight.ndim == 2,
                                n_layers=n_layers, eps=float(norm_eps))
     name = f"int4_layer_tail_kq{kq}_d{d}_f{f}_g{g}_c{'x'.join(map(str, cfg.chunks))}"
-    mesh = plgpu.Mesh(num_threads=WGS * cfg.k_groups + 1, thread_name="wg", grid=(cfg.ctas,), grid_names=("c",),
+    mesh = plgpu.Mesh(num_threads=WGS * cfg.k_groups + 2, thread_name="wg", grid=(cfg.ctas,), grid_names=("c",),
                       kernel_name=name)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 

@@ -73,6 +73,17 @@ def rel(y, ref):
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def print_ptxas(dump: str) -> None:
+    """The ptxas report lines (function, registers, spills) of the kernels dumped so far."""
+    import glob
+    for path in sorted(glob.glob(os.path.join(dump, "*"))):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as fh:
+                for line in fh:
+                    if "int4_layer_tail" in line or "registers" in line or "spill" in line:
+                        print(f"ptxas {os.path.basename(path)}: {line.rstrip()[:200]}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b", choices=tuple(SHAPES))
@@ -83,10 +94,19 @@ def main() -> int:
     ap.add_argument("--no-three", action="store_true", help="do not time the three fused kernels")
     ap.add_argument("--no-full", action="store_true", help="time only the diagnostics (e.g. where the full kernel "
                     "would hang: more CTAs than can be resident)")
+    ap.add_argument("--hand-bufs", default="", help="comma-separated TailConfig.hand_bufs, each checked and timed "
+                    "(default: the config's)")
+    ap.add_argument("--stages", default="", help="comma-separated TailConfig.stages, each checked and timed "
+                    "(default: the config's)")
     ap.add_argument("--chunks", default="", help="o,gate_up,down K chunks instead of the default's (e.g. 4,2,4)")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dump", default="", help="directory: Mosaic GPU's ptxas report and SASS of every kernel compiled; "
+                    "the ptxas lines (registers, spills) printed after the first check")
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
+    if args.dump:  # read by Mosaic GPU when it compiles (nothing has compiled yet)
+        os.makedirs(args.dump, exist_ok=True)
+        os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=args.dump)
     kq, d, f = SHAPES[args.shape]
     L = args.layers
     key = jax.random.PRNGKey(int(time.time()))  # fresh inputs every run
@@ -95,10 +115,15 @@ def main() -> int:
     floor = nbytes / read_ceiling_bps() * 1e6
     print(f"shape {args.shape}: Kq {kq} D {d} F {f}, {nbytes / 1e6:.1f} MB of INT4 weights per layer, "
           f"floor {floor:.2f} us; {jax.devices()[0].device_kind}", flush=True)
-    combos = [(int(c), int(q)) for c in args.ctas_per_sm.split(",") for q in args.k_groups.split(",")]
-    for cps, kgs in combos:
+    combos = [(int(c), int(q), int(h) if h else None, int(st) if st else None) for c in args.ctas_per_sm.split(",")
+              for q in args.k_groups.split(",") for h in args.hand_bufs.split(",") for st in args.stages.split(",")]
+    for cps, kgs, hb, st in combos:
         for m in (int(v) for v in args.ms.split(",")):
             cfg = tm.default_tail_config(kq, d, f, 32, m, ctas_per_sm=cps, k_groups=kgs)
+            if hb:
+                cfg = cfg.replace(hand_bufs=hb)
+            if st:
+                cfg = cfg.replace(stages=st)
             if args.chunks:
                 cfg = cfg.replace(chunks=tuple(int(v) for v in args.chunks.split(",")))
             kx = jax.random.fold_in(key, 100 * m + cps)
@@ -117,6 +142,8 @@ def main() -> int:
                 ok = e_ref <= TOL_BF16 and same
                 print(f"check M={m} ctas/SM {cps}: rel_ref {e_ref:.2e} rel_three {e_three:.2e} deterministic {same} "
                       f"{'ok' if ok else 'FAIL'}", flush=True)
+                if args.dump:
+                    print_ptxas(args.dump)
                 if m == 8:  # row invariance on 5 of the rows
                     a5, x5 = attn[:5], x[:5]
                     y5 = np.asarray(tail(a5, x5, 1)).view(np.uint16)

@@ -147,8 +147,8 @@ for stage in ${STAGES:-probe smol 8b}; do
     tail)  # the persistent layer-tail kernel (tools/device/check_tail.py): checked, timed against the three fused
       # kernels, and its diagnostics (no flags / no sync / the ring alone; twentieth session)
       timeout ${TAIL_LIMIT:-300} python3 tools/device/check_tail.py --ms ${TAIL_MS:-1,8} --ctas-per-sm 1 \
-        --k-groups ${TAIL_KG:-2} --diags ${TAIL_DIAGS:-noflag,nosync,stream} 2>&1 | grep -v "^W[0-9]" \
-        | tee $L/tail_check.log | grep -E "^check|^rows|^time|rror"
+        --k-groups ${TAIL_KG:-2} --diags ${TAIL_DIAGS:-noflag,nosync,stream} ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/tail_check.log | grep -E "^check|^rows|^time|^ptxas|rror"
       echo "== tail done ($(( $(date +%s) - T0 )) s)";;
     ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
       CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
