@@ -98,6 +98,8 @@ def main() -> int:
                     "(default: the config's)")
     ap.add_argument("--stages", default="", help="comma-separated TailConfig.stages, each checked and timed "
                     "(default: the config's)")
+    ap.add_argument("--parts", action="store_true", help="also time the three kernels' parts: o alone, gate_up + down "
+                    "(the baseline of a persistent MLP-only kernel)")
     ap.add_argument("--chunks", default="", help="o,gate_up,down K chunks instead of the default's (e.g. 4,2,4)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dump", default="", help="directory: Mosaic GPU's ptxas report and SASS of every kernel compiled; "
@@ -108,10 +110,13 @@ def main() -> int:
         os.makedirs(args.dump, exist_ok=True)
         os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=args.dump)
     kq, d, f = SHAPES[args.shape]
+    if args.parts and kq != d:
+        ap.error(f"--parts feeds the chained input to o and to gate_up: needs Kq == D, got {kq} and {d}")
     L = args.layers
     key = jax.random.PRNGKey(int(time.time()))  # fresh inputs every run
     wo, gw, wgu, wd = weights(key, kq, d, f, L)
-    nbytes = sum(int(k * n * (0.5 + 4 / 32)) for k, n in ((kq, d), (d, 2 * f), (f, d)))
+    part_bytes = [int(k * n * (0.5 + 4 / 32)) for k, n in ((kq, d), (d, 2 * f), (f, d))]  # o, gate_up, down
+    nbytes = sum(part_bytes)
     floor = nbytes / read_ceiling_bps() * 1e6
     print(f"shape {args.shape}: Kq {kq} D {d} F {f}, {nbytes / 1e6:.1f} MB of INT4 weights per layer, "
           f"floor {floor:.2f} us; {jax.devices()[0].device_kind}", flush=True)
@@ -153,6 +158,15 @@ def main() -> int:
             iters = max(4, int(20e-3 / (nbytes / 3e12) / L))
             timed = (([] if args.no_full else [("tail kernel", tail)])
                      + ([] if args.no_three else [("three fused kernels", three)]))
+            floors = {}  # label -> its own bytes' floor where not the whole layer's
+            if args.parts:
+                timed.append(("o kernel alone", jax.jit(
+                    lambda a, x, layer: mg.int4_matmul_mgpu(a, wo, layer=layer, residual=x))))
+                timed.append(("gate_up + down", jax.jit(  # x1 = the chained input, x the residual's stand-in
+                    lambda a, x, layer: mg.int4_matmul_mgpu(mg.int4_matmul_mgpu(
+                        a, wgu, layer=layer, norm_weight=gw, swiglu=True), wd, layer=layer, residual=a))))
+                floors = {"o kernel alone": part_bytes[0], "gate_up + down": part_bytes[1] + part_bytes[2]}
+                floors = {k: v / read_ceiling_bps() * 1e6 for k, v in floors.items()}
             for diag in filter(None, args.diags.split(",")):
                 timed.append((f"tail, diag {diag}", jax.jit(
                     lambda a, x, layer, cfg=cfg.replace(diag=diag): tm.int4_layer_tail_mgpu(
@@ -161,7 +175,8 @@ def main() -> int:
                 # the probe's chain: per "copy" (here a layer of the stack) one call, acc threaded through
                 us = chained_us(lambda layer, fn=fn: [lambda acc: fn((attn.astype(jnp.float32) + acc).astype(
                     jnp.bfloat16), x, layer)], L, iters)
-                print(f"time M={m} ctas/SM {cps}: {label:20s} {us:8.2f} us  {floor / us:4.0%} of the floor",
+                print(f"time M={m} ctas/SM {cps}: {label:20s} {us:8.2f} us  {floors.get(label, floor) / us:4.0%} of "
+                      f"{'its' if label in floors else 'the'} floor",
                       flush=True)
     return 0
 
