@@ -4,7 +4,7 @@ bitwise row invariance, the launch-shape choice, bad inputs and CUDA lowering of
 
 The interpret-mode runs happen in a child process with 8 host devices (`_child`;
 `tests/helpers/subproc.run_in_child` says why: with one host device the simulation of the kernel's
-four or five warpgroups deadlocks on a 2-core machine, seen here). ~10-20 s per kernel call.
+four or five warpgroups (now four or six) deadlocked on a 2-core machine, seen here). ~10-20 s per kernel call.
 The GPU kernel (its grid-wide flags, chunk semaphores, register MMA, inline loads and stores) runs
 in tools/device/check_tail.py against the same reference on the H200.
 """
