@@ -175,12 +175,15 @@ def test_bad_inputs_name_the_problem() -> None:
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=3, k_groups=2))
     with pytest.raises(ValueError, match="only on the GPU"):
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, diag="stream"))
+    with pytest.raises(ValueError, match="only on the GPU"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, timeline=True))
 
 
-@pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1))])
+@pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1)),
+                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
-    """The GPU kernel (register MMA, flags, semaphores, inline loads / stores and column sums) at the
-    8B shape, stacked weights, lowers to a Mosaic GPU custom call on the CPU."""
+    """The GPU kernel (register MMA, flags, semaphores, inline loads / stores and column sums; with
+    the timeline's stamps) at the 8B shape, stacked weights, lowers to a Mosaic GPU custom call on the CPU."""
     def packed(k: int, n: int) -> lay.W4A16Packed:
         return lay.pack_fields(jnp.zeros((2, k // 2, n), jnp.uint8), jnp.ones((2, k // 32, n), jnp.float16),
                                jnp.zeros((2, k // 32, n), jnp.float16))
@@ -195,3 +198,6 @@ def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
             jnp.int32(1))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    if cfg is not None and cfg.timeline:  # the output and the per-CTA timeline
+        out, tl = jax.eval_shape(fn, *args)
+        assert (out.shape, tl.shape, tl.dtype) == ((m, d), (cfg.ctas, len(tm.TIMELINE_COLUMNS)), jnp.uint32)

@@ -81,6 +81,9 @@ TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one 
 MAX_STAGES = 8
 TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream")
 N_FULL = 2 * WGS + 1  # copies landing on a stage's barrier: codes + records per row tile, the x tile
+# `TailConfig.timeline`'s columns: the CTA's SM, then the time at each mark (finisher: start, end of each linear's
+# units; producer: start, past each grid-wide flag)
+TIMELINE_COLUMNS = ("sm", "fin_start", "fin_o", "fin_gate_up", "fin_down", "prod_start", "prod_flag0", "prod_flag1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,9 @@ class TailConfig:
     # chunk semaphores' waits; "noepi" also everything the finisher does after taking a unit's
     # accumulators (k-group and chunk sums, epilogues); "stream" also the MMA (the ring alone)
     diag: str = ""
+    # GPU only: also return a per-CTA timeline (`TIMELINE_COLUMNS`: the SM, then %globaltimer's low 32 bits in
+    # ns at each mark) to see which CTAs arrive late at the flags and whether the same ones in every phase
+    timeline: bool = False
 
     def replace(self, **kw: Any) -> "TailConfig":
         return dataclasses.replace(self, **kw)
@@ -179,6 +185,10 @@ _ARRIVE_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t
 _SPIN_ASM = ("{\n.reg .pred p, q;\n.reg .u32 v, t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.ne.u32 q, t, 0;\n"
              "@q bra DONE;\nSPIN:\nld.acquire.gpu.global.u32 v, [$0];\nsetp.lt.u32 p, v, $1;\n@p bra SPIN;\nDONE:\n}")
 _PROXY_FENCE_ASM = "fence.proxy.async.global;"
+# thread 0 of the warpgroup stores a special register's (low) 32 bits at $0
+_STAMP_ASM = ("{{\n.reg .pred p;\n.reg .u32 t;\n.reg .u64 v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\n"
+              "setp.eq.u32 p, t, 0;\n{}\n@p st.global.u32 [$0], t;\n}}")
+_STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
 
 
 def _arrive(counter: Any) -> None:
@@ -218,6 +228,21 @@ def _spin(counter: Any, target: int) -> None:
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [], _PROXY_FENCE_ASM, "", has_side_effects=True)
 
     fence()
+
+
+def _stamp(ref: Any, what: str) -> None:
+    """Thread 0 of the calling warpgroup writes %globaltimer's low 32 bits (ns; `what="time"`) or its
+    SM (`"sm"`) into the one-word uint32 global ref (TailConfig.timeline)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def fn(ctx, ref):
+        del ctx
+        ir, _, llvm, _, _, mu = _mlir()
+        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr], _STAMP_ASM.format(_STAMP_READ[what]), "l",
+                        has_side_effects=True)
+
+    fn(ref)
 
 
 def _tile_access(mp: int, store: bool):
@@ -353,6 +378,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     flags = cfg.diag in ("", "noflag0", "noflag1")
     waits = (flags and cfg.diag != "noflag0", flags and cfg.diag != "noflag1")
 
+    def mark(col: str) -> None:  # TailConfig.timeline: this warpgroup's thread 0 stamps the column
+        if cfg.timeline:
+            _stamp(r["tl"].at[cta, pl.ds(TIMELINE_COLUMNS.index(col), 1)], "time")
+
     def my_units(p):  # (first unit, count) of linear p dealt to this CTA
         first = lax.rem(cta - base[p] + ctas, ctas)
         return first, jnp.maximum(units[p] - first + ctas - 1, 0) // ctas
@@ -392,6 +421,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             return slot
 
         cnt = jnp.int32(0)  # ring steps issued so far (slot cnt % stages)
+        mark("prod_start")
         for p in range(3):
             first, count = my_units(p)
             total = count * per[p]
@@ -409,6 +439,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     plgpu.barrier_wait(r["phase_bar"].at[0])
                 elif waits[p - 1]:
                     _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
+                mark(f"prod_flag{p - 1}")
 
             def pre_x(t, carry, p=p, first=first, cnt_pre=cnt_pre):
                 issue_x(p, first, t, lax.rem(cnt_pre + t, stages))
@@ -582,6 +613,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     def _finisher():
         n_units = jnp.int32(0)  # units taken from the consumers (hand buffer n_units % nbuf)
         rr = None
+        if cfg.timeline:
+            _stamp(r["tl"].at[cta, pl.ds(0, 1)], "sm")
+        mark("fin_start")
         for p in range(3):
             if p == 1 and cfg.diag not in ("noepi", "stream"):  # the norm's r from every o tile's row sums
                 if not interpret and waits[0]:
@@ -613,6 +647,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
             if cfg.diag != "stream":
                 n_units = lax.fori_loop(0, count, unit, n_units)
+            mark(("fin_o", "fin_gate_up", "fin_down")[p])
             if p < 2:
                 if interpret:
                     plgpu.barrier_arrive(r["phase_bar"].at[0])
@@ -650,7 +685,8 @@ def _check(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, wgu: 
 
 def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, w_gate_up: lay.W4A16Packed,
                          w_down: lay.W4A16Packed, *, layer: Any = None, norm_eps: float = 1e-5,
-                         config: TailConfig | None = None, interpret: bool | None = None) -> Array:
+                         config: TailConfig | None = None,
+                         interpret: bool | None = None) -> Array | tuple[Array, Array]:
     """out [M, D] bf16 = x1 + down(silu(gate) up), x1 = bf16(attn Wo) + x, gate | up = RMSNorm(x1) Wgu
     (module docstring; `layer_tail_reference` is the math), in one persistent kernel.
 
@@ -659,12 +695,13 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
     the Hopper layout, one layer each or stacks [L, ...] read in place at `layer` (int or traced
     int32 scalar, clamped); norm_weight bf16 [D] or a stack [L, D] (the MLP norm).
     `interpret=None` interprets unless the default backend is a GPU (then one CTA, `config.ctas`
-    ignored)."""
+    ignored). With `config.timeline` (GPU only) returns (out, timeline uint32 [ctas, TIMELINE_COLUMNS])."""
     m, kq, d, f, g = _check(attn, x, wo, norm_weight, w_gate_up, w_down, layer)
     interp = _common.interpret_default(interpret)
     cfg = config or default_tail_config(kq, d, f, g, m)
-    if cfg.diag not in TAIL_DIAGNOSTICS or (cfg.diag and interp):
-        raise ValueError(f"diag={cfg.diag!r}: one of {TAIL_DIAGNOSTICS}, and only on the GPU (timing)")
+    if cfg.diag not in TAIL_DIAGNOSTICS or ((cfg.diag or cfg.timeline) and interp):
+        raise ValueError(f"diag={cfg.diag!r}, timeline={cfg.timeline}: diag one of {TAIL_DIAGNOSTICS}, and both only "
+                         "on the GPU (timing)")
     if cfg.k_groups not in (1, 2) or cfg.stages % cfg.k_groups or cfg.stages < 2:
         raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
     if cfg.hand_bufs < 1:
@@ -697,6 +734,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
             "ssp": jax.ShapeDtypeStruct((d // lay.ROWS, mp), f32)}
     for p, n_tiles in enumerate((d // lay.ROWS, 2 * f // lay.ROWS, d // lay.ROWS)):
         outs[f"ws{p}"] = jax.ShapeDtypeStruct((max(cfg.chunks[p] - 1, 1), n_tiles, lay.ROWS, mp), f32)
+    if cfg.timeline:
+        outs["tl"] = jax.ShapeDtypeStruct((cfg.ctas, len(TIMELINE_COLUMNS)), jnp.uint32)
     c = lay.chunk_cols(g)
     st = cfg.stages
     scratch = {"x_smem": plgpu.SMEM((st, mp, KT), jnp.bfloat16, transforms=x_tf),
@@ -735,6 +774,6 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
         res = pl.kernel(body, out_type=tuple(outs.values()), mesh=mesh, compiler_params=params,
                         interpret=_common.interpret_params() if interp else False,
                         name=name)(*(inputs[k] for k in in_names), *extra)  # (jit re-sorts a dict's keys)
-        return res[0]
+        return (res[0], res[-1]) if cfg.timeline else res[0]
 
     return jax.jit(run)(inputs)

@@ -84,6 +84,52 @@ def print_ptxas(dump: str) -> None:
                         print(f"ptxas {os.path.basename(path)}: {line.rstrip()[:200]}", flush=True)
 
 
+def timeline_report(fn, attn, x, layers: int, calls: int) -> None:
+    """Per-CTA phases from `calls` calls (layers in turn) of the kernel with TailConfig.timeline: o (finisher start
+    -> its last o unit), gate_up (producer past flag 0 -> finisher's last gate_up unit), down (past flag 1 -> end);
+    the spread of each over the CTAs, the slowest CTAs' SMs, and rank correlations of a CTA's phase times across
+    phases and across calls (near 1: the same CTAs are slow every time, a systematic drift; near 0: random)."""
+    cols = {c: i for i, c in enumerate(tm.TIMELINE_COLUMNS)}
+    runs = []
+    for i in range(calls + 1):
+        _, tl = fn(attn, x, i % layers)
+        tl = np.asarray(tl).astype(np.int64)
+        if i == 0:
+            continue  # the first call compiles and warms
+        # ns since the first CTA started: signed offsets from CTA 0's start first (%globaltimer's low 32 bits wrap
+        # every 4.3 s; a kernel spans microseconds)
+        t = (tl - tl[0, cols["prod_start"]] + (1 << 31)) % (1 << 32) - (1 << 31)
+        t = t - t[:, cols["prod_start"]].min()
+        runs.append({"sm": tl[:, cols["sm"]],
+                     "o": (t[:, cols["fin_o"]] - t[:, cols["fin_start"]]) / 1e3,
+                     "gate_up": (t[:, cols["fin_gate_up"]] - t[:, cols["prod_flag0"]]) / 1e3,
+                     "down": (t[:, cols["fin_down"]] - t[:, cols["prod_flag1"]]) / 1e3,
+                     "end": t[:, cols["fin_down"]] / 1e3,
+                     "flag0": t[:, cols["prod_flag0"]] / 1e3, "flag1": t[:, cols["prod_flag1"]] / 1e3})
+
+    def rank_corr(a, b):
+        ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+        return float(np.corrcoef(ra, rb)[0, 1])
+
+    for k, run in enumerate(runs):
+        parts = " ".join(f"{ph} {run[ph].min():.1f}/{np.median(run[ph]):.1f}/{run[ph].max():.1f}"
+                         for ph in ("o", "gate_up", "down", "flag0", "flag1", "end"))
+        print(f"timeline call {k}: min/median/max us: {parts}", flush=True)
+        for ph in ("gate_up", "down"):
+            slow = np.argsort(run[ph])[-8:][::-1]
+            print(f"timeline call {k}: slowest {ph}: CTA:SM " + " ".join(f"{c}:{run['sm'][c]}" for c in slow),
+                  flush=True)
+        print(f"timeline call {k}: rank corr gate_up~down {rank_corr(run['gate_up'], run['down']):+.2f} "
+              f"o~gate_up {rank_corr(run['o'], run['gate_up']):+.2f}", flush=True)
+    for ph in ("gate_up", "down"):  # by SM across calls (a CTA may land on another SM next call)
+        by_sm = [dict(zip(run["sm"], run[ph])) for run in runs]
+        sms = sorted(set.intersection(*(set(b) for b in by_sm)))
+        if len(runs) > 1 and len(sms) > 2:
+            cs = [rank_corr([by_sm[i][s] for s in sms], [by_sm[i + 1][s] for s in sms]) for i in range(len(runs) - 1)]
+            print(f"timeline {ph}: rank corr by SM between consecutive calls " + " ".join(f"{c:+.2f}" for c in cs),
+                  flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b", choices=tuple(SHAPES))
@@ -100,6 +146,8 @@ def main() -> int:
                     "(default: the config's)")
     ap.add_argument("--parts", action="store_true", help="also time the three kernels' parts: o alone, gate_up + down "
                     "(the baseline of a persistent MLP-only kernel)")
+    ap.add_argument("--timeline", type=int, default=0, help="calls of the kernel with TailConfig.timeline: per-CTA "
+                    "phase times, the slowest CTAs' SMs, and whether the same CTAs are slow in every phase and call")
     ap.add_argument("--chunks", default="", help="o,gate_up,down K chunks instead of the default's (e.g. 4,2,4)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dump", default="", help="directory: Mosaic GPU's ptxas report and SASS of every kernel compiled; "
@@ -155,6 +203,9 @@ def main() -> int:
                     bad = sum(int(not np.array_equal(y5[i], np.asarray(tail(a5[i:i + 1], x5[i:i + 1], 1)
                                                                        ).view(np.uint16)[0])) for i in range(5))
                     print(f"rows M=5 ctas/SM {cps}: {bad} of 5 differ {'ok' if bad == 0 else 'FAIL'}", flush=True)
+            if args.timeline:
+                timeline_report(jax.jit(lambda a, x, layer, cfg=cfg: tm.int4_layer_tail_mgpu(
+                    a, x, wo, gw, wgu, wd, layer=layer, config=cfg.replace(timeline=True))), attn, x, L, args.timeline)
             iters = max(4, int(20e-3 / (nbytes / 3e12) / L))
             timed = (([] if args.no_full else [("tail kernel", tail)])
                      + ([] if args.no_three else [("three fused kernels", three)]))
