@@ -180,10 +180,12 @@ def test_bad_inputs_name_the_problem() -> None:
 
 
 @pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1)),
-                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True))])
+                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True,
+                                                     l2_prefetch=2))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, semaphores, inline loads / stores and column sums; with
-    the timeline's stamps) at the 8B shape, stacked weights, lowers to a Mosaic GPU custom call on the CPU."""
+    the timeline's stamps and the L2 prefetch) at the 8B shape, stacked weights, lowers to a Mosaic GPU custom
+    call on the CPU."""
     def packed(k: int, n: int) -> lay.W4A16Packed:
         return lay.pack_fields(jnp.zeros((2, k // 2, n), jnp.uint8), jnp.ones((2, k // 32, n), jnp.float16),
                                jnp.zeros((2, k // 32, n), jnp.float16))

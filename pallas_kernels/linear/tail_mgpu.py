@@ -101,6 +101,11 @@ class TailConfig:
     # units' accumulators in flight from the consumers to the finisher (shared [64, M_pad] float32
     # buffers per row tile and k group): how far the consumers may run ahead of the epilogues
     hand_bufs: int = 2
+    # units of the next linear whose weights (both row tiles, the unit's whole K range: one contiguous range each)
+    # the producer asks the L2 for before it waits at a grid-wide flag, after those its ring already holds. 0: off.
+    # Measured (H200, 2026-11-30) with an earlier form (8 / 16 single k steps, 4 requests each): 4-5 us slower a
+    # layer; this form (2 requests a row tile and unit) is for the start-phase experiments (kernel_notes)
+    l2_prefetch: int = 0
     # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
     # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
     # chunk semaphores' waits; "noepi" also everything the finisher does after taking a unit's
@@ -188,6 +193,9 @@ _PROXY_FENCE_ASM = "fence.proxy.async.global;"
 # thread 0 of the warpgroup stores a special register's (low) 32 bits at $0
 _STAMP_ASM = ("{{\n.reg .pred p;\n.reg .u32 t;\n.reg .u64 v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\n"
               "setp.eq.u32 p, t, 0;\n{}\n@p st.global.u32 [$0], t;\n}}")
+# thread 0 of the warpgroup: bulk prefetch of $1 bytes at $0 (global, 16-byte aligned) into the L2
+_PREFETCH_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
+                 "@p cp.async.bulk.prefetch.L2.global [$0], $1;\n}")
 _STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
 
 
@@ -228,6 +236,22 @@ def _spin(counter: Any, target: int) -> None:
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [], _PROXY_FENCE_ASM, "", has_side_effects=True)
 
     fence()
+
+
+def _prefetch_l2(ref: Any) -> None:
+    """Thread 0 of the calling warpgroup asks the L2 to fetch the contiguous global slice `ref`
+    (no wait, no shared memory; a later TMA load of it then reads the L2)."""
+    nbytes = int(np.prod(ref.shape)) * jnp.dtype(ref.dtype).itemsize
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def fn(ctx, ref):
+        del ctx
+        ir, arith, llvm, _, _, mu = _mlir()
+        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, arith.constant(ir.IntegerType.get_signless(32), nbytes)],
+                        _PREFETCH_ASM, "l,r", has_side_effects=True)
+
+    fn(ref)
 
 
 def _stamp(ref: Any, what: str) -> None:
@@ -405,6 +429,16 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 plgpu.copy_gmem_to_smem(s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, KT // c))],
                                         sz_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
 
+        def prefetch_unit(j, carry, p, first):  # TailConfig.l2_prefetch: unit j's weights into the L2
+            _, w_ref, s_ref, _, _ = lin[p]
+            pair, ch, _ = unit_of(p, first, j * per[p])
+            k0 = ch * per[p] * KT
+            for cw in range(WGS):
+                row = pair + cw * (f // 64) if p == 1 else pair * WGS + cw
+                _prefetch_l2(w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, per[p] * KT // lay.KB))])
+                _prefetch_l2(s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, per[p] * KT // c))])
+            return carry
+
         def issue_x(p, first, t, slot):
             x_ref = lin[p][3]
             _, ch, i = unit_of(p, first, t)
@@ -438,6 +472,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 if interpret:
                     plgpu.barrier_wait(r["phase_bar"].at[0])
                 elif waits[p - 1]:
+                    if cfg.l2_prefetch:  # the units after those the ring holds: their bytes load during the wait
+                        j0 = ahead // per[p]
+                        lax.fori_loop(j0, jnp.minimum(count, j0 + cfg.l2_prefetch),
+                                      functools.partial(prefetch_unit, p=p, first=first), 0)
                     _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
                 mark(f"prod_flag{p - 1}")
 
@@ -704,8 +742,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                          "on the GPU (timing)")
     if cfg.k_groups not in (1, 2) or cfg.stages % cfg.k_groups or cfg.stages < 2:
         raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
-    if cfg.hand_bufs < 1:
-        raise ValueError(f"{cfg}: hand_bufs must be >= 1")
+    if cfg.hand_bufs < 1 or cfg.l2_prefetch < 0:
+        raise ValueError(f"{cfg}: hand_bufs must be >= 1 and l2_prefetch >= 0")
     for p, k in enumerate((kq, d, f)):
         if (k // KT) % cfg.chunks[p] or (k // KT // cfg.chunks[p]) % cfg.k_groups:
             raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // KT} k steps "
