@@ -68,8 +68,8 @@ def _rel(y: jax.Array, ref: jax.Array) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
-def _cfg(chunks: tuple[int, int, int], stages: int, k_groups: int) -> tm.TailConfig:
-    return tm.TailConfig(chunks=chunks, ctas=1, stages=stages, k_groups=k_groups)
+def _cfg(chunks: tuple[int, int, int], stages: int, k_groups: int, dynamic: bool = False) -> tm.TailConfig:
+    return tm.TailConfig(chunks=chunks, ctas=1, stages=stages, k_groups=k_groups, dynamic=dynamic)
 
 
 def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
@@ -90,6 +90,8 @@ def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     (9, (1024, 256, 512), ((2, 1, 2), 4, 1)),
     # two k groups (steps dealt round robin, partials added in group order)
     (5, (1024, 512, 512), ((2, 1, 1), 2, 2)),
+    # units through the dynamic schedule's queue: 16 units and 3 ends, more entries than the queue holds
+    (3, (512, 256, 512), ((2, 1, 2), 2, 1, True)),
 ])
 def test_tail_matches_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     _child("check_reference", m, shape, cfg)
@@ -177,15 +179,18 @@ def test_bad_inputs_name_the_problem() -> None:
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, diag="stream"))
     with pytest.raises(ValueError, match="only on the GPU"):
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, timeline=True))
+    with pytest.raises(ValueError, match="not with dynamic"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, dynamic=True, l2_prefetch=1))
 
 
-@pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1)),
+@pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1,
+                                                                   dynamic=True)),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True,
                                                      l2_prefetch=2))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, semaphores, inline loads / stores and column sums; with
-    the timeline's stamps and the L2 prefetch) at the 8B shape, stacked weights, lowers to a Mosaic GPU custom
-    call on the CPU."""
+    the dynamic schedule's counters and queue, the timeline's stamps and the L2 prefetch) at the 8B shape,
+    stacked weights, lowers to a Mosaic GPU custom call on the CPU."""
     def packed(k: int, n: int) -> lay.W4A16Packed:
         return lay.pack_fields(jnp.zeros((2, k // 2, n), jnp.uint8), jnp.ones((2, k // 32, n), jnp.float16),
                                jnp.zeros((2, k // 32, n), jnp.float16))

@@ -29,7 +29,10 @@ warpgroup (TMA: per k step the two row tiles' code words and scale records and t
 the unit of its last chunk, which waits on a global semaphore for the others' float32 partials
 (`mosaic_gpu`'s "sem" sum); the unit order makes that wait deadlock-free (a unit waits only on
 units of lower index, and every CTA takes its units in increasing order). So a row's bits depend
-on (K, N, chunks, k_groups) and never on M, the CTA count or the deal.
+on (K, N, chunks, k_groups) and never on M, the CTA count or the deal. With `TailConfig.dynamic`
+the units are taken from a global counter per linear instead (a CTA on a slow SM takes fewer;
+still in increasing order per CTA, so still deadlock-free) and passed to the consumers and the
+finisher through a shared queue; not yet run on a GPU.
 
 The consumers only stream and multiply: at a unit's end each stores its float32 accumulator to a
 shared hand-off buffer (`hand_bufs` deep) and goes on to the next unit. One more warpgroup, the
@@ -79,6 +82,7 @@ WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
 MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the hand-off buffers are plain [64, M_pad] tiles)
 TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
 MAX_STAGES = 8
+QUEUE = 16  # `TailConfig.dynamic`'s queue entries (units ahead of the slowest reader: ring steps / k steps a unit + hand_bufs)
 TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream")
 N_FULL = 2 * WGS + 1  # copies landing on a stage's barrier: codes + records per row tile, the x tile
 # `TailConfig.timeline`'s columns: the CTA's SM, then the time at each mark (finisher: start, end of each linear's
@@ -106,6 +110,11 @@ class TailConfig:
     # Measured (H200, 2026-11-30) with an earlier form (8 / 16 single k steps, 4 requests each): 4-5 us slower a
     # layer; this form (2 requests a row tile and unit) is for the start-phase experiments (kernel_notes)
     l2_prefetch: int = 0
+    # units taken from a global counter per linear (thread 0 of the producer, `atom.add`) instead of dealt round
+    # robin: a CTA on a slow SM takes fewer. The producer passes each unit to the consumers and the finisher through
+    # a shared queue (QUEUE entries; -1 ends a linear). The sums' order is the chunk order either way (same bits).
+    # Interpret mode takes the units in order (one CTA) through the same queue
+    dynamic: bool = False
     # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
     # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
     # chunk semaphores' waits; "noepi" also everything the finisher does after taking a unit's
@@ -193,6 +202,9 @@ _PROXY_FENCE_ASM = "fence.proxy.async.global;"
 # thread 0 of the warpgroup stores a special register's (low) 32 bits at $0
 _STAMP_ASM = ("{{\n.reg .pred p;\n.reg .u32 t;\n.reg .u64 v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\n"
               "setp.eq.u32 p, t, 0;\n{}\n@p st.global.u32 [$0], t;\n}}")
+# thread 0 of the warpgroup takes the next unit: atomic add of 1 at $0 (global), the old value stored at $1 (shared)
+_GRAB_ASM = ("{\n.reg .pred p;\n.reg .u32 t, v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
+             "@p atom.relaxed.gpu.global.add.u32 v, [$0], 1;\n@p st.shared.u32 [$1], v;\n}")
 # thread 0 of the warpgroup: bulk prefetch of $1 bytes at $0 (global, 16-byte aligned) into the L2
 _PREFETCH_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
                  "@p cp.async.bulk.prefetch.L2.global [$0], $1;\n}")
@@ -252,6 +264,23 @@ def _prefetch_l2(ref: Any) -> None:
                         _PREFETCH_ASM, "l,r", has_side_effects=True)
 
     fn(ref)
+
+
+def _grab(counter: Any, dst: Any) -> None:
+    """Thread 0 of the calling warpgroup adds 1 to the uint32 global `counter` (relaxed, gpu scope: only the
+    values' uniqueness matters) and stores the old value in the one-word shared int32 `dst`; then a warpgroup
+    barrier, so every thread of the warpgroup reads it."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def fn(ctx, ref, out):
+        del ctx
+        ir, _, llvm, _, _, mu = _mlir()
+        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
+        sptr = llvm.ptrtoint(ir.IntegerType.get_signless(32), mu.memref_ptr(out))
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, sptr], _GRAB_ASM, "l,r", has_side_effects=True)
+
+    fn(counter, dst)
+    plgpu.commit_smem()  # warpgroup barrier: the others read what thread 0 stored
 
 
 def _stamp(ref: Any, what: str) -> None:
@@ -415,12 +444,37 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         u = first + j * ctas
         return u // chunks[p], lax.rem(u, chunks[p]), i
 
+    uq = r["uq"] if cfg.dynamic else None  # TailConfig.dynamic's queue: int32 [QUEUE], -1 ends a linear
+
+    def read_entry(n):  # a consumer or the finisher: queue entry n (its producer wrote it), then release it
+        plgpu.barrier_wait(r["uq_full"].at[lax.rem(n, QUEUE)])
+        u = uq[lax.rem(n, QUEUE)]
+        plgpu.barrier_arrive(r["uq_free"].at[lax.rem(n, QUEUE)])
+        return u
+
+    def run_units(p, first, count, body, carry):
+        """body(pair, chunk, carry) -> carry over this CTA's units of linear p, in order: the round-robin deal,
+        or (TailConfig.dynamic) the queue's entries up to its -1, carry[0] the entries read so far."""
+        if not cfg.dynamic:
+            return lax.fori_loop(0, count, lambda j, cr: body(*unit_of(p, first, j * per[p])[:2], cr), carry)
+
+        def step(cr):
+            u, rest = cr
+            rest = body(u // chunks[p], lax.rem(u, chunks[p]), rest)
+            return read_entry(rest[0]), (rest[0] + 1, *rest[1:])
+
+        u0 = read_entry(carry[0])
+        _, carry = lax.while_loop(lambda cr: cr[0] >= 0, step, (u0, (carry[0] + 1, *carry[1:])))
+        return carry
+
     # ------------------------------------------------------------------ producer
     @pl.when(wg == n_cons)
     def _producer():
         def issue_w(p, first, t, slot):
+            issue_w_at(p, *unit_of(p, first, t), slot)
+
+        def issue_w_at(p, pair, ch, i, slot):  # step i of unit (pair, ch): both row tiles' codes and records
             _, w_ref, s_ref, _, _ = lin[p]
-            pair, ch, i = unit_of(p, first, t)
             k0 = (ch * per[p] + i) * KT
             for cw in range(WGS):  # gate_up: gate tile j, up tile j + F/64; else tiles 2 pair + cw
                 row = pair + cw * (f // 64) if p == 1 else pair * WGS + cw
@@ -440,8 +494,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             return carry
 
         def issue_x(p, first, t, slot):
+            issue_x_at(p, *unit_of(p, first, t)[1:], slot)
+
+        def issue_x_at(p, ch, i, slot):  # step i of a unit of chunk ch: the x tile
             x_ref = lin[p][3]
-            _, ch, i = unit_of(p, first, t)
             k0 = (ch * per[p] + i) * KT
             plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, mp), pl.ds(k0, KT)], x_smem.at[slot], full.at[slot])
 
@@ -454,9 +510,74 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
             return slot
 
+        def push(p, n, k):
+            """TailConfig.dynamic: queue entry n = linear p's next unit for this CTA (the counter's next value; in
+            interpret mode unit k, the k-th it takes), -1 once the linear's units are all taken."""
+            slot = lax.rem(n, QUEUE)
+
+            @pl.when(n >= QUEUE)
+            def _():
+                plgpu.barrier_wait(r["uq_free"].at[slot])
+
+            if interpret:
+                uq[slot] = k
+            else:
+                _grab(r["flags"].at[pl.ds(2 + p, 1)], uq.at[pl.ds(slot, 1)])
+            u = uq[slot]
+            uq[slot] = jnp.where(u < units[p], u, -1)
+            plgpu.barrier_arrive(r["uq_full"].at[slot])
+
+        def produce(p, with_x, limit, carry):
+            """TailConfig.dynamic: issue linear p's steps (weights, and x if with_x) from step carry[0] until `limit`
+            steps or the linear's end, taking a unit from the counter at each unit's first step.
+            carry = (steps of p issued, queue entries written, ring steps, units taken in p, p done)."""
+            def body(cr):
+                t, n, cnt, k, _ = cr
+                i = lax.rem(t, per[p])
+                start = (i == 0).astype(jnp.int32)
+
+                @pl.when(i == 0)
+                def _():
+                    push(p, n, k)
+
+                n, k = n + start, k + start
+                u = uq[lax.rem(n - 1, QUEUE)]  # the current unit (this warpgroup wrote it)
+                ok = u >= 0
+
+                @pl.when(ok)
+                def _():
+                    slot = reuse(cnt)
+                    issue_w_at(p, u // chunks[p], lax.rem(u, chunks[p]), i, slot)
+                    if with_x:
+                        issue_x_at(p, lax.rem(u, chunks[p]), i, slot)
+
+                v = ok.astype(jnp.int32)
+                return t + v, n, cnt + v, k, jnp.logical_not(ok)
+
+            return lax.while_loop(lambda cr: jnp.logical_not(cr[4]) & (cr[0] < limit), body, carry)
+
         cnt = jnp.int32(0)  # ring steps issued so far (slot cnt % stages)
+        n_pushed = jnp.int32(0)  # TailConfig.dynamic: queue entries written
         mark("prod_start")
         for p in range(3):
+            if cfg.dynamic:  # the same phases as below, units from the counter through the queue
+                n0, cnt_pre = n_pushed, cnt
+                st = produce(p, False, stages, (jnp.int32(0), n_pushed, cnt, jnp.int32(0), jnp.bool_(False)))
+                if p > 0:
+                    if interpret:
+                        plgpu.barrier_wait(r["phase_bar"].at[0])
+                    elif waits[p - 1]:
+                        _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
+                    mark(f"prod_flag{p - 1}")
+
+                def dyn_x(t, carry, p=p, n0=n0, cnt_pre=cnt_pre):
+                    u = uq[lax.rem(n0 + t // per[p], QUEUE)]
+                    issue_x_at(p, lax.rem(u, chunks[p]), lax.rem(t, per[p]), lax.rem(cnt_pre + t, stages))
+                    return carry
+
+                lax.fori_loop(0, st[0], dyn_x, 0)
+                _, n_pushed, cnt, _, _ = produce(p, True, jnp.iinfo(jnp.int32).max, st)
+                continue
             first, count = my_units(p)
             total = count * per[p]
             ahead = jnp.minimum(total, stages)
@@ -498,6 +619,12 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 for slot in range(stages):
                     plgpu.barrier_wait(empty.at[slot])
 
+            if cfg.dynamic:
+                for slot in range(QUEUE):
+                    @pl.when(n_pushed > QUEUE + slot)
+                    def _():
+                        plgpu.barrier_wait(r["uq_free"].at[slot])
+
     # ------------------------------------------------------------------ consumers
     rt, q = lax.rem(wg, WGS), wg // WGS  # row tile of each pair, k group
     hand, hand_full, hand_free = r["hand"], r["hand_full"], r["hand_free"]
@@ -518,11 +645,13 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     def _consumers():
         cnt = jnp.int32(0)  # the CTA's ring steps before this unit (group q takes steps q, q + kg, ...)
         n_units = jnp.int32(0)  # units handed to the finisher (hand buffer n_units % nbuf)
+        n_read = jnp.int32(0)  # TailConfig.dynamic: queue entries read
         for p in range(3):
             first, count = my_units(p)
 
-            def unit(j, carry, p=p):
-                cnt, n_units = carry
+            def unit(pair, ch, carry, p=p):
+                del pair, ch  # the producer chose the unit's tiles; the consumers take its steps in ring order
+                n_read, cnt, n_units = carry
 
                 def step(i, acc):
                     slot = lax.rem(cnt + i * kg + q, stages)
@@ -546,9 +675,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     hand.at[hb, rt, q][...] = acc
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(hand_full.at[hb * WGS + rt])
-                return cnt + per[p], n_units + 1
+                return n_read, cnt + per[p], n_units + 1
 
-            cnt, n_units = lax.fori_loop(0, count, unit, (cnt, n_units))
+            n_read, cnt, n_units = run_units(p, first, count, unit, (n_read, cnt, n_units))
         if interpret and cfg.diag != "stream":  # the writers see the finisher's last releases (the interpreter's check)
             for hb in range(nbuf):
                 @pl.when(n_units > hb)
@@ -650,6 +779,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     @pl.when(wg == n_cons + 1)
     def _finisher():
         n_units = jnp.int32(0)  # units taken from the consumers (hand buffer n_units % nbuf)
+        n_read = jnp.int32(0)  # TailConfig.dynamic: queue entries read
         rr = None
         if cfg.timeline:
             _stamp(r["tl"].at[cta, pl.ds(0, 1)], "sm")
@@ -667,8 +797,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 rr = lax.rsqrt(lax.broadcast_in_dim(ss, (lay.ROWS, mp), (1,)) * (1.0 / d) + eps)
             first, count = my_units(p)
 
-            def unit(j, n_units, p=p, first=first, rr=rr):
-                pair, ch, _ = unit_of(p, first, j * per[p])
+            def unit(pair, ch, carry, p=p, rr=rr):
+                n_read, n_units = carry
                 hb = lax.rem(n_units, nbuf)
                 tots = []
                 for t in range(WGS):  # k groups added in group order: p_0 + p_1
@@ -681,10 +811,12 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     plgpu.barrier_arrive(hand_free.at[hb * WGS + t])
                 if cfg.diag != "noepi":
                     finish(p, tots, pair, ch, rr)
-                return n_units + 1
+                return n_read, n_units + 1
 
             if cfg.diag != "stream":
-                n_units = lax.fori_loop(0, count, unit, n_units)
+                n_read, n_units = run_units(p, first, count, unit, (n_read, n_units))
+            elif cfg.dynamic:  # the ring alone: the queue's entries still read (the producer waits for them)
+                n_read, n_units = run_units(p, first, count, lambda pair, ch, cr: cr, (n_read, n_units))
             mark(("fin_o", "fin_gate_up", "fin_down")[p])
             if p < 2:
                 if interpret:
@@ -742,8 +874,9 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                          "on the GPU (timing)")
     if cfg.k_groups not in (1, 2) or cfg.stages % cfg.k_groups or cfg.stages < 2:
         raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
-    if cfg.hand_bufs < 1 or cfg.l2_prefetch < 0:
-        raise ValueError(f"{cfg}: hand_bufs must be >= 1 and l2_prefetch >= 0")
+    if cfg.hand_bufs < 1 or cfg.l2_prefetch < 0 or (cfg.dynamic and cfg.l2_prefetch):
+        raise ValueError(f"{cfg}: hand_bufs must be >= 1, l2_prefetch >= 0 and not with dynamic (its units are "
+                         "not known ahead)")
     for p, k in enumerate((kq, d, f)):
         if (k // KT) % cfg.chunks[p] or (k // KT // cfg.chunks[p]) % cfg.k_groups:
             raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // KT} k steps "
@@ -786,6 +919,11 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                # per (buffer, row tile): every k group's accumulator stored / the finisher's read done
                "hand_full": plgpu.Barrier(num_barriers=cfg.hand_bufs * WGS, num_arrivals=cfg.k_groups),
                "hand_free": plgpu.Barrier(num_barriers=cfg.hand_bufs * WGS, num_arrivals=1)}
+    if cfg.dynamic:  # the unit queue: producer -> consumers and finisher
+        n_readers = WGS * cfg.k_groups + 1
+        scratch["uq"] = plgpu.SMEM((QUEUE,), jnp.int32)
+        scratch["uq_full"] = plgpu.Barrier(num_barriers=QUEUE, num_arrivals=1)
+        scratch["uq_free"] = plgpu.Barrier(num_barriers=QUEUE, num_arrivals=n_readers)
     if interp:
         scratch["phase_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
     else:  # the finisher's buffer for the column sums (`_column_sums`)
@@ -803,8 +941,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
 
     def run(inputs):
         extra = []
-        if not interp:  # the grid-wide flags: a fresh zero counter per boundary, written in place
-            extra = [jax.new_ref(jnp.zeros((2,), jnp.uint32), memory_space=plgpu.GMEM)]
+        if not interp:  # the grid-wide flags (and TailConfig.dynamic's unit counters): fresh zeros, written in place
+            extra = [jax.new_ref(jnp.zeros((5 if cfg.dynamic else 2,), jnp.uint32), memory_space=plgpu.GMEM)]
 
         def body(*refs):
             pl.run_scoped(functools.partial(kernel, *refs), *scratch.values(), collective_axes="wg")

@@ -144,6 +144,8 @@ def main() -> int:
                     "(default: the config's)")
     ap.add_argument("--l2-prefetch", default="", help="comma-separated TailConfig.l2_prefetch (units), each checked "
                     "and timed (default: the config's)")
+    ap.add_argument("--dynamic", default="", help="comma-separated TailConfig.dynamic (0 / 1), each checked and timed "
+                    "(default: the config's)")
     ap.add_argument("--stages", default="", help="comma-separated TailConfig.stages, each checked and timed "
                     "(default: the config's)")
     ap.add_argument("--parts", action="store_true", help="also time the three kernels' parts: o alone, gate_up + down "
@@ -170,10 +172,11 @@ def main() -> int:
     floor = nbytes / read_ceiling_bps() * 1e6
     print(f"shape {args.shape}: Kq {kq} D {d} F {f}, {nbytes / 1e6:.1f} MB of INT4 weights per layer, "
           f"floor {floor:.2f} us; {jax.devices()[0].device_kind}", flush=True)
-    combos = [(int(c), int(q), int(h) if h else None, int(st) if st else None, int(pf) if pf else None)
+    opt = lambda v: int(v) if v else None  # noqa: E731
+    combos = [(int(c), int(q), opt(h), opt(st), opt(pf), opt(dy))
               for c in args.ctas_per_sm.split(",") for q in args.k_groups.split(",") for h in args.hand_bufs.split(",")
-              for st in args.stages.split(",") for pf in args.l2_prefetch.split(",")]
-    for cps, kgs, hb, st, pf in combos:
+              for st in args.stages.split(",") for pf in args.l2_prefetch.split(",") for dy in args.dynamic.split(",")]
+    for cps, kgs, hb, st, pf, dy in combos:
         for m in (int(v) for v in args.ms.split(",")):
             cfg = tm.default_tail_config(kq, d, f, 32, m, ctas_per_sm=cps, k_groups=kgs)
             if hb:
@@ -182,6 +185,8 @@ def main() -> int:
                 cfg = cfg.replace(stages=st)
             if pf is not None:
                 cfg = cfg.replace(l2_prefetch=pf)
+            if dy is not None:
+                cfg = cfg.replace(dynamic=bool(dy))
             if args.chunks:
                 cfg = cfg.replace(chunks=tuple(int(v) for v in args.chunks.split(",")))
             kx = jax.random.fold_in(key, 100 * m + cps)
