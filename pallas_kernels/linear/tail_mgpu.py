@@ -211,91 +211,56 @@ _PREFETCH_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t,
 _STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
 
 
+def _ptx(asm: str, *refs: Any, ints: tuple[int, ...] = (), shared: tuple[int, ...] = ()) -> None:
+    """Inline PTX `asm` (side effects only) with operands $0.. the addresses of `refs` (64-bit global,
+    or 32-bit shared for the positions in `shared`), then the int32 constants `ints`."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
+    def fn(ctx, *mrefs):
+        del ctx
+        ir, arith, llvm, _, _, mu = _mlir()
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        ops = [llvm.ptrtoint(i32 if k in shared else i64, mu.memref_ptr(mr)) for k, mr in enumerate(mrefs)]
+        ops += [arith.constant(i32, v) for v in ints]
+        cons = ["r" if k in shared else "l" for k in range(len(refs))] + ["r"] * len(ints)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), ops, asm, ",".join(cons), has_side_effects=True)
+
+    fn(*refs)
+
+
 def _arrive(counter: Any) -> None:
     """The calling warpgroup's stores done (a warpgroup barrier), thread 0 adds 1 to the uint32
     `counter` (one-word global ref) with release semantics at gpu scope."""
     plgpu.commit_smem()
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def fn(ctx, ref):
-        del ctx
-        ir, _, llvm, _, _, mu = _mlir()
-        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr], _ARRIVE_ASM, "l", has_side_effects=True)
-
-    fn(counter)
+    _ptx(_ARRIVE_ASM, counter)
 
 
 def _spin(counter: Any, target: int) -> None:
     """The calling warpgroup waits until the uint32 `counter` reaches `target` (thread 0 polls with
     acquire loads at gpu scope, the others wait at a warpgroup barrier), then fences the async proxy."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def fn(ctx, ref):
-        del ctx
-        ir, arith, llvm, _, _, mu = _mlir()
-        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, arith.constant(ir.IntegerType.get_signless(32), target)],
-                        _SPIN_ASM, "l,r", has_side_effects=True)
-
-    fn(counter)
+    _ptx(_SPIN_ASM, counter, ints=(target,))
     plgpu.commit_smem()  # warpgroup barrier: the others wait for the poller
-
-    @plgpu.inline_mgpu()
-    def fence(ctx):
-        del ctx
-        ir, _, llvm, _, _, _ = _mlir()
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], _PROXY_FENCE_ASM, "", has_side_effects=True)
-
-    fence()
+    _ptx(_PROXY_FENCE_ASM)
 
 
 def _prefetch_l2(ref: Any) -> None:
     """Thread 0 of the calling warpgroup asks the L2 to fetch the contiguous global slice `ref`
     (no wait, no shared memory; a later TMA load of it then reads the L2)."""
-    nbytes = int(np.prod(ref.shape)) * jnp.dtype(ref.dtype).itemsize
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def fn(ctx, ref):
-        del ctx
-        ir, arith, llvm, _, _, mu = _mlir()
-        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, arith.constant(ir.IntegerType.get_signless(32), nbytes)],
-                        _PREFETCH_ASM, "l,r", has_side_effects=True)
-
-    fn(ref)
+    _ptx(_PREFETCH_ASM, ref, ints=(int(np.prod(ref.shape)) * jnp.dtype(ref.dtype).itemsize,))
 
 
 def _grab(counter: Any, dst: Any) -> None:
     """Thread 0 of the calling warpgroup adds 1 to the uint32 global `counter` (relaxed, gpu scope: only the
     values' uniqueness matters) and stores the old value in the one-word shared int32 `dst`; then a warpgroup
     barrier, so every thread of the warpgroup reads it."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def fn(ctx, ref, out):
-        del ctx
-        ir, _, llvm, _, _, mu = _mlir()
-        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
-        sptr = llvm.ptrtoint(ir.IntegerType.get_signless(32), mu.memref_ptr(out))
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr, sptr], _GRAB_ASM, "l,r", has_side_effects=True)
-
-    fn(counter, dst)
+    _ptx(_GRAB_ASM, counter, dst, shared=(1,))
     plgpu.commit_smem()  # warpgroup barrier: the others read what thread 0 stored
 
 
 def _stamp(ref: Any, what: str) -> None:
     """Thread 0 of the calling warpgroup writes %globaltimer's low 32 bits (ns; `what="time"`) or its
     SM (`"sm"`) into the one-word uint32 global ref (TailConfig.timeline)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def fn(ctx, ref):
-        del ctx
-        ir, _, llvm, _, _, mu = _mlir()
-        ptr = llvm.ptrtoint(ir.IntegerType.get_signless(64), mu.memref_ptr(ref))
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [ptr], _STAMP_ASM.format(_STAMP_READ[what]), "l",
-                        has_side_effects=True)
-
-    fn(ref)
+    _ptx(_STAMP_ASM.format(_STAMP_READ[what]), ref)
 
 
 def _tile_access(mp: int, store: bool):

@@ -17,6 +17,7 @@ the last "..." line says which call.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -36,6 +37,7 @@ from qspec_jax.bench.w4a16 import TOL_BF16  # noqa: E402
 from w4a16_persistent_probe import chained_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
+CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "dynamic", "stages")  # TailConfig fields with a comma-list option
 
 
 def weights(key, kq, d, f, layers, g=32):
@@ -140,14 +142,9 @@ def main() -> int:
     ap.add_argument("--no-three", action="store_true", help="do not time the three fused kernels")
     ap.add_argument("--no-full", action="store_true", help="time only the diagnostics (e.g. where the full kernel "
                     "would hang: more CTAs than can be resident)")
-    ap.add_argument("--hand-bufs", default="", help="comma-separated TailConfig.hand_bufs, each checked and timed "
-                    "(default: the config's)")
-    ap.add_argument("--l2-prefetch", default="", help="comma-separated TailConfig.l2_prefetch (units), each checked "
-                    "and timed (default: the config's)")
-    ap.add_argument("--dynamic", default="", help="comma-separated TailConfig.dynamic (0 / 1), each checked and timed "
-                    "(default: the config's)")
-    ap.add_argument("--stages", default="", help="comma-separated TailConfig.stages, each checked and timed "
-                    "(default: the config's)")
+    for field in CONFIG_LISTS:
+        ap.add_argument(f"--{field.replace('_', '-')}", default="", help=f"comma-separated TailConfig.{field} "
+                        "values (integers; dynamic 0 / 1), each checked and timed (default: the config's)")
     ap.add_argument("--parts", action="store_true", help="also time the three kernels' parts: o alone, gate_up + down "
                     "(the baseline of a persistent MLP-only kernel)")
     ap.add_argument("--timeline", type=int, default=0, help="calls of the kernel with TailConfig.timeline: per-CTA "
@@ -172,21 +169,13 @@ def main() -> int:
     floor = nbytes / read_ceiling_bps() * 1e6
     print(f"shape {args.shape}: Kq {kq} D {d} F {f}, {nbytes / 1e6:.1f} MB of INT4 weights per layer, "
           f"floor {floor:.2f} us; {jax.devices()[0].device_kind}", flush=True)
-    opt = lambda v: int(v) if v else None  # noqa: E731
-    combos = [(int(c), int(q), opt(h), opt(st), opt(pf), opt(dy))
-              for c in args.ctas_per_sm.split(",") for q in args.k_groups.split(",") for h in args.hand_bufs.split(",")
-              for st in args.stages.split(",") for pf in args.l2_prefetch.split(",") for dy in args.dynamic.split(",")]
-    for cps, kgs, hb, st, pf, dy in combos:
+    lists = [[int(v) for v in getattr(args, f).split(",")] if getattr(args, f) else [None] for f in CONFIG_LISTS]
+    combos = [(int(c), int(q), dict(zip(CONFIG_LISTS, vals))) for c in args.ctas_per_sm.split(",")
+              for q in args.k_groups.split(",") for vals in itertools.product(*lists)]
+    for cps, kgs, overrides in combos:
         for m in (int(v) for v in args.ms.split(",")):
             cfg = tm.default_tail_config(kq, d, f, 32, m, ctas_per_sm=cps, k_groups=kgs)
-            if hb:
-                cfg = cfg.replace(hand_bufs=hb)
-            if st:
-                cfg = cfg.replace(stages=st)
-            if pf is not None:
-                cfg = cfg.replace(l2_prefetch=pf)
-            if dy is not None:
-                cfg = cfg.replace(dynamic=bool(dy))
+            cfg = cfg.replace(**{f: type(getattr(cfg, f))(v) for f, v in overrides.items() if v is not None})
             if args.chunks:
                 cfg = cfg.replace(chunks=tuple(int(v) for v in args.chunks.split(",")))
             kx = jax.random.fold_in(key, 100 * m + cps)
