@@ -82,7 +82,9 @@ WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
 MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the hand-off buffers are plain [64, M_pad] tiles)
 TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
 MAX_STAGES = 8
-QUEUE = 16  # `TailConfig.dynamic`'s queue entries (units ahead of the slowest reader: ring steps / k steps a unit + hand_bufs)
+# `TailConfig.dynamic`'s queue entries: the units the producer may be ahead of its slowest reader (its ring's
+# steps over a unit's k steps, plus the finisher's hand_bufs), with room to spare
+QUEUE = 16
 TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream")
 N_FULL = 2 * WGS + 1  # copies landing on a stage's barrier: codes + records per row tile, the x tile
 # `TailConfig.timeline`'s columns: the CTA's SM, then the time at each mark (finisher: start, end of each linear's
@@ -409,6 +411,14 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         u = first + j * ctas
         return u // chunks[p], lax.rem(u, chunks[p]), i
 
+    def tiles_of(p, pair):  # the pair's two row tiles (gate_up: gate j, up j)
+        return [pair + t * (f // 64) if p == 1 else pair * WGS + t for t in range(WGS)]
+
+    def weight_refs(p, row, k0, steps):  # row tile `row`'s code words and records of k columns k0 .. + steps KT
+        _, w_ref, s_ref, _, _ = lin[p]
+        return (w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, steps * KT // lay.KB))],
+                s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, steps * KT // c))])
+
     uq = r["uq"] if cfg.dynamic else None  # TailConfig.dynamic's queue: int32 [QUEUE], -1 ends a linear
 
     def read_entry(n):  # a consumer or the finisher: queue entry n (its producer wrote it), then release it
@@ -439,23 +449,16 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             issue_w_at(p, *unit_of(p, first, t), slot)
 
         def issue_w_at(p, pair, ch, i, slot):  # step i of unit (pair, ch): both row tiles' codes and records
-            _, w_ref, s_ref, _, _ = lin[p]
-            k0 = (ch * per[p] + i) * KT
-            for cw in range(WGS):  # gate_up: gate tile j, up tile j + F/64; else tiles 2 pair + cw
-                row = pair + cw * (f // 64) if p == 1 else pair * WGS + cw
-                plgpu.copy_gmem_to_smem(w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, KT // lay.KB))],
-                                        w_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
-                plgpu.copy_gmem_to_smem(s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, KT // c))],
-                                        sz_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
+            for cw, row in enumerate(tiles_of(p, pair)):
+                codes, records = weight_refs(p, row, (ch * per[p] + i) * KT, 1)
+                plgpu.copy_gmem_to_smem(codes, w_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
+                plgpu.copy_gmem_to_smem(records, sz_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
 
         def prefetch_unit(j, carry, p, first):  # TailConfig.l2_prefetch: unit j's weights into the L2
-            _, w_ref, s_ref, _, _ = lin[p]
             pair, ch, _ = unit_of(p, first, j * per[p])
-            k0 = ch * per[p] * KT
-            for cw in range(WGS):
-                row = pair + cw * (f // 64) if p == 1 else pair * WGS + cw
-                _prefetch_l2(w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, per[p] * KT // lay.KB))])
-                _prefetch_l2(s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, per[p] * KT // c))])
+            for row in tiles_of(p, pair):
+                for ref in weight_refs(p, row, ch * per[p] * KT, per[p]):
+                    _prefetch_l2(ref)
             return carry
 
         def issue_x(p, first, t, slot):
@@ -474,6 +477,15 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 plgpu.barrier_wait(empty.at[slot])
 
             return slot
+
+        def pass_flag(p, before_spin=lambda: None):
+            """Wait until every CTA has finished linear p - 1 (its x for linear p written)."""
+            if interpret:
+                plgpu.barrier_wait(r["phase_bar"].at[0])
+            elif waits[p - 1]:
+                before_spin()
+                _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
+            mark(f"prod_flag{p - 1}")
 
         def push(p, n, k):
             """TailConfig.dynamic: queue entry n = linear p's next unit for this CTA (the counter's next value; in
@@ -529,11 +541,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 n0, cnt_pre = n_pushed, cnt
                 st = produce(p, False, stages, (jnp.int32(0), n_pushed, cnt, jnp.int32(0), jnp.bool_(False)))
                 if p > 0:
-                    if interpret:
-                        plgpu.barrier_wait(r["phase_bar"].at[0])
-                    elif waits[p - 1]:
-                        _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
-                    mark(f"prod_flag{p - 1}")
+                    pass_flag(p)
 
                 def dyn_x(t, carry, p=p, n0=n0, cnt_pre=cnt_pre):
                     u = uq[lax.rem(n0 + t // per[p], QUEUE)]
@@ -555,15 +563,13 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             cnt_pre = cnt
             cnt = lax.fori_loop(0, ahead, pre_w, cnt)
             if p > 0:  # x of linear p: written by every CTA's finisher in linear p - 1
-                if interpret:
-                    plgpu.barrier_wait(r["phase_bar"].at[0])
-                elif waits[p - 1]:
-                    if cfg.l2_prefetch:  # the units after those the ring holds: their bytes load during the wait
+                def prefetch(p=p, first=first, count=count, ahead=ahead):  # the units after those the ring holds
+                    if cfg.l2_prefetch:
                         j0 = ahead // per[p]
                         lax.fori_loop(j0, jnp.minimum(count, j0 + cfg.l2_prefetch),
                                       functools.partial(prefetch_unit, p=p, first=first), 0)
-                    _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
-                mark(f"prod_flag{p - 1}")
+
+                pass_flag(p, prefetch)
 
             def pre_x(t, carry, p=p, first=first, cnt_pre=cnt_pre):
                 issue_x(p, first, t, lax.rem(cnt_pre + t, stages))
@@ -674,9 +680,6 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
     def bf16(v):
         return v.astype(jnp.bfloat16).astype(jnp.float32)
-
-    def tiles_of(p, pair):  # the pair's two row tiles (gate_up: gate j, up j)
-        return [pair + t * (f // 64) if p == 1 else pair * WGS + t for t in range(WGS)]
 
     def epilogue_loads(p, pair):
         """What the pair's epilogue reads that no other unit of this linear writes: issued before the

@@ -151,8 +151,8 @@ def main() -> int:
                     "phase times, the slowest CTAs' SMs, and whether the same CTAs are slow in every phase and call")
     ap.add_argument("--chunks", default="", help="o,gate_up,down K chunks instead of the default's (e.g. 4,2,4)")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dump", default="", help="directory: Mosaic GPU's ptxas report and SASS of every kernel compiled; "
-                    "the ptxas lines (registers, spills) printed after the first check")
+    ap.add_argument("--dump", default="", help="directory: Mosaic GPU's ptxas report and SASS of every kernel "
+                    "compiled; the ptxas lines (registers, spills) printed after the first check")
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
     if args.dump:  # read by Mosaic GPU when it compiles (nothing has compiled yet)
@@ -215,8 +215,8 @@ def main() -> int:
                 timed.append(("gate_up + down", jax.jit(  # x1 = the chained input, x the residual's stand-in
                     lambda a, x, layer: mg.int4_matmul_mgpu(mg.int4_matmul_mgpu(
                         a, wgu, layer=layer, norm_weight=gw, swiglu=True), wd, layer=layer, residual=a))))
-                floors = {"o kernel alone": part_bytes[0], "gate_up + down": part_bytes[1] + part_bytes[2]}
-                floors = {k: v / read_ceiling_bps() * 1e6 for k, v in floors.items()}
+                floors = {label: b / read_ceiling_bps() * 1e6 for label, b in
+                          (("o kernel alone", part_bytes[0]), ("gate_up + down", part_bytes[1] + part_bytes[2]))}
             for diag in filter(None, args.diags.split(",")):
                 timed.append((f"tail, diag {diag}", jax.jit(
                     lambda a, x, layer, cfg=cfg.replace(diag=diag): tm.int4_layer_tail_mgpu(
