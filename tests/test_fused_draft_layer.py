@@ -23,6 +23,8 @@ from qspec_jax.bench import synthetic
 from qspec_jax.config import ModelConfig
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
+pytestmark = pytest.mark.usefixtures("reuse_interpreter_programs")  # conftest: GPU interpret mode, faster
+
 _spec = importlib.util.spec_from_file_location("subproc", Path(__file__).parent / "helpers" / "subproc.py")
 subproc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(subproc)
