@@ -41,9 +41,10 @@ HERE = Path(__file__).parent
 subproc = _load("subproc", HERE / "helpers" / "subproc.py")
 base = _load("w4a16_mgpu_tests", HERE / "test_w4a16_mgpu.py")  # shared helpers (weights, x, swizzle image)
 _qweight, _x, _rel = base._qweight, base._x, base._rel
-pytestmark = pytest.mark.usefixtures("reuse_interpreter_programs")  # conftest: GPU interpret mode, faster
 _swizzled_x_image, _rows_are_independent, LLAMA, SMOL = (base._swizzled_x_image, base._rows_are_independent,
                                                           base.LLAMA, base.SMOL)
+
+pytestmark = pytest.mark.usefixtures("reuse_interpreter_programs")  # conftest: GPU interpret mode, faster
 
 
 def _child(fn: str, *args) -> None:
