@@ -115,7 +115,8 @@ class MgpuConfig:
     # lazy softmax reference). None: $QSPEC_MGPU_SCHEDULE, else DEFAULT_SCHEDULE.
     schedule: str | None = None
     ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
-    # "ws" timing diagnostics: "stream", "stream_planes", "noprep" (wrong results), "and_or"
+    # "ws" timing diagnostics (wrong results): "stream", "stream_planes", "stream_noring", "noring", "noprep",
+    # "scores_only", "no_values"; "and_or" (right results); see `mosaic_gpu_ws._WsStatic.diag`
     ws_diag: str | None = None
     # "ws": issue a block's value MMA, then the next block's K conversion and score MMA, before
     # waiting (software-pipelined consumers); False: one block after the other. Same bits.

@@ -131,8 +131,11 @@ class _WsStatic:
     fp_dtype: Any
     regs: tuple[int, int, int]
     # timing diagnostics: "stream" (TMA + barriers only), "stream_planes" (the same without the
-    # four scale/zero copies per block) and "noprep" give wrong results; "and_or"
-    # (right results) converts codes with and + or, two LOP3s per word where the default has one
+    # four scale/zero copies per block), "stream_noring" (the stream without any pair's FP ring),
+    # "noring" (the whole kernel without it), "noprep" (no q s_k / bias), "scores_only" (a consumer
+    # converts K and runs the score MMA, then releases the block) and "no_values" (everything but the
+    # value MMA and its V conversion) give wrong results; "and_or" (right results) converts codes
+    # with and + or, two LOP3s per word where the default has one
     diag: str | None = None
     pipeline: bool = True  # software-pipelined consumers (`values_then_scores`)
     # consumer and prep loops unrolled over their slots (`unrolled`); off by default: H100
@@ -499,7 +502,8 @@ def _build_ws(st: _WsStatic):
     # barrier waits sit inside XLA:CPU callbacks, and on a 2-core machine the CPU runtime's
     # worker pool starves: the TMA warpgroup never ran, with or without async dispatch.)
     seq = st.interpret
-    stream_only = st.diag in ("stream", "stream_planes")
+    stream_only = st.diag in ("stream", "stream_planes", "stream_noring")
+    no_ring = st.diag in ("noring", "stream_noring")  # timing diagnostics: every pair's ring left out
     SLOTS = st.seq_slots if seq else S
     RSLOTS = st.seq_ring_slots if seq else NRB
     QP = qp_rows(D, G)
@@ -621,6 +625,8 @@ def _build_ws(st: _WsStatic):
                 # (tile k goes to consumer (k + ring_owner) % 2).
                 ring_owner = jnp.where(lax.rem(n, NC) == 0, 0, NC - 1)
                 j_out, last = p, False
+            if no_ring:
+                nrt = i32(0)
             min_pos = meta_ref[b, 2]
             if st.window is not None:  # blocks before every row's window: exact no-ops, skipped
                 first = div(jnp.maximum(min_pos - st.window + 1, 0), G)
@@ -1086,11 +1092,18 @@ def _build_ws(st: _WsStatic):
                         plgpu.barrier_arrive(consumed.at[slot])
                         return carry
                     a_k = k_tiles(slot)
-                    return finish_block(i, slot, carry, scores(a_k, qs_refs(slot)))
+                    s_all = scores(a_k, qs_refs(slot))
+                    if st.diag == "scores_only":  # timing diagnostic: the scores kept (one add), nothing after
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return ms, ls, tuple(y + s_all[c] for c, y in enumerate(ys)), os_
+                    return finish_block(i, slot, carry, s_all)
 
                 def finish_block(i, slot, carry, s_all):
                     """Block i (in `slot`) from its scores on: softmax, P, value MMA, release."""
                     ms, ls, ys, os_ = softmax_p(i, slot, s_all, *carry)
+                    if st.diag == "no_values":  # timing diagnostic: no value MMA (nor its V conversion)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        return ms, ls, ys, os_
                     new_os = values(os_, v_tiles(slot), p_ref(slot), av_s)
                     plgpu.barrier_arrive(consumed.at[slot])
                     return ms, ls, ys, new_os

@@ -14,6 +14,8 @@
 #   thread / lane 0 of each warp / thread 0 of each warpgroup, and the flag's own cost without the wait
 #   (w4a16_persistent_probe.py --no-wait; nineteenth session, Next 1)
 #   STAGES="tail": the persistent layer-tail kernel checked and timed with its diagnostics (check_tail.py)
+#   STAGES="smoldump attrib ringfix": SmolLM2 batch 32's draft attention: its SASS, its time by consumer part and
+#   the FP ring's share of its stream (twenty-third session); STAGES="hlo": what the profile's glue fusions compute
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -158,6 +160,41 @@ for stage in ${STAGES:-probe smol 8b}; do
         --nps ${CONS_TOKENS:-0,0~3,0%8,0-p%8} --views draft --layouts uniform --check-tokens 2>&1 | grep -v "^W[0-9]" \
         | tee $L/consumers_b1_128k.log | grep -v "^|"
       echo "== consumers done ($(( $(date +%s) - T0 )) s)";;
+    smoldump)  # the SmolLM2 balanced draft kernel's SASS (batch 32, T 1; tools/sass_loops.py reads it)
+      timeout ${DUMP_LIMIT:-150} python3 tools/device/mgpu_dump.py $OUT/sass_smollm2 --shape smollm2 --flat --batch 32 \
+        --cases draft:1 2>&1 | grep -v "^W[0-9]" > $L/dump_smollm2.log
+      grep -E "^== .*instructions|spill|registers" $L/dump_smollm2.log | head -4
+      echo "== smoldump done ($(( $(date +%s) - T0 )) s)";;
+    attrib)  # SmolLM2 batch 32's draft kernel alone (trace) by consumer part: the stream, K + score MMA only,
+      # everything but the value MMA, no prep work, the whole kernel (ws_diag; wrong results but the last)
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
+        --contexts ${AT_CTXS:-8192,32768} --batches 32 --no-torch --time-ts 5 --trace-dir $OUT/tr --time-impls mosaic \
+        --mgpu-configs "${AT_CONFIGS:-default;ws_diag=stream;ws_diag=scores_only;ws_diag=no_values;ws_diag=noprep}" \
+        2>&1 | grep -v "^W[0-9]" > $L/time_attrib_smollm2_b32.log
+      grep -E "^  time .*draft" $L/time_attrib_smollm2_b32.log; rm -rf $OUT/tr
+      echo "== attrib done ($(( $(date +%s) - T0 )) s)";;
+    hlo)  # what the glue kernels of the profile are: the 8B AR loop / verify at batch 1, 4k and SmolLM2's draft at
+      # batch 32 (XLA dump of each program, then tools/device/hlo_fusions.py on the glue names its profile lists)
+      glue() { grep -oE "\[glue\] [A-Za-z_0-9.]+" $L/profile_$1.log | awk '{print $2}' | sort -u | paste -sd, -; }
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_8b --xla_dump_hlo_as_text" prof 8b_b1_4k_hlo --batch 1 \
+        --contexts 4096 --programs ar_loop,verify --verify-t 5
+      python3 tools/device/hlo_fusions.py /tmp/hlo_8b --has dense_decode --lines 30 --names $(glue 8b_b1_4k_hlo) \
+        > $L/hlo_8b_ar_glue.txt 2>&1
+      python3 tools/device/hlo_fusions.py /tmp/hlo_8b --has quantspec_target --lines 30 --names $(glue 8b_b1_4k_hlo) \
+        > $L/hlo_8b_verify_glue.txt 2>&1
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_smol --xla_dump_hlo_as_text" prof smollm2_b32_hlo --shape smollm2 \
+        --batch 32 --contexts 8192 --ragged --programs draft
+      python3 tools/device/hlo_fusions.py /tmp/hlo_smol --has quantspec_draft --lines 30 --names $(glue smollm2_b32_hlo) \
+        > $L/hlo_smollm2_b32_draft_glue.txt 2>&1
+      wc -c $L/hlo_*.txt; rm -rf /tmp/hlo_8b /tmp/hlo_smol
+      echo "== hlo done ($(( $(date +%s) - T0 )) s)";;
+    ringfix)  # the ~8 us fixed part of SmolLM2's stream: the stream with / without the FP ring by row length
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
+        --contexts ${RF_CTXS:-1024,8192,32768} --batches 32 --no-torch --time-ts 5 --trace-dir $OUT/tr --time-impls mosaic \
+        --mgpu-configs "ws_diag=stream;ws_diag=stream_noring;default;ws_diag=noring" 2>&1 | grep -v "^W[0-9]" \
+        > $L/time_ring_smollm2_b32.log
+      grep -E "^  time .*draft" $L/time_ring_smollm2_b32.log; rm -rf $OUT/tr
+      echo "== ringfix done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

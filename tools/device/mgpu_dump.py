@@ -1,14 +1,15 @@
 """Dump and summarize what the compiler emitted for the Mosaic GPU decode-attention kernels.
 
     PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR [--schedule legacy|ws] [--cases draft:1,target:5] [--flat]
-        [--batch B] [--live 0|1] [--regs C/P/T] [--diag D] [--pipeline 0|1]
+        [--batch B] [--live 0|1] [--regs C/P/T] [--diag D] [--pipeline 0|1] [--shape smollm2]
 
 Compiles the INT4 draft (T=1) and INT8 target (T=5) kernels (or --cases) at the Llama-3-8B shape
 with MOSAIC_GPU_DUMP_TO set, without running them, then prints per kernel: ptxas registers/spills
 and the count of each SASS opcode (HGMMA present? PRMT/LOP3 per converted word? LDS/STS, SHFL,
 BAR, MUFU). Copies the SASS of the kernels to OUT_DIR. --live 0|1 sets MgpuConfig.ws_live_cols for every
 case, --regs / --diag / --pipeline its ws_regs / ws_diag / ws_pipeline (docs/kernel_notes.md, fourteenth and
-fifteenth sessions: ptxas's C7511 with and without the live columns).
+fifteenth sessions: ptxas's C7511 with and without the live columns); --shape smollm2 the
+real model's heads (9 q, 3 KV, D 64) instead of the 8B's.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ import jax.numpy as jnp  # noqa: E402
 
 def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5", consumers: int | None = None,
          preps: int | None = None, flat: bool = False, batch: int = 1, live: int | None = None,
-         regs: tuple[int, int, int] | None = None, diag: str | None = None, pipeline: bool | None = None) -> int:
+         regs: tuple[int, int, int] | None = None, diag: str | None = None, pipeline: bool | None = None,
+         shape: str = "llama3-8b") -> int:
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.bench.synthetic import random_quant_cache
     from qspec_jax.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=8, hidden_size=4096, intermediate_size=8, num_layers=1, num_heads=32,
-                      num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    hq, hkv, d = (9, 3, 64) if shape == "smollm2" else (32, 8, 128)
+    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
+                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
     cache = random_quant_cache(cfg, batch, 8192, jax.random.PRNGKey(0), layers=1)
     conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps, ws_flat=flat or None,
                          ws_live_cols=None if live is None else bool(live), ws_regs=regs, ws_diag=diag,
@@ -45,7 +48,7 @@ def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target
     for case in cases.split(","):
         view, t = case.split(":")
         t = int(t)
-        q = jnp.ones((batch, t, 32, 128), jnp.bfloat16)
+        q = jnp.ones((batch, t, hq, d), jnp.bfloat16)
         qp = (cache.q_len + cache.fp_len)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
         jax.jit(lambda q, p, c, v=view: mg.quantized_decode_attention_mgpu(q, p, c, 0, view=v, config=conf)).lower(
             q, qp, cache).compile()
@@ -92,7 +95,8 @@ if __name__ == "__main__":
     ap.add_argument("--regs", default=None, help="MgpuConfig.ws_regs as C/P/T, e.g. 216/56/24")
     ap.add_argument("--diag", default=None, help="MgpuConfig.ws_diag (e.g. and_or)")
     ap.add_argument("--pipeline", type=int, choices=(0, 1), default=None, help="MgpuConfig.ws_pipeline")
+    ap.add_argument("--shape", choices=("llama3-8b", "smollm2"), default="llama3-8b")
     a = ap.parse_args()
     sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers, a.preps, a.flat, a.batch, a.live,
                   None if a.regs is None else tuple(int(x) for x in a.regs.split("/")), a.diag,
-                  None if a.pipeline is None else bool(a.pipeline)))
+                  None if a.pipeline is None else bool(a.pipeline), a.shape))
