@@ -104,19 +104,24 @@ def fusion_enabled() -> bool:
 
 
 def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bool = False,
-            residual: bool = False) -> bool:
+            residual: bool = False, head_dim: int | None = None, max_rows: int | None = None) -> bool:
     """Whether `linear(x, w, norm=..., swiglu=..., residual=...)` runs that glue inside the INT4
     kernel for `rows` activation rows: an INT4 weight in the Hopper layout (W4A16Packed, which
     `to_kernel_layout` makes only for bf16 models), the Mosaic kernel (impl "auto"/"pallas"/
     "mosaic" on Hopper, or "interpret", its CPU twin), at most `auto_fused_rows` of that glue
-    (24 rows with the norm or SiLU·up, 64 for a residual alone: where fusing measured faster), and
-    `fusion_enabled()`. The decision depends on the row count, which for the draft (T = 1) is
-    the batch: never on T."""
+    (24 rows with the norm or SiLU·up, 64 for a residual alone: where fusing measured faster; the norm
+    and SiLU·up up to `fused_norm_rows(head_dim)` in a model of that head dim), or `max_rows` where
+    given, and `fusion_enabled()`. The decision depends on the row count, which for the draft
+    (T = 1) is the batch: never on T."""
     from pallas_kernels.linear.layout import W4A16Packed
     from pallas_kernels.linear.mosaic_gpu import Epilogue, auto_fused_rows
 
     inner = w.weight if isinstance(w, StackedLayer) else w
     limit = auto_fused_rows(Epilogue(norm=norm, swiglu=swiglu, residual=residual))
+    if norm or swiglu:
+        limit = fused_norm_rows(head_dim)
+    if max_rows is not None:
+        limit = max_rows
     if not isinstance(inner, W4A16Packed) or rows > limit or not fusion_enabled():
         return False
     if int4_impl == "interpret":
@@ -135,20 +140,37 @@ QKV_CACHE_ENV = "QSPEC_QKV_CACHE"  # the draft's q|k|v into the cache in one ker
 QKV_CACHE_DEFAULT_HEAD_DIMS = (64, 128)
 
 
-def qkv_cache_fusable(w: Any, int4_impl: str, rows: int, head_dim: int) -> bool:
-    """Whether `qkv_into_cache` runs for the draft's fused q|k|v weight `w` at `rows` batch rows:
-    where its norm fuses (`fusable(norm=True)`) and the kernel takes the heads (128 channels: one
-    per CTA of two warpgroups; 64, SmolLM2's: one per warpgroup), for QSPEC_QKV_CACHE "1" (the
-    default) the heads of QKV_CACHE_DEFAULT_HEAD_DIMS, for "all" every head dim the kernel takes,
-    for "0" none."""
+def _qkv_cache_dims() -> tuple[int, ...]:
+    """The head dims QSPEC_QKV_CACHE runs `qkv_into_cache` for: "1" (the default)
+    QKV_CACHE_DEFAULT_HEAD_DIMS, "all" every head dim the kernel takes, "0" none."""
     from pallas_kernels.linear.mosaic_gpu import QKV_HEAD_DIMS
 
     mode = os.environ.get(QKV_CACHE_ENV, "1")
     modes = {"0": (), "1": QKV_CACHE_DEFAULT_HEAD_DIMS, "all": QKV_HEAD_DIMS}
     if mode not in modes:
         raise ValueError(f"{QKV_CACHE_ENV}={mode!r}: expected one of {', '.join(modes)}")
-    dims = modes[mode]
-    return head_dim in dims and fusable(w, int4_impl, rows, norm=True)
+    return modes[mode]
+
+
+def fused_norm_rows(head_dim: int | None = None) -> int:
+    """Rows up to which the draft layer runs its norms (and SiLU·up) inside its INT4 kernels in a
+    model of `head_dim`: `mosaic_gpu.AUTO_FUSED_M` (24), or more where `qkv_into_cache` runs for
+    that head dim at more rows (`mosaic_gpu.QKV_CACHE_FUSED_M`, QSPEC_QKV_CACHE): that kernel needs
+    the attention norm inside it, and with it the whole layer's fusion measured faster (SmolLM2
+    at batch 32: 32 rows). From the geometry and the environment only, never from T."""
+    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M, QKV_CACHE_FUSED_M
+
+    if head_dim is not None and head_dim in _qkv_cache_dims():
+        return max(AUTO_FUSED_M, QKV_CACHE_FUSED_M.get(head_dim, AUTO_FUSED_M))
+    return AUTO_FUSED_M
+
+
+def qkv_cache_fusable(w: Any, int4_impl: str, rows: int, head_dim: int) -> bool:
+    """Whether `qkv_into_cache` runs for the draft's fused q|k|v weight `w` at `rows` batch rows:
+    where the kernel takes the heads (128 channels: one per CTA of two warpgroups, up to 24 rows;
+    64, SmolLM2's: one per warpgroup, up to `mosaic_gpu.QKV_CACHE_FUSED_M` rows), QSPEC_QKV_CACHE
+    enables their head dim (`_qkv_cache_dims`) and its norm fuses (`fusable(norm=True)`)."""
+    return head_dim in _qkv_cache_dims() and fusable(w, int4_impl, rows, norm=True, head_dim=head_dim)
 
 
 def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Array, Array]:
@@ -241,9 +263,11 @@ def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any
                 swiglu: bool, residual: Array | None) -> Array:
     rows = int(np.prod(x.shape[:-1]))
     glue = dict(norm=norm is not None, swiglu=swiglu, residual=residual is not None)
-    if not fusable(w, impl, rows, **glue):
+    from pallas_kernels.linear.mosaic_gpu import MAX_FUSED_M
+
+    if not fusable(w, impl, rows, max_rows=MAX_FUSED_M, **glue):  # (the row policy is the caller's: `fusable`)
         raise ValueError(f"fused glue {glue} needs an INT4 weight in the Hopper layout on the Mosaic kernel, at most "
-                         f"auto_fused_rows of that glue and {FUSE_ENV} not 0 (linear.fusable); got "
+                         f"{MAX_FUSED_M} rows and {FUSE_ENV} not 0 (linear.fusable); got "
                          f"{type(w).__name__}, {impl!r}, {rows} rows")
     from pallas_kernels.linear import int4_linear
 

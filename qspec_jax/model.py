@@ -417,13 +417,16 @@ def _draft_fusion(params: Params, rows: int) -> LayerFusion:
     """The glue `decode` runs inside each layer's INT4 kernels (`linear.fusable`: the draft on
     Hopper; QSPEC_W4A16_FUSE=0 turns it off): the residual adds in the o and down kernels, and
     the attention norm in the qkv kernel, the MLP norm and SiLU(gate)·up in the gate_up kernel,
-    each where its kernels fuse `rows` = B x T rows (the norm up to 24, the residual up to 64)."""
+    each where its kernels fuse `rows` = B x T rows (the norm up to 24, or up to 32 where the q|k|v
+    into the cache kernel runs there: `linear.fused_norm_rows`; the residual up to 64)."""
     lp, cfg = params.layers, params.config
     ws = (lp.wqkv, lp.wo, lp.w_gate_up, lp.w_down)
     if (params.mesh is not None and params.mesh.size > 1) or any(w is None for w in ws):
         return LayerFusion()
     ok = functools.partial(fusable, int4_impl=cfg.int4_matmul_impl, rows=rows)
-    return LayerFusion(norm=ok(lp.wqkv, norm=True) and ok(lp.w_gate_up, norm=True, swiglu=True),
+    norm = (ok(lp.wqkv, norm=True, head_dim=cfg.head_dim)
+            and ok(lp.w_gate_up, norm=True, swiglu=True, head_dim=cfg.head_dim))
+    return LayerFusion(norm=norm,
                        residual=ok(lp.wo, residual=True) and ok(lp.w_down, residual=True))
 
 

@@ -165,20 +165,13 @@ def test_target_path_is_unchanged(monkeypatch):
     np.testing.assert_array_equal(out["0"], out["1"])
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monkeypatch, head_dim):
-    """With heads the qkv kernel takes (`linear.qkv_cache_fusable`; q|k|v 2 + 1 + 1 heads of 128
-    channels, or of SmolLM2's 64) the draft's decode runs by default norm, q|k|v
-    product, RoPE, the attention's query operand and the ring writes in one kernel
-    (`linear.qkv_into_cache`, here through its reference), the operand riding in the layer loop's
-    carry: the same logits and rings as the unfused layer (QSPEC_QKV_CACHE=0) up to the bf16
-    roundings the fusion moves, and the ring slots the unfused path leaves alone untouched. The
-    attention is the model's reference, handed the operand turned back into queries."""
+@pytest.fixture
+def qkv_reference(monkeypatch):
+    """The draft's q|k|v-into-the-cache kernel through its reference (its backends recorded), and
+    the model's reference attention handed the query operand the kernel writes, turned back into
+    queries (the operands recorded): ([backend of each call], [operand of each call])."""
     from pallas_kernels.decode_attention import mosaic_gpu as mgd
 
-    cfg = CFG.replace(num_heads=2, num_kv_heads=1, head_dim=head_dim)
-    params = M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
-    draft = M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
     qkv_calls, operands = [], []
     real_qkv = plinear.int4_qkv_cache
 
@@ -200,6 +193,27 @@ def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monke
     monkeypatch.setattr(M, "cache_attention", attention)
     monkeypatch.setattr(M, "query_operand_shape", lambda q, cache, view, impl: mgd.query_operand_shape(
         q.shape, cache.k_hi.shape[2]))
+    return qkv_calls, operands
+
+
+def _head_dim_draft(head_dim: int):
+    """A draft of CFG with q|k|v 2 + 1 + 1 heads of `head_dim` channels."""
+    cfg = CFG.replace(num_heads=2, num_kv_heads=1, head_dim=head_dim)
+    params = M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    return cfg, M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, qkv_reference, monkeypatch, head_dim):
+    """With heads the qkv kernel takes (`linear.qkv_cache_fusable`; q|k|v 2 + 1 + 1 heads of 128
+    channels, or of SmolLM2's 64) the draft's decode runs by default norm, q|k|v
+    product, RoPE, the attention's query operand and the ring writes in one kernel
+    (`linear.qkv_into_cache`, here through its reference), the operand riding in the layer loop's
+    carry: the same logits and rings as the unfused layer (QSPEC_QKV_CACHE=0) up to the bf16
+    roundings the fusion moves, and the ring slots the unfused path leaves alone untouched. The
+    attention is the model's reference, handed the operand turned back into queries."""
+    cfg, draft = _head_dim_draft(head_dim)
+    qkv_calls, operands = qkv_reference
     cache = synthetic.random_quant_cache(cfg, 3, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
     toks = jnp.asarray([[3], [4], [5]], jnp.int32)
     monkeypatch.delenv(qlinear.QKV_CACHE_ENV, raising=False)  # the default ("1") fuses both head dims
@@ -222,3 +236,32 @@ def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, monke
         keep[:, rows, :, slots] = False
         np.testing.assert_array_equal(a[keep], orig[keep])
     np.testing.assert_array_equal(np.asarray(on_cache.fp_len), np.asarray(off_cache.fp_len))
+
+
+def test_norm_rows_follow_the_qkv_cache_kernel(reference_kernels, qkv_reference, monkeypatch):
+    """Above 24 rows the draft keeps its norms (and SiLU·up) inside its INT4 kernels only where the
+    q|k|v-into-the-cache kernel runs at that many rows (`linear.fused_norm_rows`,
+    `mosaic_gpu.QKV_CACHE_FUSED_M`): head dim 64 (SmolLM2's) up to 32 rows while QSPEC_QKV_CACHE
+    enables it; head dim 128, whose warpgroups' exchange stops at 24 rows, and the others at 24. A
+    head-dim-64 draft decoding 32 rows runs the whole fused layer: q|k|v into the cache, gate_up
+    with norm and SiLU·up, o and down with the residual."""
+    monkeypatch.setenv(qlinear.FUSE_ENV, "1")
+    monkeypatch.delenv(qlinear.QKV_CACHE_ENV, raising=False)
+    (cfg, d64), (_, d128) = _head_dim_draft(64), _head_dim_draft(128)
+    full, res = M.LayerFusion(norm=True, residual=True), M.LayerFusion(residual=True)
+    assert M._draft_fusion(d64, 32) == full and M._draft_fusion(d64, 33) == res
+    assert M._draft_fusion(d128, 24) == full and M._draft_fusion(d128, 25) == res
+    assert qlinear.qkv_cache_fusable(d64.layers.wqkv, "interpret", 32, 64)
+    assert not qlinear.qkv_cache_fusable(d64.layers.wqkv, "interpret", 33, 64)
+    assert not qlinear.qkv_cache_fusable(d128.layers.wqkv, "interpret", 25, 128)
+    monkeypatch.setenv(qlinear.QKV_CACHE_ENV, "0")
+    assert M._draft_fusion(d64, 24) == full and M._draft_fusion(d64, 25) == res
+    monkeypatch.delenv(qlinear.QKV_CACHE_ENV)
+    qkv_calls, operands = qkv_reference
+    b = 32
+    cache = synthetic.random_quant_cache(cfg, b, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
+    toks = jnp.arange(b, dtype=jnp.int32)[:, None] + 3
+    logits = jax.jit(lambda c: M.decode(d64, toks, c, view="draft")[0])(cache)
+    assert qkv_calls == ["interpret"] and len(operands) == 1 and operands[0].shape[0] == b
+    assert reference_kernels == [(False, False, True), (True, True, False), (False, False, True)]  # o, gate_up, down
+    assert logits.shape == (b, 1, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()

@@ -498,6 +498,10 @@ def test_qkv_epilogue_bad_inputs_raise():
         mg.int4_qkv_cache_mgpu(x, lay.pack_quantized(_qweight(5, (2,), 128, 320, 32)), **kw)
     with pytest.raises(ValueError, match="k_ring"):  # a head dim the epilogue does not take
         mg.int4_qkv_cache_mgpu(x, p, **{**kw, "k_ring": kr[..., :96], "v_ring": vr[..., :96]})
+    p32, x32, gw32, pos32, slots32, qb32, kr32, vr32 = _qkv_case(4, 25, 2, 1, ring=64)  # 25 rows: M_pad 32 > 24
+    with pytest.raises(ValueError, match="at most 24 rows"):
+        mg.int4_qkv_cache_mgpu(x32, p32, layer=0, rope=mg.rope_table(pos32, _inv_freq()), slots=slots32, q_buf=qb32,
+                               k_ring=kr32, v_ring=vr32, norm_weight=gw32, interpret=True)
     p, x, gw, pos, slots, qb, kr, vr = _qkv_case(3, 2, 2, 1, dh=64)
     kw.update(rope=mg.rope_table(pos, _inv_freq(dh=64)), slots=slots, q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=gw)
     with pytest.raises(ValueError, match="64-channel heads needs wgs=1 or 2"):

@@ -149,6 +149,15 @@ PLAIN_EXCHANGE_MP = 24  # M_pad up to which [64, M_pad] float32 tiles go through
 # measured slower in the speculative loop (docs/kernel_notes.md).
 AUTO_FUSED_M = 24  # epilogues with the norm or SiLU·up
 AUTO_RESIDUAL_M = MAX_FUSED_M  # a residual add alone
+# Rows up to which the draft's q|k|v-into-the-cache kernel (`int4_qkv_cache_mgpu`, with the norm it needs, and then
+# gate_up's norm and SiLU·up too: `qspec_jax.linear.fused_norm_rows`) runs by default, per head dim where it is more
+# than AUTO_FUSED_M. 64 (SmolLM2's, a head per warpgroup): checked on the H200 at 32 rows (tools/device/
+# qkv_cache_gpu.py --batches 32: kernel against its reference, deterministic, other ring slots bitwise; the model's
+# draft step against the unfused one), and there the whole layer's fusion pays: SmolLM2 shape, batch 32, draft step
+# 2.124 -> 1.990 ms (466 -> 228 launches), QuantSpec loop 3.398 -> 3.035 ms per token (2026-11-30, docs/kernel_notes.md,
+# twenty-third session). 128 (two warpgroups per head) stays at PLAIN_EXCHANGE_MP: its halves' exchange does not lower
+# above it (`_qkv_geometry`).
+QKV_CACHE_FUSED_M = {64: 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1709,6 +1718,10 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
         raise ValueError(f"k_ring, v_ring must both be [L, B, Hkv, R, D] with D in {QKV_HEAD_DIMS}; got "
                          f"{k_ring.shape}, {v_ring.shape}")
     n_layers, b, hkv, ring, dh = k_ring.shape
+    if dh == QKV_HEAD_DIM and rows_for(m) > PLAIN_EXCHANGE_MP:
+        raise ValueError(f"x has {m} rows: with head dim {dh} the qkv epilogue's two warpgroups exchange a head's halves "
+                         f"through shared memory untransformed, at most {PLAIN_EXCHANGE_MP} rows (above, Mosaic GPU "
+                         f"finds no bank-conflict-free transfer; H200, 2026-11-30)")
     if n % dh or n // dh <= 2 * hkv:
         raise ValueError(f"N={n} must be q | k | v heads of {dh} channels with {hkv} KV heads each for k and v")
     hq = n // dh - 2 * hkv
@@ -1825,7 +1838,7 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
 
 
-__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_HEAD_DIM", "QKV_HEAD_DIMS", "Epilogue",
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "QKV_CACHE_FUSED_M", "MAX_FUSED_M", "MAX_M", "QKV_HEAD_DIM", "QKV_HEAD_DIMS", "Epilogue",
            "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu", "default_config", "epilogue_reference",
            "int4_matmul_mgpu", "int4_qkv_cache_mgpu", "interpret_params", "qkv_cache_reference", "rope_table",
            "rows_for", "tuned_config"]
