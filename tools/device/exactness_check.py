@@ -1,8 +1,8 @@
 """GPU check that greedy speculative decoding emits the target's own autoregressive tokens with
 bit-identical logits, through the GPU's kernels (Mosaic attention and W4A16, cuBLAS), on an
-8B-shaped model with random weights and fewer layers (not in CI; the CPU tests cover the logic).
+8B-shaped model (or SmolLM2-shaped: --shape smollm2) with random weights and fewer layers (not in CI; the CPU tests cover the logic).
 
-    PYTHONPATH=. python3 tools/device/exactness_check.py [--layers 4] [--prompt 3000] [--new 96]
+    PYTHONPATH=. python3 tools/device/exactness_check.py [--layers 4] [--prompt 3000] [--new 96] [--shape smollm2]
 
 AR runs at the verify width (GenerationConfig(width=gamma_max + 1)) over the same INT8 cache
 geometry; prompts of different lengths in one batch; the run crosses flushes. Prints one line
@@ -36,10 +36,14 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--batches", default="1,3")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--shape", choices=("llama3-8b", "smollm2"), default="llama3-8b")
     args = ap.parse_args(argv)
     if args.prompt < 2 or args.new < 1 or args.layers < 1:
         ap.error(f"--prompt >= 2, --new >= 1 and --layers >= 1; got {args.prompt}, {args.new}, {args.layers}")
-    cfg = LLAMA31_8B.replace(num_layers=args.layers, max_position_embeddings=65536)
+    from qspec_jax.bench.prefill import SMOLLM2
+
+    base = SMOLLM2 if args.shape == "smollm2" else LLAMA31_8B
+    cfg = base.replace(num_layers=args.layers, max_position_embeddings=65536)
     params = jax.jit(lambda k: M.init_random_params(cfg, k, scale=0.05))(jax.random.PRNGKey(0))
     model = Model(config=cfg, params=params)
     # The INT4 draft (clipped round-to-nearest: no calibration text needed for random weights), in

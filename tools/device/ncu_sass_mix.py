@@ -2,7 +2,11 @@
 (`ncu -i REP --page source --print-source sass --csv`, e.g. the `*_src.csv` of
 tools/device/ncu_w4a16_fused.sh or ncu_attention.sh): what a kernel spends its issue slots on.
 
-    python3 tools/device/ncu_sass_mix.py [--top 22] FILE.csv[.gz] ...
+    python3 tools/device/ncu_sass_mix.py [--top 22] [--loops 0.02] FILE.csv[.gz] ...
+
+--loops F: instead, every loop of the listing (a backward branch's range, as tools/sass_loops.py finds them)
+holding at least the fraction F of the stall samples: its length, HGMMA count, warp-instructions executed,
+samples, and its top stall reasons (which loop of a warp-specialized kernel, consumer / prep / TMA, waits on what).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import collections
 import csv
 import gzip
+import re
 import sys
 
 
@@ -39,12 +44,64 @@ def mix(path: str) -> tuple[str, collections.Counter, collections.Counter]:
     return name, inst, samples
 
 
+def _num(x: str) -> int:
+    x = x.replace(",", "")
+    return int(x) if x.isdigit() else 0
+
+
+def loops(path: str, min_frac: float) -> list[str]:
+    """One line per loop of the source page with at least `min_frac` of the stall samples (see --loops)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        rows = list(csv.reader(f))
+    hdr = next(i for i, r in enumerate(rows) if "Instructions Executed" in r)
+    cols = rows[hdr]
+    stall = [c for c in cols if c.startswith("stall_")]
+    ins = []  # (address, source, executed, samples, {stall reason: samples})
+    for r in rows[hdr + 1:]:
+        if len(r) < len(cols):
+            continue
+        try:
+            addr = int(r[0], 16)
+        except ValueError:
+            continue
+        d = dict(zip(cols, r))
+        ins.append((addr, d["Source"], _num(d["Instructions Executed"]),
+                    _num(d["Warp Stall Sampling (All Samples)"]), {c: _num(d[c]) for c in stall}))
+    index = {a: i for i, (a, *_) in enumerate(ins)}
+    spans = set()
+    for i, (a, src, *_) in enumerate(ins):
+        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", src)
+        if m and int(m.group(1), 16) <= a and int(m.group(1), 16) in index:
+            spans.add((index[int(m.group(1), 16)], i))
+    total = max(1, sum(x[3] for x in ins))
+    out = []
+    for s, e in sorted(spans):
+        seg = ins[s:e + 1]
+        smp = sum(x[3] for x in seg)
+        if smp < min_frac * total:
+            continue
+        reasons = collections.Counter()
+        for x in seg:
+            reasons.update(x[4])
+        hg = sum("HGMMA" in x[1] for x in seg)
+        out.append(f"  loop {ins[s][0]:#x}-{ins[e][0]:#x}: {e - s + 1} instructions, HGMMA {hg}, executed "
+                   f"{sum(x[2] for x in seg)}, samples {smp} ({100 * smp / total:.1f}%): "
+                   + ", ".join(f"{k[6:]} {v}" for k, v in reasons.most_common(7)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--loops", type=float, default=None, help="per loop, those with this fraction of the samples")
     args = ap.parse_args(argv)
     for path in args.files:
+        if args.loops is not None:
+            print(f"== {path}: loops with >= {100 * args.loops:.0f}% of the stall samples")
+            print("\n".join(loops(path, args.loops)))
+            continue
         try:
             name, inst, samples = mix(path)
         except (OSError, StopIteration, ValueError) as e:
