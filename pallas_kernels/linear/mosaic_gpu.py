@@ -1719,9 +1719,9 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
                          f"{k_ring.shape}, {v_ring.shape}")
     n_layers, b, hkv, ring, dh = k_ring.shape
     if dh == QKV_HEAD_DIM and rows_for(m) > PLAIN_EXCHANGE_MP:
-        raise ValueError(f"x has {m} rows: with head dim {dh} the qkv epilogue's two warpgroups exchange a head's halves "
-                         f"through shared memory untransformed, at most {PLAIN_EXCHANGE_MP} rows (above, Mosaic GPU "
-                         f"finds no bank-conflict-free transfer; H200, 2026-11-30)")
+        raise ValueError(f"x has {m} rows: with head dim {dh} the qkv epilogue's two warpgroups exchange a head's "
+                         f"halves through shared memory untransformed, at most {PLAIN_EXCHANGE_MP} rows (above, "
+                         f"Mosaic GPU finds no bank-conflict-free transfer; H200, 2026-11-30)")
     if n % dh or n // dh <= 2 * hkv:
         raise ValueError(f"N={n} must be q | k | v heads of {dh} channels with {hkv} KV heads each for k and v")
     hq = n // dh - 2 * hkv
@@ -1838,7 +1838,7 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
 
 
-__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "QKV_CACHE_FUSED_M", "MAX_FUSED_M", "MAX_M", "QKV_HEAD_DIM", "QKV_HEAD_DIMS", "Epilogue",
-           "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu", "default_config", "epilogue_reference",
-           "int4_matmul_mgpu", "int4_qkv_cache_mgpu", "interpret_params", "qkv_cache_reference", "rope_table",
-           "rows_for", "tuned_config"]
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_CACHE_FUSED_M", "QKV_HEAD_DIM",
+           "QKV_HEAD_DIMS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu",
+           "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu", "interpret_params",
+           "qkv_cache_reference", "rope_table", "rows_for", "tuned_config"]

@@ -2,7 +2,8 @@
 bit-identical logits, through the GPU's kernels (Mosaic attention and W4A16, cuBLAS), on an
 8B-shaped model (or SmolLM2-shaped: --shape smollm2) with random weights and fewer layers (not in CI; the CPU tests cover the logic).
 
-    PYTHONPATH=. python3 tools/device/exactness_check.py [--layers 4] [--prompt 3000] [--new 96] [--shape smollm2]
+    PYTHONPATH=. python3 tools/device/exactness_check.py [--layers 4] [--prompt 3000] [--new 96]
+        [--batches 1,3] [--shape smollm2]
 
 AR runs at the verify width (GenerationConfig(width=gamma_max + 1)) over the same INT8 cache
 geometry; prompts of different lengths in one batch; the run crosses flushes. Prints one line
