@@ -32,6 +32,13 @@ prof() {  # tag, then qspec-bench profile arguments
   rm -rf $OUT/p_$tag/traces
   echo "== $tag done ($(( $(date +%s) - T0 )) s)"
 }
+smoltime() {  # tag, contexts, MgpuConfig variants: SmolLM2 batch 32 attention kernels alone (trace), draft rows shown
+  timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
+    --contexts $2 --batches 32 --no-torch --time-ts 5 --trace-dir $OUT/tr --time-impls mosaic --mgpu-configs "$3" 2>&1 \
+    | grep -v "^W[0-9]" > $L/time_$1_smollm2_b32.log
+  grep -E "^  time .*draft" $L/time_$1_smollm2_b32.log; rm -rf $OUT/tr
+  echo "== $1 done ($(( $(date +%s) - T0 )) s)"
+}
 for stage in ${STAGES:-probe smol 8b}; do
   case $stage in
     probe)
@@ -167,12 +174,8 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== smoldump done ($(( $(date +%s) - T0 )) s)";;
     attrib)  # SmolLM2 batch 32's draft kernel alone (trace) by consumer part: the stream, K + score MMA only,
       # everything but the value MMA, no prep work, the whole kernel (ws_diag; wrong results but the last)
-      timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
-        --contexts ${AT_CTXS:-8192,32768} --batches 32 --no-torch --time-ts 5 --trace-dir $OUT/tr --time-impls mosaic \
-        --mgpu-configs "${AT_CONFIGS:-default;ws_diag=stream;ws_diag=scores_only;ws_diag=no_values;ws_diag=noprep}" \
-        2>&1 | grep -v "^W[0-9]" > $L/time_attrib_smollm2_b32.log
-      grep -E "^  time .*draft" $L/time_attrib_smollm2_b32.log; rm -rf $OUT/tr
-      echo "== attrib done ($(( $(date +%s) - T0 )) s)";;
+      smoltime attrib "${AT_CTXS:-8192,32768}" \
+        "${AT_CONFIGS:-default;ws_diag=stream;ws_diag=scores_only;ws_diag=no_values;ws_diag=noprep}";;
     hlo)  # what the glue kernels of the profile are: the 8B AR loop / verify at batch 1, 4k and SmolLM2's draft at
       # batch 32 (XLA dump of each program, then tools/device/hlo_fusions.py on the glue names its profile lists)
       glue() { grep -oE "\[glue\] [A-Za-z_0-9.]+" $L/profile_$1.log | awk '{print $2}' | sort -u | paste -sd, -; }
@@ -189,12 +192,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       wc -c $L/hlo_*.txt; rm -rf /tmp/hlo_8b /tmp/hlo_smol
       echo "== hlo done ($(( $(date +%s) - T0 )) s)";;
     ringfix)  # the ~8 us fixed part of SmolLM2's stream: the stream with / without the FP ring by row length
-      timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
-        --contexts ${RF_CTXS:-1024,8192,32768} --batches 32 --no-torch --time-ts 5 --trace-dir $OUT/tr --time-impls mosaic \
-        --mgpu-configs "ws_diag=stream;ws_diag=stream_noring;default;ws_diag=noring" 2>&1 | grep -v "^W[0-9]" \
-        > $L/time_ring_smollm2_b32.log
-      grep -E "^  time .*draft" $L/time_ring_smollm2_b32.log; rm -rf $OUT/tr
-      echo "== ringfix done ($(( $(date +%s) - T0 )) s)";;
+      smoltime ring "${RF_CTXS:-1024,8192,32768}" "ws_diag=stream;ws_diag=stream_noring;default;ws_diag=noring";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

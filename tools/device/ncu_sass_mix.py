@@ -15,7 +15,6 @@ import argparse
 import collections
 import csv
 import gzip
-import re
 import sys
 
 
@@ -44,6 +43,18 @@ def mix(path: str) -> tuple[str, collections.Counter, collections.Counter]:
     return name, inst, samples
 
 
+def _sass_loops():
+    """tools/sass_loops.py (its backward-branch loop finder), loaded by path: tools/ is not a package."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "sass_loops", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sass_loops.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _num(x: str) -> int:
     x = x.replace(",", "")
     return int(x) if x.isdigit() else 0
@@ -68,15 +79,10 @@ def loops(path: str, min_frac: float) -> list[str]:
         d = dict(zip(cols, r))
         ins.append((addr, d["Source"], _num(d["Instructions Executed"]),
                     _num(d["Warp Stall Sampling (All Samples)"]), {c: _num(d[c]) for c in stall}))
-    index = {a: i for i, (a, *_) in enumerate(ins)}
-    spans = set()
-    for i, (a, src, *_) in enumerate(ins):
-        m = re.search(r"BRA\s.*?(0x[0-9a-f]+)", src)
-        if m and int(m.group(1), 16) <= a and int(m.group(1), 16) in index:
-            spans.add((index[int(m.group(1), 16)], i))
+    spans = sorted(set(_sass_loops().loops([(a, src) for a, src, *_ in ins])))
     total = max(1, sum(x[3] for x in ins))
     out = []
-    for s, e in sorted(spans):
+    for s, e in spans:
         seg = ins[s:e + 1]
         smp = sum(x[3] for x in seg)
         if smp < min_frac * total:
