@@ -18,13 +18,25 @@ import gzip
 import sys
 
 
-def mix(path: str) -> tuple[str, collections.Counter, collections.Counter]:
-    """(kernel name, warp-instructions by opcode, stall samples by opcode) of one source page."""
+def sections(path: str) -> list[tuple[str, list[list[str]]]]:
+    """The kernels of one source page, in order: (kernel name, its rows from its column header on). A page of
+    a report with several launches holds one "Kernel Name" block per launch; each is counted on its own."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", newline="") as f:
         rows = list(csv.reader(f))
-    name = rows[0][1] if rows and len(rows[0]) > 1 else "?"
-    hdr = next(i for i, r in enumerate(rows) if "Instructions Executed" in r)
+    starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] or [0]
+    out = []
+    for a, b in zip(starts, [*starts[1:], len(rows)]):
+        part = rows[a:b]
+        name = part[0][1] if part and part[0] and part[0][0] == "Kernel Name" and len(part[0]) > 1 else "?"
+        hdr = next(i for i, r in enumerate(part) if "Instructions Executed" in r)
+        out.append((name, part[hdr:]))
+    return out
+
+
+def mix(rows: list[list[str]]) -> tuple[collections.Counter, collections.Counter]:
+    """(warp-instructions by opcode, stall samples by opcode) of one kernel's rows (`sections`)."""
+    hdr = 0
     cols = rows[hdr]
     ie, src, smp = (cols.index(c) for c in ("Instructions Executed", "Source", "Warp Stall Sampling (All Samples)"))
     inst, samples = collections.Counter(), collections.Counter()
@@ -40,7 +52,7 @@ def mix(path: str) -> tuple[str, collections.Counter, collections.Counter]:
             samples[op.split(".")[0]] += int(r[smp].replace(",", ""))
         except ValueError:
             continue
-    return name, inst, samples
+    return inst, samples
 
 
 def _sass_loops():
@@ -60,12 +72,10 @@ def _num(x: str) -> int:
     return int(x) if x.isdigit() else 0
 
 
-def loops(path: str, min_frac: float) -> list[str]:
-    """One line per loop of the source page with at least `min_frac` of the stall samples (see --loops)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
-        rows = list(csv.reader(f))
-    hdr = next(i for i, r in enumerate(rows) if "Instructions Executed" in r)
+def loops(rows: list[list[str]], min_frac: float) -> list[str]:
+    """One line per loop of one kernel's rows (`sections`) with at least `min_frac` of its stall samples
+    (see --loops)."""
+    hdr = 0
     cols = rows[hdr]
     stall = [c for c in cols if c.startswith("stall_")]
     ins = []  # (address, source, executed, samples, {stall reason: samples})
@@ -104,19 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loops", type=float, default=None, help="per loop, those with this fraction of the samples")
     args = ap.parse_args(argv)
     for path in args.files:
-        if args.loops is not None:
-            print(f"== {path}: loops with >= {100 * args.loops:.0f}% of the stall samples")
-            print("\n".join(loops(path, args.loops)))
-            continue
         try:
-            name, inst, samples = mix(path)
+            kernels = sections(path)
         except (OSError, StopIteration, ValueError) as e:
             print(f"== {path}: not an ncu source page ({type(e).__name__}: {e})")
             continue
-        n, s = sum(inst.values()), sum(samples.values())
-        print(f"== {path}: {name}: {n} warp-instructions, {s} stall samples")
-        for op, c in inst.most_common(args.top):
-            print(f"  {op:10s} {c:11d} {100 * c / max(n, 1):5.1f}%   samples {100 * samples[op] / max(s, 1):5.1f}%")
+        for name, rows in kernels:
+            if args.loops is not None:
+                print(f"== {path}: {name}: loops with >= {100 * args.loops:.0f}% of the stall samples")
+                print("\n".join(loops(rows, args.loops)))
+                continue
+            inst, samples = mix(rows)
+            n, s = sum(inst.values()), sum(samples.values())
+            print(f"== {path}: {name}: {n} warp-instructions, {s} stall samples")
+            for op, c in inst.most_common(args.top):
+                print(f"  {op:10s} {c:11d} {100 * c / max(n, 1):5.1f}%   samples {100 * samples[op] / max(s, 1):5.1f}%")
     return 0
 
 
