@@ -262,6 +262,52 @@ def test_norm_threads_cover_every_pair_once():
         mg.norm_row_lanes(512)
 
 
+def test_consumer_row_sums_cover_every_column_once():
+    """The consumers' x^2 sums (`norm_in_consumers`): the columns `fragment_sum_plan` gives a lane's
+    chain are what its `ldmatrix.x4` registers hold in the TMA image of the stage's x tile (register
+    t of the load for steps j, j + 1: matrix t, addressed by lane 8 t + row), the four lanes of a quad
+    cover each column of their row exactly once (lo and hi of each pair), and the lanes each thread
+    takes its two accumulator columns 2 (lane % 4) + e from hold exactly those activation rows."""
+    for kt, mp in ((64, 8), (128, 16), (256, 24)):
+        x = np.asarray(_x(kt + mp, mp, kt))
+        img = _swizzled_x_image(x, kt)
+        for ct in range(mp // 8):
+            for row in range(8):
+                seen = []
+                for lane in range(4 * row, 4 * row + 4):
+                    r, cols, _ = mg.fragment_sum_plan(lane, kt)
+                    assert r == row
+                    seen += [c for c0 in cols for c in (c0, c0 + 1)]
+                    for i, c0 in enumerate(cols):  # i = 8 kb + 4 (j // 2) + t
+                        kb, j, t = i // 8, 2 * ((i % 8) // 4), i % 4
+                        off = mg.x_fragment_offset(ct, kb, j, 8 * t + row, kt) + 4 * (lane % 4)
+                        assert img[off:off + 4].tobytes() == x[8 * ct + row, c0:c0 + 2].tobytes(), (kt, lane, i)
+                assert sorted(seen) == list(range(kt)), (kt, row)
+    for lane in range(32):
+        for e, src in enumerate(mg.fragment_sum_plan(lane, 64)[2]):
+            assert 0 <= src < 32 and mg.fragment_sum_plan(src, 64)[0] == 2 * (lane % 4) + e
+
+
+def test_norm_runs_in_the_consumers_for_small_k(monkeypatch):
+    """`norm_in_consumers`: the "mma" variant on the GPU with the norm, one split, one k group and K up to
+    CONSUMER_NORM_MAX_K (SmolLM2's 576); the 8B's K 4096, split or grouped sums, the other variants,
+    interpret mode and QSPEC_W4A16_NORM_PASS=1 keep the producer's pass; a bad switch value is refused."""
+    norm = mg.Epilogue(norm=True)
+    on = dict(epi=norm, kind="int4", variant="mma", interpret=False, k=576, splits=1, k_groups=1)
+    monkeypatch.delenv("QSPEC_W4A16_NORM_PASS", raising=False)
+    assert mg.norm_in_consumers(**on)
+    assert mg.norm_in_consumers(**{**on, "epi": mg.Epilogue(norm=True, swiglu=True)})
+    assert mg.norm_in_consumers(**{**on, "k": mg.CONSUMER_NORM_MAX_K})
+    for off in (dict(k=4096), dict(splits=2), dict(k_groups=2), dict(interpret=True), dict(variant="wgmma"),
+                dict(variant="smem"), dict(kind="bf16"), dict(epi=mg.Epilogue(residual=True))):
+        assert not mg.norm_in_consumers(**{**on, **off}), off
+    monkeypatch.setenv("QSPEC_W4A16_NORM_PASS", "1")
+    assert not mg.norm_in_consumers(**on)
+    monkeypatch.setenv("QSPEC_W4A16_NORM_PASS", "yes")
+    with pytest.raises(ValueError, match="QSPEC_W4A16_NORM_PASS"):
+        mg.norm_in_consumers(**on)
+
+
 def test_default_config_honours_the_epilogue():
     for k, n in LLAMA[:4] + SMOL[:4]:
         for epi in (mg.Epilogue(norm=True), mg.Epilogue(norm=True, swiglu=True), mg.Epilogue(residual=True)):
@@ -363,11 +409,12 @@ print("ALL OK", n_ok, jax.__version__)
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on PATH")
 def test_fused_inline_ptx_assembles():
     """The producer's inline PTX (the norm stage's loads, predicated stores, product and x^2
-    partials, first and later; the finish's shuffles and predicated stores) assembles for sm_90a, each block in a kernel of its own."""
+    partials, first and later; the finish's shuffles and predicated stores) and the consumers' row-sum
+    shuffle (`_fragment_row_sums`) assemble for sm_90a, each block in a kernel of its own."""
     blocks = [(mg._LD_B32_ASM, "=r,r"), (mg._LD_F32_IF_ASM, "=f,r,r"), (mg._ST_B32_IF_ASM, "r,r,r"),
               (mg._ST_F32_IF_ASM, "r,f,r"), (mg._MUL_BF16X2_ASM, "=r,r,r"), (mg._SQ_FIRST_ASM, "=f,r"),
               (mg._SQ_NEXT_ASM, "=f,r,f"), (mg._SHFL_ASM.format(16), "=f,f"), (mg._LD_F32_ASM, "=f,r"), (mg._ST_LANE0_ASM, "r,f,r"),
-              (mg._ST_F32_ASM, "r,f")]
+              (mg._ST_F32_ASM, "r,f"), (mg._SHFL_IDX_ASM, "=f,f,r")]
     body, regs = [], {"r": 0, "f": 0}
     for asm, cons in blocks:
         subs = []

@@ -38,7 +38,8 @@ co-schedule and no XLA kernel; checked bit for bit against "gmem" on the H100): 
 the data. The orders are the same, so all three give the same bits.
 
 Fused glue (issue 32, `Epilogue`; `epilogue_reference` is its math): the INT4 kernel can fold an
-RMSNorm of x into the product (the producer warpgroup scales each landed x tile and sums x^2),
+RMSNorm of x into the product (the producer warpgroup scales each landed x tile and sums x^2, or,
+for small K, the consumers do it in their activation fragments: `norm_in_consumers`),
 return SiLU(gate)·up of a gate | up weight (warpgroups 0 and 1 of a CTA pair the halves), and add
 a residual in its store: the draft layer's glue without XLA kernels between the linears. The q|k|v
 product can also RoPE its heads and write them where the decode attention reads them
@@ -114,7 +115,8 @@ class MgpuConfig:
     # draft step measured 3.25 ms with it and 3.17 ms without (docs/kernel_notes.md). Never in
     # interpret mode.
     pdl: bool = False
-    # Fused norm: steps the producer's norm pass runs ahead of the consumers (at most stages - 1).
+    # Fused norm: steps the producer's norm pass runs ahead of the consumers (at most stages - 1; no pass
+    # where the consumers run the norm, `norm_in_consumers`).
     # 1: step j + 1 is normalized while the consumers work on step j, so the pass sits on their
     # path once per step (SmolLM2 at M 32: consumers waiting 10x as often as without the norm,
     # Nsight Compute 2026-11-27); more leaves the TMA fewer steps of slack. Being measured.
@@ -169,6 +171,9 @@ class Epilogue:
       the accumulator is scaled by r = rsqrt(sum x^2 / K + eps) before anything else:
       out = r (bf16(x g) W). A row's sum has a fixed order (per thread over its stage pairs, a
       warp butterfly, then warps 0 + 1 + 2 + 3; split-K ranks in rank order), independent of M.
+      Where `norm_in_consumers` (the "mma" variant, K <= CONSUMER_NORM_MAX_K) the consumers scale
+      their B fragments (the same bf16(x g)) and sum x^2 from them in another fixed order
+      (`fragment_sum_plan`), also independent of M.
     * `swiglu`: the weight holds gate | up column halves (N = 2F): warpgroup 0 of CTA j computes
       gate columns [64 j, 64 j + 64), warpgroup 1 the same up columns, and out [M, F] =
       silu(gate) up in float32 (silu(a) = a / (1 + exp(-a))), rounded once.
@@ -617,7 +622,36 @@ def mma_chain_plan(kt: int, chains: int) -> list[int]:
     return [s % chains for s in range(kt // 16)]
 
 
-def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
+# Weights of K up to this run the fused norm in the consumers (`norm_in_consumers`). Measured at SmolLM2's K 576
+# (H200, 2026-11-30, draft step at batch 32, rows 4k-8k: q|k|v into the cache 258.6 -> 224.2 us per step, gate_up
+# with SiLU·up 261.6 -> 242.9, INT4 linears 0.843 -> 0.791 ms; docs/kernel_notes.md, twenty-fourth session); the
+# 8B's K 4096 keeps the pass (consumer-side scaling alone slowed its gate_up 9% at M 1).
+CONSUMER_NORM_MAX_K = 1024
+
+
+def norm_in_consumers(epi: "Epilogue", kind: str, variant: str, interpret: bool, k: int, splits: int,
+                      k_groups: int) -> bool:
+    """Whether the fused norm runs in the consumer warpgroups (`mma_stage(..., norm=True)`) rather than in
+    the producer's per-stage pass and finish (`_norm_stage`, `_norm_finish`). The consumers scale their
+    `ldmatrix` B registers by g (`mul.rn.bf16x2`: the product the pass stores) and sum the raw x^2 from the
+    same registers (each thread a chain over its pair of every 8-column chunk, then a butterfly over the
+    lane quad that shares a row, `_fragment_row_sums`); x and g land straight on the consumers' barrier and
+    the producer only issues TMA. Why: at SmolLM2's K 576 (9 stages of 64 columns) the producer's 9
+    passes and its finish ran in series and the consumers waited on them (s_qkv at M 32: 4.90 us plain,
+    7.62 with the norm, Nsight Compute, H200, 2026-11-30; scaling in the fragments alone did not help: the
+    pass and finish stayed). Where: the "mma" variant on the GPU, one split and one k group (the sum is the
+    whole row's), and K <= CONSUMER_NORM_MAX_K: the added consumer work is per k block, and at the 8B's K
+    4096, M 1 the consumers are issue-bound (the fragment scaling alone cost gate_up 9% there). Chosen by
+    (K, splits, k groups), never by M: a row's sum is the same chain at every M. QSPEC_W4A16_NORM_PASS=1
+    keeps the producer's pass (A/B runs)."""
+    env = os.environ.get("QSPEC_W4A16_NORM_PASS", "0")
+    if env not in ("0", "1"):
+        raise ValueError(f"QSPEC_W4A16_NORM_PASS={env!r}; expected 0 or 1")
+    return (bool(epi.norm) and kind == "int4" and variant == "mma" and not interpret and splits == 1
+            and k_groups == 1 and k <= CONSUMER_NORM_MAX_K and env == "0")
+
+
+def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -632,18 +666,32 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
     "mma_raw" loads + MMAs on the raw code words (no dequantization).
 
     `chains` (`MgpuConfig.mma_chains`): k16 step s = 4 kb + j of the stage accumulates into chain
-    s % chains; chain 0 starts from `acc`, the others from zero, summed in chain order at the end."""
+    s % chains; chain 0 starts from `acc`, the others from zero, summed in chain order at the end.
+
+    `norm` (`norm_in_consumers`): two more operands, g_ref bf16 [KT] (the stage's norm weights) and
+    ssq float32 [64, M_pad] (WGMMA layout: register (ct, h 0, element 0) of each thread is its running
+    x^2 chain for activation row 8 ct + lane // 4, the other registers unused), and the function
+    returns (acc, ssq). Register t of the x4 load for k16 steps j, j + 1 holds 16-byte chunk 2 j + t of
+    the row, pair lane % 4 (`x_fragment_offset`): its x^2 goes into the chain (lo^2 then hi^2, chunks in
+    k order) and the register becomes bf16(x g) with (g[k], g[k + 1]) before the MMAs."""
     g = group_size
     nkb = kt // lay.KB
     nct = mp // 8
     plan = mma_chain_plan(kt, chains)
     x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    acc_ty = plgpu.ShapeDtypeStruct((lay.ROWS, mp), jnp.float32, layout=plgpu.Layout.WGMMA)
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms=x_tf), plgpu.Layout.WGMMA),
-        return_type=plgpu.ShapeDtypeStruct((lay.ROWS, mp), jnp.float32, layout=plgpu.Layout.WGMMA))
-    def fn(ctx, w_ref, sz_ref, x_ref, acc):
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms=x_tf),
+                   *((plgpu.RefType(),) if norm else ()), plgpu.Layout.WGMMA,
+                   *((plgpu.Layout.WGMMA,) if norm else ())),
+        return_type=(acc_ty, acc_ty) if norm else acc_ty)
+    def fn(ctx, w_ref, sz_ref, x_ref, *rest):
         del ctx
+        if norm:
+            g_ref, acc, ssq = rest
+        else:
+            (acc,) = rest
         ir, arith, llvm, mgpu, fa, mu = _mgpu_modules()
         i32 = ir.IntegerType.get_signless(32)
         f32 = ir.F32Type.get()
@@ -661,6 +709,15 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
         x_lane = {j: arith.addi(lane_row, arith.muli(arith.andi(arith.xori(qr, mu.c(2 * j, i32)),
                                                                  mu.c(7, i32)), mu.c(16, i32)))
                   for j in (0, 2)}
+        # norm: g pair (g[k], g[k + 1]) of chunk c of k block kb at byte kb 128 + 16 c + 4 (lane % 4)
+        g_base = (arith.addi(_smem_addr(g_ref), arith.muli(arith.remui(lane, mu.c(4, i32)), mu.c(4, i32)))
+                  if norm else None)
+        sq = {}  # norm: ct -> this thread's x^2 chain
+        if norm:
+            for ct in range(nct):
+                idx = [0] * ssq.registers.ndim
+                idx[1] = ct
+                sq[ct] = llvm.extractelement(ssq.registers[tuple(idx)], arith.constant(i32, 0))
         # accumulator registers: [0, ct, 0, 0, h, 0, 0, 0, 0] = (row g + 8 h, cols 2c, 2c + 1)
         regs_in = acc.registers
         cur = {}
@@ -692,12 +749,20 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
                 return scales[(i, e)]
 
             b_frag: dict[tuple[int, int], tuple[Any, Any]] = {}
+            g_pair = ([llvm.inline_asm(i32, [arith.addi(g_base, mu.c(kb * 128 + 16 * c, i32))], _LD_B32_ASM,
+                                       "=r,r", has_side_effects=True) for c in range(8)] if norm else None)
             for ct in range(nct):
                 for j in (0, 2):
                     addr = arith.addi(x_base, arith.addi(x_lane[j], mu.c(x_tile_offset(ct, kb, kt), i32)))
                     res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [addr], _LDMATRIX_ASM,
                                           "=r,=r,=r,=r,r", has_side_effects=True)
                     b = [llvm.extractvalue(i32, res, [t]) for t in range(4)]
+                    if norm:  # chunk 2 j + t: x^2 into the chain, then bf16(x g)
+                        for t in range(4):
+                            sq[ct] = llvm.inline_asm(f32, [b[t], sq[ct]], _SQ_NEXT_ASM, "=f,r,f",
+                                                     has_side_effects=False)
+                        b = [llvm.inline_asm(i32, [b[t], g_pair[2 * j + t]], _MUL_BF16X2_ASM, "=r,r,r",
+                                             has_side_effects=False) for t in range(4)]
                     b_frag[(ct, j)], b_frag[(ct, j + 1)] = (b[0], b[1]), (b[2], b[3])
             if diag == "load":
                 for v in (*words, *recs, *(b for bb in b_frag.values() for b in bb)):
@@ -728,17 +793,77 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int):
         c_acc = c_acc[0]
         if diag in ("load", "convert"):
             c_acc[0][0] = arith.addf(c_acc[0][0], arith.bitcast(f32, sink))
-        regs = np.empty(regs_in.shape, dtype=object)
-        vec_ty = ir.VectorType.get((2,), f32)
-        for ct in range(nct):
-            for h in range(2):
-                idx = [0] * regs.ndim
-                idx[1], idx[4] = ct, h
-                v = llvm.mlir_undef(vec_ty)
-                for e in range(2):
-                    v = llvm.insertelement(v, c_acc[ct][2 * h + e], arith.constant(i32, e))
-                regs[tuple(idx)] = v
-        return fa.FragmentedArray(_registers=regs, _layout=acc.layout, _is_signed=None)
+        out = _wgmma_array(regs_in.shape, acc.layout, lambda ct, h, e: c_acc[ct][2 * h + e])
+        if not norm:
+            return out
+        return out, _wgmma_array(regs_in.shape, ssq.layout, lambda ct, h, e: sq[ct] if (h, e) == (0, 0) else zero)
+
+    return fn
+
+
+def _wgmma_array(shape: tuple[int, ...], layout: Any, value: Any) -> Any:
+    """A float32 [64, M_pad] FragmentedArray of the WGMMA layout (register array `shape`) from
+    value(ct, h, e): register [0, ct, 0, 0, h, 0, ...] element e, i.e. (row lane // 4 + 8 h of the
+    warp's 16, column 8 ct + 2 (lane % 4) + e)."""
+    ir, arith, llvm, _, fa, _ = _mgpu_modules()
+    i32 = ir.IntegerType.get_signless(32)
+    vec_ty = ir.VectorType.get((2,), ir.F32Type.get())
+    regs = np.empty(shape, dtype=object)
+    for ct in range(shape[1]):
+        for h in range(2):
+            idx = [0] * len(shape)
+            idx[1], idx[4] = ct, h
+            v = llvm.mlir_undef(vec_ty)
+            for e in range(2):
+                v = llvm.insertelement(v, value(ct, h, e), arith.constant(i32, e))
+            regs[tuple(idx)] = v
+    return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+
+_SHFL_IDX_ASM = "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;"  # float32 of lane $2
+
+
+def fragment_sum_plan(lane: int, kt: int) -> tuple[int, list[int], list[int]]:
+    """The consumers' x^2 sums (`mma_stage(..., norm=True)`, `_fragment_row_sums`, which compute the
+    same in MLIR), for lane `lane` of a warp and one n tile: (the activation row within the tile whose
+    chain the lane holds, the k columns of one stage its chain adds, in order, as the first of each
+    bf16 pair (lo^2 then hi^2), the lanes whose summed chains give its two accumulator columns
+    2 (lane % 4) + e). The `ldmatrix.x4` for k16 steps j, j + 1 of k block kb gives register t the
+    pair at column 64 kb + 8 (2 j + t) + 2 (lane % 4) of row lane // 4 (`x_fragment_offset`)."""
+    cols = [lay.KB * kb + 8 * (2 * j + t) + 2 * (lane % 4) for kb in range(kt // lay.KB) for j in (0, 2)
+            for t in range(4)]
+    return lane // 4, cols, [8 * (lane % 4) + 4 * e for e in range(2)]
+
+
+def _fragment_row_sums(mp: int):
+    """inline_mgpu function, a consumer warpgroup after its main loop (`norm_in_consumers`): ssq (the
+    chains of `mma_stage(..., norm=True)`) -> ss float32 [64, M_pad], WGMMA layout, every row the same:
+    ss[., c] = the sum of x[c, :]^2. Per n tile: chain + its partner's over lanes ^ 1, then ^ 2 (the
+    lane quad sharing activation row 8 ct + lane // 4; every lane of the quad ends with the same bits:
+    float addition is commutative), then each thread takes the sums of its accumulator columns 8 ct +
+    2 (lane % 4) + e from a lane of quad 2 (lane % 4) + e. Warp-local: no barrier, no shared memory."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct((lay.ROWS, mp), jnp.float32, layout=plgpu.Layout.WGMMA))
+    def fn(ctx, ssq):
+        del ctx
+        ir, arith, llvm, _, _, mu = _mgpu_modules()
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        lane = arith.remui(mu.thread_idx(), mu.c(32, i32))
+        # fragment_sum_plan's source lanes: 8 (lane % 4) + 4 e, a lane of quad 2 (lane % 4) + e
+        quad = arith.muli(arith.remui(lane, mu.c(4, i32)), mu.c(8, i32))
+        src = [quad, arith.addi(quad, mu.c(4, i32))]
+        shfl = lambda v, text, *a: llvm.inline_asm(f32, [v, *a], text, "=f,f" + ",r" * len(a),  # noqa: E731
+                                                   has_side_effects=True)
+        cols = {}  # ct -> the sums of this thread's two accumulator columns
+        for ct in range(mp // 8):
+            idx = [0] * ssq.registers.ndim
+            idx[1] = ct
+            v = llvm.extractelement(ssq.registers[tuple(idx)], arith.constant(i32, 0))
+            for sh in (1, 2):
+                v = arith.addf(v, shfl(v, _SHFL_ASM.format(sh)))
+            cols[ct] = [shfl(v, _SHFL_IDX_ASM, src[e]) for e in range(2)]
+        return _wgmma_array(ssq.registers.shape, ssq.layout, lambda ct, h, e: cols[ct][e])
 
     return fn
 
@@ -984,6 +1109,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     nt = lax.axis_index("nt")
     ks = lax.axis_index("ks")
     wg = lax.axis_index("wg")
+    cn = norm_in_consumers(epi, kind, variant, interpret, k_total, splits, k_groups)  # the norm in the consumers
     # reduce == "sem": one semaphore per column tile of one warpgroup (zeroed by Pallas per call)
     sem = (pl.get_global(plgpu.SemaphoreType.REGULAR((ws_gmem.shape[1],)))
            if ws_gmem is not None and not interpret else None)
@@ -997,7 +1123,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     def _producer():
         def issue_x(i, slot):
             k0 = ks * k_split + i * kt
-            bar = xfull.at[slot] if epi.norm else full.at[slot]  # norm: x goes through the producer first
+            # norm: x goes through the producer's pass first, unless the consumers run the norm (cn)
+            bar = xfull.at[slot] if epi.norm and not cn else full.at[slot]
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], bar)
             if epi.norm:
                 plgpu.copy_gmem_to_smem(g_gmem.at[(*g_lead, pl.ds(k0, kt))], g_smem.at[slot], bar)
@@ -1045,7 +1172,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
         # static: the prologue's tiles (pdl: the weight tiles, which no earlier kernel writes, go
         # out before the grid-dependency wait; x and the residual after it)
-        first = min(stages, steps) if (pdl or epi.norm) else 0
+        first = min(stages, steps) if (pdl or (epi.norm and not cn)) else 0
         for i in range(first if pdl else 0):
             issue_w(i, i)
         if pdl:
@@ -1070,7 +1197,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 for slot in range(stages):
                     plgpu.barrier_wait(empty.at[slot])
 
-        if not epi.norm:
+        if not epi.norm or cn:
             lax.fori_loop(first, steps, step, 0)
             drain()
             return
@@ -1201,9 +1328,10 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         def _():
             store(acc, ring_offsets(head - hq - hkv), vring)
 
-    def finish(acc):
+    def finish(acc, ss=None):
         """A consumer warpgroup after its main loop: publish the cluster partial, store the
-        split-K partial (XLA sums; "sem": the last split sums), or run the epilogue."""
+        split-K partial (XLA sums; "sem": the last split sums), or run the epilogue (`ss`: the
+        norm's row sums where the consumers computed them, `cn`)."""
         if red is not None:  # publish the partial; rank 0 sums them below
             red.at[wg][...] = acc
         elif ws_gmem is not None:
@@ -1211,8 +1339,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         elif splits > 1:
             _store_tile(acc, o_smem, out_gmem.at[ks], wg=wg, col0=col0, m=m, interpret=interpret)
         else:
-            ss = None
-            if epi.norm:
+            if epi.norm and ss is None:
                 plgpu.barrier_wait(norm_bar.at[0])
                 ss = _load_row_sums(ss_ref, mp, interpret)
             final(acc, ss)
@@ -1255,11 +1382,11 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
             final(total(ws_gmem, acc), total(wss_gmem, ss) if epi.norm else None)
 
-    def gather_groups(acc):
+    def gather_groups(acc, ss=None):
         """k_groups > 1: group q > 0 leaves its partial in shared memory; the group-0 warpgroup of
         the same row tile adds them in group order (p_0 + p_1 + ...) and goes on (`finish`)."""
         if k_groups == 1:
-            finish(acc)
+            finish(acc, ss)
             return
         q, rt = wg // wgs, lax.rem(wg, wgs)
 
@@ -1286,16 +1413,23 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         rt, q = lax.rem(wg, wgs), wg // wgs
         group_steps = steps // k_groups
         if kind == "int4" and variant == "mma":  # register A, warp-level MMAs, no async state
-            def mma_step(j, acc):
+            def mma_step(j, carry):
                 slot = lax.rem(j * k_groups + q, stages)
                 plgpu.barrier_wait(full.at[slot])
-                acc = mma_stage(g, kt, mp, diag, mma_chains)(w_smem.at[slot, rt], sz_smem.at[slot, rt],
-                                                              x_smem.at[slot], acc)
+                ops = (w_smem.at[slot, rt], sz_smem.at[slot, rt], x_smem.at[slot])
+                if cn:  # carry: (acc, the x^2 chains)
+                    carry = mma_stage(g, kt, mp, diag, mma_chains, norm=True)(*ops, g_smem.at[slot], *carry)
+                else:
+                    carry = mma_stage(g, kt, mp, diag, mma_chains)(*ops, carry)
                 plgpu.barrier_arrive(empty.at[slot])
-                return acc
+                return carry
 
             acc0 = plgpu.layout_cast(jnp.zeros((lay.ROWS, mp), jnp.float32), plgpu.Layout.WGMMA)
-            gather_groups(lax.fori_loop(0, group_steps, mma_step, acc0))
+            if cn:
+                acc, ssq = lax.fori_loop(0, group_steps, mma_step, (acc0, acc0))
+                gather_groups(acc, _fragment_row_sums(mp)(ssq))
+            else:
+                gather_groups(lax.fori_loop(0, group_steps, mma_step, acc0))
             return
 
         def acc_scope(acc_ref):
@@ -1475,7 +1609,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     o_dtype = jnp.dtype(out_dtype) if whole else jnp.dtype(jnp.float32)
     f32 = jnp.float32
     x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-    n_full = 1 + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)  # x (or the norm pass) + weights
+    cn = norm_in_consumers(epi, kind, variant, interpret, k, s, kg)  # the norm in the consumers: x and g land there
+    n_full = (2 if cn else 1) + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)  # x (or the pass) + w
 
     def declare_scratch(stages: int) -> dict[str, Any]:
         scratch: dict[str, Any] = {"x_smem": plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)}
@@ -1499,8 +1634,9 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
                                        transforms=() if interpret else exchange_transforms(mp))
             scratch["kx_bar"] = plgpu.Barrier(num_barriers=wgs, num_arrivals=kg - 1)
         if epi.norm:
-            scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2)  # x and g tiles
             scratch["g_smem"] = plgpu.SMEM((stages, kt), jnp.bfloat16)
+        if epi.norm and not cn:  # the producer's pass and finish
+            scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2)  # x and g tiles
             scratch["part"] = plgpu.SMEM((mp,) if interpret else (m, lay.THREADS), f32)
             if not interpret:
                 scratch["ssw"] = plgpu.SMEM((4, mp), f32)

