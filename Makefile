@@ -104,7 +104,7 @@ bench-profile: $(VENV)/.installed-dev
 bench-e2e: $(VENV)/.installed-dev $(CKPT)/qspec_checkpoint.json $(TEXTS)
 	$(BENCH_E2E) --parts 8b --alphas 0.9,0.75
 	$(BENCH_E2E) --parts batch --alphas 0.9
-	$(BENCH_E2E) --parts smollm --smollm-checkpoint $(CKPT) --text-dir $(TEXTS)
+	$(BENCH_E2E) --parts smollm --smollm-checkpoint $(CKPT) --text-dir $(TEXTS) --smollm-gamma 2,3,4
 	$(BENCH_E2E) --parts memory --confirm-max-context
 
 bench-prefill: $(VENV)/.installed-dev

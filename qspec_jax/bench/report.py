@@ -170,13 +170,21 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         parts.append(f"\n### Batch\n\nFailed: `{bt.get('error')}`")
     sm = results.get("smollm")
     if sm and "rows" in sm:
-        parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, γ={sm['gamma']})\n" + _kept(sm))
+        gammas = sm["gamma"] if isinstance(sm["gamma"], list) else [sm["gamma"]]  # a list since 2026-11-30
+        head = f"γ={gammas[0]}" if len(gammas) == 1 else f"the fastest of γ={','.join(map(str, gammas))}"
+        parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, {head})\n" + _kept(sm))
         parts.append(table(
-            ["batch", "context", "AR-bf16 tok/s", "AR-int8 tok/s", "QuantSpec tok/s", "speedup vs AR-bf16",
+            ["batch", "context", "γ", "AR-bf16 tok/s", "AR-int8 tok/s", "QuantSpec tok/s", "speedup vs AR-bf16",
              "speedup vs AR-int8", "acceptance", "tokens/round", "tokens equal to AR-int8"],
-            [[r["batch"], r["context"], r["ar_bf16_tok_s"], r["ar_int8_tok_s"], r["spec_tok_s"], r["speedup_vs_ar_bf16"],
-              r["speedup_vs_ar_int8"], r["acceptance_rate"], r["tokens_per_round"], r["match_ar_int8"]]
+            [[r["batch"], r["context"], r.get("gamma", gammas[0]), r["ar_bf16_tok_s"], r["ar_int8_tok_s"],
+              r["spec_tok_s"], r["speedup_vs_ar_bf16"], r["speedup_vs_ar_int8"], r["acceptance_rate"],
+              r["tokens_per_round"], r["match_ar_int8"]]
              for r in sm["rows"] if "error" not in r]))
+        if len(gammas) > 1:
+            parts.append("\nQuantSpec tok/s by γ (tokens equal to AR-int8 at every γ in the table's last column):\n")
+            parts.append(table(["batch"] + [f"γ={g}" for g in gammas],
+                               [[r["batch"]] + [next(b["tok_s"] for b in r["by_gamma"] if b["gamma"] == g)
+                                                for g in gammas] for r in sm["rows"] if "error" not in r]))
         parts += [f"\n- batch {r['batch']}: {r['error']}" for r in sm["rows"] if "error" in r]
     elif sm:
         parts.append(f"\n### SmolLM2\n\nFailed: `{sm.get('error')}`")

