@@ -1086,9 +1086,11 @@ def twin_dequant(words: Array, recs: Array, group_size: int, kb: int) -> Array:
 def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: bool, m: int, mp: int, kt: int,
             wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
             n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
-            k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1, k_groups: int = 1):
+            k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1, k_groups: int = 1,
+            cn: bool = False):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
-    `epi` the fused glue (`Epilogue`; `norm_ahead`: `MgpuConfig.norm_ahead`; `k_groups`:
+    `epi` the fused glue (`Epilogue`; `cn`: the norm in the consumers, `norm_in_consumers`, decided by
+    `_call`, which sizes the barriers and scratch for it; `norm_ahead`: `MgpuConfig.norm_ahead`; `k_groups`:
     `MgpuConfig.k_groups`). `names` names the refs (inputs, output, scratch: `_call`).
 
     Warpgroups: consumers wg = q wgs + r (row tile r, k group q) for q < k_groups, then the
@@ -1109,7 +1111,6 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     nt = lax.axis_index("nt")
     ks = lax.axis_index("ks")
     wg = lax.axis_index("wg")
-    cn = norm_in_consumers(epi, kind, variant, interpret, k_total, splits, k_groups)  # the norm in the consumers
     # reduce == "sem": one semaphore per column tile of one warpgroup (zeroed by Pallas per call)
     sem = (pl.get_global(plgpu.SemaphoreType.REGULAR((ws_gmem.shape[1],)))
            if ws_gmem is not None and not interpret else None)
@@ -1686,7 +1687,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
-        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg)
+        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()

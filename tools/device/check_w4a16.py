@@ -315,8 +315,8 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
     """G = 32, M rows (1 by default): each fused kernel against the unfused kernel plus the XLA
     glue it replaces (rms_norm before, silu(gate) * up after, the residual add after), in-device
     loops over rotating weights; the plain kernel; each part of gate_up's epilogue alone (norm,
-    SiLU·up) on the same launch shape; at M = 1 also the fused kernel with PDL (back to back), split-K and 8 stages for
-    qkv and o."""
+    SiLU·up) on the same launch shape; at M = 1 also the fused kernel with PDL (back to back),
+    split-K and 8 stages for qkv and o."""
     key = jax.random.PRNGKey(6)
     t_start = time.perf_counter()
     order = ("gate_up", "down", "qkv", "o")  # the largest overheads first (issue 32 run 1)

@@ -36,11 +36,10 @@ def sections(path: str) -> list[tuple[str, list[list[str]]]]:
 
 def mix(rows: list[list[str]]) -> tuple[collections.Counter, collections.Counter]:
     """(warp-instructions by opcode, stall samples by opcode) of one kernel's rows (`sections`)."""
-    hdr = 0
-    cols = rows[hdr]
+    cols = rows[0]
     ie, src, smp = (cols.index(c) for c in ("Instructions Executed", "Source", "Warp Stall Sampling (All Samples)"))
     inst, samples = collections.Counter(), collections.Counter()
-    for r in rows[hdr + 1:]:
+    for r in rows[1:]:
         if len(r) <= max(ie, src, smp):
             continue
         toks = r[src].split()
@@ -75,11 +74,10 @@ def _num(x: str) -> int:
 def loops(rows: list[list[str]], min_frac: float) -> list[str]:
     """One line per loop of one kernel's rows (`sections`) with at least `min_frac` of its stall samples
     (see --loops)."""
-    hdr = 0
-    cols = rows[hdr]
+    cols = rows[0]
     stall = [c for c in cols if c.startswith("stall_")]
     ins = []  # (address, source, executed, samples, {stall reason: samples})
-    for r in rows[hdr + 1:]:
+    for r in rows[1:]:
         if len(r) < len(cols):
             continue
         try:

@@ -74,7 +74,8 @@ def main() -> int:
             ok = det == 0 and rows_bad == 0 and rel <= TOL_BF16
             fails += not ok
             cfg = mg.default_config(k, n, 32, epilogue=epi)
-            print(f"{name:9s} M={m:2d} wgs {cfg.wgs} kt {cfg.k_tile} s {cfg.splits}: rel {rel:.2e} (pass {rel_old:.2e}), "
+            print(f"{name:9s} M={m:2d} wgs {cfg.wgs} kt {cfg.k_tile} s {cfg.splits}: "
+                  f"rel {rel:.2e} (pass {rel_old:.2e}), "
                   f"{same} of {a.size} elements differ from the pass, {det} between two runs, {rows_bad} rows differ "
                   f"alone: {'ok' if ok else 'FAIL'}", flush=True)
     print("ALL OK" if not fails else f"{fails} FAILED")
