@@ -351,12 +351,28 @@ def stream_chunks(start_fn: Callable, start_args: tuple, start_static: dict[str,
 def run_generation(whole_fn: Callable, start_fn: Callable, rounds_fn: Callable, weights: tuple, inputs: tuple,
                    static: dict[str, Any], rounds_static: dict[str, Any], result_of: Callable[[Any], Any],
                    timings: dict[str, float] | None,
-                   on_tokens: Callable[[list[list[int]]], None] | None) -> Any:
+                   on_tokens: Callable[[list[list[int]]], None] | None, time_prefill: bool = False) -> Any:
     """Runs a generation: `whole_fn(*weights, *inputs, **static)` in one program, or, with
     `on_tokens`, the chunked `stream_chunks(start_fn, ..., rounds_fn, ...)`, calling
-    `on_tokens(new tokens per row)` for each chunk in this thread; returns `result_of(state)` then."""
+    `on_tokens(new tokens per row)` for each chunk in this thread; returns `result_of(state)` then.
+
+    time_prefill (with `timings`, without `on_tokens`): before the whole program, run
+    `start_fn` (the same prefill, no decoding) alone once and record its seconds as
+    timings["prefill_s"], so that a benchmark can report decoding alone as run_s - prefill_s
+    (the prefill runs twice: for measurement only)."""
+    if time_prefill and (timings is None or on_tokens is not None):
+        raise ValueError("time_prefill: needs a `timings` dict and no `on_tokens` (it times the whole program)")
     if on_tokens is None:
-        return run_program(whole_fn, (*weights, *inputs), static, timings)
+        prefill_s = None
+        if timings is not None and time_prefill:
+            start, _ = programs().compiled(start_fn, (*weights, *inputs), static)
+            t0 = time.perf_counter()
+            jax.block_until_ready(start(*weights, *inputs))  # the prefilled state is dropped here
+            prefill_s = time.perf_counter() - t0
+        out = run_program(whole_fn, (*weights, *inputs), static, timings)
+        if prefill_s is not None:
+            timings["prefill_s"] = prefill_s
+        return out
     chunks = stream_chunks(start_fn, (*weights, *inputs), static, rounds_fn, weights, rounds_static, timings)
     while True:
         try:
@@ -487,12 +503,13 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
                             key: Array | None = None, *,
                             timings: dict[str, float] | None = None,
                             on_tokens: Callable[[list[list[int]]], None] | None = None,
-                            bucket: int | None = None) -> GenerationResult:
+                            bucket: int | None = None, time_prefill: bool = False) -> GenerationResult:
     """Generates up to `config.max_new_tokens` tokens per prompt with the target model.
 
     `model` is a `qspec_jax.Model` (or anything with `.params`). Returns a GenerationResult whose
     rows hold each prompt's generated tokens (EOS included when emitted). Pass a dict as
-    `timings` to get compile and run seconds measured separately.
+    `timings` to get compile and run seconds measured separately; with `time_prefill` also the
+    prefill's own seconds ("prefill_s", from a second, prefill-only run: `run_generation`).
 
     on_tokens: streaming. Called in this thread with a list per prompt of the tokens committed
     since the previous call (the first call holds the token sampled from the prefill, the next
@@ -521,7 +538,7 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
         return run_generation(autoregressive_program, _autoregressive_start, _autoregressive_chunk, (params,),
                               (jnp.asarray(tokens), jnp.asarray(lengths), key),
                               dict(gen=config, eos_ids=tuple(eos), max_len=max_len, chunk=request.chunk),
-                              dict(gen=config, eos_ids=tuple(eos)), _ar_result, timings, on_tokens)
+                              dict(gen=config, eos_ids=tuple(eos)), _ar_result, timings, on_tokens, time_prefill)
     except Exception as e:
         if resource_exhausted(e):  # the estimate let it through: the same kind of line, from XLA's account
             raise out_of_memory(params, request, e) from e

@@ -579,13 +579,14 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
              key: Array | None = None, draft_params: M.Params | None = None, *,
              timings: dict[str, float] | None = None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
-             bucket: int | None = None) -> SpecResult:
+             bucket: int | None = None, time_prefill: bool = False) -> SpecResult:
     """Speculative generation of up to `config.max_new_tokens` tokens per prompt.
 
     `model` is a `qspec_jax.Model`. `draft_params` overrides the draft (any params with the
     target's config; tests use this to check exactness with a deliberately different draft).
     Greedy output equals the target's own greedy output; sampling follows the target's
-    distribution exactly. Pass a dict as `timings` to get compile and run seconds.
+    distribution exactly. Pass a dict as `timings` to get compile and run seconds; with
+    `time_prefill` also the prefill's own seconds ("prefill_s": `generation.run_generation`).
 
     on_tokens: streaming. Called in this thread with a list per prompt of the tokens committed
     since the previous call (first the token sampled from the prefill, then the first round's,
@@ -622,7 +623,8 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
         return run_generation(speculative_program, _speculative_start, _speculative_chunk, (target, draft),
                               (jnp.asarray(tokens), jnp.asarray(lengths), key),
                               dict(spec=config, eos_ids=tuple(eos), max_len=max_len, chunk=request.chunk),
-                              dict(spec=config, eos_ids=tuple(eos)), _spec_result, timings, on_tokens)
+                              dict(spec=config, eos_ids=tuple(eos)), _spec_result, timings, on_tokens,
+                              time_prefill)
     except Exception as e:
         if resource_exhausted(e):  # the estimate let it through: the same kind of line, from XLA's account
             raise out_of_memory(target, request, e, draft=draft) from e

@@ -1,7 +1,8 @@
 """The Python API refuses misuse a newcomer tries in the first hour with an exception that says
 what was expected (issue 25's list): token ids outside the vocabulary, an int as a PRNG key, a
 missing or wrong config, a path or mesh of the wrong type, a cache group that is not a power of
-two, and a mesh larger than the machine, named as the API (not as a CLI flag) names it."""
+two, a mesh larger than the machine, named as the API (not as a CLI flag) names it, and a
+prefill timing with nowhere to report."""
 
 from __future__ import annotations
 
@@ -105,3 +106,20 @@ def test_cache_group_size_must_be_a_power_of_two(model, group) -> None:
     with pytest.raises(ValueError, match=rf"group_size={group!r} must be a power of two \(16, 32, 64, 128 or 256"):
         QuantSpecCache.init(model.config, batch=1, max_len=800, group_size=group)
     assert QuantSpecCache.init(model.config, batch=1, max_len=256, group_size=128).group_size == 128
+
+
+@pytest.mark.parametrize("fn, cfg", [(generate, SpecConfig(max_new_tokens=2)),
+                                     (generate_autoregressive, GenerationConfig(max_new_tokens=2))])
+def test_time_prefill_needs_timings_and_no_stream(model, fn, cfg) -> None:
+    """time_prefill times the prefill alone beside the whole program: without a `timings` dict it
+    has nowhere to report, and a streamed run (on_tokens) has no whole program; both are refused
+    before anything runs. With `timings` it records prefill_s and leaves the tokens unchanged."""
+    ids = model.encode("hi")
+    with pytest.raises(ValueError, match=r"time_prefill: needs a `timings` dict and no `on_tokens`"):
+        fn(model, [ids], cfg, time_prefill=True)
+    with pytest.raises(ValueError, match=r"time_prefill: needs a `timings` dict and no `on_tokens`"):
+        fn(model, [ids], cfg, timings={}, on_tokens=lambda chunk: None, time_prefill=True)
+    tm: dict[str, float] = {}
+    res = fn(model, [ids], cfg, timings=tm, time_prefill=True)
+    assert 0 < tm["prefill_s"] and 0 < tm["run_s"]
+    assert (jnp.asarray(res.tokens) == jnp.asarray(fn(model, [ids], cfg).tokens)).all()

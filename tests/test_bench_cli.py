@@ -327,11 +327,13 @@ def e2e_results(out: Path) -> dict[str, Any]:
 
 def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_home: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Part smollm with several --smollm-gamma values times each (tokens/s, acceptance, tokens/round,
-    tokens equal to AR-int8) and reports the fastest as QuantSpec's row (the issues' "best gamma");
-    every gamma's greedy tokens equal the autoregressive ones; the report names the gammas and
-    lists tokens/s by gamma. The timings are replaced by a fixed ranking (gamma 2 faster) so the
-    choice is checked, not the CPU's noise."""
+    """Part smollm with several --smollm-gamma values times each (tokens/s decoding alone and end to
+    end, trials round-robin over the methods, acceptance, tokens/round, tokens equal to AR-int8) and
+    reports the fastest at decoding as
+    QuantSpec's row (the issues' "best gamma"); every gamma's greedy tokens equal the
+    autoregressive ones; the report names the gammas and lists tokens/s by gamma. The timings are
+    replaced by a fixed ranking (gamma 2 fastest at decoding, gamma 3 end to end) so the choice
+    and the prefill's subtraction are checked, not the CPU's noise."""
     from qspec_jax.bench import report
 
     texts = tmp_path / "texts"
@@ -339,29 +341,47 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
     (texts / "play_gut.txt").write_text("Enter the king, with lords and attendants. " * 200)
     from qspec_jax import speculative  # part_smollm imports `generate` from here when it runs
 
-    spec_generate = speculative.generate
+    from qspec_jax import generation
 
-    def timed(model: Any, prompts: Any, cfg: Any, *, timings: dict[str, float]) -> Any:
-        res = spec_generate(model, prompts, cfg, timings=timings)
-        timings["run_s"] = {1: 2.0, 2: 1.0, 3: 3.0}[cfg.gamma]  # gamma 2 fastest
+    spec_generate, ar_generate = speculative.generate, generation.generate_autoregressive
+    calls = []  # the order the part runs its methods in
+
+    def ar_timed(model: Any, prompts: Any, cfg: Any, **kw: Any) -> Any:
+        calls.append(cfg.kv)
+        return ar_generate(model, prompts, cfg, **kw)
+
+    def timed(model: Any, prompts: Any, cfg: Any, *, timings: dict[str, float], time_prefill: bool) -> Any:
+        calls.append(cfg.gamma)
+        res = spec_generate(model, prompts, cfg, timings=timings, time_prefill=time_prefill)
+        assert 0 < timings["prefill_s"]  # the real prefill was timed alone
+        # decoding alone 0.5 / 0.25 / 0.9 s: gamma 2 fastest; end to end gamma 3 is
+        timings["run_s"], timings["prefill_s"] = {1: (2.0, 1.5), 2: (1.5, 1.25), 3: (1.2, 0.3)}[cfg.gamma]
         return res
 
     monkeypatch.setattr(speculative, "generate", timed)
+    monkeypatch.setattr(generation, "generate_autoregressive", ar_timed)
     out = tmp_path / "o"
     assert bench.main(["e2e", "--quick", "--parts", "smollm", "--smollm-checkpoint", str(tiny_chat_checkpoint),
                        "--text-dir", str(texts), "--smollm-gamma", "1,2,3", "--smollm-batches", "1",
-                       "--smollm-context", "48", "--smollm-new-tokens", "6", "--trials", "1", "--out", str(out)]) == 0
+                       "--smollm-context", "48", "--smollm-new-tokens", "6", "--trials", "2", "--out", str(out)]) == 0
+    assert calls == ["bf16", "int8", 1, 2, 3] * 2  # trials round-robin over the methods
     sm = e2e_results(out)["smollm"]
     assert sm["gamma"] == [1, 2, 3]
     (row,) = sm["rows"]
     assert [b["gamma"] for b in row["by_gamma"]] == [1, 2, 3]
-    tok = {b["gamma"]: b["tok_s"] for b in row["by_gamma"]}
-    assert tok[2] > tok[1] > tok[3] and row["gamma"] == 2 and row["spec_tok_s"] == tok[2]
+    tok = {b["gamma"]: b["decode_tok_s"] for b in row["by_gamma"]}
+    assert tok[2] > tok[1] > tok[3] and row["gamma"] == 2 and row["spec_decode_tok_s"] == tok[2]
+    tokens = 1 * 6  # one row, 6 new tokens (no EOS): the first from the prefill, 5 decoded
+    assert tok[2] == pytest.approx((tokens - 1) / 0.25) and row["by_gamma"][1]["prefill_s"] == 1.25
+    assert row["spec_tok_s"] == pytest.approx(tokens / 1.5)  # end to end: prefill in,
+    assert row["spec_tok_s"] < row["by_gamma"][2]["tok_s"]  # where gamma 3 would have won
     assert all(b["match_ar_int8"] == 1.0 and 0 <= b["acceptance_rate"] <= 1 and b["tokens_per_round"] >= 1
                for b in row["by_gamma"])
     best = row["by_gamma"][1]
     assert (row["acceptance_rate"], row["tokens_per_round"]) == (best["acceptance_rate"], best["tokens_per_round"])
     assert row["speedup_vs_ar_bf16"] == row["spec_tok_s"] / row["ar_bf16_tok_s"]
+    assert row["decode_speedup_vs_ar_bf16"] == row["spec_decode_tok_s"] / row["ar_bf16_decode_tok_s"]
+    assert 0 < row["ar_bf16_prefill_s"] and 0 < row["ar_int8_prefill_s"] and row["ar_bf16_decode_tok_s"] > 0
     doc = tmp_path / "B.md"
     report.write_e2e(e2e_results(out), out, doc)
     text = doc.read_text()

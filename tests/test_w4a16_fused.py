@@ -400,6 +400,13 @@ for m in (1, 13, 24, 32, 40, 64):  # above 24 rows the wide exchange (no cluster
             text = lower(f, *a)
             assert "mosaic_gpu" in text
             n_ok += 1
+for m in (1, 32):  # SmolLM2's K 576 at k_tile 192 (three k blocks per stage; the norm in the consumers)
+    x, g1 = S((m, 576), jnp.bfloat16), S((576,), jnp.bfloat16)
+    for wgs, n, swiglu in ((1, 960, False), (2, 3072, True)):
+        f = lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, swiglu=swiglu, interpret=False,
+                                                config=mg.MgpuConfig(wgs=wgs, k_tile=192))
+        assert "mosaic_gpu" in lower(f, x, W((), 576, n), g1)
+        n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''
 
@@ -571,10 +578,12 @@ for b in (1, 3, 8, 24):  # the 8B heads: one CTA and the cluster sum
     for cfg in (None, mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="cluster", tma_view="wide")):
         lower_qkv(b, 4, 32, 8, 128, 4096, 288, cfg)
         n_ok += 1
-for b in (1, 8, 24):  # 64-channel heads: SmolLM2's (N = 960, one warpgroup per CTA) and two per CTA
+for b in (1, 8, 24, 32):  # 64-channel heads: SmolLM2's (N = 960, one warpgroup per CTA) and two per CTA, to 32 rows
     for L, hq, hkv, K, wgs in ((30, 9, 3, 576, 1), (2, 8, 4, 1024, 2)):
         lower_qkv(b, L, hq, hkv, 64, K, 96, mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1))
         n_ok += 1
+    lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1))  # three k blocks per stage
+    n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''
 
@@ -591,9 +600,10 @@ def test_fused_kernels_lower_for_cuda(script, jax_version):
     ("sem": residual and SiLU·up), PDL; the norm at k tiles 256, 128 and 64: 1, 2 and 4 rows per
     producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at M = 32, 40, 64 (the wide
     exchange: swizzled [64, M_pad] tiles, the norm's row sums as a vector; a plain tile there
-    fails Mosaic's transfer planning). "qkv": the qkv epilogue (one CTA and the cluster sum, 1 to
-    24 rows, the 8B heads; SmolLM2's 64-channel heads, one and two warpgroups per CTA), whose
-    outputs alias the query operand and the rings."""
+    fails Mosaic's transfer planning), and SmolLM2's K 576 at k_tile 192 (the norm in the
+    consumers, three k blocks per stage). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
+    to 24 rows, the 8B heads; SmolLM2's 64-channel heads to 32 rows, one and two warpgroups per
+    CTA, and k_tile 192), whose outputs alias the query operand and the rings."""
     python = sys.executable if jax_version == "0.10" else subproc.jax011_python()
     if python is None:
         pytest.skip("no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")

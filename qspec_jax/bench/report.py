@@ -173,18 +173,32 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         gammas = sm["gamma"] if isinstance(sm["gamma"], list) else [sm["gamma"]]  # a list since 2026-11-30
         head = f"γ={gammas[0]}" if len(gammas) == 1 else f"the fastest of γ={','.join(map(str, gammas))}"
         parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, {head})\n" + _kept(sm))
-        parts.append(table(
-            ["batch", "context", "γ", "AR-bf16 tok/s", "AR-int8 tok/s", "QuantSpec tok/s", "speedup vs AR-bf16",
-             "speedup vs AR-int8", "acceptance", "tokens/round", "tokens equal to AR-int8"],
-            [[r["batch"], r["context"], r.get("gamma", gammas[0]), r["ar_bf16_tok_s"], r["ar_int8_tok_s"],
-              r["spec_tok_s"], r["speedup_vs_ar_bf16"], r["speedup_vs_ar_int8"], r["acceptance_rate"],
-              r["tokens_per_round"], r["match_ar_int8"]]
-             for r in sm["rows"] if "error" not in r]))
+        rows = [r for r in sm["rows"] if "error" not in r]
+        if rows and "spec_decode_tok_s" in rows[0]:  # since 2026-11-30: decoding alone, then end to end
+            parts.append("\nDecoding alone (SPEC's and the issues' measure): each method's run less its own "
+                         "prefill, timed alone; end to end: the same runs with the prefill in.\n")
+            parts.append(table(
+                ["batch", "context", "γ", "AR-bf16 decode tok/s", "AR-int8 decode tok/s", "QuantSpec decode tok/s",
+                 "decode speedup vs AR-bf16", "vs AR-int8", "prefill s (AR-bf16 / QuantSpec)",
+                 "end to end speedup vs AR-bf16", "acceptance", "tokens/round", "tokens equal to AR-int8"],
+                [[r["batch"], r["context"], r["gamma"], r["ar_bf16_decode_tok_s"], r["ar_int8_decode_tok_s"],
+                  r["spec_decode_tok_s"], r["decode_speedup_vs_ar_bf16"], r["decode_speedup_vs_ar_int8"],
+                  f"{r['ar_bf16_prefill_s']:.3f} / {r['spec_prefill_s']:.3f}", r["speedup_vs_ar_bf16"],
+                  r["acceptance_rate"], r["tokens_per_round"], r["match_ar_int8"]] for r in rows]))
+        else:
+            parts.append(table(
+                ["batch", "context", "γ", "AR-bf16 tok/s", "AR-int8 tok/s", "QuantSpec tok/s", "speedup vs AR-bf16",
+                 "speedup vs AR-int8", "acceptance", "tokens/round", "tokens equal to AR-int8"],
+                [[r["batch"], r["context"], r.get("gamma", gammas[0]), r["ar_bf16_tok_s"], r["ar_int8_tok_s"],
+                  r["spec_tok_s"], r["speedup_vs_ar_bf16"], r["speedup_vs_ar_int8"], r["acceptance_rate"],
+                  r["tokens_per_round"], r["match_ar_int8"]] for r in rows]))
         if len(gammas) > 1:
-            parts.append("\nQuantSpec tok/s by γ (tokens equal to AR-int8 at every γ in the table's last column):\n")
+            key = "decode_tok_s" if rows and "spec_decode_tok_s" in rows[0] else "tok_s"
+            parts.append(f"\nQuantSpec {'decode ' if key == 'decode_tok_s' else ''}tok/s by γ (tokens equal to "
+                         "AR-int8 at every γ in the table's last column):\n")
             parts.append(table(["batch"] + [f"γ={g}" for g in gammas],
-                               [[r["batch"]] + [next(b["tok_s"] for b in r["by_gamma"] if b["gamma"] == g)
-                                                for g in gammas] for r in sm["rows"] if "error" not in r]))
+                               [[r["batch"]] + [next(b[key] for b in r["by_gamma"] if b["gamma"] == g)
+                                                for g in gammas] for r in rows]))
         parts += [f"\n- batch {r['batch']}: {r['error']}" for r in sm["rows"] if "error" in r]
     elif sm:
         parts.append(f"\n### SmolLM2\n\nFailed: `{sm.get('error')}`")

@@ -24,6 +24,7 @@
 #   STAGES="smolab": SmolLM2 batch 32's norm run-ahead and verify CTA count, A/B in the model (same session);
 #   STAGES="fusedparts": SmolLM2's fused INT4 kernels at M 32 alone, by epilogue part (same session);
 #   STAGES="normcons": the fused norm in the consumers, checked and A/B in the model (same session)
+#   STAGES="kt192": SmolLM2's K-576 INT4 kernels at k_tile 192, checked and A/B in the draft step (twenty-fifth)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -39,6 +40,15 @@ prof() {  # tag, then qspec-bench profile arguments
   grep -E "^==|^   (linear|attention|glue) |rror|does not fit" $L/profile_$tag.log
   rm -rf $OUT/p_$tag/traces
   echo "== $tag done ($(( $(date +%s) - T0 )) s)"
+}
+ab() {  # tag, programs, tuned_table_run options: SmolLM2 batch 32, rows 4k-8k, in the model
+  local tag=$1 progs=$2; shift 2
+  timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py "$@" -- profile --steps 8 --trials 3 \
+    --shape smollm2 --batch 32 --contexts ${AB_CTX:-8192} --ragged --programs $progs --verify-t 5 \
+    --out $OUT/p_$tag 2>&1 | grep -v "^W[0-9]" > $L/profile_smollm2_b32_$tag.log
+  echo "-- $tag: $(grep -E '^== ' $L/profile_smollm2_b32_$tag.log | sed 's/(rows[^)]*)//' | paste -sd' ')"
+  grep -E "\[linear\]|\[attention\]" $L/profile_smollm2_b32_$tag.log | head -5
+  rm -rf $OUT/p_$tag/traces
 }
 smoltime() {  # tag, contexts, MgpuConfig variants: SmolLM2 batch 32 attention kernels alone (trace), draft rows shown
   timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
@@ -219,11 +229,11 @@ for stage in ${STAGES:-probe smol 8b}; do
         --smollm-gamma ${SMOL_GAMMAS:-2,3,4} \
         --out $OUT/p_smolreal \
         2>&1 | grep -v "^W[0-9]" > $L/e2e_smollm_real.log
-      grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_tok_s": [0-9.]+|"acceptance[a-z_]*": [0-9.]+' \
+      grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"[a-z_0-9]*prefill_s": [0-9.]+|"gamma": [0-9]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
         $L/e2e_smollm_real.log \
         | paste -sd' ' | sed 's/"batch"/\n"batch"/g'
       echo "== smolreal e2e done ($(( $(date +%s) - T0 )) s)"
-      if [ -n "${SMOL_FIDELITY:-32}" ]; then
+      if [ -n "${SMOL_FIDELITY-32}" ]; then  # SMOL_FIDELITY= (empty): no fidelity run
         PYTHONPATH=/tmp/site:. timeout 200 python3 -m qspec_jax.bench.fidelity --checkpoint /tmp/ckpt --text-dir $TX \
           --batches ${SMOL_FIDELITY:-32} --gammas 4 --kv int8 --prompt-tokens 8000 --out $OUT/p_fid 2>&1 \
           | grep -v "^W[0-9]" > $L/fidelity_smollm2_real.log
@@ -238,15 +248,6 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== smolpeers done ($(( $(date +%s) - T0 )) s)";;
     smolab)  # SmolLM2 batch 32 A/B in the model (tuned_table_run.py, rows 4k-8k): the K-576 INT4 kernels' norm pass
       # run-ahead / ring depth (draft step), then the verify kernel's CTAs per (row, KV head) (verify step)
-      ab() {  # tag, programs, tuned_table_run options
-        local tag=$1 progs=$2; shift 2
-        timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py "$@" -- profile --steps 8 --trials 3 \
-          --shape smollm2 --batch 32 --contexts ${AB_CTX:-8192} --ragged --programs $progs --verify-t 5 \
-          --out $OUT/p_$tag 2>&1 | grep -v "^W[0-9]" > $L/profile_smollm2_b32_$tag.log
-        echo "-- $tag: $(grep -E '^== ' $L/profile_smollm2_b32_$tag.log | sed 's/(rows[^)]*)//' | paste -sd' ')"
-        grep -E "\[linear\]|\[attention\]" $L/profile_smollm2_b32_$tag.log | head -5
-        rm -rf $OUT/p_$tag/traces
-      }
       for v in ${AB_LINEAR-"default" "norm_ahead=2" "norm_ahead=3" "norm_ahead=5,stages=6" "norm_ahead=8,stages=9"}; do
         [ "$v" = default ] && ab draft_default draft \
           || ab "draft_$(echo $v | tr ',=' '__')" draft --linear-config $v --linear-k 576
@@ -271,6 +272,18 @@ for stage in ${STAGES:-probe smol 8b}; do
       timeout 80 python3 tools/device/qkv_cache_gpu.py --batches 32 --model-batches 32 --shapes smollm2 2>&1 \
         | grep -v "^W[0-9]" > $L/norm_consumers_qkv_cache.log
       grep -iE "ok|fail|error" $L/norm_consumers_qkv_cache.log | tail -8;;
+    kt192)  # SmolLM2's K-576 INT4 kernels (q|k|v into the cache, gate_up, o) at k_tile 192 (3 stages of 3 k blocks,
+      # all of K in flight) instead of 64 (9 stages): checked on fresh inputs, then A/B in the draft step at batch 32
+      timeout 100 python3 tools/device/norm_consumers_gpu.py --ms ${NC_MS:-1,32} --k-tile 192 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/kt192_check.log | tail -5
+      timeout 100 python3 tools/device/tuned_table_run.py --linear-config k_tile=192 --linear-k 576 -- \
+        tools/device/qkv_cache_gpu.py --batches 32 --model-batches 32 --shapes smollm2 2>&1 | grep -v "^W[0-9]" \
+        > $L/kt192_qkv_cache.log; grep -iE "ok|fail|error" $L/kt192_qkv_cache.log | tail -8
+      for v in ${KT_AB-"default" "k_tile=192"}; do
+        [ "$v" = default ] && ab draft_kt_default draft || ab "draft_$(echo $v | tr ',=' '__')" draft \
+          --linear-config $v --linear-k 576
+      done
+      echo "== kt192 done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

@@ -10,7 +10,9 @@ one warm machine without editing the tree between runs.
 `default_ctas` otherwise), for the same kind of A/B of the attention's split count; --attn-config
 ws_pair_merge=1[,stages=6] changes the defaults of the attention's `MgpuConfig` (what the model's calls get);
 --linear-config norm_ahead=3[,stages=6] replaces those integer fields of every INT4 / bf16 W4A16 launch shape the
-model's calls get (`mosaic_gpu.default_config`), --linear-k 576 only where the weight's K is 576.
+model's calls get (`mosaic_gpu.default_config`), --linear-k 576 only where the weight's K is 576. After `--`, a
+path ending in .py runs that check script under the same patches instead of qspec-bench
+(`-- tools/device/qkv_cache_gpu.py --batches 32 ...`).
 """
 from __future__ import annotations
 
@@ -85,6 +87,15 @@ def main() -> int:
 
         mg.default_config = default_config  # the module's own calls look the name up at call time
         print(f"W4A16 launch shapes with {fields} (K {args.linear_k or 'all'})", flush=True)
+    if rest and rest[0].endswith(".py"):  # a check script under the same patches (e.g. qkv_cache_gpu.py)
+        import runpy
+
+        sys.argv = rest
+        try:
+            runpy.run_path(rest[0], run_name="__main__")
+        except SystemExit as e:
+            return int(e.code or 0) if not isinstance(e.code, str) else 1
+        return 0
     from qspec_jax.cli import bench
 
     sys.argv = ["qspec-bench", *rest]
