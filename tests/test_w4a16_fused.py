@@ -291,7 +291,8 @@ def test_consumer_row_sums_cover_every_column_once():
 def test_norm_runs_in_the_consumers_for_small_k(monkeypatch):
     """`norm_in_consumers`: the "mma" variant on the GPU with the norm, one split, one k group and K up to
     CONSUMER_NORM_MAX_K (SmolLM2's 576); the 8B's K 4096, split or grouped sums, the other variants,
-    interpret mode and QSPEC_W4A16_NORM_PASS=1 keep the producer's pass; a bad switch value is refused."""
+    interpret mode and QSPEC_W4A16_NORM_PASS=1 keep the producer's pass; a bad switch value is refused, and
+    so is a timing diagnostic of its parts where it does not run."""
     norm = mg.Epilogue(norm=True)
     on = dict(epi=norm, kind="int4", variant="mma", interpret=False, k=576, splits=1, k_groups=1)
     monkeypatch.delenv("QSPEC_W4A16_NORM_PASS", raising=False)
@@ -303,6 +304,13 @@ def test_norm_runs_in_the_consumers_for_small_k(monkeypatch):
         assert not mg.norm_in_consumers(**{**on, **off}), off
     monkeypatch.setenv("QSPEC_W4A16_NORM_PASS", "1")
     assert not mg.norm_in_consumers(**on)
+    monkeypatch.delenv("QSPEC_W4A16_NORM_PASS")
+    x, gw = _x(3, 4, 128), jnp.ones((128,), jnp.bfloat16)
+    p = lay.pack_quantized(_qweight(3, (), 128, 64, 32))
+    for d in mg.NORM_DIAGNOSTICS:  # its timing diagnostics need it (interpret mode keeps the pass)
+        with pytest.raises(ValueError, match=f"diag='{d}' leaves out a part of the norm in the consumers"):
+            mg.int4_matmul_mgpu(x, p, norm_weight=gw, config=mg.MgpuConfig(wgs=1, k_tile=64, diag=d),
+                                variant="smem", interpret=True)
     monkeypatch.setenv("QSPEC_W4A16_NORM_PASS", "yes")
     with pytest.raises(ValueError, match="QSPEC_W4A16_NORM_PASS"):
         mg.norm_in_consumers(**on)
@@ -407,6 +415,11 @@ for m in (1, 32):  # SmolLM2's K 576 at k_tile 192 (three k blocks per stage; th
                                                 config=mg.MgpuConfig(wgs=wgs, k_tile=192))
         assert "mosaic_gpu" in lower(f, x, W((), 576, n), g1)
         n_ok += 1
+for d in mg.NORM_DIAGNOSTICS:  # the consumer norm's timing diagnostics (parts left out)
+    f = lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, interpret=False,
+                                            config=mg.MgpuConfig(wgs=1, k_tile=64, diag=d))
+    assert "mosaic_gpu" in lower(f, S((32, 576), jnp.bfloat16), W((), 576, 960), S((576,), jnp.bfloat16))
+    n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''
 

@@ -613,7 +613,8 @@ def x_fragment_offset(ct: int, kb: int, j: int, lane: int, kt: int) -> int:
     return x_tile_offset(ct, kb, kt) + r * 128 + ((chunk ^ r) & 7) * 16
 
 
-DIAGNOSTICS = ("", "stream", "load", "convert", "mma_raw")
+DIAGNOSTICS = ("", "stream", "load", "convert", "mma_raw", "noscale", "nosq", "nonorm")
+NORM_DIAGNOSTICS = ("noscale", "nosq", "nonorm")  # parts of the norm in the consumers (`norm_in_consumers`) left out
 
 
 def mma_chain_plan(kt: int, chains: int) -> list[int]:
@@ -663,7 +664,9 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
 
     `diag` (timing experiments only; wrong results): "stream" does no work on the stage,
     "load" only its shared-memory loads, "convert" loads + dequantization without MMAs,
-    "mma_raw" loads + MMAs on the raw code words (no dequantization).
+    "mma_raw" loads + MMAs on the raw code words (no dequantization); with `norm`, "noscale"
+    leaves out the x g multiply and g's loads, "nosq" the x^2 chains, "nonorm" both (what each
+    costs the consumers; the row sums and their scale after the loop stay).
 
     `chains` (`MgpuConfig.mma_chains`): k16 step s = 4 kb + j of the stage accumulates into chain
     s % chains; chain 0 starts from `acc`, the others from zero, summed in chain order at the end.
@@ -749,18 +752,20 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                 return scales[(i, e)]
 
             b_frag: dict[tuple[int, int], tuple[Any, Any]] = {}
+            scale = norm and diag not in ("noscale", "nonorm")
             g_pair = ([llvm.inline_asm(i32, [arith.addi(g_base, mu.c(kb * 128 + 16 * c, i32))], _LD_B32_ASM,
-                                       "=r,r", has_side_effects=True) for c in range(8)] if norm else None)
+                                       "=r,r", has_side_effects=True) for c in range(8)] if scale else None)
             for ct in range(nct):
                 for j in (0, 2):
                     addr = arith.addi(x_base, arith.addi(x_lane[j], mu.c(x_tile_offset(ct, kb, kt), i32)))
                     res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [addr], _LDMATRIX_ASM,
                                           "=r,=r,=r,=r,r", has_side_effects=True)
                     b = [llvm.extractvalue(i32, res, [t]) for t in range(4)]
-                    if norm:  # chunk 2 j + t: x^2 into the chain, then bf16(x g)
+                    if norm and diag not in ("nosq", "nonorm"):  # chunk 2 j + t: x^2 into the chain
                         for t in range(4):
                             sq[ct] = llvm.inline_asm(f32, [b[t], sq[ct]], _SQ_NEXT_ASM, "=f,r,f",
                                                      has_side_effects=False)
+                    if scale:  # then bf16(x g)
                         b = [llvm.inline_asm(i32, [b[t], g_pair[2 * j + t]], _MUL_BF16X2_ASM, "=r,r,r",
                                              has_side_effects=False) for t in range(4)]
                     b_frag[(ct, j)], b_frag[(ct, j + 1)] = (b[0], b[1]), (b[2], b[3])
@@ -1611,6 +1616,10 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     f32 = jnp.float32
     x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     cn = norm_in_consumers(epi, kind, variant, interpret, k, s, kg)  # the norm in the consumers: x and g land there
+    if cfg.diag in NORM_DIAGNOSTICS and not cn:
+        raise ValueError(f"diag={cfg.diag!r} leaves out a part of the norm in the consumers; this launch has none "
+                         f"(norm_in_consumers: the 'mma' variant on the GPU, the norm, one split and k group, "
+                         f"K <= {CONSUMER_NORM_MAX_K}; got norm={epi.norm}, variant={variant!r}, K={k}, splits={s})")
     n_full = (2 if cn else 1) + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)  # x (or the pass) + w
 
     def declare_scratch(stages: int) -> dict[str, Any]:

@@ -315,8 +315,10 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
     """G = 32, M rows (1 by default): each fused kernel against the unfused kernel plus the XLA
     glue it replaces (rms_norm before, silu(gate) * up after, the residual add after), in-device
     loops over rotating weights; the plain kernel; each part of gate_up's epilogue alone (norm,
-    SiLU·up) on the same launch shape; at M = 1 also the fused kernel with PDL (back to back),
-    split-K and 8 stages for qkv and o."""
+    SiLU·up) on the same launch shape; where the norm runs in the consumers (SmolLM2's K 576) the
+    fused kernel without each of its parts (`mosaic_gpu.NORM_DIAGNOSTICS`: wrong results, timing
+    only) and at k_tile 192; at M = 1 also the fused kernel with PDL (back to back), split-K and 8
+    stages for qkv and o."""
     key = jax.random.PRNGKey(6)
     t_start = time.perf_counter()
     order = ("gate_up", "down", "qkv", "o")  # the largest overheads first (issue 32 run 1)
@@ -350,8 +352,12 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
         runs = [("fused", epi, base), ("plain", mg.Epilogue(), base)]
         if epi.norm and epi.swiglu:
             runs += [("norm_only", mg.Epilogue(norm=True), base), ("swiglu_only", mg.Epilogue(swiglu=True), base)]
-        if epi.norm:  # the norm pass further ahead of the consumers (MgpuConfig.norm_ahead)
+        cn = mg.norm_in_consumers(epi, "int4", "mma", False, k, base.splits, base.k_groups)
+        if epi.norm and not cn:  # the norm pass further ahead of the consumers (MgpuConfig.norm_ahead)
             runs += [(f"fused_ahead{a}", epi, base.replace(norm_ahead=a)) for a in (2, 3) if a < base.stages]
+        if cn:  # the norm in the consumers: each of its parts left out (wrong results), k_tile 192 where it divides K
+            runs += [(f"fused_{d}", epi, base.replace(diag=d)) for d in mg.NORM_DIAGNOSTICS]
+            runs += [("fused_kt192", epi, base.replace(k_tile=192))] if k % 192 == 0 and base.k_tile != 192 else []
         if m == 1:
             runs.append(("fused_pdl", epi, base.replace(pdl=True)))
         if name in ("qkv", "o") and m == 1:

@@ -273,13 +273,14 @@ for stage in ${STAGES:-probe smol 8b}; do
         | grep -v "^W[0-9]" > $L/norm_consumers_qkv_cache.log
       grep -iE "ok|fail|error" $L/norm_consumers_qkv_cache.log | tail -8;;
     kt192)  # SmolLM2's K-576 INT4 kernels (q|k|v into the cache, gate_up, o) at k_tile 192 (3 stages of 3 k blocks,
-      # all of K in flight) instead of 64 (9 stages): checked on fresh inputs, then A/B in the draft step at batch 32
+      # all of K in flight) instead of 64 (9 stages): checked on fresh inputs, then A/B in the draft step at batch 32,
+      # with the consumer norm's parts left out (diag: wrong results, timing only) to see what each costs
       timeout 100 python3 tools/device/norm_consumers_gpu.py --ms ${NC_MS:-1,32} --k-tile 192 2>&1 \
         | grep -v "^W[0-9]" | tee $L/kt192_check.log | tail -5
       timeout 100 python3 tools/device/tuned_table_run.py --linear-config k_tile=192 --linear-k 576 -- \
         tools/device/qkv_cache_gpu.py --batches 32 --model-batches 32 --shapes smollm2 2>&1 | grep -v "^W[0-9]" \
         > $L/kt192_qkv_cache.log; grep -iE "ok|fail|error" $L/kt192_qkv_cache.log | tail -8
-      for v in ${KT_AB-"default" "k_tile=192"}; do
+      for v in ${KT_AB-"default" "k_tile=192" "diag=noscale" "diag=nosq" "diag=nonorm"}; do
         [ "$v" = default ] && ab draft_kt_default draft || ab "draft_$(echo $v | tr ',=' '__')" draft \
           --linear-config $v --linear-k 576
       done

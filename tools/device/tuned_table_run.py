@@ -9,8 +9,9 @@ one warm machine without editing the tree between runs.
 --attn-splits draft=8 fixes the quantized attention's CTAs per (row, KV head) of one view (the cost model's
 `default_ctas` otherwise), for the same kind of A/B of the attention's split count; --attn-config
 ws_pair_merge=1[,stages=6] changes the defaults of the attention's `MgpuConfig` (what the model's calls get);
---linear-config norm_ahead=3[,stages=6] replaces those integer fields of every INT4 / bf16 W4A16 launch shape the
-model's calls get (`mosaic_gpu.default_config`), --linear-k 576 only where the weight's K is 576. After `--`, a
+--linear-config norm_ahead=3[,stages=6] replaces those fields (integers, or strings such as diag=nosq) of every
+INT4 / bf16 W4A16 launch shape the model's calls get (`mosaic_gpu.default_config`; the consumer norm's diagnostics,
+`mosaic_gpu.NORM_DIAGNOSTICS`, only where the call has the norm), --linear-k 576 only where the weight's K is 576. After `--`, a
 path ending in .py runs that check script under the same patches instead of qspec-bench
 (`-- tools/device/qkv_cache_gpu.py --batches 32 ...`).
 """
@@ -78,12 +79,18 @@ def main() -> int:
             bases=(amg.MgpuConfig,), frozen=True)
         print(f"attention MgpuConfig defaults: { {k: v for k, (_, v) in over.items()} }", flush=True)
     if args.linear_config:
-        fields = {k: int(v) for k, _, v in (f.partition("=") for f in args.linear_config.split(","))}
+        fields = {k: int(v) if v.lstrip("-").isdigit() else v
+                  for k, _, v in (f.partition("=") for f in args.linear_config.split(","))}
         base_config = mg.default_config
 
         def default_config(k, n, group_size, **kw):
             cfg = base_config(k, n, group_size, **kw)
-            return cfg.replace(**fields) if args.linear_k in (0, k) else cfg
+            if args.linear_k not in (0, k):
+                return cfg
+            epi = kw.get("epilogue")
+            if fields.get("diag") in mg.NORM_DIAGNOSTICS and not (epi is not None and epi.norm):
+                return cfg.replace(**{f: v for f, v in fields.items() if f != "diag"})  # norm kernels only
+            return cfg.replace(**fields)
 
         mg.default_config = default_config  # the module's own calls look the name up at call time
         print(f"W4A16 launch shapes with {fields} (K {args.linear_k or 'all'})", flush=True)
