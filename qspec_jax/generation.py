@@ -363,15 +363,12 @@ def run_generation(whole_fn: Callable, start_fn: Callable, rounds_fn: Callable, 
     if time_prefill and (timings is None or on_tokens is not None):
         raise ValueError("time_prefill: needs a `timings` dict and no `on_tokens` (it times the whole program)")
     if on_tokens is None:
-        prefill_s = None
-        if timings is not None and time_prefill:
-            start, _ = programs().compiled(start_fn, (*weights, *inputs), static)
-            t0 = time.perf_counter()
-            jax.block_until_ready(start(*weights, *inputs))  # the prefilled state is dropped here
-            prefill_s = time.perf_counter() - t0
+        prefill: dict[str, float] = {}
+        if time_prefill:  # the prefilled state is dropped before the whole program runs
+            run_program(start_fn, (*weights, *inputs), static, prefill)
         out = run_program(whole_fn, (*weights, *inputs), static, timings)
-        if prefill_s is not None:
-            timings["prefill_s"] = prefill_s
+        if time_prefill:
+            timings["prefill_s"] = prefill["run_s"]
         return out
     chunks = stream_chunks(start_fn, (*weights, *inputs), static, rounds_fn, weights, rounds_static, timings)
     while True:

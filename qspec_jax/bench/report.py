@@ -174,7 +174,8 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         head = f"γ={gammas[0]}" if len(gammas) == 1 else f"the fastest of γ={','.join(map(str, gammas))}"
         parts.append(f"\n### SmolLM2-135M-Instruct, real Shakespeare prompts (greedy, {head})\n" + _kept(sm))
         rows = [r for r in sm["rows"] if "error" not in r]
-        if rows and "spec_decode_tok_s" in rows[0]:  # since 2026-11-30: decoding alone, then end to end
+        decode = bool(rows) and "spec_decode_tok_s" in rows[0]  # since 2026-11-30: decoding alone, then end to end
+        if decode:
             parts.append("\nDecoding alone (SPEC's and the issues' measure): each method's run less its own "
                          "prefill, timed alone; end to end: the same runs with the prefill in.\n")
             parts.append(table(
@@ -193,8 +194,8 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
                   r["spec_tok_s"], r["speedup_vs_ar_bf16"], r["speedup_vs_ar_int8"], r["acceptance_rate"],
                   r["tokens_per_round"], r["match_ar_int8"]] for r in rows]))
         if len(gammas) > 1:
-            key = "decode_tok_s" if rows and "spec_decode_tok_s" in rows[0] else "tok_s"
-            parts.append(f"\nQuantSpec {'decode ' if key == 'decode_tok_s' else ''}tok/s by γ (tokens equal to "
+            key = "decode_tok_s" if decode else "tok_s"
+            parts.append(f"\nQuantSpec {'decode ' if decode else ''}tok/s by γ (tokens equal to "
                          "AR-int8 at every γ in the table's last column):\n")
             parts.append(table(["batch"] + [f"γ={g}" for g in gammas],
                                [[r["batch"]] + [next(b[key] for b in r["by_gamma"] if b["gamma"] == g)
