@@ -272,3 +272,34 @@ def test_linear_packs_once_and_reads_a_stacked_layer_with_the_mosaic_kernel():
     other = np.asarray(f(x, fused, jnp.int32(0), "xla"), np.float32)
     assert np.abs(y - ref).max() <= 1e-2 * np.abs(ref).max()
     assert np.abs(y - other).max() > 10 * np.abs(y - ref).max()  # it read layer 1, not layer 0
+
+def test_tinygemm_inner_k_tiles_fit_every_bench_shape():
+    """The tinygemm peer packs each weight with the inner k tiles its K allows (8 tiles of 16 needed K
+    a multiple of 128: SmolLM2's K 576 failed in the H200 bench of 2026-11-30), and refuses a K it
+    cannot pack with a message naming K."""
+    from qspec_jax.bench.torch_decode import tinygemm_inner_k_tiles
+    from qspec_jax.bench.w4a16 import BENCH_SHAPES
+
+    assert [tinygemm_inner_k_tiles(k) for k in (4096, 14336, 1536, 576, 96)] == [8, 8, 8, 4, 2]
+    for k, _ in BENCH_SHAPES.values():
+        assert k % (16 * tinygemm_inner_k_tiles(k)) == 0
+    with pytest.raises(ValueError, match="K a multiple of 32; got K=48"):
+        tinygemm_inner_k_tiles(48)
+
+
+def test_bench_times_the_split_sum_a_call_of_m_rows_gets():
+    """`qspec-bench w4a16` times the launch shape a call of M rows gets: the cluster split-K sum only
+    up to 24 rows (above, it does not lower: SmolLM2's down at M 32 failed in the H200 bench of
+    2026-11-30), in no variant above 24 rows, and "gmem" in interpret mode."""
+    from pallas_kernels.linear import mosaic_gpu as mg
+    from qspec_jax.bench.w4a16 import mosaic_variants
+
+    k, n = 1536, 576  # SmolLM2's down: split K
+    (small, _), = mosaic_variants(k, n, 32, False, m=8)
+    assert small.splits > 1 and small == mg.default_config(k, n, 32, reduce="cluster")
+    (big, _), = mosaic_variants(k, n, 32, False, m=32)
+    assert big == mg.default_config(k, n, 32, reduce="gmem")
+    assert all(c.reduce != "cluster" for c, _ in mosaic_variants(k, n, 32, True, m=32))
+    assert any(c.reduce == "cluster" for c, _ in mosaic_variants(k, n, 32, True, m=8))
+    (interp, _), = mosaic_variants(k, n, 32, False, m=8, interpret=True)
+    assert interp.reduce == "gmem"

@@ -361,7 +361,13 @@ TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # launch), o 8.26 -> 7.79 us (4 stages). In the draft step at 4k (`tuned_table_run.py`): batch 1 down
     # 522.8 -> 453.9 us, o 228.7 -> 216.8, wall 2.684 -> 2.599 ms; batch 8 wall 3.287 -> 3.177 ms; launches
     # unchanged. qkv with two k groups: no gain (342.9 -> 350.2 us), not taken.
-    "H200": {(14336, 4096, 32): (1, 256, 2, "cluster", 2, 8), (4096, 4096, 32): (1, 256, 2, "cluster", 2, 4)},
+    # SmolLM2's K 576 at k_tile 192 (3 steps, all of K in flight at once) instead of 64 (9 steps), 2026-11-30
+    # (docs/bench/*_h200_2026-11-30e*): the draft step at batch 32, 8k (`tuned_table_run.py --linear-config
+    # k_tile=192 --linear-k 576`): gate_up 243.4 -> 220.9 us, q|k|v 226.2 -> 215.5, o 137.3 -> 120.0, wall
+    # 1.964 -> 1.896 ms; the lm_head (576, 49152) 15.6 -> 16.4 us, so it keeps the cost model's k_tile 64.
+    "H200": {(14336, 4096, 32): (1, 256, 2, "cluster", 2, 8), (4096, 4096, 32): (1, 256, 2, "cluster", 2, 4),
+             (576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
+             (576, 576, 32): (1, 192, 1, "cluster")},
 }
 
 
@@ -373,6 +379,7 @@ def tuned_config(k: int, n: int, group_size: int | None, *, device_kind: str | N
         if key in kind and (k, n, group_size) in table:
             wgs, kt, splits, red, *rest = table[k, n, group_size]
             kg, stages = rest if rest else (1, 4)
+            red = red if splits > 1 else reduce  # one split sums nothing: any call's reduction runs it
             if (red == "cluster" and reduce != "cluster") or not epilogue_allows(epilogue, wgs, splits, red):
                 return None
             return MgpuConfig(wgs=wgs, k_tile=kt, splits=splits, reduce=red, stages=stages, tma_view=_tma_view(),

@@ -43,6 +43,23 @@ def torch_status() -> str | None:
     return None
 
 
+def tinygemm_inner_k_tiles(k: int) -> int:
+    """tinygemm's `innerKTiles` for a weight of K input channels: the largest of 8, 4, 2 whose k tile
+    (16 columns each) divides K (SmolLM2's K 576 takes 4; 8 needs K a multiple of 128)."""
+    for tiles in (8, 4, 2):
+        if k % (16 * tiles) == 0:
+            return tiles
+    raise ValueError(f"tinygemm needs K a multiple of 32; got K={k}")
+
+
+def tinygemm_pack(packed_u8: Any) -> Any:
+    """`torch.ops.aten._convert_weight_to_int4pack` of codes packed [N, K/2] uint8 (even k in the
+    high nibble), with the inner k tiles K allows."""
+    import torch
+
+    return torch.ops.aten._convert_weight_to_int4pack(packed_u8, tinygemm_inner_k_tiles(2 * packed_u8.shape[1]))
+
+
 def build(weights: str, context: int, group: int, seed: int = 0, shape: dict[str, Any] = SHAPE,
           device: str = "cuda") -> dict[str, Any]:
     """Random weights (never zeros) and a random static cache of `context` + 1 slots. (`device`
@@ -60,7 +77,7 @@ def build(weights: str, context: int, group: int, seed: int = 0, shape: dict[str
             return (torch.randn(n, k, device=dev, dtype=bf) * 0.02,)  # [N, K]: x @ W.T (nn.Linear)
         codes = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
         packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
-        w = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+        w = tinygemm_pack(packed)
         scale = torch.rand(k // group, n, device=dev) * 0.01 + 0.005
         zero = (torch.rand(k // group, n, device=dev) - 0.5) * 0.01
         return w, torch.stack([scale, zero + 8 * scale], dim=-1).to(bf).contiguous()  # tinygemm: (s, z + 8 s)

@@ -305,8 +305,10 @@ def _tinygemm_op(u, s, z, g: int):
     """(packed int4 weight, scales_and_zeros) for torch.ops.aten._weight_int4pack_mm."""
     import torch
 
+    from qspec_jax.bench.torch_decode import tinygemm_pack
+
     packed_u8 = ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8)  # [N, K/2]: even k high nibble
-    w = torch.ops.aten._convert_weight_to_int4pack(packed_u8.contiguous(), 8)
+    w = tinygemm_pack(packed_u8.contiguous())
     sz = torch.stack([s, z + 8.0 * s], dim=-1).to(torch.bfloat16).contiguous()  # [K/G, N, 2]
     return w, sz
 
@@ -405,12 +407,16 @@ def _variant_name(cfg: W4A16Config) -> str:
 
 
 
-def mosaic_variants(k: int, n: int, g: int | None, variants: bool) -> list[tuple[mg.MgpuConfig, str]]:
-    """(config, kernel) pairs: the default first; with `variants`, the other INT4 kernel ("wgmma"
-    register operand), the other split-K reduction, the other warpgroup count and twice the
-    splits (each only where valid)."""
-    base = mg.default_config(k, n, g)
+def mosaic_variants(k: int, n: int, g: int | None, variants: bool, m: int = 1,
+                    interpret: bool = False) -> list[tuple[mg.MgpuConfig, str]]:
+    """(config, kernel) pairs: the default first (what a call of M rows gets: its split-K sum
+    from `mg.reduce_mode`, in-cluster only up to 24 rows); with `variants`, the other INT4 kernel
+    ("wgmma" register operand), the other split-K reduction, the other warpgroup count and twice
+    the splits (each only where valid)."""
+    reduce = mg.reduce_mode(m, interpret)
+    base = mg.default_config(k, n, g, reduce=reduce)
     kern = "mma" if g is not None else "wgmma"
+    cluster_ok = reduce == "cluster"  # above 24 rows the cluster sum does not lower
     out = [(base, kern)]
     if not variants:
         return out
@@ -419,7 +425,7 @@ def mosaic_variants(k: int, n: int, g: int | None, variants: bool) -> list[tuple
         out.append((base.replace(tma_view="wide"), kern))  # the diagnosed TMA fix (docs/kernel_notes.md)
     if base.splits > 1:
         other = "cluster" if base.reduce == "gmem" else "gmem"
-        if other == "gmem" or base.splits <= mg.MAX_CLUSTER:
+        if other == "gmem" or (cluster_ok and base.splits <= mg.MAX_CLUSTER):
             out.append((base.replace(reduce=other), kern))
     steps = k // base.k_tile
     wgs = 3 - base.wgs
@@ -427,11 +433,12 @@ def mosaic_variants(k: int, n: int, g: int | None, variants: bool) -> list[tuple
         s = base.splits * 2 if wgs == 2 else max(1, base.splits // 2)
         while s > 1 and (steps % s or steps // s < 2):
             s //= 2
-        out.append((base.replace(wgs=wgs, splits=s, reduce="cluster" if 1 < s <= mg.MAX_CLUSTER else "gmem"),
-                    kern))
+        out.append((base.replace(wgs=wgs, splits=s,
+                                 reduce="cluster" if cluster_ok and 1 < s <= mg.MAX_CLUSTER else "gmem"), kern))
     s = base.splits * 2
     if steps % s == 0 and steps // s >= 2 and k // s >= 512:
-        out.append((base.replace(splits=s, reduce="cluster" if s <= mg.MAX_CLUSTER else "gmem"), kern))
+        out.append((base.replace(splits=s, reduce="cluster" if cluster_ok and s <= mg.MAX_CLUSTER else "gmem"),
+                    kern))
     return out
 
 
@@ -585,7 +592,7 @@ def _run_bf16(name: str, k: int, n: int, m: int, key: jax.Array, impls: tuple[st
         recs.append(_jax_impl(_record(**common, impl="bf16", variant="x @ W (XLA)"), _bf16_op, xs, wbs, refs,
                               (m, n), **timing))
     if "mosaic_bf16" in impls:
-        cfgs = mosaic_variants(k, n, None, variants and not quick)
+        cfgs = mosaic_variants(k, n, None, variants and not quick, m, interpret)
         for i, (cfg, _) in enumerate(cfgs):
             if interpret:
                 cfg = cfg.replace(reduce="gmem")
@@ -622,7 +629,7 @@ def _run_int4(name: str, k: int, n: int, g: int, m: int, key: jax.Array, impls: 
     if "mosaic_int4" in impls:
         try:
             packed = tuple(lay.pack_quantized(q) for q in qws)
-            for i, (cfg, kern) in enumerate(mosaic_variants(k, n, g, variants and not quick)):
+            for i, (cfg, kern) in enumerate(mosaic_variants(k, n, g, variants and not quick, m, interpret)):
                 if interpret and kern != "mma":
                     continue
                 if interpret:  # the interpret-mode twin sums split-K partials through XLA only

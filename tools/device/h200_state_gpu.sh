@@ -25,6 +25,8 @@
 #   STAGES="fusedparts": SmolLM2's fused INT4 kernels at M 32 alone, by epilogue part (same session);
 #   STAGES="normcons": the fused norm in the consumers, checked and A/B in the model (same session)
 #   STAGES="kt192": SmolLM2's K-576 INT4 kernels at k_tile 192, checked and A/B in the draft step (twenty-fifth)
+#   STAGES="smolkt": the tree's k_tile 192 entries checked at batch 1 / 8 / 32; the draft's down shapes A/B (26th)
+#   STAGES="downsem": SmolLM2's down with the in-kernel "sem" split sum, checked, timed alone and A/B at batch 32 / 8
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -41,13 +43,13 @@ prof() {  # tag, then qspec-bench profile arguments
   rm -rf $OUT/p_$tag/traces
   echo "== $tag done ($(( $(date +%s) - T0 )) s)"
 }
-ab() {  # tag, programs, tuned_table_run options: SmolLM2 batch 32, rows 4k-8k, in the model
+ab() {  # tag, programs, tuned_table_run options: SmolLM2 batch AB_BATCH (32), rows 4k-8k, in the model
   local tag=$1 progs=$2; shift 2
   timeout ${LIMIT:-200} python3 tools/device/tuned_table_run.py "$@" -- profile --steps 8 --trials 3 \
-    --shape smollm2 --batch 32 --contexts ${AB_CTX:-8192} --ragged --programs $progs --verify-t 5 \
-    --out $OUT/p_$tag 2>&1 | grep -v "^W[0-9]" > $L/profile_smollm2_b32_$tag.log
-  echo "-- $tag: $(grep -E '^== ' $L/profile_smollm2_b32_$tag.log | sed 's/(rows[^)]*)//' | paste -sd' ')"
-  grep -E "\[linear\]|\[attention\]" $L/profile_smollm2_b32_$tag.log | head -5
+    --shape smollm2 --batch ${AB_BATCH:-32} --contexts ${AB_CTX:-8192} --ragged --programs $progs --verify-t 5 \
+    --out $OUT/p_$tag 2>&1 | grep -v "^W[0-9]" > $L/profile_smollm2_b${AB_BATCH:-32}_$tag.log
+  echo "-- $tag: $(grep -E '^== ' $L/profile_smollm2_b${AB_BATCH:-32}_$tag.log | sed 's/(rows[^)]*)//' | paste -sd' ')"
+  grep -E "\[linear\]|\[attention\]|glue  " $L/profile_smollm2_b${AB_BATCH:-32}_$tag.log | head -7
   rm -rf $OUT/p_$tag/traces
 }
 smoltime() {  # tag, contexts, MgpuConfig variants: SmolLM2 batch 32 attention kernels alone (trace), draft rows shown
@@ -285,6 +287,27 @@ for stage in ${STAGES:-probe smol 8b}; do
           --linear-config $v --linear-k 576
       done
       echo "== kt192 done ($(( $(date +%s) - T0 )) s)";;
+    smolkt)  # the tree's table (SmolLM2's K 576 at k_tile 192) checked at batch 1 / 8 / 32, then candidate shapes of
+      # the draft's down (K 1536, N 576; the cost model's wgs 1, k_tile 256, 3 cluster splits) A/B in the draft step
+      timeout 150 python3 tools/device/qkv_cache_gpu.py --batches 1,8,32 --model-batches 1,8,32 --shapes smollm2 2>&1 \
+        | grep -v "^W[0-9]" > $L/smolkt_qkv_cache.log; grep -iE "ok|fail|error" $L/smolkt_qkv_cache.log | tail -12
+      for v in ${DOWN_AB-"default" "1,192,2,cluster" "1,192,4,cluster" "1,128,4,cluster" "1,128,6,cluster" "1,64,8,cluster"}; do
+        [ "$v" = default ] && ab draft_down_default draft || ab "draft_down_$(echo $v | tr ',' '_')" draft \
+          --set H200:1536,576,32=$v
+      done
+      echo "== smolkt done ($(( $(date +%s) - T0 )) s)";;
+    downsem)  # SmolLM2's down (K 1536, N 576) with its split sum in the kernel ("sem": no XLA sum + residual kernel
+      # at 32 rows, where "cluster" cannot run): checked bit for bit against "gmem" and timed alone, then A/B in the
+      # draft step at batch 32 and 8
+      timeout 150 python3 tools/device/w4a16_sem_gpu.py --m 1,8,32 --shapes s_down 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/downsem_check.log
+      for b in ${DOWN_BATCHES:-32 8}; do
+        for v in ${DOWN_AB-"default" "1,256,3,sem" "1,128,6,sem" "1,192,4,sem"}; do
+          [ "$v" = default ] && AB_BATCH=$b ab b${b}_down_default draft || AB_BATCH=$b ab \
+            "b${b}_down_$(echo $v | tr "," "_")" draft --set H200:1536,576,32=$v
+        done
+      done
+      echo "== downsem done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

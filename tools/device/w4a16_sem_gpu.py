@@ -25,7 +25,8 @@ from qspec_jax.bench.w4a16 import BENCH_SHAPES as SHAPES  # noqa: E402
 from w4a16_config_sweep import L2_DEFEAT, time_config, weights  # noqa: E402
 
 SPLITS = {"down": [(2, 256, 4), (1, 256, 2), (2, 64, 8)], "o": [(2, 256, 8), (1, 256, 2), (2, 128, 4)],
-          "qkv": [(2, 128, 8), (2, 128, 4), (1, 256, 2)], "gate_up": [(2, 256, 2)]}
+          "qkv": [(2, 128, 8), (2, 128, 4), (1, 256, 2)], "gate_up": [(2, 256, 2)],
+          "s_down": [(1, 256, 3), (1, 192, 4), (1, 128, 6), (1, 192, 2)]}
 
 
 def main() -> int:
