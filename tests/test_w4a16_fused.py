@@ -415,6 +415,12 @@ for m in (1, 32):  # SmolLM2's K 576 at k_tile 192 (three k blocks per stage; th
                                                 config=mg.MgpuConfig(wgs=wgs, k_tile=192))
         assert "mosaic_gpu" in lower(f, x, W((), 576, n), g1)
         n_ok += 1
+for c in mg.SQ_CHAINS[1:]:  # the consumer norm's x^2 in 2 / 4 chains (M 8: one tile; 32: four)
+    for m in (8, 32):
+        f = lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, interpret=False,
+                                                config=mg.MgpuConfig(wgs=1, k_tile=192, sq_chains=c))
+        assert "mosaic_gpu" in lower(f, S((m, 576), jnp.bfloat16), W((), 576, 960), S((576,), jnp.bfloat16))
+        n_ok += 1
 for d in mg.NORM_DIAGNOSTICS:  # the consumer norm's timing diagnostics (parts left out)
     f = lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, interpret=False,
                                             config=mg.MgpuConfig(wgs=1, k_tile=64, diag=d))
@@ -597,6 +603,8 @@ for b in (1, 8, 24, 32):  # 64-channel heads: SmolLM2's (N = 960, one warpgroup 
         n_ok += 1
     lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1))  # three k blocks per stage
     n_ok += 1
+lower_qkv(32, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1, sq_chains=4))  # x^2 in 4 chains
+n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''
 
@@ -614,9 +622,9 @@ def test_fused_kernels_lower_for_cuda(script, jax_version):
     producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at M = 32, 40, 64 (the wide
     exchange: swizzled [64, M_pad] tiles, the norm's row sums as a vector; a plain tile there
     fails Mosaic's transfer planning), and SmolLM2's K 576 at k_tile 192 (the norm in the
-    consumers, three k blocks per stage). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
+    consumers, three k blocks per stage; its x^2 in 2 and 4 chains). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
     to 24 rows, the 8B heads; SmolLM2's 64-channel heads to 32 rows, one and two warpgroups per
-    CTA, and k_tile 192), whose outputs alias the query operand and the rings."""
+    CTA, and k_tile 192, its x^2 in 4 chains), whose outputs alias the query operand and the rings."""
     python = sys.executable if jax_version == "0.10" else subproc.jax011_python()
     if python is None:
         pytest.skip("no jax 0.11 interpreter (QSPEC_JAX011_PYTHON or /tmp/j11)")
