@@ -735,19 +735,10 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
         if norm:
             for ct in range(nct):
                 for c in range(sq_chains):
-                    idx = [0] * ssq.registers.ndim
-                    idx[1], idx[4] = ct, c // 2
-                    sq[(ct, c)] = llvm.extractelement(ssq.registers[tuple(idx)], arith.constant(i32, c % 2))
+                    sq[(ct, c)] = wgmma_element(ssq, ct, c // 2, c % 2)
         # accumulator registers: [0, ct, 0, 0, h, 0, 0, 0, 0] = (row g + 8 h, cols 2c, 2c + 1)
         regs_in = acc.registers
-        cur = {}
-        for ct in range(nct):
-            for h in range(2):
-                idx = [0] * regs_in.ndim
-                idx[1], idx[4] = ct, h
-                v = regs_in[tuple(idx)]
-                for e in range(2):
-                    cur[(ct, 2 * h + e)] = llvm.extractelement(v, arith.constant(i32, e))
+        cur = {(ct, 2 * h + e): wgmma_element(acc, ct, h, e) for ct in range(nct) for h in range(2) for e in range(2)}
         zero = arith.constant(f32, 0.0)
         # chains[c][ct]: the 4 accumulator registers of column tile ct in chain c
         c_acc = [[[cur[(ct, i)] for i in range(4)] for ct in range(nct)]]
@@ -825,6 +816,16 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
     return fn
 
 
+def wgmma_element(arr: Any, ct: int, h: int, e: int) -> Any:
+    """Element e of register [0, ct, 0, 0, h, 0, ...] of a float32 [64, M_pad] FragmentedArray of the
+    WGMMA layout, i.e. (row lane // 4 + 8 h of the warp's 16, column 8 ct + 2 (lane % 4) + e): the
+    read `_wgmma_array` inverts (inside an inline_mgpu function)."""
+    ir, arith, llvm, _, _, _ = _mgpu_modules()
+    idx = [0] * arr.registers.ndim
+    idx[1], idx[4] = ct, h
+    return llvm.extractelement(arr.registers[tuple(idx)], arith.constant(ir.IntegerType.get_signless(32), e))
+
+
 def _wgmma_array(shape: tuple[int, ...], layout: Any, value: Any) -> Any:
     """A float32 [64, M_pad] FragmentedArray of the WGMMA layout (register array `shape`) from
     value(ct, h, e): register [0, ct, 0, 0, h, 0, ...] element e, i.e. (row lane // 4 + 8 h of the
@@ -884,11 +885,7 @@ def _fragment_row_sums(mp: int, sq_chains: int = 1):
                                                    has_side_effects=True)
         cols = {}  # ct -> the sums of this thread's two accumulator columns
         for ct in range(mp // 8):
-            chain = []
-            for c in range(sq_chains):  # register (ct, h, e) holds chain 2 h + e
-                idx = [0] * ssq.registers.ndim
-                idx[1], idx[4] = ct, c // 2
-                chain.append(llvm.extractelement(ssq.registers[tuple(idx)], arith.constant(i32, c % 2)))
+            chain = [wgmma_element(ssq, ct, c // 2, c % 2) for c in range(sq_chains)]  # chain 2 h + e
             while len(chain) > 1:  # pairwise: (c0 + c1) + (c2 + c3)
                 chain = [arith.addf(chain[i], chain[i + 1]) for i in range(0, len(chain), 2)]
             v = chain[0]

@@ -335,15 +335,10 @@ def _column_sums(mp: int):
         tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
         warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
         quad = arith.remui(lane, c(4))  # the thread's columns: 8 ct + 2 quad + e
-        regs = v.registers
         mu.warpgroup_barrier()  # the previous call's reads of buf are done
         for ct in range(mp // 8):
             for e in range(2):
-                vals = []
-                for h in range(2):  # rows g and g + 8 of the warp's 16
-                    idx = [0] * regs.ndim
-                    idx[1], idx[4] = ct, h
-                    vals.append(llvm.extractelement(regs[tuple(idx)], c(e)))
+                vals = [mg.wgmma_element(v, ct, h, e) for h in range(2)]  # rows g and g + 8 of the warp's 16
                 tot = arith.addf(vals[0], vals[1])
                 for sh in (4, 8, 16):
                     other = llvm.inline_asm(f32, [tot], _SHFL.format(sh), "=f,f", has_side_effects=True)
