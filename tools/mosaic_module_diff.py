@@ -1,6 +1,9 @@
-"""Diff the Mosaic GPU module of the decode-attention kernel between two builds, on a machine without a GPU.
+"""Diff the Mosaic GPU module of a kernel (the decode attention, or an INT4 linear) between two builds, on a machine
+without a GPU.
 
     .venv/bin/python tools/mosaic_module_diff.py BASE_DIR [--batch 8] [--view draft] [--t 1] [--flat 0|1]
+    .venv/bin/python tools/mosaic_module_diff.py BASE_DIR --kernel int4 [--m 32] [--k 576] [--n 960] \
+        [--epilogue norm|swiglu|residual|plain] [--config k_tile=192,sq_chains=4]
 
 BASE_DIR holds an earlier build's `pallas_kernels/` (e.g. `git archive 178f384 pallas_kernels | tar x -C
 BASE_DIR`). Each build's kernel (8B heads, 8k cache) is lowered for CUDA in its own process (`lowering_platforms=
@@ -8,6 +11,9 @@ BASE_DIR`). Each build's kernel (8B heads, 8k cache) is lowered for CUDA in its 
 with the Mosaic GPU dialect, SSA names stripped, and the two op sequences diffed (`difflib`). Prints the op counts,
 the count of shared-memory views with a runtime offset (`offset: ?`: swizzled addresses computed at run time), and
 each differing hunk. How the thirteenth session found the row split's buffer index (docs/kernel_notes.md).
+`--kernel int4` lowers `mosaic_gpu.int4_matmul_mgpu` instead (M rows, a [K, N] weight of group 32, the epilogue,
+`MgpuConfig` fields as FIELD=INT or FIELD=NAME; a field the base build lacks is an error there): 0 differing hunks
+is what a refactor of the kernel's code generation must show (twenty-sixth session: `wgmma_element`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,25 @@ q = jax.ShapeDtypeStruct((batch, t, 32, 128), jnp.bfloat16)
 qp = jax.ShapeDtypeStruct((batch, t), jnp.int32)
 f = jax.jit(lambda q, p, c: mg.quantized_decode_attention_mgpu(q, p, c, 0, view=view, config=conf))
 open(out, "w").write(f.trace(q, qp, cache).lower(lowering_platforms=("cuda",)).as_text())
+'''
+
+_LOWER_INT4 = r'''
+import sys
+import jax, jax.numpy as jnp
+from pallas_kernels.linear import layout as lay, mosaic_gpu as mg
+out, m, k, n, epi, conf = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+fields = {f: int(v) if v.lstrip("-").isdigit() else v for f, _, v in (p.partition("=") for p in conf.split(",") if p)}
+cfg = mg.MgpuConfig(**fields) if fields else None
+S = jax.ShapeDtypeStruct
+w = lay.W4A16Packed(qw=S((n // 64, k // 64, 128, 4), jnp.uint32), sz=S((n // 64, k // 64, 64 * 64 // 32), jnp.uint32),
+                    group_size=32)
+extra = {"plain": {}, "norm": {"norm_weight": S((k,), jnp.bfloat16)},
+         "swiglu": {"norm_weight": S((k,), jnp.bfloat16), "swiglu": True},
+         "residual": {"residual": S((m, n), jnp.bfloat16)}}[epi]
+arrays = {key: v for key, v in extra.items() if isinstance(v, S)}
+flags = {key: v for key, v in extra.items() if not isinstance(v, S)}
+f = jax.jit(lambda x, w, a: mg.int4_matmul_mgpu(x, w, config=cfg, interpret=False, **a, **flags))
+open(out, "w").write(f.trace(S((m, k), jnp.bfloat16), w, arrays).lower(lowering_platforms=("cuda",)).as_text())
 '''
 
 
@@ -78,9 +103,13 @@ def op_lines(stablehlo: str) -> list[str]:
 
 
 def lower(src_dir: str, out: str, args: argparse.Namespace) -> str:
-    env = dict(os.environ, PYTHONPATH=src_dir, JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", _LOWER, out, str(args.batch), args.view, str(args.t), args.flat],
-                   cwd=src_dir, env=env, check=True)
+    # locations off: the two builds' source paths and line numbers would differ in every op
+    env = dict(os.environ, PYTHONPATH=src_dir, JAX_PLATFORMS="cpu", JAX_TRACEBACK_IN_LOCATIONS_LIMIT="0")
+    if args.kernel == "int4":
+        cmd = [_LOWER_INT4, out, str(args.m), str(args.k), str(args.n), args.epilogue, args.config]
+    else:
+        cmd = [_LOWER, out, str(args.batch), args.view, str(args.t), args.flat]
+    subprocess.run([sys.executable, "-c", *cmd], cwd=src_dir, env=env, check=True)
     with open(out) as f:
         return f.read()
 
@@ -88,11 +117,17 @@ def lower(src_dir: str, out: str, args: argparse.Namespace) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("base_dir", help="a directory holding the earlier build's pallas_kernels/")
+    ap.add_argument("--kernel", default="attention", choices=("attention", "int4"))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--view", default="draft", choices=("draft", "target"))
     ap.add_argument("--t", type=int, default=1)
     ap.add_argument("--flat", default="0", choices=("", "0", "1"),
                     help="the draft's balanced schedule (MgpuConfig.ws_flat; '' leaves the build's default)")
+    ap.add_argument("--m", type=int, default=32, help="int4: rows")
+    ap.add_argument("--k", type=int, default=576, help="int4: the weight's K")
+    ap.add_argument("--n", type=int, default=960, help="int4: the weight's N")
+    ap.add_argument("--epilogue", default="norm", choices=("plain", "norm", "swiglu", "residual"))
+    ap.add_argument("--config", default="", help="int4: MgpuConfig fields, FIELD=VALUE,... ('': the default's)")
     ap.add_argument("--hunk-lines", type=int, default=8)
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
