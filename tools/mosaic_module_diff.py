@@ -54,12 +54,9 @@ cfg = mg.MgpuConfig(**fields) if fields else None
 S = jax.ShapeDtypeStruct
 w = lay.W4A16Packed(qw=S((n // 64, k // 64, 128, 4), jnp.uint32), sz=S((n // 64, k // 64, 64 * 64 // 32), jnp.uint32),
                     group_size=32)
-extra = {"plain": {}, "norm": {"norm_weight": S((k,), jnp.bfloat16)},
-         "swiglu": {"norm_weight": S((k,), jnp.bfloat16), "swiglu": True},
-         "residual": {"residual": S((m, n), jnp.bfloat16)}}[epi]
-arrays = {key: v for key, v in extra.items() if isinstance(v, S)}
-flags = {key: v for key, v in extra.items() if not isinstance(v, S)}
-f = jax.jit(lambda x, w, a: mg.int4_matmul_mgpu(x, w, config=cfg, interpret=False, **a, **flags))
+arrays = {"plain": {}, "norm": {"norm_weight": S((k,), jnp.bfloat16)}, "swiglu": {"norm_weight": S((k,), jnp.bfloat16)},
+          "residual": {"residual": S((m, n), jnp.bfloat16)}}[epi]
+f = jax.jit(lambda x, w, a: mg.int4_matmul_mgpu(x, w, config=cfg, interpret=False, swiglu=epi == "swiglu", **a))
 open(out, "w").write(f.trace(S((m, k), jnp.bfloat16), w, arrays).lower(lowering_platforms=("cuda",)).as_text())
 '''
 

@@ -390,8 +390,10 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
                 decode_s = statistics.median(t["run_s"] - t["prefill_s"] for t in ts)
                 # At a handful of tokens (CPU smoke runs) the prefill timed alone can outlast the run's
                 # decoding: no rate then (nan, "–" in the report), never a negative one.
-                row[f"{name}_decode_tok_s"] = (tokens - batch) / decode_s if decode_s > 0 else math.nan
-                if decode_s <= 0:
+                if decode_s > 0:
+                    row[f"{name}_decode_tok_s"] = (tokens - batch) / decode_s
+                else:
+                    row[f"{name}_decode_tok_s"] = math.nan
                     log(f"smollm batch {batch}: {name}: decoding not measurable (run less prefill "
                         f"{decode_s:.4f} s); decode tok/s left out")
                 row[f"{name}_prefill_s"] = statistics.median(t["prefill_s"] for t in ts)

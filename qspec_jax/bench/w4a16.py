@@ -593,9 +593,7 @@ def _run_bf16(name: str, k: int, n: int, m: int, key: jax.Array, impls: tuple[st
                               (m, n), **timing))
     if "mosaic_bf16" in impls:
         cfgs = mosaic_variants(k, n, None, variants and not quick, m, interpret)
-        for i, (cfg, _) in enumerate(cfgs):
-            if interpret:
-                cfg = cfg.replace(reduce="gmem")
+        for i, (cfg, _) in enumerate(cfgs):  # (in interpret mode every split sum is "gmem": mosaic_variants)
             op = functools.partial(_mosaic_bf16_op, cfg=cfg, interpret=interpret)
             recs.append(_jax_impl(_record(**common, impl="mosaic_bf16", variant=_mosaic_name(cfg),
                                           config=dataclass_dict(cfg)), op, xs, wbs, refs, (m, n),
@@ -630,10 +628,8 @@ def _run_int4(name: str, k: int, n: int, g: int, m: int, key: jax.Array, impls: 
         try:
             packed = tuple(lay.pack_quantized(q) for q in qws)
             for i, (cfg, kern) in enumerate(mosaic_variants(k, n, g, variants and not quick, m, interpret)):
-                if interpret and kern != "mma":
+                if interpret and kern != "mma":  # (its split sums are "gmem" there: mosaic_variants)
                     continue
-                if interpret:  # the interpret-mode twin sums split-K partials through XLA only
-                    cfg = cfg.replace(reduce="gmem")
                 op = functools.partial(_mosaic_int4_op, cfg=cfg, kernel=kern, interpret=interpret)
                 recs.append(_jax_impl(_record(**common, impl="mosaic_int4", variant=_mosaic_name(cfg, kern),
                                               config={**dataclass_dict(cfg), "kernel": kern}), op, xs, packed,

@@ -25,7 +25,7 @@
 #   STAGES="fusedparts": SmolLM2's fused INT4 kernels at M 32 alone, by epilogue part (same session);
 #   STAGES="normcons": the fused norm in the consumers, checked and A/B in the model (same session)
 #   STAGES="kt192": SmolLM2's K-576 INT4 kernels at k_tile 192, checked and A/B in the draft step (twenty-fifth)
-#   STAGES="smolkt": the tree's k_tile 192 entries checked at batch 1 / 8 / 32; the draft's down shapes A/B (26th)
+#   STAGES="smolkt": the tree's k_tile 192 entries checked at batch 1 / 8 / 32 (26th)
 #   STAGES="downsem": SmolLM2's down with the in-kernel "sem" split sum, checked, timed alone and A/B at batch 32 / 8
 #   STAGES="sqchains": the consumer norm's x^2 in 2 / 4 chains, checked and A/B in the draft step (26th, not yet run)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
@@ -288,18 +288,15 @@ for stage in ${STAGES:-probe smol 8b}; do
           --linear-config $v --linear-k 576
       done
       echo "== kt192 done ($(( $(date +%s) - T0 )) s)";;
-    smolkt)  # the tree's table (SmolLM2's K 576 at k_tile 192) checked at batch 1 / 8 / 32, then candidate shapes of
-      # the draft's down (K 1536, N 576; the cost model's wgs 1, k_tile 256, 3 cluster splits) A/B in the draft step
+    smolkt)  # the tree's table (SmolLM2's K 576 at k_tile 192) checked at batch 1 / 8 / 32 (kernel and model); the
+      # draft's down shapes are A/B'd by `downsem` (DOWN_AB)
       timeout 150 python3 tools/device/qkv_cache_gpu.py --batches 1,8,32 --model-batches 1,8,32 --shapes smollm2 2>&1 \
         | grep -v "^W[0-9]" > $L/smolkt_qkv_cache.log; grep -iE "ok|fail|error" $L/smolkt_qkv_cache.log | tail -12
-      for v in ${DOWN_AB-"default" "1,192,2,cluster" "1,192,4,cluster" "1,128,4,cluster" "1,128,6,cluster" "1,64,8,cluster"}; do
-        [ "$v" = default ] && ab draft_down_default draft || ab "draft_down_$(echo $v | tr ',' '_')" draft \
-          --set H200:1536,576,32=$v
-      done
       echo "== smolkt done ($(( $(date +%s) - T0 )) s)";;
     downsem)  # SmolLM2's down (K 1536, N 576) with its split sum in the kernel ("sem": no XLA sum + residual kernel
       # at 32 rows, where "cluster" cannot run): checked bit for bit against "gmem" and timed alone, then A/B in the
-      # draft step at batch 32 and 8
+      # draft step at batch 32 and 8; DOWN_AB="default 1,192,1,cluster ..." A/Bs other shapes (a multi-split "cluster"
+      # entry does not apply above 24 rows: `tuned_config`)
       timeout 150 python3 tools/device/w4a16_sem_gpu.py --m 1,8,32 --shapes s_down 2>&1 | grep -v "^W[0-9]" \
         | tee $L/downsem_check.log
       for b in ${DOWN_BATCHES:-32 8}; do
