@@ -329,8 +329,9 @@ def e2e_results(out: Path) -> dict[str, Any]:
 def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_home: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Part smollm with several --smollm-gamma values times each (tokens/s decoding alone and end to
-    end, trials round-robin over the methods, acceptance, tokens/round, tokens equal to AR-int8) and
-    reports the fastest at decoding as
+    end, trials round-robin over the methods, acceptance, tokens/round, tokens equal to AR-int8) against
+    the fastest AR loops (width 1), QuantSpec at gamma_max = gamma (verify width gamma + 1) with its
+    tokens checked against AR-int8 at that width, and reports the fastest at decoding as
     QuantSpec's row (the issues' "best gamma"); every gamma's greedy tokens equal the
     autoregressive ones; the report names the gammas and lists tokens/s by gamma. The timings are
     replaced by a fixed ranking (gamma 2 fastest at decoding, gamma 1 and 3 end to end; gamma 1's
@@ -349,8 +350,10 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
     calls = []  # the order the part runs its methods in
 
     def ar_timed(model: Any, prompts: Any, cfg: Any, **kw: Any) -> Any:
-        calls.append(cfg.kv)
+        calls.append((cfg.kv, cfg.width))
         res = ar_generate(model, prompts, cfg, **kw)
+        if "timings" not in kw:  # the exactness reference, untimed
+            return res
         assert 0 < kw["timings"]["prefill_s"]  # the real prefill was timed alone
         # decoding alone 1.0 s (bf16) / 2.0 s (int8); the CPU's own times are noise at 5 decoded tokens (a
         # prefill timed alone can take longer than the whole program's)
@@ -358,7 +361,7 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
         return res
 
     def timed(model: Any, prompts: Any, cfg: Any, *, timings: dict[str, float], time_prefill: bool) -> Any:
-        calls.append(cfg.gamma)
+        calls.append((cfg.gamma, cfg.verify_width))
         res = spec_generate(model, prompts, cfg, timings=timings, time_prefill=time_prefill)
         assert 0 < timings["prefill_s"]  # the real prefill was timed alone
         # decoding alone gamma 1 not measurable (its prefill timed alone outlasts its run), 0.25 / 0.9 s:
@@ -372,7 +375,9 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
     assert bench.main(["e2e", "--quick", "--parts", "smollm", "--smollm-checkpoint", str(tiny_chat_checkpoint),
                        "--text-dir", str(texts), "--smollm-gamma", "1,2,3", "--smollm-batches", "1",
                        "--smollm-context", "48", "--smollm-new-tokens", "6", "--trials", "2", "--out", str(out)]) == 0
-    assert calls == ["bf16", "int8", 1, 2, 3] * 2  # trials round-robin over the methods
+    # trials round-robin over the methods: the AR baselines at width 1 (the fastest AR loop), QuantSpec at
+    # gamma_max = gamma (verify width gamma + 1); then, untimed, AR-INT8 at each verify width for the tokens
+    assert calls == [("bf16", 1), ("int8", 1), (1, 2), (2, 3), (3, 4)] * 2 + [("int8", 2), ("int8", 3), ("int8", 4)]
     sm = e2e_results(out)["smollm"]
     assert sm["gamma"] == [1, 2, 3]
     (row,) = sm["rows"]
@@ -384,7 +389,7 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
     assert row["spec_tok_s"] == pytest.approx(tokens / 1.5)  # end to end: prefill in,
     assert row["spec_tok_s"] < row["by_gamma"][2]["tok_s"]  # where gamma 3 would have won
     assert all(b["match_ar_int8"] == 1.0 and 0 <= b["acceptance_rate"] <= 1 and b["tokens_per_round"] >= 1
-               for b in row["by_gamma"])
+               and b["verify_width"] == b["gamma"] + 1 for b in row["by_gamma"])
     best = row["by_gamma"][1]
     assert (row["acceptance_rate"], row["tokens_per_round"]) == (best["acceptance_rate"], best["tokens_per_round"])
     assert row["speedup_vs_ar_bf16"] == row["spec_tok_s"] / row["ar_bf16_tok_s"]
@@ -397,6 +402,7 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
     report.write_e2e(e2e_results(out), out, doc)
     text = doc.read_text()
     assert "(greedy, the fastest of γ=1,2,3)" in text and "| batch | γ=1 | γ=2 | γ=3 |" in text
+    assert "AR at width 1 (the fastest AR loop), QuantSpec at gamma_max = γ" in text
 
 
 def test_e2e_batch_records_what_does_not_fit(cache_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -177,7 +177,12 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
         decode = bool(rows) and "spec_decode_tok_s" in rows[0]  # since 2026-11-30: decoding alone, then end to end
         if decode:
             parts.append("\nDecoding alone (SPEC's and the issues' measure): each method's run less its own "
-                         "prefill, timed alone; end to end: the same runs with the prefill in.\n")
+                         "prefill, timed alone; end to end: the same runs with the prefill in."
+                         + (" AR at width 1 (the fastest AR loop), QuantSpec at gamma_max = γ (verify passes of "
+                            "γ + 1 columns); its tokens compared with AR-int8 at that verify width."
+                            if sm.get("ar_width") == 1 else
+                            " AR at GenerationConfig's default width (the verify width, 8 columns per pass; before "
+                            "2026-12-01), not the fastest AR loop.") + "\n")
             parts.append(table(
                 ["batch", "context", "γ", "AR-bf16 decode tok/s", "AR-int8 decode tok/s", "QuantSpec decode tok/s",
                  "decode speedup vs AR-bf16", "vs AR-int8", "prefill s (AR-bf16 / QuantSpec)",
