@@ -518,7 +518,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
         dense = jax.eval_shape(lambda k: random_dense_cache(cfg, 1, context, k), key)
         quant = jax.eval_shape(lambda k: random_quant_cache(cfg, 1, context, k), key)
         for kind, cache in (("ar_bf16", dense), ("ar_int8", quant)):
-            fn = jax.jit(functools.partial(autoregressive_loop, gen=GenerationConfig(max_new_tokens=64, kv=kind[3:]),
+            fn = jax.jit(functools.partial(autoregressive_loop, gen=GenerationConfig(max_new_tokens=64, kv=kind[3:], width=1),
                                            eos_ids=()))
             programs[(context, kind)] = (fn, (params, cache, first, key), {})
         fn = jax.jit(functools.partial(speculative_loop, spec=SpecConfig(gamma=4, max_new_tokens=64), eos_ids=()))
@@ -599,7 +599,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
                 # KV at the context, split n ways
                 unread = tree_bytes(params.embed) if params.lm_head is not None else 0
                 row["ar_bf16_bytes_per_device"] = step_bytes(cfg, tree_bytes(params) - unread, c, 1, "bf16") / n
-                gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16")
+                gen = GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1)
                 ar = jax.jit(functools.partial(autoregressive_loop, gen=gen, eos_ids=())).lower(
                     params, cache, first, key).compile()
                 jax.block_until_ready(ar(params, cache, first, key))
