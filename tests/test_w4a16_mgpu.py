@@ -686,26 +686,3 @@ def test_programmatic_dependent_launch_is_opt_in(pdl):
     x = _x(52, 3, k)
     twin = mg.int4_matmul_mgpu(x, p, config=cfg.replace(reduce="gmem"), variant="smem", interpret=True)
     assert _rel(twin, _oracle(x, qw)) < 2e-2
-
-
-def test_sq_chains_split_the_consumer_norms_sum():
-    """MgpuConfig(sq_chains=c) where the consumers run the fused norm (SmolLM2's K 576): the x^2 of
-    each activation tile goes into c independent chains, summed in a fixed order after the loop, so
-    each c lowers for CUDA to a module of its own; a value other than 1, 2 or 4 is refused by name.
-    The numerics (a changed float32 order of the row's sum) are checked on the GPU by
-    tools/device/norm_consumers_gpu.py --sq-chains."""
-    k, n, g = 576, 960, 32
-    w = lay.W4A16Packed(qw=jax.ShapeDtypeStruct((n // 64, k // 64, 128, 4), jnp.uint32),
-                        sz=jax.ShapeDtypeStruct((n // 64, k // 64, 64 * 64 // g), jnp.uint32), group_size=g)
-    x, gw = jax.ShapeDtypeStruct((32, k), jnp.bfloat16), jax.ShapeDtypeStruct((k,), jnp.bfloat16)
-
-    def lowered(c):
-        cfg = mg.MgpuConfig(wgs=1, k_tile=192, splits=1, sq_chains=c)
-        return _lower(lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, config=cfg, interpret=False), x, w, gw)
-
-    texts = {c: lowered(c) for c in mg.SQ_CHAINS}
-    assert all("mosaic_gpu" in t for t in texts.values()) and len(set(texts.values())) == len(mg.SQ_CHAINS)
-    assert mg.MgpuConfig().sq_chains == 1  # the default until measured on the GPU
-    with pytest.raises(ValueError, match="sq_chains=3"):
-        mg.int4_matmul_mgpu(jnp.zeros((1, k), jnp.bfloat16), w, norm_weight=jnp.ones((k,), jnp.bfloat16),
-                            config=mg.MgpuConfig(wgs=1, k_tile=192, sq_chains=3), interpret=False)

@@ -3,7 +3,7 @@ without a GPU.
 
     .venv/bin/python tools/mosaic_module_diff.py BASE_DIR [--batch 8] [--view draft] [--t 1] [--flat 0|1]
     .venv/bin/python tools/mosaic_module_diff.py BASE_DIR --kernel int4 [--m 32] [--k 576] [--n 960] \
-        [--epilogue norm|swiglu|residual|plain] [--config k_tile=192,sq_chains=4]
+        [--epilogue norm|swiglu|residual|plain] [--config k_tile=192,mma_chains=2]
 
 BASE_DIR holds an earlier build's `pallas_kernels/` (e.g. `git archive 178f384 pallas_kernels | tar x -C
 BASE_DIR`). Each build's kernel (8B heads, 8k cache) is lowered for CUDA in its own process (`lowering_platforms=

@@ -135,13 +135,6 @@ class MgpuConfig:
     # and no global sum (the split-K sums cost a kernel or a cluster barrier); changes the float32
     # summation order only (fixed per config, never dependent on M). 1: one warpgroup per row tile.
     k_groups: int = 1
-    # Where the consumers run the fused norm (`norm_in_consumers`): independent x^2 chains per activation
-    # tile and thread; register t of each `ldmatrix.x4` adds into chain t % sq_chains, and the chains are
-    # summed ((c0 + c1) + (c2 + c3)) before the row's lane-quad sum. 1: one dependent chain of 8 KT/64
-    # fma pairs per stage, longer than the stage's MMA chains at K 576 (the H200's `diag=nosq`: 70 us of
-    # SmolLM2's draft step at batch 32, docs/kernel_notes.md, twenty-sixth session). Changes the float32
-    # order of the row's sum only (fixed per config, never dependent on M).
-    sq_chains: int = 1
 
     def replace(self, **kw: Any) -> "MgpuConfig":
         return dataclasses.replace(self, **kw)
@@ -408,7 +401,6 @@ def _pdl() -> bool:
 
 
 MMA_CHAINS = (1, 2, 4)  # the values `MgpuConfig.mma_chains` takes (a power of two dividing KT/16 >= 4)
-SQ_CHAINS = (1, 2, 4)  # the values `MgpuConfig.sq_chains` takes (the four registers of an ldmatrix.x4)
 K_GROUPS = (1, 2, 4)  # the values `MgpuConfig.k_groups` takes
 
 
@@ -667,7 +659,7 @@ def norm_in_consumers(epi: "Epilogue", kind: str, variant: str, interpret: bool,
             and k_groups == 1 and k <= CONSUMER_NORM_MAX_K and env == "0")
 
 
-def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False, sq_chains: int = 1):
+def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -687,12 +679,13 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
     s % chains; chain 0 starts from `acc`, the others from zero, summed in chain order at the end.
 
     `norm` (`norm_in_consumers`): two more operands, g_ref bf16 [KT] (the stage's norm weights) and
-    ssq float32 [64, M_pad] (WGMMA layout: register (ct, h, element e) of each thread is its running
-    x^2 chain c = 2 h + e < `sq_chains` for activation row 8 ct + lane // 4, the other registers unused),
-    and the function returns (acc, ssq). Register t of the x4 load for k16 steps j, j + 1 holds 16-byte
-    chunk 2 j + t of the row, pair lane % 4 (`x_fragment_offset`): its x^2 goes into chain t % sq_chains
-    (lo^2 then hi^2, chunks in k order within a chain) and the register becomes bf16(x g) with (g[k],
-    g[k + 1]) before the MMAs."""
+    ssq float32 [64, M_pad] (WGMMA layout: register (ct, 0, element 0) of each thread is its running
+    x^2 chain for activation row 8 ct + lane // 4, the other registers unused), and the function returns
+    (acc, ssq). Register t of the x4 load for k16 steps j, j + 1 holds 16-byte chunk 2 j + t of the
+    row, pair lane % 4 (`x_fragment_offset`): its x^2 goes into the chain (lo^2 then hi^2, chunks in k
+    order) and the register becomes bf16(x g) with (g[k], g[k + 1]) before the MMAs. (Two or four
+    chains per tile, summed pairwise after the loop, were measured on the H200 and gained nothing:
+    docs/kernel_notes.md, twenty-seventh session.)"""
     g = group_size
     nkb = kt // lay.KB
     nct = mp // 8
@@ -731,11 +724,8 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
         # norm: g pair (g[k], g[k + 1]) of chunk c of k block kb at byte kb 128 + 16 c + 4 (lane % 4)
         g_base = (arith.addi(_smem_addr(g_ref), arith.muli(arith.remui(lane, mu.c(4, i32)), mu.c(4, i32)))
                   if norm else None)
-        sq = {}  # norm: (ct, chain c) -> this thread's x^2 chain, in register (ct, h, e) with c = 2 h + e
-        if norm:
-            for ct in range(nct):
-                for c in range(sq_chains):
-                    sq[(ct, c)] = wgmma_element(ssq, ct, c // 2, c % 2)
+        # norm: ct -> this thread's x^2 chain (register (ct, 0, 0) of ssq)
+        sq = {ct: wgmma_element(ssq, ct, 0, 0) for ct in range(nct)} if norm else {}
         # accumulator registers: [0, ct, 0, 0, h, 0, 0, 0, 0] = (row g + 8 h, cols 2c, 2c + 1)
         regs_in = acc.registers
         cur = {(ct, 2 * h + e): wgmma_element(acc, ct, h, e) for ct in range(nct) for h in range(2) for e in range(2)}
@@ -769,11 +759,10 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                     res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [addr], _LDMATRIX_ASM,
                                           "=r,=r,=r,=r,r", has_side_effects=True)
                     b = [llvm.extractvalue(i32, res, [t]) for t in range(4)]
-                    if norm and diag not in ("nosq", "nonorm"):  # chunk 2 j + t: x^2 into chain t % sq_chains
+                    if norm and diag not in ("nosq", "nonorm"):  # chunk 2 j + t: x^2 into the chain
                         for t in range(4):
-                            c = (ct, t % sq_chains)
-                            sq[c] = llvm.inline_asm(f32, [b[t], sq[c]], _SQ_NEXT_ASM, "=f,r,f",
-                                                    has_side_effects=False)
+                            sq[ct] = llvm.inline_asm(f32, [b[t], sq[ct]], _SQ_NEXT_ASM, "=f,r,f",
+                                                     has_side_effects=False)
                     if scale:  # then bf16(x g)
                         b = [llvm.inline_asm(i32, [b[t], g_pair[2 * j + t]], _MUL_BF16X2_ASM, "=r,r,r",
                                              has_side_effects=False) for t in range(4)]
@@ -811,7 +800,7 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
         if not norm:
             return out
         return out, _wgmma_array(regs_in.shape, ssq.layout,
-                                 lambda ct, h, e: sq[(ct, 2 * h + e)] if 2 * h + e < sq_chains else zero)
+                                 lambda ct, h, e: sq[ct] if (h, e) == (0, 0) else zero)
 
     return fn
 
@@ -854,20 +843,17 @@ def fragment_sum_plan(lane: int, kt: int) -> tuple[int, list[int], list[int]]:
     chain the lane holds, the k columns of one stage its chain adds, in order, as the first of each
     bf16 pair (lo^2 then hi^2), the lanes whose summed chains give its two accumulator columns
     2 (lane % 4) + e). The `ldmatrix.x4` for k16 steps j, j + 1 of k block kb gives register t the
-    pair at column 64 kb + 8 (2 j + t) + 2 (lane % 4) of row lane // 4 (`x_fragment_offset`); with
-    `MgpuConfig.sq_chains` C > 1, column i of the list (register t = i % 4) goes into chain t % C, each
-    chain in the list's order."""
+    pair at column 64 kb + 8 (2 j + t) + 2 (lane % 4) of row lane // 4 (`x_fragment_offset`)."""
     cols = [lay.KB * kb + 8 * (2 * j + t) + 2 * (lane % 4) for kb in range(kt // lay.KB) for j in (0, 2)
             for t in range(4)]
     return lane // 4, cols, [8 * (lane % 4) + 4 * e for e in range(2)]
 
 
-def _fragment_row_sums(mp: int, sq_chains: int = 1):
+def _fragment_row_sums(mp: int):
     """inline_mgpu function, a consumer warpgroup after its main loop (`norm_in_consumers`): ssq (the
     chains of `mma_stage(..., norm=True)`) -> ss float32 [64, M_pad], WGMMA layout, every row the same:
-    ss[., c] = the sum of x[c, :]^2. Per n tile: the thread's `sq_chains` chains as ((c0 + c1) + (c2 +
-    c3)), then that + its partner's over lanes ^ 1, then ^ 2 (the
-    lane quad sharing activation row 8 ct + lane // 4; every lane of the quad ends with the same bits:
+    ss[., c] = the sum of x[c, :]^2. Per n tile: the thread's chain + its partner's over lanes ^ 1,
+    then ^ 2 (the lane quad sharing activation row 8 ct + lane // 4; every lane of the quad ends with the same bits:
     float addition is commutative), then each thread takes the sums of its accumulator columns 8 ct +
     2 (lane % 4) + e from a lane of quad 2 (lane % 4) + e. Warp-local: no barrier, no shared memory."""
 
@@ -885,10 +871,7 @@ def _fragment_row_sums(mp: int, sq_chains: int = 1):
                                                    has_side_effects=True)
         cols = {}  # ct -> the sums of this thread's two accumulator columns
         for ct in range(mp // 8):
-            chain = [wgmma_element(ssq, ct, c // 2, c % 2) for c in range(sq_chains)]  # chain 2 h + e
-            while len(chain) > 1:  # pairwise: (c0 + c1) + (c2 + c3)
-                chain = [arith.addf(chain[i], chain[i + 1]) for i in range(0, len(chain), 2)]
-            v = chain[0]
+            v = wgmma_element(ssq, ct, 0, 0)
             for sh in (1, 2):
                 v = arith.addf(v, shfl(v, _SHFL_ASM.format(sh)))
             cols[ct] = [shfl(v, _SHFL_IDX_ASM, src[e]) for e in range(2)]
@@ -1116,7 +1099,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
             n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
             k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1, k_groups: int = 1,
-            cn: bool = False, sq_chains: int = 1):
+            cn: bool = False):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
     `epi` the fused glue (`Epilogue`; `cn`: the norm in the consumers, `norm_in_consumers`, decided by
     `_call`, which sizes the barriers and scratch for it; `norm_ahead`: `MgpuConfig.norm_ahead`; `k_groups`:
@@ -1448,7 +1431,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 plgpu.barrier_wait(full.at[slot])
                 ops = (w_smem.at[slot, rt], sz_smem.at[slot, rt], x_smem.at[slot])
                 if cn:  # carry: (acc, the x^2 chains)
-                    carry = mma_stage(g, kt, mp, diag, mma_chains, norm=True, sq_chains=sq_chains)(
+                    carry = mma_stage(g, kt, mp, diag, mma_chains, norm=True)(
                         *ops, g_smem.at[slot], *carry)
                 else:
                     carry = mma_stage(g, kt, mp, diag, mma_chains)(*ops, carry)
@@ -1458,7 +1441,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             acc0 = plgpu.layout_cast(jnp.zeros((lay.ROWS, mp), jnp.float32), plgpu.Layout.WGMMA)
             if cn:
                 acc, ssq = lax.fori_loop(0, group_steps, mma_step, (acc0, acc0))
-                gather_groups(acc, _fragment_row_sums(mp, sq_chains)(ssq))
+                gather_groups(acc, _fragment_row_sums(mp)(ssq))
             else:
                 gather_groups(lax.fori_loop(0, group_steps, mma_step, acc0))
             return
@@ -1721,8 +1704,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
-        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn,
-        sq_chains=cfg.sq_chains)
+        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()
@@ -1788,8 +1770,6 @@ def _check_cfg(cfg: MgpuConfig, k: int, n: int, c: int) -> None:
         raise ValueError(f"diag={cfg.diag!r}; expected one of {DIAGNOSTICS}")
     if cfg.mma_chains not in MMA_CHAINS:
         raise ValueError(f"mma_chains={cfg.mma_chains}; expected one of {MMA_CHAINS}")
-    if cfg.sq_chains not in SQ_CHAINS:
-        raise ValueError(f"sq_chains={cfg.sq_chains}; expected one of {SQ_CHAINS}")
     if cfg.k_groups not in K_GROUPS or (k // (cfg.k_tile * cfg.splits)) % cfg.k_groups:
         raise ValueError(f"k_groups={cfg.k_groups}: expected one of {K_GROUPS}, dividing the "
                          f"{k // (cfg.k_tile * cfg.splits)} k steps of a split (K={k}, k_tile={cfg.k_tile}, "

@@ -27,7 +27,9 @@
 #   STAGES="kt192": SmolLM2's K-576 INT4 kernels at k_tile 192, checked and A/B in the draft step (twenty-fifth)
 #   STAGES="smolkt": the tree's k_tile 192 entries checked at batch 1 / 8 / 32 (26th)
 #   STAGES="downsem": SmolLM2's down with the in-kernel "sem" split sum, checked, timed alone and A/B at batch 32 / 8
-#   STAGES="sqchains": the consumer norm's x^2 in 2 / 4 chains, checked and A/B in the draft step (26th, not yet run)
+#   (27th: stage "sqchains", the consumer norm's x^2 in 2 / 4 chains, ran once, gained nothing and went with the knob)
+#   STAGES="gengap": where a whole generation's decode step goes at SmolLM2 batch 32 (tools/device/gen_gap.py:
+#   AR at widths 1 / 8, QuantSpec at gamma_max 7 / gamma), 27th session
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -306,17 +308,11 @@ for stage in ${STAGES:-probe smol 8b}; do
         done
       done
       echo "== downsem done ($(( $(date +%s) - T0 )) s)";;
-    sqchains)  # the consumer norm's x^2 in 2 / 4 independent chains (`MgpuConfig.sq_chains`; the one chain is the
-      # stage's longest dependent chain at K 576): checked on fresh inputs, then A/B in the draft step at batch 32
-      for c in ${SQ_CHECK-2 4}; do
-        timeout 100 python3 tools/device/norm_consumers_gpu.py --ms ${NC_MS:-1,32} --sq-chains $c 2>&1 \
-          | grep -v "^W[0-9]" | tee $L/sqchains${c}_check.log | tail -5
-      done
-      for v in ${SQ_AB-"default" "sq_chains=2" "sq_chains=4"}; do
-        [ "$v" = default ] && ab draft_sq_default draft || ab "draft_$(echo $v | tr ',=' '__')" draft \
-          --linear-config $v --linear-k 576
-      done
-      echo "== sqchains done ($(( $(date +%s) - T0 )) s)";;
+    gengap)  # a whole generation (the calls part smollm times) on random SmolLM2-shaped weights, by kernel label
+      timeout ${LIMIT:-500} python3 tools/device/gen_gap.py --shape smollm2 --batch ${GAP_BATCH:-32} --context 8000 \
+        --new 128 --methods ${GAP_METHODS:-ar_bf16,ar_bf16:8,spec:2,spec:2:2,ar_int8} --trials 2 --top 12 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/gen_gap.log | grep -E "^== |kernels in"
+      echo "== gengap done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

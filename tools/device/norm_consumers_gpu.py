@@ -1,8 +1,7 @@
 """GPU check of the fused norm in the consumer warpgroups (`mosaic_gpu.norm_in_consumers`: x g in the B
 fragments, x^2 summed from them) against the producer's pass and finish (QSPEC_W4A16_NORM_PASS=1). Not in CI.
 
-    PYTHONPATH=. python3 tools/device/norm_consumers_gpu.py [--ms 1,8,32] [--shapes s_qkv,s_gate_up] [--k-tile 192] \
-        [--sq-chains 4]
+    PYTHONPATH=. python3 tools/device/norm_consumers_gpu.py [--ms 1,8,32] [--shapes s_qkv,s_gate_up] [--k-tile 192]
 
 Per shape (K, N; gate_up shapes with SiLU·up) and row count M, on fresh random inputs: the kernel with the
 norm in the consumers, twice (a race would give other bits), each row of the call against the row alone
@@ -10,8 +9,7 @@ norm in the consumers, twice (a race would give other bits), each row of the cal
 x^2 is summed in another order), and both against `epilogue_reference` on the host CPU (relative error of
 the bf16 output, the check's TOL_BF16). Each launch shape is the model's (`default_config` with the epilogue);
 --k-tile replaces its k_tile for the consumers' runs (e.g. 192 at K 576: three stages of three k blocks; the
-pass, which takes k_tile 64 / 128 / 256 only, runs at 64 where the model's is another), --sq-chains their
-`MgpuConfig.sq_chains` (the x^2 in 2 or 4 independent chains: other bits than 1, same tolerance).
+pass, which takes k_tile 64 / 128 / 256 only, runs at 64 where the model's is another).
 """
 from __future__ import annotations
 
@@ -38,7 +36,6 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,32")
     ap.add_argument("--shapes", default="s_qkv,s_gate_up")
     ap.add_argument("--k-tile", type=int, default=0, help="k_tile of the consumers' runs (0: the model's)")
-    ap.add_argument("--sq-chains", type=int, default=0, help="sq_chains of the consumers' runs (0: the model's)")
     args = ap.parse_args()
     key = jax.random.PRNGKey(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
     fails = 0
@@ -58,7 +55,6 @@ def main() -> int:
             cfg = mg.default_config(k, n, 32, epilogue=epi)
             pass_cfg = cfg if cfg.k_tile in (64, 128, 256) else cfg.replace(k_tile=64)  # the pass's k tiles
             cfg = cfg.replace(k_tile=args.k_tile) if args.k_tile else cfg
-            cfg = cfg.replace(sq_chains=args.sq_chains) if args.sq_chains else cfg
 
             def run(pass_env: str):
                 os.environ["QSPEC_W4A16_NORM_PASS"] = pass_env
@@ -85,7 +81,7 @@ def main() -> int:
             same, det = int((a != old).sum()), int((a != b).sum())
             ok = det == 0 and rows_bad == 0 and rel <= TOL_BF16
             fails += not ok
-            print(f"{name:9s} M={m:2d} wgs {cfg.wgs} kt {cfg.k_tile} s {cfg.splits} sq {cfg.sq_chains}: "
+            print(f"{name:9s} M={m:2d} wgs {cfg.wgs} kt {cfg.k_tile} s {cfg.splits}: "
                   f"rel {rel:.2e} (pass {rel_old:.2e}), "
                   f"{same} of {a.size} elements differ from the pass, {det} between two runs, {rows_bad} rows differ "
                   f"alone: {'ok' if ok else 'FAIL'}", flush=True)
