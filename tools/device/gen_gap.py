@@ -1,17 +1,24 @@
-"""Where a whole generation's decode time goes that `qspec-bench profile`'s loops do not show.
+"""Where a whole generation's decode time goes, the way part smollm times it, by kernel label.
 
-The real SmolLM2 at batch 32 decodes with AR-bf16 at 3.59 ms per step (8905 tok/s, part smollm)
-where the profile's AR loop over uniform 8k rows takes 2.75 ms. This runs the same public calls as
-part smollm (`generate_autoregressive`, `speculative.generate`, `time_prefill=True`) on random
-weights of a model shape, then traces one whole run and one prefill-alone run and prints, per decode
-step, wall time, kernel time by label (whole less prefill), and the idle rest.
+Runs the public calls part smollm times (`generate_autoregressive`, `speculative.generate`, with
+`time_prefill=True`) on random weights of a model shape, then traces one whole run and one run with
+its prefill-alone program and prints, per decode step (new tokens - 1), the wall time, the kernels'
+time (whole program less prefill alone) by category and label with launch counts, and the idle rest.
+Labels of the prefill's own fusions can differ between the two programs (XLA names them per
+module): a label with 30 launches and none "in the prefill" is a prefill kernel of the whole
+program, not decode work; the totals are exact. How the twenty-seventh session found that part
+smollm's AR baselines ran at the 8-column verify width (3.39 against 2.72 ms per step at SmolLM2
+batch 32 on the H200).
 
-  python3 tools/device/gen_gap.py --shape smollm2 --batch 32 --context 8000 --new 128 --methods ar_bf16,ar_bf16:8,spec:2,spec:2:2
+  python3 tools/device/gen_gap.py --shape smollm2 --batch 32 --context 8000 --new 128 \
+      --methods ar_bf16,ar_bf16:8,spec:2,spec:2:2
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
+import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -28,12 +35,42 @@ from qspec_jax.speculative import SpecConfig, generate
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
 
-def by_label(events: list[dict]) -> dict[str, float]:
-    out: dict[str, float] = collections.defaultdict(float)
+def gaps(trace_dir: Path, top: int) -> None:
+    """Idle stretches of the GPU in the newest trace under `trace_dir`: gaps between consecutive
+    kernels (all GPU streams merged) by the kernel before them, the 'where does the device wait'
+    view (a while loop's predicate copy, a conditional's branch index, a host round trip)."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    ks = sorted(((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
+                 if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e), key=lambda x: x[0])
+    if not ks:  # a CPU run: no GPU kernels
+        return
+    by_prev: dict[str, list[float]] = collections.defaultdict(list)
+    end, prev = ks[0][0], ks[0][2]
+    for ts, dur, name in ks:
+        if ts - end > 2.0:  # microseconds
+            by_prev[prev].append(ts - end)
+        if ts + dur >= end:
+            end, prev = ts + dur, name
+    total = sum(sum(v) for v in by_prev.values())
+    print(f"   gaps > 2 us: {sum(len(v) for v in by_prev.values())}, {total / 1e3:.1f} ms in all; by the kernel before:")
+    for name, v in sorted(by_prev.items(), key=lambda x: -sum(x[1]))[:top]:
+        print(f"   {sum(v) / 1e3:8.2f} ms in {len(v):5d} gaps (median {statistics.median(v):6.1f} us) after {name[:90]}")
+
+
+def by_label(events: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
+    """Microseconds and launches by "[category] label" of a trace's GPU kernels."""
+    us: dict[str, float] = collections.defaultdict(float)
+    n: dict[str, int] = collections.defaultdict(int)
     for e in events:
         cat, label, _ = P.classify(e["name"])
-        out[f"[{cat}] {label}"] += e["dur_us"]
-    return out
+        us[f"[{cat}] {label}"] += e["dur_us"]
+        n[f"[{cat}] {label}"] += 1
+    return us, n
 
 
 def main() -> int:
@@ -90,12 +127,13 @@ def main() -> int:
             with jax.profiler.trace(f"{d}/whole", create_perfetto_trace=True):
                 fn({}, False)  # the whole program alone
             whole = P.kernel_events(Path(d) / "whole")
+            gaps(Path(d) / "whole", args.top // 2)
         with tempfile.TemporaryDirectory() as d:  # prefill alone: the run's first half, for the difference
             with jax.profiler.trace(f"{d}/whole", create_perfetto_trace=True):
                 t2: dict[str, float] = {}
                 fn(t2)  # time_prefill runs the prefill program alone first, then the whole one
             both = P.kernel_events(Path(d) / "whole")
-        w, b = by_label(whole), by_label(both)
+        (w, wn), (b, bn) = by_label(whole), by_label(both)
         # `both` = prefill alone + whole; whole's decode = 2 whole - both (= whole - prefill alone)
         dec = {k: (2 * w.get(k, 0.0) - b.get(k, 0.0)) / steps for k in set(w) | set(b)}
         busy = sum(dec.values())
@@ -107,7 +145,9 @@ def main() -> int:
             cats[k.split("]")[0][1:]] += v
         print("   " + ", ".join(f"{c} {v:.1f} us" for c, v in sorted(cats.items(), key=lambda x: -x[1])))
         for k, v in sorted(dec.items(), key=lambda x: -x[1])[: args.top]:
-            print(f"   {v:9.1f} us  {k[:110]}")
+            # launches in the whole program and in the prefill alone (a one-off kernel of the whole
+            # program shows as 1 and 0: its time is per run, not per step)
+            print(f"   {v:9.1f} us  {k[:100]}  ({wn.get(k, 0)} launches, {bn.get(k, 0) - wn.get(k, 0)} in the prefill)")
     return 0
 
 
