@@ -434,13 +434,25 @@ def test_e2e_batch_records_what_does_not_fit(cache_home: Path, tmp_path: Path, c
 
 
 @pytest.mark.slow  # compiles and times the quick AR and speculative loops: > ~20 s
-def test_e2e_batch_goes_on_after_a_context_that_does_not_fit(cache_home: Path, tmp_path: Path) -> None:
+def test_e2e_batch_goes_on_after_a_context_that_does_not_fit(cache_home: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Part batch measures a context that fits and records the next as not fitting; its loops are
+    AR at width 1 and QuantSpec with verify passes of gamma + 1 columns (`loop_spec`)."""
+    from qspec_jax.bench import e2e
+
+    widths = []  # (AR width, QuantSpec gamma and verify width) the part's loops were built with
+    ar_loop, spec_loop = e2e.autoregressive_loop, e2e.speculative_loop
+    monkeypatch.setattr(e2e, "autoregressive_loop", lambda *a, gen, **kw: (widths.append(("ar", gen.width)),
+                                                                          ar_loop(*a, gen=gen, **kw))[1])
+    monkeypatch.setattr(e2e, "speculative_loop", lambda *a, spec, **kw: (
+        widths.append(("spec", spec.gamma, spec.verify_width)), spec_loop(*a, spec=spec, **kw))[1])
     out = tmp_path / "o"
     assert bench.main(["e2e", "--quick", "--parts", "batch", "--batch-contexts", f"512,{ABSURD}",
-                       "--out", str(out)]) == 0
+                       "--loop-gamma", "3", "--out", str(out)]) == 0
     measured, refused = e2e_results(out)["batch"]["rows"]
     assert measured["ar_bf16_tok_s"] > 0 and measured["spec_a0.9_tok_s"] > 0 and "error" not in measured
     assert refused["context"] == ABSURD and refused["error"].startswith("does not fit in memory: ")
+    assert set(widths) == {("ar", 1), ("spec", 3, 4)}
 
 
 @pytest.mark.parametrize("argv, json_file, row_key", [

@@ -127,14 +127,21 @@ def test_bad_arguments_exit_2(argv, message, capsys):
 
 
 @pytest.mark.slow  # compiles a tiny model's step programs (~20 CPU-s)
-def test_quick_run_on_the_cpu(tmp_path, capsys):
+def test_quick_run_on_the_cpu(tmp_path, capsys, monkeypatch):
     """On a CPU the trace has no GPU kernels: the run still times the programs, says so and
-    writes its JSON where told; its report section renders from that JSON."""
+    writes its JSON where told; its report section renders from that JSON. The verify step and
+    the speculative loop's verify passes are gamma + 1 columns wide by default."""
     from qspec_jax.bench import report
 
+    widths = []  # the speculative loop's verify width, each time it is traced
+    spec_loop = P.speculative_loop
+    monkeypatch.setattr(P, "speculative_loop", lambda *a, spec, **kw: (widths.append(spec.verify_width),
+                                                                       spec_loop(*a, spec=spec, **kw))[1])
     out = tmp_path / "prof"
-    assert cli.main(["profile", "--quick", "--programs", "draft,ar_loop,spec_loop", "--out", str(out)]) == 0
+    assert cli.main(["profile", "--quick", "--programs", "draft,ar_loop,spec_loop", "--gamma", "2",
+                     "--out", str(out)]) == 0
     res = json.loads((out / "profile.json").read_text())
+    assert res["verify_t"] == 3 and widths and set(widths) == {3}
     assert [r["program"] for r in res["rows"]] == ["draft", "ar_loop", "spec_loop"]
     assert all(r["wall_us"] > 0 and r["launches"] == 0 for r in res["rows"])
     assert "no GPU kernel events" in capsys.readouterr().out

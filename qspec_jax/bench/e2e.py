@@ -21,6 +21,9 @@ would only add minutes of setup); step times do not depend on the values.
 The autoregressive baselines are the fastest AR loops (one token column per pass, width 1): the
 speedup's denominator. (AR at the verify width, GenerationConfig's default, computes bit for
 bit what speculative decoding's target computes, at some cost; it is not the baseline.)
+QuantSpec runs at a fixed gamma with gamma_max = gamma (`loop_spec`): verify passes of gamma + 1
+columns, where SpecConfig's default gamma_max would make them DEFAULT_GAMMA_MAX + 1 wide at any gamma
+(before 2026-12-01 they were).
 
 Timing (SPEC §7): each measurement runs n steps inside one jitted loop and is repeated; the
 median is reported. Loop tokens/s use the difference of two loop lengths, which cancels the
@@ -183,6 +186,13 @@ def bench_config(args: argparse.Namespace) -> ModelConfig:
     return (QUICK if args.quick else LLAMA31_8B).replace(attention_impl=args.attention_impl)
 
 
+def loop_spec(gamma: int, **fields: Any) -> SpecConfig:
+    """QuantSpec at a fixed draft length as the parts time it: gamma_max = gamma, so that every
+    verify pass is gamma + 1 columns wide (SpecConfig's default gamma_max makes it DEFAULT_GAMMA_MAX
+    + 1 at any gamma; exact either way, against AR at that verify width)."""
+    return SpecConfig(gamma=gamma, gamma_max=gamma, **fields)
+
+
 def time_generate_compile(p_abs: Any, d_abs: Any, args: argparse.Namespace) -> float:
     """Seconds to compile `generate` (prefill + speculative loop) for the model, alone."""
     from qspec_jax.speculative import speculative_program
@@ -237,8 +247,8 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
                 gen=GenerationConfig(max_new_tokens=loop_new, kv="int8", width=1), eos_ids=()))
             for a in args.alphas:
                 programs[("spec_loop", args.loop_gamma, a, c)] = (spec_loop, (p_abs, d_abs, quant, first, key), dict(
-                    spec=SpecConfig(gamma=args.loop_gamma, max_new_tokens=loop_new, forced_acceptance=a,
-                                    eos_token_ids=()), eos_ids=()))
+                    spec=loop_spec(args.loop_gamma, max_new_tokens=loop_new, forced_acceptance=a,
+                                   eos_token_ids=()), eos_ids=()))
     log(f"compiling {len(programs)} programs")
     t0 = time.perf_counter()
     exes = compile_all(programs, args.compile_workers)
@@ -307,7 +317,7 @@ def part_8b(args: argparse.Namespace, bw: float) -> dict[str, Any]:
                         row[f"spec_g{args.loop_gamma}_a{a}_loop_tokens_per_round"] = res.tokens_per_round
 
         # The random caches (no prefill) and the programs' passes must fit beside the weights.
-        verify = dataclasses.replace(SpecConfig(gamma=max(args.gammas), max_new_tokens=loop_new).memory_request(1, c),
+        verify = dataclasses.replace(loop_spec(max(args.gammas), max_new_tokens=loop_new).memory_request(1, c),
                                      prefill=False, cache_slots=-(-(c + EXTRA_SLOTS) // 128) * 128)
         errors = [options.run_case(measure_dense, cfg, Request(1, c, loop_new, kv="bf16", width=1, prefill=False,
                                                                cache_slots=c + EXTRA_SLOTS), weights),
@@ -353,12 +363,12 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
     if not texts:
         raise FileNotFoundError(f"{args.text_dir}: no .txt files")
     ctx, new = args.smollm_context, args.smollm_new_tokens
-    # The baselines are the fastest AR loops (width 1, as in every part); QuantSpec runs at gamma_max = gamma,
-    # its fastest exact setting for a fixed gamma (verify passes of gamma + 1 columns, not DEFAULT_GAMMA_MAX + 1),
-    # and its greedy tokens are compared with AR-INT8 at that verify width (`exact_ar`), where the target
-    # computes the verify's logits bit for bit (the width-1 loop may differ in a last bit: GenerationConfig).
+    # The baselines are the fastest AR loops (width 1, as in every part); QuantSpec as every part runs it
+    # (`loop_spec`: verify passes of gamma + 1 columns), its greedy tokens compared with AR-INT8 at that
+    # verify width (`exact_ar`), where the target computes the verify's logits bit for bit (the width-1
+    # loop may differ in a last bit: GenerationConfig).
     ar = {kv: GenerationConfig(max_new_tokens=new, kv=kv, eos_token_ids=(), width=1) for kv in ("bf16", "int8")}
-    spec = {g: SpecConfig(gamma=g, gamma_max=g, max_new_tokens=new, eos_token_ids=()) for g in args.smollm_gamma}
+    spec = {g: loop_spec(g, max_new_tokens=new, eos_token_ids=()) for g in args.smollm_gamma}
     exact_ar = {w: GenerationConfig(max_new_tokens=new, kv="int8", eos_token_ids=(), width=w)
                 for w in sorted({c.verify_width for c in spec.values()})}
     rows = []
@@ -479,8 +489,8 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
             quant = synthetic.random_quant_cache(cfg, b, c, jax.random.fold_in(key, c + 1), extra_slots=EXTRA_SLOTS,
                                                  lengths=lengths)
             for a in args.alphas:
-                spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens, forced_acceptance=a,
-                                  eos_token_ids=())
+                spec = loop_spec(args.loop_gamma, max_new_tokens=args.loop_tokens, forced_acceptance=a,
+                                 eos_token_ids=())
                 sp = jax.jit(functools.partial(speculative_loop, spec=spec, eos_ids=()))
                 res = sp(params, draft, quant, first, key)
                 secs = median_seconds(functools.partial(sp, params, draft, quant, first, key), args.trials)
@@ -490,7 +500,7 @@ def part_batch(args: argparse.Namespace) -> dict[str, Any]:
                     row[f"spec_a{a}_vs_ar"] = row[f"spec_a{a}_tok_s"] / row["ar_bf16_tok_s"]
 
         slots = c + EXTRA_SLOTS
-        spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens)
+        spec = loop_spec(args.loop_gamma, max_new_tokens=args.loop_tokens)
         quant_slots = -(-slots // spec.group_size) * spec.group_size
         errors = [options.run_case(measure_ar, cfg, Request(b, c, args.loop_tokens, kv="bf16", width=1, prefill=False,
                                                             cache_slots=slots), weights),
@@ -521,7 +531,7 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
             fn = jax.jit(functools.partial(autoregressive_loop, gen=GenerationConfig(max_new_tokens=64, kv=kind[3:], width=1),
                                            eos_ids=()))
             programs[(context, kind)] = (fn, (params, cache, first, key), {})
-        fn = jax.jit(functools.partial(speculative_loop, spec=SpecConfig(gamma=4, max_new_tokens=64), eos_ids=()))
+        fn = jax.jit(functools.partial(speculative_loop, spec=loop_spec(4, max_new_tokens=64), eos_ids=()))
         programs[(context, "spec")] = (fn, (params, draft, quant, first, key), {})
     rows = []
     for (context, kind), exe in compile_all(programs, args.compile_workers).items():
@@ -582,7 +592,7 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
     for n in args.tp_sizes:
         mesh = make_mesh(n) if n > 1 else None
         if mesh is not None:  # rows: one token (AR, draft) and the verify width
-            for r in sorted({1, SpecConfig(gamma=args.loop_gamma).verify_width}):
+            for r in sorted({1, loop_spec(args.loop_gamma).verify_width}):
                 collectives.append(allreduce_latency(mesh, r, cfg.hidden_size, args.trials))
                 log(json.dumps(collectives[-1]))
         params = jax.jit(lambda k: M.init_random_params(cfg, k))(key)
@@ -608,8 +618,8 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
                 row["ar_bf16_peak_bytes_per_device"] = peak_bytes(ar.memory_analysis())
                 del cache, ar
                 cache = place(random_quant_cache(cfg, 1, c, key))
-                spec = SpecConfig(gamma=args.loop_gamma, max_new_tokens=args.loop_tokens,
-                                  forced_acceptance=args.alphas[0], eos_token_ids=())
+                spec = loop_spec(args.loop_gamma, max_new_tokens=args.loop_tokens,
+                                 forced_acceptance=args.alphas[0], eos_token_ids=())
                 sp = jax.jit(functools.partial(speculative_loop, spec=spec, eos_ids=())).lower(
                     params, draft, cache, first, key).compile()
                 jax.block_until_ready(sp(params, draft, cache, first, key))

@@ -45,7 +45,7 @@ from qspec_jax.bench.timing import read_ceiling_bps
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, QuantSpecCache
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.planner import tree_bytes
-from qspec_jax.speculative import SpecConfig, speculative_loop
+from qspec_jax.speculative import speculative_loop
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
 PROGRAMS = ("ar_bf16", "draft", "verify", "ar_loop", "spec_loop")
@@ -233,8 +233,8 @@ def profile_context(args: argparse.Namespace, cfg: Any, c: int, params: M.Params
             gen=GenerationConfig(max_new_tokens=args.loop_tokens, kv="bf16", width=1)), (params, first, key)),
         "spec_loop": lambda: restarted(caches, "quant", lambda c, p, d, f, k: speculative_loop(
             p, d, c, f, k, eos_ids=(), return_cache=True,
-            spec=SpecConfig(gamma=args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha,
-                            eos_token_ids=())), (params, draft, first, key)),
+            spec=e2e.loop_spec(args.gamma, max_new_tokens=args.loop_tokens, forced_acceptance=args.alpha,
+                               eos_token_ids=())), (params, draft, first, key)),
     }
     for name, make in loops.items():
         if name not in args.programs:
@@ -350,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-tokens", type=int, default=128, help="tokens per profiled loop")
     p.add_argument("--gamma", type=int, default=4, help="draft length of the speculative loop")
     p.add_argument("--alpha", type=float, default=0.9, help="forced acceptance of the speculative loop")
-    p.add_argument("--verify-t", type=int, default=DEFAULT_GAMMA_MAX + 1,
-                   help="tokens of the verify pass (the exact verify width)")
+    p.add_argument("--verify-t", type=int, default=None,
+                   help="tokens of the verify pass (default: --gamma + 1, the speculative loop's verify width)")
     p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size, help="INT4 draft group size")
     p.add_argument("--top", type=int, default=24, help="kernels listed per program")
     options.add_output_args(p, "profile", "BENCHMARKS.md")
@@ -369,6 +369,8 @@ def check_args(args: argparse.Namespace) -> None:
     options.positive(PROG, args, "--contexts", "--batch", "--steps", "--trials", "--loop-tokens", "--top")
     require(PROG, 1 <= args.gamma <= DEFAULT_GAMMA_MAX, "--gamma", args.gamma, f"in 1..{DEFAULT_GAMMA_MAX}")
     require(PROG, 0.0 <= args.alpha <= 1.0, "--alpha", args.alpha, "in [0, 1]")
+    if args.verify_t is None:
+        args.verify_t = args.gamma + 1
     require(PROG, 1 <= args.verify_t <= DEFAULT_GAMMA_MAX + 1, "--verify-t", args.verify_t,
             f"in 1..{DEFAULT_GAMMA_MAX + 1}")
     require(PROG, args.draft_group in WEIGHT_GROUPS, "--draft-group", args.draft_group,
