@@ -65,7 +65,7 @@ def test_trace_summary_per_step(tmp_path):
                {"ph": "X", "pid": 1, "tid": 1, "name": "quantspec_target_mgpu", "ts": 11, "dur": 20.0}]
     ev.append({"ph": "X", "pid": 2, "tid": 1, "name": "host work", "ts": 0, "dur": 500.0})  # not a kernel
     events = P.kernel_events(_trace(tmp_path, ev))
-    assert len(events) == 6
+    assert len(events) == 6 and [e["ts_us"] for e in events[:3]] == [0.0, 9.0, 11.0]  # start times kept
     s = P.summarize(events, per=2)
     assert s["busy_us"] == pytest.approx(29.5) and s["launches"] == 3
     assert s["categories"]["linear"] == {"us": 8.0, "launches": 1.0}

@@ -446,8 +446,7 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
             row[f"speedup_vs_{ar_name}"] = row["spec_tok_s"] / row[f"{ar_name}_tok_s"]
         log(json.dumps(row))
         rows.append(row)
-    return {"model": str(args.smollm_checkpoint), "gamma": list(args.smollm_gamma), "ar_width": 1,
-            "verify_width": "gamma + 1", "rows": rows}
+    return {"model": str(args.smollm_checkpoint), "gamma": list(args.smollm_gamma), "ar_width": 1, "rows": rows}
 
 
 # ------------------------------------------------------------------------------ part: batch
@@ -528,8 +527,8 @@ def part_memory(args: argparse.Namespace) -> dict[str, Any]:
         dense = jax.eval_shape(lambda k: random_dense_cache(cfg, 1, context, k), key)
         quant = jax.eval_shape(lambda k: random_quant_cache(cfg, 1, context, k), key)
         for kind, cache in (("ar_bf16", dense), ("ar_int8", quant)):
-            fn = jax.jit(functools.partial(autoregressive_loop, gen=GenerationConfig(max_new_tokens=64, kv=kind[3:], width=1),
-                                           eos_ids=()))
+            gen = GenerationConfig(max_new_tokens=64, kv=kind[3:], width=1)
+            fn = jax.jit(functools.partial(autoregressive_loop, gen=gen, eos_ids=()))
             programs[(context, kind)] = (fn, (params, cache, first, key), {})
         fn = jax.jit(functools.partial(speculative_loop, spec=loop_spec(4, max_new_tokens=64), eos_ids=()))
         programs[(context, "spec")] = (fn, (params, draft, quant, first, key), {})

@@ -63,7 +63,7 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------- the trace
 def kernel_events(trace_dir: Path) -> list[dict[str, Any]]:
-    """GPU kernel events {name, dur_us} of the newest trace under `trace_dir` (the Perfetto JSON
+    """GPU kernel events {name, dur_us, ts_us} of the newest trace under `trace_dir` (the Perfetto JSON
     that `jax.profiler.trace(..., create_perfetto_trace=True)` writes); [] when it has none (a
     CPU run)."""
     files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
@@ -78,7 +78,7 @@ def gpu_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The complete ("X") events of GPU processes (their process_name names a GPU)."""
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
-    return [{"name": e["name"], "dur_us": float(e["dur"])} for e in events
+    return [{"name": e["name"], "dur_us": float(e["dur"]), "ts_us": float(e.get("ts", 0.0))} for e in events
             if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -29,47 +27,43 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.bench import profile as P
+from qspec_jax.cache import DEFAULT_GAMMA_MAX
 from qspec_jax.checkpoint import Model
 from qspec_jax.generation import GenerationConfig, generate_autoregressive
 from qspec_jax.speculative import SpecConfig, generate
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
 
-def gaps(trace_dir: Path, top: int) -> None:
-    """Idle stretches of the GPU in the newest trace under `trace_dir`: gaps between consecutive
-    kernels (all GPU streams merged) by the kernel before them, the 'where does the device wait'
-    view (a while loop's predicate copy, a conditional's branch index, a host round trip)."""
-    files = sorted(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    with gzip.open(files[-1], "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
-    ks = sorted(((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
-                 if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e), key=lambda x: x[0])
+def gaps(events: list[dict], top: int) -> None:
+    """Idle stretches of the GPU in a trace's kernel `events` (`profile.kernel_events`): gaps between
+    consecutive kernels (all GPU streams merged) by the kernel before them, the 'where does the device
+    wait' view (a while loop's predicate copy, a conditional's branch index, a host round trip)."""
+    ks = sorted(events, key=lambda e: e["ts_us"])
     if not ks:  # a CPU run: no GPU kernels
         return
     by_prev: dict[str, list[float]] = collections.defaultdict(list)
-    end, prev = ks[0][0], ks[0][2]
-    for ts, dur, name in ks:
-        if ts - end > 2.0:  # microseconds
-            by_prev[prev].append(ts - end)
-        if ts + dur >= end:
-            end, prev = ts + dur, name
+    end, prev = ks[0]["ts_us"], ks[0]["name"]
+    for e in ks:
+        if e["ts_us"] - end > 2.0:  # microseconds
+            by_prev[prev].append(e["ts_us"] - end)
+        if e["ts_us"] + e["dur_us"] >= end:
+            end, prev = e["ts_us"] + e["dur_us"], e["name"]
     total = sum(sum(v) for v in by_prev.values())
-    print(f"   gaps > 2 us: {sum(len(v) for v in by_prev.values())}, {total / 1e3:.1f} ms in all; by the kernel before:")
+    print(f"   gaps > 2 us: {sum(len(v) for v in by_prev.values())}, {total / 1e3:.1f} ms in all; "
+          "by the kernel before:")
     for name, v in sorted(by_prev.items(), key=lambda x: -sum(x[1]))[:top]:
-        print(f"   {sum(v) / 1e3:8.2f} ms in {len(v):5d} gaps (median {statistics.median(v):6.1f} us) after {name[:90]}")
+        print(f"   {sum(v) / 1e3:8.2f} ms in {len(v):5d} gaps (median {statistics.median(v):6.1f} us) "
+              f"after {name[:90]}")
 
 
-def by_label(events: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
-    """Microseconds and launches by "[category] label" of a trace's GPU kernels."""
-    us: dict[str, float] = collections.defaultdict(float)
-    n: dict[str, int] = collections.defaultdict(int)
+def by_label(events: list[dict]) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], int]]:
+    """Microseconds and launches by (category, label) of a trace's GPU kernels."""
+    us: dict[tuple[str, str], float] = collections.defaultdict(float)
+    n: dict[tuple[str, str], int] = collections.defaultdict(int)
     for e in events:
         cat, label, _ = P.classify(e["name"])
-        us[f"[{cat}] {label}"] += e["dur_us"]
-        n[f"[{cat}] {label}"] += 1
+        us[(cat, label)] += e["dur_us"]
+        n[(cat, label)] += 1
     return us, n
 
 
@@ -80,7 +74,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8000, help="prompt tokens per row")
     ap.add_argument("--new", type=int, default=128, help="new tokens per row")
     ap.add_argument("--methods", default="ar_bf16,ar_bf16:8,spec:2,spec:2:2",
-                    help="ar_bf16[:WIDTH], ar_int8[:WIDTH] (default width 1), spec:GAMMA[:GAMMA_MAX] (default 7)")
+                    help=f"ar_bf16[:WIDTH], ar_int8[:WIDTH] (default width 1), spec:GAMMA[:GAMMA_MAX] "
+                         f"(default {DEFAULT_GAMMA_MAX})")
     ap.add_argument("--alpha", type=float, default=0.95, help="the speculative run's forced acceptance")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
@@ -96,16 +91,18 @@ def main() -> int:
     model = Model(config=cfg, params=jax.block_until_ready(M.for_device(params)))
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, cfg.vocab_size, size=(args.batch, args.context), dtype=np.int64)
+
     def run_of(method: str):
-        """ar_bf16[:W] / ar_int8[:W] (W: the pass width, default 1) or spec:G[:GMAX] (GMAX default 7)."""
+        """ar_bf16[:W] / ar_int8[:W] (W: the pass width, default 1) or spec:G[:GMAX] (GMAX default
+        DEFAULT_GAMMA_MAX, SpecConfig's)."""
         kind, *nums = method.split(":")
         if kind.startswith("ar_"):
             gen = GenerationConfig(max_new_tokens=args.new, kv=kind[3:], eos_token_ids=(),
                                    width=int(nums[0]) if nums else 1)
             return lambda tm, tp=True: generate_autoregressive(model, prompts, gen, timings=tm, time_prefill=tp)
         g = int(nums[0]) if nums else 2
-        spec = SpecConfig(gamma=g, gamma_max=int(nums[1]) if len(nums) > 1 else 7, max_new_tokens=args.new,
-                          eos_token_ids=(), forced_acceptance=args.alpha)
+        spec = SpecConfig(gamma=g, gamma_max=int(nums[1]) if len(nums) > 1 else DEFAULT_GAMMA_MAX,
+                          max_new_tokens=args.new, eos_token_ids=(), forced_acceptance=args.alpha)
         return lambda tm, tp=True: generate(model, prompts, spec, draft_params=draft, timings=tm, time_prefill=tp)
 
     for name in args.methods.split(","):
@@ -127,7 +124,7 @@ def main() -> int:
             with jax.profiler.trace(f"{d}/whole", create_perfetto_trace=True):
                 fn({}, False)  # the whole program alone
             whole = P.kernel_events(Path(d) / "whole")
-            gaps(Path(d) / "whole", args.top // 2)
+        gaps(whole, args.top // 2)
         with tempfile.TemporaryDirectory() as d:  # prefill alone: the run's first half, for the difference
             with jax.profiler.trace(f"{d}/whole", create_perfetto_trace=True):
                 t2: dict[str, float] = {}
@@ -141,13 +138,14 @@ def main() -> int:
               f"{(run_s - pre_s) / steps * 1e3 - busy / 1e3:.3f} ms; prefill kernels "
               f"{(sum(b.values()) - sum(w.values())) / 1e3:.1f} ms", flush=True)
         cats = collections.defaultdict(float)
-        for k, v in dec.items():
-            cats[k.split("]")[0][1:]] += v
+        for (cat, _), v in dec.items():
+            cats[cat] += v
         print("   " + ", ".join(f"{c} {v:.1f} us" for c, v in sorted(cats.items(), key=lambda x: -x[1])))
         for k, v in sorted(dec.items(), key=lambda x: -x[1])[: args.top]:
             # launches in the whole program and in the prefill alone (a one-off kernel of the whole
             # program shows as 1 and 0: its time is per run, not per step)
-            print(f"   {v:9.1f} us  {k[:100]}  ({wn.get(k, 0)} launches, {bn.get(k, 0) - wn.get(k, 0)} in the prefill)")
+            print(f"   {v:9.1f} us  [{k[0]}] {k[1][:100]}  ({wn.get(k, 0)} launches, "
+                  f"{bn.get(k, 0) - wn.get(k, 0)} in the prefill)")
     return 0
 
 
