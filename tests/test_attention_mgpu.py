@@ -446,6 +446,48 @@ def test_ws_flat_balanced_schedule(ctas, window):
         assert (np.abs(o5 - default) <= 2 * bound).all()  # both within the bound of the reference
 
 
+def test_ws_prep_pairs_same_bits():
+    """`ws_prep_pairs` (the balanced schedule's prep, two blocks per pass, both blocks' bias terms in one
+    column sum of the tile's width): the checks of `_ws_variant_runs` (its T = 5 calls have two column
+    tiles and prepare one block per pass, its T = 1 rows pairs: equal bit for bit) and the same bits as
+    one block per pass; 7 CTAs over rows of 8, 2, 1 and 0 blocks give segments of odd and even block counts.
+    It also records no trace in interpret mode (`ws_profile_dir`: the regions change no result)."""
+    g = 64
+    cache = build_cache(23, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
+    q1, pos1 = _queries(jax.random.PRNGKey(11), cache, 5, 4, 64, jnp.float32)
+    q1, pos1 = q1[:, -1:], pos1[:, -1:]
+    for cfg, _, call in _ws_variant_runs("draft", 60, 23, 11, (1,), ws_flat=True, ws_flat_ctas=7,
+                                         ws_prep_pairs=True):
+        args = (4, 1, 64, g, cache.ring_size, 9 * g, mg.column_tiles(4, 1), mg.column_tiles(4, 9), "draft", 60,
+                False, True, jnp.float16, jnp.bfloat16, cfg)
+        assert ws.static_config(*args, cols=4).prep_pairs  # T = 1: one tile, 8 live columns
+        assert not ws.static_config(*args[:6], mg.column_tiles(4, 5), *args[7:], cols=20).prep_pairs
+        paired = np.asarray(_mgpu(q1, pos1, cache, jnp.int32(0), "draft", 60, config=cfg))
+        single = np.asarray(_mgpu(q1, pos1, cache, jnp.int32(0), "draft", 60,
+                                  config=dataclasses.replace(cfg, ws_prep_pairs=False)))
+        np.testing.assert_array_equal(paired, single)
+        prof = dataclasses.replace(cfg, ws_prep_pairs=False, ws_profile_dir="/nonexistent/qspec-profile")
+        assert ws.static_config(*args[:-1], prof, cols=4).profile_dir == "/nonexistent/qspec-profile"
+        np.testing.assert_array_equal(
+            np.asarray(_mgpu(q1, pos1, cache, jnp.int32(0), "draft", 60, config=prof)), single)
+
+
+def test_prep_pairs_resolution(monkeypatch):
+    """ws_prep_pairs None: $QSPEC_MGPU_PREP_PAIRS, else off; pairs only in the balanced schedule, with one
+    prep warpgroup, one column tile of at most NT / 2 live columns, and prep work to do."""
+    monkeypatch.delenv(ws.PREP_PAIRS_ENV, raising=False)
+    assert not ws.prep_pairs_of(None, True, 1, (8,))
+    on = mg.MgpuConfig(ws_prep_pairs=True)
+    assert ws.prep_pairs_of(on, True, 1, (8,))
+    assert not ws.prep_pairs_of(on, False, 1, (8,))  # the row split
+    assert not ws.prep_pairs_of(on, True, 2, (8,))  # two prep warpgroups
+    assert not ws.prep_pairs_of(on, True, 1, (16,)) and not ws.prep_pairs_of(on, True, 1, (16, 8))
+    assert not ws.prep_pairs_of(on, True, 1, (8,), no_prep_work=True)
+    monkeypatch.setenv(ws.PREP_PAIRS_ENV, "1")
+    assert ws.prep_pairs_of(None, True, 1, (8,))
+    assert not ws.prep_pairs_of(mg.MgpuConfig(ws_prep_pairs=False), True, 1, (8,))
+
+
 @pytest.mark.parametrize("view,window,flat,splits", [("draft", None, False, 3), ("target", None, False, 1),
                                                      ("draft", None, True, 1)])
 def test_ws_prep_query_in_registers_same_bits(view, window, flat, splits):
@@ -550,6 +592,27 @@ def test_consumers_resolution(monkeypatch):
     monkeypatch.setenv(ws.CONSUMERS_ENV, "4")
     with pytest.raises(ValueError, match="QSPEC_MGPU_CONSUMERS"):
         ws.consumers_of(mg.MgpuConfig(), "draft", False, many)
+    # $QSPEC_MGPU_FLAT_CONSUMERS: the balanced schedule's calls only, below $QSPEC_MGPU_CONSUMERS
+    monkeypatch.delenv(ws.CONSUMERS_ENV)
+    monkeypatch.setenv(ws.FLAT_CONSUMERS_ENV, "3")
+    assert ws.consumers_of(mg.MgpuConfig(), "draft", True, few) == 3
+    assert ws.consumers_of(mg.MgpuConfig(), "draft", False, few) == 2
+    assert ws.consumers_of(mg.MgpuConfig(), "target", False, few) == 2
+    monkeypatch.setenv(ws.CONSUMERS_ENV, "2")
+    assert ws.consumers_of(mg.MgpuConfig(), "draft", True, few) == 2
+    monkeypatch.delenv(ws.CONSUMERS_ENV)
+    monkeypatch.setenv(ws.FLAT_CONSUMERS_ENV, "1")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_FLAT_CONSUMERS='1'"):
+        ws.consumers_of(mg.MgpuConfig(), "draft", True, few)
+    # three consumers in the balanced schedule: FLAT_WIDE_STAGES slots with the prep's pairs, else 6 (SmolLM2's heads)
+    monkeypatch.delenv(ws.FLAT_CONSUMERS_ENV)
+    flat = functools.partial(ws.static_config, B=32, H=3, D=64, G=128, R=288, S_max=8192, C=1, c_max=1,
+                             view="draft", window=None, register_a=True, interpret=False, scale_dtype=jnp.float16,
+                             fp_dtype=jnp.bfloat16, cols=3)
+    wide = flat(config=mg.MgpuConfig(ws_flat=True, ws_consumers=3, ws_prep_pairs=True))
+    assert (wide.consumers, wide.stages, wide.prep_pairs) == (3, ws.FLAT_WIDE_STAGES, True)
+    assert flat(config=mg.MgpuConfig(ws_flat=True, ws_consumers=3)).stages == 6
+    assert flat(config=mg.MgpuConfig(ws_flat=True)).stages == 6  # the default: two consumers
 
 
 @pytest.mark.parametrize("view,window,splits", [("target", 60, 3), ("draft", None, 3)])
@@ -633,6 +696,10 @@ def test_flat_schedule_resolution(monkeypatch):
     monkeypatch.delenv(ws.FLAT_RING_W_ENV, raising=False)
     ring, block = 5 * 64 * 128 * 2 * 2, 128 * 128 + 4 * 128 * 2
     assert ws.ring_weight("draft", 128, 128, 320, jnp.float16, jnp.bfloat16) == -(-ring // block) == 10
+    # at head dim 64 (SmolLM2) half its bytes' worth, as measured (`RING_COST`): 81920 / 8960 x 1/2 -> 5
+    ring64, block64 = 5 * 64 * 64 * 2 * 2, 128 * 64 + (2 * 64 + 2 * 128) * 2
+    assert ws.RING_COST[64] == (1, 2)
+    assert ws.ring_weight("draft", 64, 128, 320, jnp.float16, jnp.bfloat16) == -(-ring64 // (2 * block64)) == 5
     monkeypatch.setenv(ws.FLAT_RING_W_ENV, "6")
     assert ws.ring_weight("draft", 128, 128, 320, jnp.float16, jnp.bfloat16) == 6
     monkeypatch.setenv(ws.FLAT_RING_W_ENV, "0")
@@ -1049,3 +1116,41 @@ def _np_kernel_bytes(logical: np.ndarray) -> np.ndarray:
         stored[..., q] = logical[..., q - q % 16 + 2 * j + i // 2 + 8 * (i % 2)]
     stored[..., n - n % 16:] = logical[..., n - n % 16:]
     return stored
+
+
+def test_attention_timeline_summary(capsys):
+    """tools/device/attention_timeline.py (the GPU's `ws_profile_dir` traces): nested B/E events per
+    warpgroup become regions, and the summary's per-role means, per-block medians and CTA spread are
+    those of the trace (3 CTAs of 2 consumers and a prep; the last CTA starts 0.5 us after the first)."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "device"))
+    try:
+        spec = importlib.util.spec_from_file_location("attention_timeline", sys.path[0] + "/attention_timeline.py")
+        tl = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tl)
+    finally:
+        sys.path.pop(0)
+    events = []
+    for cta in range(3):
+        for wg, role in ((0, "c"), (1, "c"), (2, "p")):
+            tid, base = 1 + wg + 4 * cta, 0.25 * cta
+
+            def ev(name, ph, ts):
+                events.append(dict(name=name, ph=ph, ts=ts, tid=tid, pid=1 + cta))
+            ev(f"{role}_all", "B", base)
+            for b in range(4):  # 4 blocks of 1 us, the first 0.25 us of each a wait
+                ev(f"{role}_blk", "B", base + 1 + b)
+                ev(f"{role}_wait", "B", base + 1 + b)
+                ev(f"{role}_wait", "E", base + 1.25 + b)
+                ev(f"{role}_blk", "E", base + 2 + b)
+            ev(f"{role}_all", "E", base + 6)
+    regs = tl.regions({"traceEvents": events})
+    assert sorted(n for n, _, _ in regs[1]) == ["c_all"] + ["c_blk"] * 4 + ["c_wait"] * 4
+    assert ("c_wait", 1.0, 1.25) in regs[1] and ("c_all", 0.0, 6.0) in regs[1]
+    tl.summarize({"traceEvents": events}, 4, 2)
+    out = capsys.readouterr().out
+    assert "span 6.5 us over 3 CTAs" in out
+    assert "CTA end: 6.0 / 6.0 / 6.2 / 6.5 / 6.5 us" in out
+    assert "consumer (mean per warpgroup of 6): c_all 6.0 us (1.0), c_all - (blk + ring + end) 2.0 us, " \
+           "c_blk 4.0 us (4.0), c_wait 1.0 us (4.0)" in out
+    assert "prep median per region (us): p_blk 1.000, p_wait 0.250" in out
+    assert "last CTA 2 (ends at 6.5 us)" in out

@@ -116,7 +116,8 @@ class MgpuConfig:
     schedule: str | None = None
     ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
     # "ws" timing diagnostics (wrong results): "stream", "stream_planes", "stream_noring", "noring", "noprep",
-    # "scores_only", "no_values"; "and_or" (right results); see `mosaic_gpu_ws._WsStatic.diag`
+    # "scores_only", "no_values", "noconv", "nosoftmax", "noconv_nosoftmax", "nobias"; "and_or" (right results);
+    # see `mosaic_gpu_ws._WsStatic.diag`
     ws_diag: str | None = None
     # "ws": issue a block's value MMA, then the next block's K conversion and score MMA, before
     # waiting (software-pipelined consumers); False: one block after the other. Same bits.
@@ -152,6 +153,14 @@ class MgpuConfig:
     # query columns rounded up to 8; `mosaic_gpu_ws.live_cols`), the rest of the tile zero P. None:
     # $QSPEC_MGPU_LIVE_COLS (0: off), else on (`mosaic_gpu_ws.live_of`).
     ws_live_cols: bool | None = None
+    # "ws", balanced schedule: the prep warpgroup prepares two blocks per pass (both blocks' q s_k, their
+    # bias terms summed in one column sum), where a column tile's live columns are at most half of it
+    # (`mosaic_gpu_ws.prep_pairs_of`; same bits). None: $QSPEC_MGPU_PREP_PAIRS, else off (measured: it pays only
+    # with three consumers, docs/kernel_notes.md, twenty-eighth session).
+    ws_prep_pairs: bool | None = None
+    # "ws" timing diagnostic: a directory into which every call writes a Perfetto trace of each warpgroup's
+    # named regions (Mosaic GPU's on-device profiler; `mosaic_gpu_ws.PROFILE_REGIONS`). None: off.
+    ws_profile_dir: str | None = None
 
 
 def merge_of(config: "MgpuConfig | None") -> str:
@@ -230,13 +239,14 @@ def twin_operand(hi: Array, lo: Array | None) -> Array:
     return jnp.concatenate([half(f16[0], f16[1]), half(f16[2], f16[3])], axis=1)
 
 
-def register_operand(hi, lo, rows: int, nb: int, *, lop3: bool = True):
+def register_operand(hi, lo, rows: int, nb: int, *, lop3: bool = True, raw: bool = False):
     """Register path: uint8 [rows=64, nb] arrays in the WGMMA_8BIT layout (lane j of a quad holds
     bytes 4j..4j+3 of each 16-byte group of its two rows) -> float16 [64, 2 nb] in the WGMMA
     layout (lane j holds columns 8k + 2j, 8k + 2j + 1 of its rows). Written at the Mosaic GPU
     level (`inline_mgpu`): the registers are built one by one, so no relayout is ever emitted.
     lop3: each mask-and-merge as one inline-PTX `lop3.b32` (one SASS LOP3 per output word); False
-    writes it as and + or, which ptxas emits as two LOP3s (kept for A/B timing only)."""
+    writes it as and + or, which ptxas emits as two LOP3s (kept for A/B timing only). raw: the code
+    words themselves as the operand's registers, no conversion (a timing diagnostic: wrong values)."""
     # jax.extend.mlir has no llvm dialect (inline PTX for prmt): the same modules as Mosaic GPU's own.
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
@@ -285,7 +295,7 @@ def register_operand(hi, lo, rows: int, nb: int, *, lop3: bool = True):
             kb = idx[1]
             h = mgpu.utils.bitcast(h_regs[idx], i32)
             l = None if l_regs is None else mgpu.utils.bitcast(l_regs[idx], i32)
-            words = convert_words(h, l, Ops)
+            words = [h, h if l is None else l] * 2 if raw else convert_words(h, l, Ops)
             for kc, w in zip((2 * kb, 2 * kb + 1, half_blocks + 2 * kb, half_blocks + 2 * kb + 1), words):
                 j = list(idx)
                 j[1] = kc

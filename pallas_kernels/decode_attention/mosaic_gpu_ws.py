@@ -65,6 +65,7 @@ the same math there. Interpret mode runs the roles one after another in one thre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -96,6 +97,19 @@ SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.
 # waits forever (the first 3-consumer try asked for 3 x 144 + 56 + 24 = 512 > 480 and hung on the
 # H200). 24 is setmaxnreg's minimum (the TMA warp needs few).
 REGS = {(2, 1): (208, 56, 40), (3, 1): (136, 48, 24), (2, 2): (176, 48, 32)}
+
+
+# The on-device profiler's regions (`MgpuConfig.ws_profile_dir`), recorded by one thread per warpgroup:
+# c_all / p_all a consumer's / the prep's whole role (its start is the warpgroup's); consumers c_blk (a
+# quantized block, waits included), c_wait (its wait for the slot's data and prep), c_ring (an FP ring tile),
+# c_end (the partial's sums and stores); prep p_blk (a block, or two with `prep_pairs`), p_wait (its wait for
+# the slot's data). Each region costs 16 bytes of shared memory per warpgroup (`profile_space`).
+PROFILE_REGIONS = ("c_all", "c_blk", "c_wait", "c_ring", "c_end", "p_all", "p_blk", "p_wait")
+
+
+def profile_space(blocks_per_cta: int, ring_tiles_per_cta: int, segments: int) -> int:
+    """Regions one warpgroup of a CTA may record in a call (the prep's two per block bound them all)."""
+    return 2 * blocks_per_cta + 2 * ring_tiles_per_cta + 4 * segments + 10
 
 
 def red_rows(consumers: int, preps: int = 1) -> int:
@@ -134,8 +148,10 @@ class _WsStatic:
     # four scale/zero copies per block), "stream_noring" (the stream without any pair's FP ring),
     # "noring" (the whole kernel without it), "noprep" (no q s_k / bias), "scores_only" (a consumer
     # converts K and runs the score MMA, then releases the block) and "no_values" (everything but the
-    # value MMA and its V conversion) give wrong results; "and_or" (right results) converts codes
-    # with and + or, two LOP3s per word where the default has one
+    # value MMA and its V conversion), "noconv" (the code words as the MMA operands, no conversion),
+    # "nobias" (the prep's q s_k without the bias sum), "nosoftmax" (P = the biased scores: no max,
+    # exp2, l, y or rescale) and "noconv_nosoftmax" give wrong results; "and_or" (right results)
+    # converts codes with and + or, two LOP3s per word where the default has one
     diag: str | None = None
     pipeline: bool = True  # software-pipelined consumers (`values_then_scores`)
     # consumer and prep loops unrolled over their slots (`unrolled`); off by default: H100
@@ -160,6 +176,11 @@ class _WsStatic:
     # per column tile, its live columns (8 or NT, `live_cols`): the prep's q s_k and the
     # consumers' softmax run on these only (with T = 1 and n_rep <= 8, half of each tile). Empty: all.
     live: tuple[int, ...] = ()
+    # the prep warpgroup prepares the segment's blocks two at a time (`prep_pairs_of`): the balanced schedule,
+    # one prep warpgroup, one column tile whose live columns are at most half of it
+    prep_pairs: bool = False
+    profile_dir: str | None = None  # timing diagnostic: Perfetto traces of the named regions (PROFILE_REGIONS)
+    profile_space: int = 0  # the regions each warpgroup may record (`profile_space`)
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -288,6 +309,12 @@ def flat_of(config: Any, view: str, batch: int) -> bool:
 
 
 CONSUMERS_ENV = "QSPEC_MGPU_CONSUMERS"  # "2" / "3": consumer warpgroups per CTA where a config does not say (A/B runs)
+# "2" / "3": the same for the balanced schedule's calls only (the draft's; A/B runs in the model, where
+# $QSPEC_MGPU_CONSUMERS would change the verify's too). Three measured with the prep's pairs: FLAT_WIDE_STAGES.
+FLAT_CONSUMERS_ENV = "QSPEC_MGPU_FLAT_CONSUMERS"
+# Stages of the balanced schedule with three consumers and the prep's pairs, where they fit (H200 2026-12-01,
+# SmolLM2 batch 32 / 8k, kernel alone, uniform / ragged: 6 stages 34.6 / 29.0 us, 9 stages 32.0 / 27.2).
+FLAT_WIDE_STAGES = 9
 # Blocks per CTA from which the draft's row split runs three consumers (H200 2026-11-29, 8B batch 1: at
 # 128k, 64 blocks per CTA, 49.3 us with two pipelined consumers, 47.1 with three; at 4k, 2 blocks per CTA,
 # 8.8 us per layer with two, 9.1 with three, whose third consumer has no block).
@@ -295,18 +322,23 @@ THREE_CONSUMERS_MIN_BLOCKS = 8
 
 
 def consumers_of(config: Any, view: str, flat: bool, blocks_per_cta: int) -> int:
-    """Consumer warpgroups per CTA: `config.ws_consumers`, else $QSPEC_MGPU_CONSUMERS, else 3 for
-    the draft view's row split where a CTA has THREE_CONSUMERS_MIN_BLOCKS blocks or more
-    (unpipelined, 136 registers and two slots each) and CONSUMERS (2) otherwise. From the view, the
-    schedule and the cache's geometry only, never from T: every T of a cache runs the same
-    consumers in the same order (T-invariance)."""
+    """Consumer warpgroups per CTA: `config.ws_consumers`, else $QSPEC_MGPU_CONSUMERS, else (the
+    balanced schedule) $QSPEC_MGPU_FLAT_CONSUMERS, else 3 for the draft view's row split where a CTA
+    has THREE_CONSUMERS_MIN_BLOCKS blocks or more (unpipelined, 136 registers and two slots each) and
+    CONSUMERS (2) otherwise. From the view, the schedule and the cache's geometry only, never from T:
+    every T of a cache runs the same consumers in the same order (T-invariance)."""
     import os
 
     nc = getattr(config, "ws_consumers", None)
     if nc is None:
         v = os.environ.get(CONSUMERS_ENV, "")
+        if not v and flat:
+            v = os.environ.get(FLAT_CONSUMERS_ENV, "")
+            name = FLAT_CONSUMERS_ENV
+        else:
+            name = CONSUMERS_ENV
         if v not in ("", "2", "3"):
-            raise ValueError(f"${CONSUMERS_ENV}={v!r}: expected 2 or 3")
+            raise ValueError(f"${name}={v!r}: expected 2 or 3")
         three = (view == "draft" and not flat and blocks_per_cta >= THREE_CONSUMERS_MIN_BLOCKS
                  and (getattr(config, "ws_preps", None) or 1) == 1)  # (three consumers take one prep)
         nc = int(v) if v else (3 if three else CONSUMERS)
@@ -321,10 +353,17 @@ def flat_cap(batch: int, hkv: int, ctas: int) -> int:
 
 
 FLAT_RING_W_ENV = "QSPEC_MGPU_FLAT_RING_W"  # the balanced schedule's ring weight in blocks (A/B runs)
+# The ring's weight relative to its bytes' worth of quantized blocks, per head dim (num, den): measured on the
+# H200 (2026-12-01, kernel alone, $QSPEC_MGPU_FLAT_RING_W): SmolLM2's D 64 at batch 32 / 8k, weights 2 / 3 / 5 /
+# 10 (bytes) / 20 / 40 -> 33.1 / 32.5 / 32.7 / 34.0 / 36.8 / 39.5 us on uniform rows, 27.4 / 27.4 / 27.0 / 28.4 /
+# 31.1 / 36.1 on rows of 4k-8k: half its bytes (5); the 8B's D 128 at batch 8 / 32k, 3 / 5 / 10 (bytes) -> 96.4
+# / 95.8 / 95.0 and 75.7 / 75.0 / 74.4 us: its bytes.
+RING_COST = {64: (1, 2)}
 
 
 def ring_weight(view: str, D: int, G: int, R: int, scale_dtype: Any, fp_dtype: Any) -> int:
-    """A (row, KV head)'s FP ring (all its tiles, K and V) in quantized blocks of the same bytes
+    """A (row, KV head)'s FP ring (all its tiles, K and V) in units of the balanced schedule's work, i.e.
+    quantized blocks: its bytes' worth of blocks, scaled by the measured RING_COST of its head dim
     ($QSPEC_MGPU_FLAT_RING_W overrides it, for timing runs)."""
     import os
 
@@ -336,7 +375,8 @@ def ring_weight(view: str, D: int, G: int, R: int, scale_dtype: Any, fp_dtype: A
     planes = 2 if view == "target" else 1
     block = planes * G * D + (2 * D + 2 * G) * jnp.dtype(scale_dtype).itemsize
     ring = -(-R // RT) * RT * D * 2 * jnp.dtype(fp_dtype).itemsize
-    return max(1, -(-ring // block))
+    num, den = RING_COST.get(D, (1, 1))
+    return max(1, -(-ring * num // (block * den)))
 
 
 def flat_split(B: int, H: int, D: int, G: int, R: int, view: str, scale_dtype: Any, fp_dtype: Any,
@@ -519,6 +559,9 @@ def _build_ws(st: _WsStatic):
 
     def _load(ref, layout):
         return ref[...] if interp else mg.load_with_layout(ref, layout)
+
+    def scope(name):  # a profiled region (`PROFILE_REGIONS`) where the call records them
+        return jax.named_scope(name) if st.profile_dir else contextlib.nullcontext()
 
     def _cast(x, layout):
         return x if interp else plgpu.layout_cast(x, layout)
@@ -822,6 +865,10 @@ def _build_ws(st: _WsStatic):
         def role_prep(r):
             """Prep warpgroup r: blocks gi = r, r + NPREP, ... of the CTA's stream (their slots are
             r's alone: NPREP | S)."""
+            with scope("p_all"):
+                prep_role(r)
+
+        def prep_role(r):
             if not seq:
                 plgpu.set_max_registers(prep_regs, action="decrease")
             off_k = {}  # [D, width]: the code offset of each channel
@@ -836,7 +883,12 @@ def _build_ws(st: _WsStatic):
             zeros_w = _cast(jnp.zeros((D, NT), f32), plgpu.Layout.WGMMA) if min(LIVE) < NT else None
 
             def prep_block(qb, slot, q_regs):
-                plgpu.barrier_wait(full.at[slot])
+                with scope("p_blk"):
+                    prep_one(qb, slot, q_regs)
+
+            def prep_one(qb, slot, q_regs):
+                with scope("p_wait"):
+                    plgpu.barrier_wait(full.at[slot])
                 if stream_only or st.diag == "noprep":  # timing diagnostics: no qs / bias
                     plgpu.barrier_arrive(prepped.at[slot])
                     return
@@ -854,10 +906,39 @@ def _build_ws(st: _WsStatic):
                     # Summed over the whole tile: Mosaic's cross-warp sum of a column may take another
                     # order at another width (H200: T = 1 against T = 5 rows differed in the last bits)
                     w = with_lv(zeros_w, w, c)
+                    if st.diag == "nobias":  # timing diagnostic: q s_k only, no bias sum
+                        continue
                     bias_s[slot, pl.ds(c * NT, NT)] = (jnp.sum(w, axis=0) if NPREP == 1
                                                       else colreduce(w, red_s.at[NC + r], "add"))
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(prepped.at[slot])
+
+            def prep_pair(qb, slot_a, slot_b, q_regs):
+                """Two blocks at once (`prep_pairs`): each block's q s_k as `prep_one`'s, and both bias
+                terms in one column sum over a tile holding block a's live columns then block b's (the
+                same tile width as one block's sum: a column's sum is the same reduction either way)."""
+                with scope("p_blk"):
+                    with scope("p_wait"):
+                        plgpu.barrier_wait(full.at[slot_a])
+                        plgpu.barrier_wait(full.at[slot_b])
+                    nl = LIVE[0]
+                    parts = []
+                    for slot in (slot_a, slot_b):
+                        sk = _load(sk_s.at[slot], ROW).astype(f32)
+                        zk = _load(zk_s.at[slot], ROW).astype(f32)
+                        s_eff = sk * (kfac * QSCALE)
+                        z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
+                        qt = q_live(qb, 0) if q_regs is None else q_regs[0]
+                        qs = (qt * bcast_row(s_eff, (D, nl))).astype(f16)
+                        qp_s[slot, 0, pl.ds(0, D)] = with_lv(zeros_qs, qs, 0)
+                        parts.append(qt * bcast_row(z_eff, (D, nl)) - off_k[nl] * qs.astype(f32))
+                    both = jnp.concatenate(parts, axis=-1) if interp else _wg_cat_cols(parts, plgpu.Layout.WGMMA)
+                    total = jnp.sum(both, axis=0)  # [NT]: block a's columns, then block b's
+                    bias_s[slot_a, pl.ds(0, nl)] = cols(total, 0, nl)
+                    bias_s[slot_b, pl.ds(0, nl)] = cols(total, nl, 2 * nl)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(prepped.at[slot_a])
+                    plgpu.barrier_arrive(prepped.at[slot_b])
 
             def seg_prep(k, sg, base, rbase, carry):
                 qb, n = sg["qb"], sg["n"]
@@ -873,7 +954,12 @@ def _build_ws(st: _WsStatic):
                     else:  # this warpgroup's first block of the segment and its block count (n - i0 + NPREP - 1 >= 0)
                         i0 = lax.rem(r - lax.rem(base, NPREP) + NPREP, NPREP) if FLAT else r
                         count = (n - i0 + NPREP - 1) // NPREP
-                    pl.loop(0, count)(lambda j: prep_block(qb, slot_of(base + i0 + NPREP * j), q_regs))
+                    if st.prep_pairs:  # (NPREP 1: i0 0) blocks 2j and 2j + 1, then an odd last one alone
+                        pl.loop(0, lax.div(n, i32(2)))(
+                            lambda j: prep_pair(qb, slot_of(base + 2 * j), slot_of(base + 2 * j + 1), q_regs))
+                        _when(lax.rem(n, i32(2)) == 1)(lambda: prep_block(qb, slot_of(base + n - 1), q_regs))
+                    else:
+                        pl.loop(0, count)(lambda j: prep_block(qb, slot_of(base + i0 + NPREP * j), q_regs))
                 else:  # static slots (see the consumers' `unrolled`), then the rest (base 0)
                     @pl.loop(0, n // S)
                     def _(k):
@@ -889,6 +975,10 @@ def _build_ws(st: _WsStatic):
 
         # -------------------------------------------------------------------- consumers
         def role_consumer(w):
+            with scope("c_all"):
+                consumer_role(w)
+
+        def consumer_role(w):
             if not seq:
                 plgpu.set_max_registers(cons_regs, action="increase")
             red = red_s.at[w]
@@ -975,14 +1065,16 @@ def _build_ws(st: _WsStatic):
                 if reg_a:
                     return mg.register_operand(_load(hi, plgpu.Layout.WGMMA_8BIT),
                                                None if lo is None else _load(lo, plgpu.Layout.WGMMA_8BIT),
-                                               MT, nb, lop3=st.diag != "and_or")
+                                               MT, nb, lop3=st.diag != "and_or",
+                                               raw=st.diag in ("noconv", "noconv_nosoftmax"))
                 return mg.twin_operand(hi[...], None if lo is None else lo[...])
 
             def k_tiles(slot):
                 """K operand tiles of the block in `slot`, once the slot is loaded and prepared."""
-                if not seq:  # (interpret mode: the prep role waited)
-                    plgpu.barrier_wait(full.at[slot])
-                plgpu.barrier_wait(prepped.at[slot])
+                with scope("c_wait"):
+                    if not seq:  # (interpret mode: the prep role waited)
+                        plgpu.barrier_wait(full.at[slot])
+                    plgpu.barrier_wait(prepped.at[slot])
                 return [code_operand(k_s, slot, mt * MT, Dh) for mt in range(MTK)]
 
             def qs_refs(slot):  # the score MMA's B operands: the slot's q s_k tiles
@@ -1030,6 +1122,14 @@ def _build_ws(st: _WsStatic):
                             s_t = [jnp.where(v, s, NEG) for s, v in zip(s_t, vis)]
                         s_by_c.append(s_t)
                         vis_by_c.append(vis)
+                    if st.diag in ("nosoftmax", "noconv_nosoftmax"):  # timing diagnostic: P = the scores
+                        any_positive([s for s_t in s_by_c for s in s_t])  # (the barrier before the P stores)
+                        for c in range(C):
+                            for mt in range(MTK):
+                                pp = s_by_c[c][mt].astype(f16)
+                                qp_s[slot, c, pl.ds(mt * MT, MT)] = pp if LIVE[c] == NT else with_lv(zeros_p(), pp, c)
+                        plgpu.commit_smem()
+                        return ms, ls, ys, os_
                     live_ms, live_alphas, flag = lazy_reference(s_by_c, [lv(m, c) for c, m in enumerate(ms)])
                     alphas = [a if LIVE[c] == NT else with_lv(ones_c(), a, c) for c, a in enumerate(live_alphas)]
                     ls, ys, os_ = rescaled(flag, alphas, ls, ys, os_)
@@ -1082,6 +1182,10 @@ def _build_ws(st: _WsStatic):
 
                 def quant_body(j, carry, u):
                     """Block w + NC j, one after the other: K, scores, softmax, values, release."""
+                    with scope("c_blk"):
+                        return quant_block(j, carry, u)
+
+                def quant_block(j, carry, u):
                     ms, ls, ys, os_ = carry
                     i = i0 + NC * j
                     slot = slot_at(i, u)
@@ -1251,8 +1355,18 @@ def _build_ws(st: _WsStatic):
                     plgpu.barrier_arrive(rconsumed.at[vslot])
                     return tuple(new_ms), tuple(new_ls), ys, new_os
 
-                ms, ls, ys, os_ = lax.fori_loop(0, nr, ring_body, carry)
+                def ring_tile(j, carry):
+                    with scope("c_ring"):
+                        return ring_body(j, carry)
 
+                ms, ls, ys, os_ = lax.fori_loop(0, nr, ring_tile, carry)
+                with scope("c_end"):
+                    segment_end(ms, ls, ys, os_, b, h, qb, sg)
+                return carry_
+
+            def segment_end(ms, ls, ys, os_, b, h, qb, sg):
+                """This consumer's partial of the segment: its column sums, then its store (or, with the pair
+                merge, its hand-over to the CTA's last consumer, which merges and stores)."""
                 row = _iota((MT, NT), 0)
                 parts = []  # per column tile: (m [NT], l [NT], O^T tiles [MTV][64, NT]) of this consumer
                 for c in range(C):
@@ -1280,7 +1394,7 @@ def _build_ws(st: _WsStatic):
                                     store(jj * NC + w, c, empty)
                         if not seq:
                             plgpu.barrier_arrive(qfree.at[qb])  # done with the segment's query and positions
-                    return carry_
+                    return
                 xo_ref, xml_ref = x_refs  # [B, H, NP (NC-1), D, CN], [B, H, NP (NC-1), 64, CN] float32
 
                 @_when(w < NC - 1)
@@ -1309,8 +1423,6 @@ def _build_ws(st: _WsStatic):
                                       for mc in range(MTV)])
                             acc = other if acc is None else combine(acc, other)
                         store(p, c, combine(acc, parts[c]))
-
-                return carry_
 
             walk(seg_consume, i32(0))
 
@@ -1382,7 +1494,9 @@ def _build_ws(st: _WsStatic):
         num_threads=None if seq else NC + NPREP + 1,
         thread_name=None if seq else "wg",
         scratch_types=live,
-        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=reg_a),
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=reg_a,
+                                             **(dict(profile_space=st.profile_space, profile_dir=st.profile_dir)
+                                                if st.profile_dir else {})),
         kernel_name=f"quantspec_{st.view}_mgpu_ws",
         **kw,
     )
@@ -1414,6 +1528,26 @@ def prep_q_regs_of(config: Any, D: int, C: int, view: str = "draft", flat: bool 
         v = env_flag(PREP_Q_REGS_ENV)
         asked = v if v is not None else (view == "draft" and not flat)
     return bool(asked) and D * C * NT // 128 <= PREP_Q_REGS_MAX
+
+
+PREP_PAIRS_ENV = "QSPEC_MGPU_PREP_PAIRS"  # "1" / "0": the balanced schedule's prep two blocks per pass or not
+
+
+def prep_pairs_of(config: Any, flat: bool, preps: int, live: tuple[int, ...], no_prep_work: bool = False) -> bool:
+    """Whether the prep warpgroup prepares two blocks per pass: `config.ws_prep_pairs`, else
+    $QSPEC_MGPU_PREP_PAIRS, else off; only in the balanced schedule (the draft view, whose calls all have
+    T = 1) with one prep warpgroup and one column tile whose live columns are at most half of it (both
+    blocks' bias terms in one column sum of the tile's width), and not in the diagnostics without the
+    prep's bias sum (`no_prep_work`).
+    Same bits as one block per pass (H200). Measured (H200 2026-12-01, SmolLM2 batch 32 / 8k, kernel
+    alone, uniform / ragged rows): with the default two consumers 34.1 / 28.4 -> 34.8 / 29.0 us (the
+    consumers pace the kernel); with three consumers and 9 stages 35.5 / 29.8 -> 32.0 / 27.2 (there the
+    prep paced it), but three consumers' 1.5x partials cost the XLA merge more than the kernel saves
+    (docs/kernel_notes.md, twenty-eighth session): off until the balanced schedule merges in the CTA."""
+    asked = getattr(config, "ws_prep_pairs", None)
+    if asked is None:
+        asked = bool(env_flag(PREP_PAIRS_ENV))
+    return bool(asked) and flat and preps == 1 and len(live) == 1 and 2 * live[0] <= NT and not no_prep_work
 
 
 LIVE_COLS_ENV = "QSPEC_MGPU_LIVE_COLS"  # "0": whole tiles where the live columns are the default (A/B runs)
@@ -1468,9 +1602,11 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     # (the balanced schedule is for the draft view, whose calls all have T = 1: sized for its C)
     plan = functools.partial(ring_plan, view, D, G, C if flat else c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
                              consumers=nc, preps=npr, flat=flat)
+    no_prep_work = config.ws_diag in ("stream", "stream_planes", "stream_noring", "noprep", "nobias")
+    pairs = prep_pairs_of(config, flat, npr, live_of(config, cols, C), no_prep_work)
     stages = config.stages
-    if stages is None and nc == 3:  # two slots per consumer
-        stages = 6
+    if stages is None and nc == 3:  # two slots per consumer (three where the prep pairs keep up, see FLAT_WIDE_STAGES)
+        stages = FLAT_WIDE_STAGES if flat and pairs and plan(FLAT_WIDE_STAGES) is not None else 6
     elif stages is None and pipeline:
         stages = 6 if plan(6) is not None else 4
     elif stages is None:
@@ -1513,6 +1649,9 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      consumers=nc, preps=npr, pair_merge=not flat and pair_merge_default(np_, config.ws_pair_merge),
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs,
                      prep_q_regs=prep_q_regs_of(config, D, C, view, flat), live=live_of(config, cols, C),
+                     prep_pairs=pairs,
+                     profile_dir=getattr(config, "ws_profile_dir", None),
+                     profile_space=profile_space(per, ring_tiles_per_cta, flat_fields.get("seq_segs", 1)),
                      **flat_fields)
 
 

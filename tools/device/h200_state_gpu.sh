@@ -28,6 +28,12 @@
 #   STAGES="smolkt": the tree's k_tile 192 entries checked at batch 1 / 8 / 32 (26th)
 #   STAGES="downsem": SmolLM2's down with the in-kernel "sem" split sum, checked, timed alone and A/B at batch 32 / 8
 #   (27th: stage "sqchains", the consumer norm's x^2 in 2 / 4 chains, ran once, gained nothing and went with the knob)
+#   28th session, SmolLM2 batch 32 / 8k attention kernels alone: STAGES="consdiag" (by consumer part: no conversion /
+#   no softmax / neither), "morecons" (2 / 3 consumers, deeper rings), "prepdiag" (no prep / no bias sum with 2-4
+#   consumers), "ringw" (the balanced schedule's ring weight, RW_LIST), "timeline" (each warpgroup's regions inside
+#   one call, tools/device/attention_timeline.py), "pipeab" (pipelined consumers in the balanced schedule; the 8B's
+#   ring weight, RW8); STAGES="flatwide": 3 consumers + the prep's pairs + 9 stages in the balanced draft schedule,
+#   kernel alone and in a whole generation ($QSPEC_MGPU_FLAT_CONSUMERS=3 $QSPEC_MGPU_PREP_PAIRS=1), for the 29th
 #   STAGES="gengap": where a whole generation's decode step goes at SmolLM2 batch 32 (tools/device/gen_gap.py:
 #   AR at widths 1 / 8, QuantSpec at gamma_max 7 / gamma), 27th session
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
@@ -57,9 +63,9 @@ ab() {  # tag, programs, tuned_table_run options: SmolLM2 batch AB_BATCH (32), r
 }
 smoltime() {  # tag, contexts, MgpuConfig variants: SmolLM2 batch 32 attention kernels alone (trace), draft rows shown
   timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
-    --contexts $2 --batches 32 --no-torch --time-ts 5 --trace-dir $OUT/tr --time-impls mosaic --mgpu-configs "$3" 2>&1 \
+    --contexts $2 --batches 32 --no-torch --time-ts ${TIME_TS:-5} --trace-dir $OUT/tr --time-impls mosaic --mgpu-configs "$3" 2>&1 \
     | grep -v "^W[0-9]" > $L/time_$1_smollm2_b32.log
-  grep -E "^  time .*draft" $L/time_$1_smollm2_b32.log; rm -rf $OUT/tr
+  grep -E "^  time .*${TIME_VIEWS:-draft}" $L/time_$1_smollm2_b32.log; rm -rf $OUT/tr
   echo "== $1 done ($(( $(date +%s) - T0 )) s)"
 }
 for stage in ${STAGES:-probe smol 8b}; do
@@ -199,6 +205,63 @@ for stage in ${STAGES:-probe smol 8b}; do
       # everything but the value MMA, no prep work, the whole kernel (ws_diag; wrong results but the last)
       smoltime attrib "${AT_CTXS:-8192,32768}" \
         "${AT_CONFIGS:-default;ws_diag=stream;ws_diag=scores_only;ws_diag=no_values;ws_diag=noprep}";;
+    consdiag)  # SmolLM2 batch 32's kernels alone (trace), draft T 1 and verify T 3 (TIME_TS), by what the consumers
+      # do: no code conversion, no softmax, neither (ws_diag, wrong results), against the stream and the whole (28th)
+      TIME_TS=${TIME_TS:-3} TIME_VIEWS="(draft|target)" smoltime consdiag "${AT_CTXS:-8192}" \
+        "${AT_CONFIGS:-default;ws_diag=stream;ws_diag=noconv;ws_diag=nosoftmax;ws_diag=noconv_nosoftmax;ws_diag=noprep}";;
+    morecons)  # SmolLM2 batch 32 / 8k: the kernels alone with 2 / 3 consumer warpgroups and deeper rings (28th;
+      # 4 consumers, REGS (4, 1) = (96, 56, 24), was measured once and dropped: 36.9 / 38.3 us at 8 / 12 stages)
+      timeout ${KERNEL_LIMIT:-300} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${MC_DRAFT:-flat,flat%8,flat%12,flat~3%6,flat~3%9,flat~3%12} --views draft \
+        --layouts uniform,ragged --check-tokens 2>&1 | grep -v "^W[0-9]" | tee $L/morecons_draft.log | grep -v "^|"
+      timeout ${KERNEL_LIMIT:-300} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${MC_TARGET:-0,0%8,0~3} --views target --target-t 3 --layouts uniform 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/morecons_target.log | grep -v "^|"
+      echo "== morecons done ($(( $(date +%s) - T0 )) s)";;
+    prepdiag)  # SmolLM2 batch 32 / 8k draft kernel alone: is the prep warpgroup the bottleneck? (28th; wrong results)
+      timeout ${KERNEL_LIMIT:-300} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${PD_TOKENS:-flat,flat:noprep,flat~3%6:noprep,flat:nobias,flat~3%6:nobias,flat~3%6} \
+        --views draft --layouts uniform 2>&1 | grep -v "^W[0-9]" | tee $L/prepdiag_draft.log | grep -v "^|"
+      echo "== prepdiag done ($(( $(date +%s) - T0 )) s)";;
+    ringw)  # SmolLM2 batch 32 / 8k draft kernel alone: the balanced schedule's ring weight (imbalance?) and the ring's cost
+      for rw in ${RW_LIST:-0 5 20 40}; do
+        QSPEC_MGPU_FLAT_RING_W=$([ $rw = 0 ] && echo "" || echo $rw) timeout ${KERNEL_LIMIT:-200} \
+          python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+          --nps $([ $rw = 0 ] && echo "flat,flat:noring,flat:stream,flat:stream_noring" || echo "flat") --views draft \
+          --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" | tee $L/ringw_$rw.log | grep -E "^draft" | sed "s/^/ring_w $rw: /"
+      done
+      echo "== ringw done ($(( $(date +%s) - T0 )) s)";;
+    timeline)  # SmolLM2 batch 32 / 8k: each warpgroup's regions inside one call (on-device profiler, 28th session)
+      for lay in uniform ragged; do
+        timeout ${KERNEL_LIMIT:-200} python3 tools/device/attention_timeline.py --shape smollm2 --batch 32 --ctx 8192 \
+          --view draft --t 1 --layout $lay --tokens ${TL_TOKENS:-flat} 2>&1 | grep -v "^W[0-9]" | tee $L/timeline_draft_$lay.log
+      done
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/attention_timeline.py --shape smollm2 --batch 32 --ctx 8192 \
+        --view target --t 3 --layout uniform --tokens 0 2>&1 | grep -v "^W[0-9]" | tee $L/timeline_target.log
+      echo "== timeline done ($(( $(date +%s) - T0 )) s)";;
+    pipeab)  # SmolLM2 batch 32 / 8k draft: the pipelined consumers in the balanced schedule with / without prep work,
+      # and the 8B batch 8 / 32k draft at ring weights RW8 (28th)
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${PA_TOKENS:-flat,flat:noprep,flat+p,flat+p:noprep,flat%8+p,flat%8+p:noprep} --views draft \
+        --layouts uniform 2>&1 | grep -v "^W[0-9]" | tee $L/pipeab.log | grep -E "^draft"
+      for rw in ${RW8:-0 3 5}; do
+        QSPEC_MGPU_FLAT_RING_W=$([ $rw = 0 ] && echo "" || echo $rw) timeout ${KERNEL_LIMIT:-200} \
+          python3 tools/device/ragged_attention.py --batch 8 --ctx 32768 --nps flat --views draft \
+          --layouts uniform,ragged 2>&1 | grep -v "^W[0-9]" | tee $L/ringw8b_$rw.log | grep -E "^draft" | sed "s/^/8B ring_w $rw: /"
+      done
+      echo "== pipeab done ($(( $(date +%s) - T0 )) s)";;
+    flatwide)  # the balanced draft schedule with 3 consumers, the prep's pairs and FLAT_WIDE_STAGES, checked and timed
+      # alone (SmolLM2 batch 32 / 8k), then in a whole generation against today's (gen_gap.py, QuantSpec γ 2); 28th
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps flat,flat~3+b --views draft --layouts uniform,ragged --check-tokens 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/flatwide_kernel.log | grep -E "^check|^draft"
+      for v in default wide; do
+        env $([ $v = wide ] && echo QSPEC_MGPU_FLAT_CONSUMERS=3 QSPEC_MGPU_PREP_PAIRS=1) timeout ${LIMIT:-300} \
+          python3 tools/device/gen_gap.py --shape smollm2 --batch 32 --context 8000 --new 128 \
+          --methods ${GAP_METHODS:-spec:2:2} --trials 2 --top 8 2>&1 | grep -v "^W[0-9]" | tee $L/flatwide_gen_gap_$v.log \
+          | grep -E "^== |kernels in|draft_mgpu|convert" | sed "s/^/$v: /"
+      done
+      echo "== flatwide done ($(( $(date +%s) - T0 )) s)";;
     hlo)  # what the glue kernels of the profile are: the 8B AR loop / verify at batch 1, 4k and SmolLM2's draft at
       # batch 32 (XLA dump of each program, then tools/device/hlo_fusions.py on the glue names its profile lists)
       glue() { grep -oE "\[glue\] [A-Za-z_0-9.]+" $L/profile_$1.log | awk '{print $2}' | sort -u | paste -sd, -; }

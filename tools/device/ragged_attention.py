@@ -3,7 +3,7 @@ of the lengths, and at which split count (issue 31's batch-8 gap).
 
     PYTHONPATH=. python3 tools/device/ragged_attention.py [--batch 8] [--ctx 32768] [--nps 0,2,3,4,6,8,flat]
 
-For the INT4 draft view (T 1), the INT8 verify view (T 5) and our dense bf16 kernel (T 1), 8B
+For the INT4 draft view (T 1), the INT8 verify view (T 5, --target-t) and our dense bf16 kernel (T 1), 8B
 shape: every row at --ctx against rows evenly from ctx/2 to ctx (`e2e.batch_lengths`, the e2e
 batch part's). The Mosaic views under each CTA count per (row, KV head) in --nps (0: the row
 split's default, `mosaic_gpu_ws.default_ctas`; "flat": the draft view's balanced schedule, `ws_flat`).
@@ -36,14 +36,15 @@ def config_of(token: str) -> MgpuConfig:
     balanced schedule off, as before it became the draft's default from two rows up), "flat" the
     balanced schedule ("flat128": on 128 CTAs); "+q" / "-q" suffixes: the prep's query in registers
     or not (`ws_prep_q_regs`), "+l" / "-l": the softmax on the live columns or whole tiles
-    (`ws_live_cols`), "+p" / "-p": the software-pipelined consumers or not (`ws_pipeline`); a
+    (`ws_live_cols`), "+p" / "-p": the software-pipelined consumers or not (`ws_pipeline`), "+b" / "-b": the
+    prep two blocks per pass or not (`ws_prep_pairs`); a
     ":stream" suffix: the kernel's TMA-only timing diagnostic (wrong results), or another `ws_diag`;
     an "@216/56/24" suffix (last): setmaxnreg per role (`ws_regs`); "~3": consumer warpgroups per CTA
     (`ws_consumers`), "%8": pipeline stages (`stages`), both before any other suffix ("0~3%6+l")."""
     token, _, regs = token.partition("@")
     split, _, diag = token.partition(":")
     extra: dict = {"ws_regs": tuple(int(x) for x in regs.split("/"))} if regs else {}
-    fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols", "p": "ws_pipeline"}
+    fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols", "p": "ws_pipeline", "b": "ws_prep_pairs"}
     while split[-2:-1] in ("+", "-") and split[-1:] in fields:
         extra[fields[split[-1]]] = split[-2] == "+"
         split = split[:-2]
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nps", default="0,2,3,4,6,8")
     ap.add_argument("--views", default="draft,target,dense")
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--target-t", type=int, default=5, help="query tokens per row of the INT8 verify view's calls")
     ap.add_argument("--check-q-regs", action="store_true",
                     help="also check the prep's query in registers (ws_prep_q_regs) bitwise against it off")
     ap.add_argument("--check-tokens", action="store_true",
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
     table = []
     with tempfile.TemporaryDirectory() as tmp:
         for view in args.views.split(","):
-            kind, t, impl = {"draft": ("draft", 1, "mosaic"), "target": ("target", 5, "mosaic"),
+            kind, t, impl = {"draft": ("draft", 1, "mosaic"), "target": ("target", args.target_t, "mosaic"),
                              "dense": ("dense", 1, "triton")}[view]
             nps = args.nps.split(",") if impl == "mosaic" else ["0"]
             if kind != "draft":
