@@ -333,7 +333,11 @@ def quantized_cache_attention(q: Array, q_pos: Array, cache: QuantSpecCache, lay
     if target:
         lower = f32(groups(cache.v_lo)) - quant.LOWER_BIAS
         o_q = o_q + jnp.einsum("bgtrsn,bgsnc->bgtrnc", p_s / 16.0, lower)
-    o_q = o_q + jnp.einsum("bgtrs,bgsn->bgtrn", p_q, vz)[..., None]
+    # sum_s p vz as a product and a sum over the last axis, not a dot: with one value group per token
+    # (n = 1) the dot is a matrix-vector product, which XLA:CPU sums in an order that depends on the query
+    # row's index at some widths (3-7, 9, 10 columns: a row's bits then depend on the pass's other
+    # columns, docs/QUALITY.md "Exactness"); a reduction over s sums every row alike.
+    o_q = o_q + jnp.sum(p_q[..., None, :] * jnp.swapaxes(vz, -1, -2)[:, :, None, None], axis=-1)[..., None]
     o = o_q.reshape(*o_q.shape[:4], d) + jnp.einsum("bgtrs,bgsd->bgtrd", p_fp, f32(v_fp))
     return _ungroup(o, q.dtype)
 

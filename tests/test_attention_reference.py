@@ -273,3 +273,39 @@ def test_cache_attention_reference_dispatch():
     a = dispatch(qd, qp, dense, jnp.asarray(0), "target", "reference", None)
     b = _dense(qd, dense.k[0], dense.v[0], qp, jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1)))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_reference_attention_computes_each_query_column_alike():
+    """Every query column's result is the same bits whatever the pass's width and the
+    other columns' queries: what makes a verify pass of gamma_max + 1 columns compute a position as
+    autoregressive decoding at that width does, at any gamma_max (docs/QUALITY.md, "Exactness"). The
+    exactness tests' head shape (6 query heads over 2 KV heads of 64 channels, one value group per token):
+    with the value zero's sum written as a matrix-vector product, XLA:CPU gave the 3rd and later columns
+    other bits at widths 3-7, 9 and 10."""
+    hkv, n_rep, d, g = 2, 3, 64, 16
+    cfg = ModelConfig(vocab_size=32, hidden_size=hkv * n_rep * d, intermediate_size=64, num_layers=1,
+                      num_heads=hkv * n_rep, num_kv_heads=hkv, head_dim=d, dtype="float32")
+    rng = np.random.default_rng(7)
+    batch, n = 3, 150
+    k = jnp.asarray(random_kv(rng, (batch, hkv, n, d)))
+    v = jnp.asarray(random_kv(rng, (batch, hkv, n, d)))
+    q_cache = QuantSpecCache.init(cfg, batch, 192, group_size=g, gamma_max=7)
+    lengths = jnp.full((batch,), n, jnp.int32)
+    q_cache = q_cache.prefill_layer(0, k, v, lengths).finish_prefill(lengths)  # 128 quantized + 22 ring tokens
+    assert int(q_cache.q_len[0]) == 128
+    k_pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+    # each view jitted as decode's layer sees it: the layer a constant, the cache an argument
+    views = {view: jax.jit(lambda q, p, c, view=view: quantized_cache_attention(q, p, c, 0, view))
+             for view in ("target", "draft")}
+    dense = jax.jit(lambda q, p, k, v: dense_attention(q, k, v, p, k_pos))
+    runs = {"target": lambda q, p: views["target"](q, p, q_cache), "draft": lambda q, p: views["draft"](q, p, q_cache),
+            "dense": lambda q, p: dense(q, p, k, v)}
+    for name, run in runs.items():
+        for width in (1, 3, 4, 5, 7, 8):
+            pos = jnp.full((batch, width), n - 1, jnp.int32)
+            q = jnp.asarray(rng.standard_normal((batch, width, hkv * n_rep, d)), jnp.float32)
+            full = np.asarray(run(q, pos))
+            for i in range(width):  # column i's query moved to column 0 among other random queries
+                other = jnp.asarray(rng.standard_normal(q.shape), jnp.float32).at[:, 0].set(q[:, i])
+                np.testing.assert_array_equal(np.asarray(run(other, pos))[:, 0], full[:, i],
+                                              err_msg=f"{name}: column {i} of a pass of {width}")
