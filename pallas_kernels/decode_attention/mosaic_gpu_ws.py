@@ -97,6 +97,7 @@ SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.
 # waits forever (the first 3-consumer try asked for 3 x 144 + 56 + 24 = 512 > 480 and hung on the
 # H200). 24 is setmaxnreg's minimum (the TMA warp needs few).
 REGS = {(2, 1): (208, 56, 40), (3, 1): (136, 48, 24), (2, 2): (176, 48, 32)}
+STREAM_DIAGS = ("stream", "stream_planes", "stream_noring")  # the `diag`s that run the TMA stream and barriers only
 
 
 # The on-device profiler's regions (`MgpuConfig.ws_profile_dir`), recorded by one thread per warpgroup:
@@ -542,7 +543,7 @@ def _build_ws(st: _WsStatic):
     # barrier waits sit inside XLA:CPU callbacks, and on a 2-core machine the CPU runtime's
     # worker pool starves: the TMA warpgroup never ran, with or without async dispatch.)
     seq = st.interpret
-    stream_only = st.diag in ("stream", "stream_planes", "stream_noring")
+    stream_only = st.diag in STREAM_DIAGS
     no_ring = st.diag in ("noring", "stream_noring")  # timing diagnostics: every pair's ring left out
     SLOTS = st.seq_slots if seq else S
     RSLOTS = st.seq_ring_slots if seq else NRB
@@ -882,6 +883,22 @@ def _build_ws(st: _WsStatic):
             zeros_qs = _cast(jnp.zeros((D, NT), f16), plgpu.Layout.WGMMA) if min(LIVE) < NT else None
             zeros_w = _cast(jnp.zeros((D, NT), f32), plgpu.Layout.WGMMA) if min(LIVE) < NT else None
 
+            def slot_scales(slot):
+                """The slot's per-channel key scale and zero ([D] each), q's softmax scale folded in."""
+                sk = _load(sk_s.at[slot], ROW).astype(f32)
+                zk = _load(zk_s.at[slot], ROW).astype(f32)
+                return sk * (kfac * QSCALE), (zk - sk * 0.5 if target else zk) * QSCALE
+
+            def block_terms(qb, slot, c, q_regs, scales):
+                """Column tile c of the block in `slot`: its q s_k stored as the slot's score-MMA B operand,
+                and its live columns' bias terms q.z' - off qs [D, live] returned (to be summed over D)."""
+                s_eff, z_eff = scales
+                nl = LIVE[c]
+                qt = q_live(qb, c) if q_regs is None else q_regs[c]
+                qs = (qt * bcast_row(s_eff, (D, nl))).astype(f16)
+                qp_s[slot, c, pl.ds(0, D)] = with_lv(zeros_qs, qs, c)
+                return qt * bcast_row(z_eff, (D, nl)) - off_k[nl] * qs.astype(f32)
+
             def prep_block(qb, slot, q_regs):
                 with scope("p_blk"):
                     prep_one(qb, slot, q_regs)
@@ -892,16 +909,9 @@ def _build_ws(st: _WsStatic):
                 if stream_only or st.diag == "noprep":  # timing diagnostics: no qs / bias
                     plgpu.barrier_arrive(prepped.at[slot])
                     return
-                sk = _load(sk_s.at[slot], ROW).astype(f32)  # [D] per-channel key scale
-                zk = _load(zk_s.at[slot], ROW).astype(f32)
-                s_eff = sk * (kfac * QSCALE)  # q's softmax scale folded in, per channel
-                z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
+                scales = slot_scales(slot)
                 for c in range(C):  # (the live columns of each tile, `live_cols`)
-                    nl = LIVE[c]
-                    qt = q_live(qb, c) if q_regs is None else q_regs[c]
-                    qs = (qt * bcast_row(s_eff, (D, nl))).astype(f16)
-                    qp_s[slot, c, pl.ds(0, D)] = with_lv(zeros_qs, qs, c)
-                    w = qt * bcast_row(z_eff, (D, nl)) - off_k[nl] * qs.astype(f32)
+                    w = block_terms(qb, slot, c, q_regs, scales)
                     # [NT] q.z' - sum(off * qs); with several prep warpgroups, each on its own scratch.
                     # Summed over the whole tile: Mosaic's cross-warp sum of a column may take another
                     # order at another width (H200: T = 1 against T = 5 rows differed in the last bits)
@@ -914,7 +924,7 @@ def _build_ws(st: _WsStatic):
                 plgpu.barrier_arrive(prepped.at[slot])
 
             def prep_pair(qb, slot_a, slot_b, q_regs):
-                """Two blocks at once (`prep_pairs`): each block's q s_k as `prep_one`'s, and both bias
+                """Two blocks at once (`prep_pairs`): each block's q s_k as `prep_one`'s (`block_terms`), and both bias
                 terms in one column sum over a tile holding block a's live columns then block b's (the
                 same tile width as one block's sum: a column's sum is the same reduction either way)."""
                 with scope("p_blk"):
@@ -922,16 +932,7 @@ def _build_ws(st: _WsStatic):
                         plgpu.barrier_wait(full.at[slot_a])
                         plgpu.barrier_wait(full.at[slot_b])
                     nl = LIVE[0]
-                    parts = []
-                    for slot in (slot_a, slot_b):
-                        sk = _load(sk_s.at[slot], ROW).astype(f32)
-                        zk = _load(zk_s.at[slot], ROW).astype(f32)
-                        s_eff = sk * (kfac * QSCALE)
-                        z_eff = (zk - sk * 0.5 if target else zk) * QSCALE
-                        qt = q_live(qb, 0) if q_regs is None else q_regs[0]
-                        qs = (qt * bcast_row(s_eff, (D, nl))).astype(f16)
-                        qp_s[slot, 0, pl.ds(0, D)] = with_lv(zeros_qs, qs, 0)
-                        parts.append(qt * bcast_row(z_eff, (D, nl)) - off_k[nl] * qs.astype(f32))
+                    parts = [block_terms(qb, slot, 0, q_regs, slot_scales(slot)) for slot in (slot_a, slot_b)]
                     both = jnp.concatenate(parts, axis=-1) if interp else _wg_cat_cols(parts, plgpu.Layout.WGMMA)
                     total = jnp.sum(both, axis=0)  # [NT]: block a's columns, then block b's
                     bias_s[slot_a, pl.ds(0, nl)] = cols(total, 0, nl)
@@ -1602,7 +1603,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     # (the balanced schedule is for the draft view, whose calls all have T = 1: sized for its C)
     plan = functools.partial(ring_plan, view, D, G, C if flat else c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
                              consumers=nc, preps=npr, flat=flat)
-    no_prep_work = config.ws_diag in ("stream", "stream_planes", "stream_noring", "noprep", "nobias")
+    no_prep_work = config.ws_diag in (*STREAM_DIAGS, "noprep", "nobias")
     pairs = prep_pairs_of(config, flat, npr, live_of(config, cols, C), no_prep_work)
     stages = config.stages
     if stages is None and nc == 3:  # two slots per consumer (three where the prep pairs keep up, see FLAT_WIDE_STAGES)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -131,8 +132,6 @@ def main(argv=None) -> int:
     q_pos = (cache.q_len + cache.fp_len)[:, None] - args.t + jnp.arange(args.t, dtype=jnp.int32)[None, :]
     for tok in args.tokens.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            import dataclasses
-
             conf = dataclasses.replace(config_of(tok), ws_profile_dir=tmp)
             if args.view == "target":
                 conf = dataclasses.replace(conf, ws_flat=False)
