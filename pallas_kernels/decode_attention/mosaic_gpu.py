@@ -139,9 +139,11 @@ class MgpuConfig:
     ws_pair_merge: bool | None = None
     # the split merge, one of MERGES (None: $QSPEC_MGPU_MERGE, else DEFAULT_MERGE); see `merge_heads`
     merge: str | None = None
-    # "ws", draft view: the balanced schedule (`mosaic_gpu_ws.flat_work`): persistent CTAs, each an equal
-    # share of the flattened (row, KV head, block) work, so rows of different lengths cost their sum.
-    # None: $QSPEC_MGPU_FLAT, else on from two rows up (`mosaic_gpu_ws.flat_of`). ws_flat_ctas: its CTA
+    # "ws": the balanced schedule: persistent CTAs, each an equal share of the flattened (row, KV head,
+    # block) work. Draft view (`mosaic_gpu_ws.flat_work`): shares of the rows' real lengths, so rows of
+    # different lengths cost their sum; None: $QSPEC_MGPU_FLAT, else on from two rows up. Target view
+    # (`mosaic_gpu_ws.geo_work`): shares of the cache's geometry, so a row's bits do not depend on the
+    # other rows; None: $QSPEC_MGPU_TARGET_FLAT, else off (`mosaic_gpu_ws.flat_of`). ws_flat_ctas: its CTA
     # count (None: one per SM).
     ws_flat: bool | None = None
     ws_flat_ctas: int | None = None
@@ -984,7 +986,7 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
         if all(k in inputs and inputs[k].shape == v for k, v in want.items()):
             pairs, ctas = inputs["ws_pairs"], inputs["ws_ctas"]
         else:
-            pairs, ctas = ws.flat_work(meta[:, 0], hkv, G, st_ws.flat_ctas, st_ws.flat_cap, st_ws.ring_w)
+            pairs, ctas = ws.work_of(st_ws, meta[:, 0])
         args += [pairs, ctas]
     o, ml = kernel(*args)[:2]  # ("ws" with ws_pair_merge: the consumers' exchange buffers follow)
     if return_partials:

@@ -172,6 +172,12 @@ class _WsStatic:
     flat_ctas: int = 0
     flat_cap: int = 0
     ring_w: int = 0  # a (row, head)'s FP ring in block units of the flattened work
+    # The target view's balanced schedule ("geometric", `geo_work`): every pair is `geo_blocks` blocks
+    # wide (S_max // G) whatever its length, so the shares, segments and partial slots follow from the
+    # geometry alone; a pair's real blocks are a prefix of its width (the rest is not streamed), a block
+    # goes to consumer (its index in the pair) % NC, and each consumer has its own ring of slots
+    # (w, w + NC, ...): a row's bits do not depend on the other rows' lengths. 0: off.
+    geo_blocks: int = 0
     seq_segs: int = 1  # interpret mode: query buffers, one per segment of a CTA
     prep_q_regs: bool = False  # the prep holds a segment's query in registers (`prep_q_regs_of`)
     # per column tile, its live columns (8 or NT, `live_cols`): the prep's q s_k and the
@@ -290,22 +296,24 @@ FLAT_ENV = "QSPEC_MGPU_FLAT"  # "1" / "0": the draft view's balanced schedule on
 FLAT_MIN_BATCH = 2
 
 
+TARGET_FLAT_ENV = "QSPEC_MGPU_TARGET_FLAT"  # "1" / "0": the target view's (geometric) balanced schedule
+
+
 def flat_of(config: Any, view: str, batch: int) -> bool:
-    """Whether a call runs the balanced schedule: `config.ws_flat`, else $QSPEC_MGPU_FLAT, else on
-    for the draft view from FLAT_MIN_BATCH rows up, unless the call asks for what the balanced
-    schedule does not have (a split count, static slots, the in-kernel pair merge). Draft view only:
-    its CTA shares depend on every row's length, and the target view's bits must depend on the
-    row's own (its verify and autoregressive rows see different batches)."""
+    """Whether a call runs the balanced schedule: `config.ws_flat`, else $QSPEC_MGPU_FLAT (draft view)
+    or $QSPEC_MGPU_TARGET_FLAT (target view), else on for the draft view from FLAT_MIN_BATCH rows up,
+    unless the call asks for what the balanced schedule does not have (a split count, static slots,
+    the in-kernel pair merge). The draft's shares follow every row's length (`flat_work`); the target
+    view's bits must depend on the row's own (its verify and autoregressive rows see different
+    batches), so its shares follow the geometry (`geo_work`)."""
     asked = getattr(config, "ws_flat", None)
     if asked is None:
-        v = env_flag(FLAT_ENV)
+        v = env_flag(FLAT_ENV if view == "draft" else TARGET_FLAT_ENV)
         if v is not None:
-            asked = v and view == "draft"
+            asked = v
         else:
             other = any(getattr(config, f, None) for f in ("num_splits", "ws_static_slots", "ws_pair_merge"))
             asked = view == "draft" and batch >= FLAT_MIN_BATCH and not other and env_splits() is None
-    if asked and view != "draft":
-        raise ValueError(f"ws_flat: the balanced schedule is for the draft view only, got view={view!r}")
     return bool(asked)
 
 
@@ -416,16 +424,39 @@ def flat_work(q_len: Array, hkv: int, G: int, ctas: int, cap: int, ring_w: int) 
     return pairs, jnp.stack([x0, nseg, g0, g1], axis=1)
 
 
+def geo_work(q_len: Array, hkv: int, G: int, ctas: int, cap: int, ring_w: int, n_blocks: int
+             ) -> tuple[Array, Array]:
+    """The target view's balanced schedule's work split: `flat_work` of rows all n_blocks (S_max // G)
+    long, so that every share, segment and partial slot of a pair follows from the cache's geometry and
+    not from the other rows' lengths; pairs[:, 1] is the pair's real block count (q_len // G <=
+    n_blocks): its blocks are a prefix of the pair's width, the rest is not streamed, and its ring sits
+    at unit n_blocks (`_WsStatic.geo_blocks`)."""
+    full = jnp.full(q_len.shape, n_blocks * G, jnp.int32)
+    pairs, work = flat_work(full, hkv, G, ctas, cap, ring_w)
+    return pairs.at[:, 1].set(jnp.repeat(q_len.astype(jnp.int32) // G, hkv)), work
+
+
+def work_of(st: Any, q_len: Array) -> tuple[Array, Array]:
+    """The balanced schedule's work split (ws_pairs, ws_ctas) of a call with static config `st`:
+    `geo_work` for the target view, `flat_work` for the draft's."""
+    if st.geo_blocks:
+        return geo_work(q_len, st.H, st.G, st.flat_ctas, st.flat_cap, st.ring_w, st.geo_blocks)
+    return flat_work(q_len, st.H, st.G, st.flat_ctas, st.flat_cap, st.ring_w)
+
+
 def flat_inputs(cache: Any, view: str) -> dict[str, Array]:
-    """`flat_work` of a QuantSpecCache for the calls of a pass that run the balanced schedule by
+    """The work split of a QuantSpecCache for the calls of a pass that run the balanced schedule by
     default (`flat_of` without a config; a config's ws_flat_ctas other than one per SM recomputes per call),
     as `mosaic_gpu.kernel_inputs` entries "ws_pairs" / "ws_ctas"; {} where the schedule is off."""
-    _, B, H, _, dh = cache.k_hi.shape
-    if view != "draft" or not flat_of(None, view, B):
+    _, B, H, S, dh = cache.k_hi.shape
+    if not flat_of(None, view, B):
         return {}
     G = cache.group_size
     f = flat_split(B, H, 2 * dh, G, cache.ring_size, view, cache.k_scale.dtype, cache.k_fp.dtype)
-    pairs, work = flat_work(cache.q_len, H, G, f["flat_ctas"], f["flat_cap"], f["ring_w"])
+    if view == "target":
+        pairs, work = geo_work(cache.q_len, H, G, f["flat_ctas"], f["flat_cap"], f["ring_w"], max(1, S // G))
+    else:
+        pairs, work = flat_work(cache.q_len, H, G, f["flat_ctas"], f["flat_cap"], f["ring_w"])
     return {"ws_pairs": pairs, "ws_ctas": work}
 
 
@@ -554,6 +585,8 @@ def _build_ws(st: _WsStatic):
     cons_regs, prep_regs, tma_regs = st.regs
     NC, NPREP = st.consumers, st.preps
     FLAT = st.flat
+    GEO = st.geo_blocks > 0  # the target view's balanced schedule (shares and consumers by the geometry)
+    S2 = S // NC  # slots per consumer (consumer w's: w, w + NC, ...)
     QB = st.seq_segs if (FLAT and seq) else (2 if FLAT else 1)  # query / position buffers
     RING_OWNER_FLAT = 0 if NRB == 4 else NC - 1  # balanced schedule: the ring's consumer (all segments)
     WG_PREP, WG_TMA = NC, NC + NPREP  # prep warpgroups WG_PREP .. WG_TMA - 1
@@ -647,15 +680,18 @@ def _build_ws(st: _WsStatic):
                 b = div(x, st.H)
                 h = x - b * st.H
                 start, nb, c_first = pairs_ref[x, 0], pairs_ref[x, 1], pairs_ref[x, 2]
+                # the pair's width in blocks: its real ones, or (geometric) S_max // G, of which the
+                # real nb are a prefix (its blocks past nb are in no share's stream)
+                width = i32(st.geo_blocks) if GEO else nb
                 lo = jnp.maximum(g0 - start, 0)
-                hi = jnp.minimum(g1 - start, nb + st.ring_w)
+                hi = jnp.minimum(g1 - start, width + st.ring_w)
                 blk0 = lo
                 n = jnp.maximum(jnp.minimum(hi, nb) - lo, 0)
                 # the CTA holding the pair's first ring unit attends its whole ring; the partial slot
                 # is this CTA's index among the pair's; the pair's last CTA neutralises the unused slots
-                nrt = jnp.where((lo <= nb) & (nb < hi), n_ring_tiles, 0)
+                nrt = jnp.where((lo <= width) & (width < hi), n_ring_tiles, 0)
                 r0, rstride, ring_owner = i32(0), 1, i32(RING_OWNER_FLAT)
-                j_out, last = p - c_first, start + nb + st.ring_w <= g1
+                j_out, last = p - c_first, start + width + st.ring_w <= g1
             else:
                 b, h = grid_b, grid_h
                 n_blk_row = div(meta_ref[b, 0], G)
@@ -723,18 +759,39 @@ def _build_ws(st: _WsStatic):
             def __getitem__(self, field):
                 return (segment(self.k) if FLAT else seg0)[field]
 
+        def first_of(w, blk0, base):
+            """The segment's first block i (< NC) of consumer w: block i goes to consumer (base + i) % NC,
+            its place in the CTA's stream, or (GEO) (blk0 + i) % NC, its index in its pair."""
+            return lax.rem(w - lax.rem(blk0 if GEO else base, NC) + NC, NC)
+
+        def pick(xs, w):  # xs[w] for a traced w
+            return functools.reduce(lambda acc, v: jnp.where(w == v, xs[v], acc), range(1, NC), xs[0])
+
+        def geo_slot(cnts, w, j):
+            """GEO: the slot of consumer w's j-th block of a segment and its turn (consumer w's blocks before
+            it in this CTA): consumer w's own ring of S2 slots w, w + NC, ...; cnts: each consumer's blocks
+            in the segments before."""
+            turn = pick(cnts, w) + j
+            return w + NC * lax.rem(turn, S2), turn
+
         def walk(body, carry):
-            """carry after body(k, Seg(k), base, rbase, carry) over this CTA's segments, base and
+            """carry after body(k, Seg(k), base, rbase, carry, cnts) over this CTA's segments, base and
             rbase the quantized blocks and ring tiles of the segments before k (the slot and ring
-            buffer counters run on over segment boundaries: one continuous stream)."""
+            buffer counters run on over segment boundaries: one continuous stream), cnts (GEO) each
+            consumer's blocks of the segments before k (its slot ring's counter; () otherwise).
+            Returns (base, rbase, cnts, carry) after the last segment."""
             def step(k, c):
-                base, rbase, user = c
-                user = body(k, Seg(k), base, rbase, user)
+                base, rbase, cnts, user = c
+                user = body(k, Seg(k), base, rbase, user, cnts)
                 sg = segment(k) if FLAT else seg0
-                return base + sg["n"], rbase + sg["nrt"], user
+                n = sg["n"]
+                if GEO:  # (n - first + NC - 1 >= 0)
+                    cnts = tuple(cnts[v] + div(n - first_of(v, sg["blk0"], base) + NC - 1, NC) for v in range(NC))
+                return base + n, rbase + sg["nrt"], cnts, user
+            init = (i32(0), i32(0), tuple(i32(0) for _ in range(NC)) if GEO else (), carry)
             if not FLAT:
-                return step(i32(0), (i32(0), i32(0), carry))
-            return lax.fori_loop(0, nseg, step, (i32(0), i32(0), carry))
+                return step(i32(0), init)
+            return lax.fori_loop(0, nseg, step, init)
 
         # ------------------------------------------------------------------------- TMA
         def role_tma():
@@ -758,26 +815,31 @@ def _build_ws(st: _WsStatic):
                     pl.when(warp == 0)(tma_stream)
 
         def tma_stream(blocks: bool = True, ring: bool = True):
-            def seg_stream(k, sg, base, rbase, _):
+            def seg_stream(k, sg, base, rbase, _, cnts):
                 if blocks:
                     b, h, qb = sg["b"], sg["h"], sg["qb"]
                     if FLAT and not seq:  # the query buffer of segment k - QB: read by every role
                         _when(k >= QB)(lambda: plgpu.barrier_wait(qfree.at[qb]))
                     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_buf(qb), qbar.at[qb])
                     plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_buf(qb), qbar.at[qb])
-                    blocks_stream(sg, base)
+                    blocks_stream(sg, base, cnts)
                 if ring:
                     ring_stream(sg, rbase)
                 return _
 
-            base, rbase, _ = walk(seg_stream, i32(0))
+            base, rbase, cnts, _ = walk(seg_stream, i32(0))
             if seq:
                 return
             owner = RING_OWNER_FLAT if FLAT else seg0["ring_owner"]
 
             # Drain: observe the releases not waited for above, so that this warp has seen every
             # completion of the barriers it waits on (GPU interpret mode checks it).
-            if blocks:
+            if blocks and GEO:  # each consumer's last turns of its own slots
+                for v in range(NC):
+                    @pl.loop(jnp.maximum(cnts[v] - S2, 0), cnts[v])
+                    def _(t):
+                        plgpu.barrier_wait(consumed.at[v + NC * lax.rem(t, S2)])
+            elif blocks:
                 @pl.loop(jnp.maximum(base - S, 0), base)
                 def _(i):
                     plgpu.barrier_wait(consumed.at[lax.rem(i, S)])
@@ -787,7 +849,7 @@ def _build_ws(st: _WsStatic):
                 def _(m):
                     plgpu.barrier_wait(rconsumed.at[ring_item_slot(m, owner)])
 
-        def blocks_stream(sg, base):
+        def blocks_stream(sg, base, cnts):
             lbh, blk0, n = sg["lbh"], sg["blk0"], sg["n"]
 
             def issue(i, slot):
@@ -815,6 +877,12 @@ def _build_ws(st: _WsStatic):
                 def _(i):
                     slot = lax.rem(i, S)
                     plgpu.barrier_wait(consumed.at[slot])  # block i - S released its slot
+                    issue(i, slot)
+            elif GEO:
+                @pl.loop(0, n)
+                def _(i):
+                    slot, turn = geo_slot(cnts, lax.rem(blk0 + i, NC), lax.div(i, NC))
+                    _when(turn >= S2)(lambda: plgpu.barrier_wait(consumed.at[slot]))  # turn - S2 released it
                     issue(i, slot)
             else:
                 @pl.loop(0, n)
@@ -941,7 +1009,7 @@ def _build_ws(st: _WsStatic):
                     plgpu.barrier_arrive(prepped.at[slot_a])
                     plgpu.barrier_arrive(prepped.at[slot_b])
 
-            def seg_prep(k, sg, base, rbase, carry):
+            def seg_prep(k, sg, base, rbase, carry, cnts):
                 qb, n = sg["qb"], sg["n"]
                 if not seq or r == 0:  # interpret mode: one waiter per barrier completion (see SLOTS)
                     plgpu.barrier_wait(qbar.at[qb])
@@ -955,7 +1023,10 @@ def _build_ws(st: _WsStatic):
                     else:  # this warpgroup's first block of the segment and its block count (n - i0 + NPREP - 1 >= 0)
                         i0 = lax.rem(r - lax.rem(base, NPREP) + NPREP, NPREP) if FLAT else r
                         count = (n - i0 + NPREP - 1) // NPREP
-                    if st.prep_pairs:  # (NPREP 1: i0 0) blocks 2j and 2j + 1, then an odd last one alone
+                    if GEO and not seq:  # (NPREP 1) block i in consumer (blk0 + i) % NC's ring
+                        pl.loop(0, n)(lambda i: prep_block(
+                            qb, geo_slot(cnts, lax.rem(sg["blk0"] + i, NC), lax.div(i, NC))[0], q_regs))
+                    elif st.prep_pairs:  # (NPREP 1: i0 0) blocks 2j and 2j + 1, then an odd last one alone
                         pl.loop(0, lax.div(n, i32(2)))(
                             lambda j: prep_pair(qb, slot_of(base + 2 * j), slot_of(base + 2 * j + 1), q_regs))
                         _when(lax.rem(n, i32(2)) == 1)(lambda: prep_block(qb, slot_of(base + n - 1), q_regs))
@@ -1087,15 +1158,16 @@ def _build_ws(st: _WsStatic):
             def v_tiles(slot):  # the value MMA's A operand of channel tile mc, built when called
                 return lambda mc: code_operand(v_s, slot, mc * MT, Gh)
 
-            def seg_consume(k, sg, base, rbase, carry_):
-                """Segment k: its quantized blocks (the CTA stream's gi = base + i with gi % NC == w),
-                its ring tiles, and this consumer's partial of it."""
+            def seg_consume(k, sg, base, rbase, carry_, cnts):
+                """Segment k: its quantized blocks (the CTA stream's gi = base + i with gi % NC == w;
+                GEO: the pair's blocks blk0 + i with (blk0 + i) % NC == w), its ring tiles, and this
+                consumer's partial of it."""
                 blk0, n, qb = sg["blk0"], sg["n"], sg["qb"]
                 if not seq:  # (interpret mode: the prep role waited)
                     plgpu.barrier_wait(qbar.at[qb])
                 pos_c = [_load(pos_buf(qb).at[pl.ds(c * NT, NT)], COL) for c in range(C)]
                 # this consumer's first block of the segment (default schedule: base 0)
-                i0 = lax.rem(w - lax.rem(base, NC) + NC, NC) if FLAT else w
+                i0 = first_of(w, blk0, base) if FLAT else w
 
                 def softmax_p(i, slot, s_all, ms, ls, ys, os_):
                     """Block i's masked scores -> new (m, l, y), O rescaled if a reference moved, and
@@ -1158,13 +1230,13 @@ def _build_ws(st: _WsStatic):
                 # memory address of a step is a compile-time offset (a runtime slot costs ~1150 address
                 # and uniform-register instructions per block, ncu 2026-11-26); the last < S2 steps run
                 # with a runtime slot. Interpret mode: slot = block (see SLOTS).
-                S2 = S // NC
-
                 def slot_at(i, u):  # the slot of the segment's block i = i0 + NC j, u = j % S2 (static) or None
                     if seq:
                         return base + i
                     if u is not None and not FLAT:  # (base 0, i0 = w)
                         return w + NC * u
+                    if GEO:
+                        return geo_slot(cnts, w, lax.div(i - i0, NC))[0]
                     return lax.rem(base + i, S)
 
                 def unrolled(steps, body, carry):
@@ -1584,6 +1656,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
         raise ValueError(f"C={C} column tiles > c_max={c_max}")
     n_blocks = max(1, S_max // G)
     flat = flat_of(config, view, B)
+    geo = flat and view == "target"  # the target view's balanced schedule: shares by the geometry (`geo_work`)
     np_ = config.num_splits or env_splits() or default_ctas(B, H, n_blocks, view)
     # Software-pipelined consumers (a block's value MMA overlapping the next block's K conversion
     # and score MMA) by default for the draft view only: the verify kernel's two planes and wider
@@ -1600,11 +1673,14 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     # consumers keeps it (batch 1 / 128k: 49.3 pipelined, 50.6 not); its default now is three
     # unpipelined consumers (47.1, `consumers_of`).
     pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2 and not flat)
-    # (the balanced schedule is for the draft view, whose calls all have T = 1: sized for its C)
-    plan = functools.partial(ring_plan, view, D, G, C if flat else c_max, scale_dtype=scale_dtype, fp_dtype=fp_dtype,
-                             consumers=nc, preps=npr, flat=flat)
+    if geo and (pipeline or npr > 1 or config.ws_prep_pairs):
+        raise ValueError("ws_flat, target view: the geometric balanced schedule runs unpipelined consumers, one prep "
+                         "warpgroup and one block per prep pass (no ws_pipeline, ws_preps > 1 or ws_prep_pairs)")
+    # (the draft's balanced schedule: its calls all have T = 1, sized for its C; the target view's: for c_max)
+    plan = functools.partial(ring_plan, view, D, G, C if flat and not geo else c_max, scale_dtype=scale_dtype,
+                             fp_dtype=fp_dtype, consumers=nc, preps=npr, flat=flat)
     no_prep_work = config.ws_diag in (*STREAM_DIAGS, "noprep", "nobias")
-    pairs = prep_pairs_of(config, flat, npr, live_of(config, cols, C), no_prep_work)
+    pairs = prep_pairs_of(config, flat and not geo, npr, live_of(config, cols, C), no_prep_work)
     stages = config.stages
     if stages is None and nc == 3:  # two slots per consumer (three where the prep pairs keep up, see FLAT_WIDE_STAGES)
         stages = FLAT_WIDE_STAGES if flat and pairs and plan(FLAT_WIDE_STAGES) is not None else 6
@@ -1636,7 +1712,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
         share = max(-(-(B * H * (n_blocks + rw)) // f["flat_ctas"]), -(-(n_blocks + rw) // f["flat_cap"]))
         segs = min(B * H, share // rw + 2)
         per, ring_tiles_per_cta = share, n_ring_tiles * segs
-        flat_fields = dict(flat=True, seq_segs=segs, **f)
+        flat_fields = dict(flat=True, seq_segs=segs, geo_blocks=n_blocks if geo else 0, **f)
     else:
         per = -(-n_blocks // np_)
         ring_tiles_per_cta = -(-n_ring_tiles // np_)

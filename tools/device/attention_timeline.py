@@ -132,9 +132,7 @@ def main(argv=None) -> int:
     q_pos = (cache.q_len + cache.fp_len)[:, None] - args.t + jnp.arange(args.t, dtype=jnp.int32)[None, :]
     for tok in args.tokens.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            conf = dataclasses.replace(config_of(tok), ws_profile_dir=tmp)
-            if args.view == "target":
-                conf = dataclasses.replace(conf, ws_flat=False)
+            conf = dataclasses.replace(config_of(tok), ws_profile_dir=tmp)  # (the target view's "flat": `geo_work`)
             call = jax.jit(lambda q, p, c: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view=args.view,
                                                                               config=conf))
             for _ in range(3):

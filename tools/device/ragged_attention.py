@@ -6,7 +6,8 @@ of the lengths, and at which split count (issue 31's batch-8 gap).
 For the INT4 draft view (T 1), the INT8 verify view (T 5, --target-t) and our dense bf16 kernel (T 1), 8B
 shape: every row at --ctx against rows evenly from ctx/2 to ctx (`e2e.batch_lengths`, the e2e
 batch part's). The Mosaic views under each CTA count per (row, KV head) in --nps (0: the row
-split's default, `mosaic_gpu_ws.default_ctas`; "flat": the draft view's balanced schedule, `ws_flat`).
+split's default, `mosaic_gpu_ws.default_ctas`; "flat": the balanced schedule, `ws_flat`: the draft's by the
+rows' lengths, the target view's by the geometry).
 Prints per call the wall time in a device loop, the attention kernel alone and all GPU kernels
 (query prep, kernel, merge) from a profiler trace.
 """
@@ -165,8 +166,6 @@ def main(argv=None) -> int:
             kind, t, impl = {"draft": ("draft", 1, "mosaic"), "target": ("target", args.target_t, "mosaic"),
                              "dense": ("dense", 1, "triton")}[view]
             nps = args.nps.split(",") if impl == "mosaic" else ["0"]
-            if kind != "draft":
-                nps = [n for n in nps if not n.startswith("flat")]
             confs = [None if impl != "mosaic" else config_of(n) for n in nps]
             for name, lengths in layouts.items():
                 rows = K.bench_ours(kind, args.shape, hq, hkv, d, args.batch, args.ctx, t, args.trials, confs, key,
