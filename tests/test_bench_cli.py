@@ -94,6 +94,9 @@ BAD_ARGS = [
     ("fidelity", ["--from-json", "x.json"], "--from-json rewrites a report from earlier results: add --doc"),
     ("fidelity", ["--checkpoint", CKPT, "--text-dir", MISSING], f"--text-dir {MISSING}: no such directory"),
     ("fidelity", ["--quick", "--doc"], "--doc with --quick"),
+    ("fidelity", ["--gamma-max", "0"], "argument --gamma-max: expected a positive integer or 'gamma', got '0'"),
+    ("fidelity", ["--quick", "--gamma-max", "2"], "--gammas must be in 1..2 (gamma_max)"),
+    ("fidelity", ["--quick", "--gamma-max", "300"], "--gamma-max 300: gamma_max=300 must be < group_size"),
     ("gamma", ["--bass", "1:0"], "argument --bass: expected INCREMENT:MOD pairs of integers >= 1"),
     ("gamma", ["--batches", "3"], "--batches 3: each must divide --prompts=4"),
     ("gamma", ["--costs", MISSING], f"--costs {MISSING}: no such file"),
@@ -292,6 +295,36 @@ def test_quality_writes_its_report_only_with_doc(monkeypatch: pytest.MonkeyPatch
     assert json.loads(store.read_text())["ppl"] == rows
     assert bench.main([*common, "--doc", str(tmp_path / "Q.md")]) == 0
     assert written == [tmp_path / "Q.md"]
+
+
+@pytest.mark.slow  # five generations of the tiny model: full suite only
+def test_fidelity_compares_each_gamma_with_ar_at_its_own_width(monkeypatch: pytest.MonkeyPatch,
+                                                              tiny_chat_checkpoint: Path) -> None:
+    """`--gamma-max gamma`: each γ's speculative run (gamma_max = γ) against AR at its own verify width
+    γ + 1, one AR run per width (and width 1); an integer: every γ against AR at that gamma_max + 1.
+    On the tiny model every row is equal with bit-identical logits."""
+    import qspec_jax
+    from qspec_jax.bench import fidelity
+    from qspec_jax import generation
+
+    model = qspec_jax.load(tiny_chat_checkpoint)
+    widths: list[int] = []
+    real = generation.generate_autoregressive
+
+    def recording(model, prompts, config):
+        widths.append(config.width)
+        return real(model, prompts, config)
+
+    monkeypatch.setattr(generation, "generate_autoregressive", recording)
+    prompts = [[5 + (7 * i + 3 * b) % 40 for i in range(30 - 3 * b)] for b in range(2)]
+    out = fidelity.run(model, prompts, "int8", [1, 2], 6, "gamma")
+    assert widths == [2, 1, 3]  # the first γ's reference, width 1, then γ 2's
+    for g in (1, 2):
+        rows = out[f"spec-g{g}"]
+        assert all(r["equal_fraction"] == 1.0 and r["logits_bitwise_prefix"] for r in rows), (g, rows)
+    widths.clear()
+    fidelity.run(model, prompts, "int8", [2], 4, 3)
+    assert widths == [4, 1]
 
 
 def test_tp_section_floor_and_collectives() -> None:

