@@ -135,7 +135,12 @@ def main(argv=None) -> int:
             conf = dataclasses.replace(config_of(tok), ws_profile_dir=tmp)  # (the target view's "flat": `geo_work`)
             call = jax.jit(lambda q, p, c: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view=args.view,
                                                                               config=conf))
-            for _ in range(3):
+            for i in range(3):  # the third call's trace: Pallas keeps a trace file rather than overwrite it ("profile
+                # already exists"), so the earlier calls' are removed (before the twenty-ninth session every summary was
+                # of the first, cold call)
+                if i:
+                    for f in glob.glob(os.path.join(tmp, "*-trace.json")):
+                        os.remove(f)
                 jax.block_until_ready(call(q, q_pos, cache))
             files = sorted(glob.glob(os.path.join(tmp, "*-trace.json")))
             if not files:
