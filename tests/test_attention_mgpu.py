@@ -416,6 +416,21 @@ def test_ws_pair_merge(view, window, nc, splits):
         assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(ml)).all()
 
 
+def _check_partial_slots(o, ml, starts, widths, rw: int, share: int, cap: int) -> None:
+    """The balanced schedule's partials [B, 1, (cap + 1) NC, ...] of pairs x = rows (one KV head), each
+    `widths[x]` blocks + its ring from unit `starts[x]`: a partial per consumer and slot; the slots of
+    the CTAs its units span written (finite, some saw its tokens), every later one neutral (m = NEG,
+    l = 0, o = 0)."""
+    assert o.shape[2] == ml.shape[2] == (cap + 1) * ws.CONSUMERS
+    for x, (start, width) in enumerate(zip(starts, widths)):
+        count = (start + width + rw - 1) // share - start // share + 1  # CTAs holding a part of pair x
+        written, unused = slice(0, count * ws.CONSUMERS), slice(count * ws.CONSUMERS, None)
+        assert np.isfinite(o[x, :, written]).all() and np.isfinite(ml[x, :, written]).all()
+        assert (ml[x, :, written, mg.MT // 2, :4] > 0).any()  # some partial of the pair saw its tokens
+        assert (ml[x, :, unused, mg.MT // 2] == 0).all() and (o[x, :, unused] == 0).all()
+        assert (ml[x, :, unused, 0] == np.float32(mg.NEG)).all()
+
+
 @pytest.mark.parametrize("ctas,window", [(3, None), (7, 60)])
 def test_ws_flat_balanced_schedule(ctas, window):
     """`ws_flat` (the draft view's balanced schedule): `ctas` persistent CTAs over the flattened
@@ -432,15 +447,7 @@ def test_ws_flat_balanced_schedule(ctas, window):
     # one config: the balanced schedule ignores num_splits (`ctas` is its CTA count)
     for cfg, o5, call in _ws_variant_runs("draft", window, 23, 11, (1,), ws_flat=True, ws_flat_ctas=ctas):
         o, ml = (np.asarray(x) for x in call(partials=True, config=cfg))
-        assert o.shape[2] == ml.shape[2] == (cap + 1) * ws.CONSUMERS  # a partial per consumer and slot
-        for x in range(4):  # pair x = row x (one KV head)
-            start, nb = int(pairs[x, 0]), int(pairs[x, 1])
-            count = (start + nb + rw - 1) // share - start // share + 1  # CTAs holding a part of pair x
-            written, unused = slice(0, count * ws.CONSUMERS), slice(count * ws.CONSUMERS, None)
-            assert np.isfinite(o[x, :, written]).all() and np.isfinite(ml[x, :, written]).all()
-            assert (ml[x, :, written, mg.MT // 2, :4] > 0).any()  # some partial of the pair saw its tokens
-            assert (ml[x, :, unused, mg.MT // 2] == 0).all() and (o[x, :, unused] == 0).all()
-            assert (ml[x, :, unused, 0] == np.float32(mg.NEG)).all()
+        _check_partial_slots(o, ml, pairs[:, 0].tolist(), pairs[:, 1].tolist(), rw, share, cap)  # widths: real
         default = np.asarray(call(config=mg.MgpuConfig(register_a=False, schedule="ws", ws_flat=False)))  # row split
         bound = error_bound(*_queries(jax.random.PRNGKey(11), cache, 5, 4, 64, jnp.float32), cache, 0, "draft", window)
         assert (np.abs(o5 - default) <= 2 * bound).all()  # both within the bound of the reference
@@ -475,14 +482,7 @@ def test_ws_target_geometric_schedule(ctas, window):
                               cache.k_fp.dtype, cfg)
         assert st.flat and st.geo_blocks == n_blocks
         o, ml = (np.asarray(x) for x in _mgpu(q, q_pos, cache, jnp.int32(0), "target", window, True, cfg))
-        assert o.shape[2] == ml.shape[2] == (cap + 1) * ws.CONSUMERS
-        for x in range(4):
-            start = int(pairs[x, 0])
-            count = (start + n_blocks + rw - 1) // share - start // share + 1  # CTAs its width spans
-            written, unused = slice(0, count * ws.CONSUMERS), slice(count * ws.CONSUMERS, None)
-            assert np.isfinite(o[x, :, written]).all() and np.isfinite(ml[x, :, written]).all()
-            assert (ml[x, :, written, mg.MT // 2, :4] > 0).any()
-            assert (ml[x, :, unused, mg.MT // 2] == 0).all() and (o[x, :, unused] == 0).all()
+        _check_partial_slots(o, ml, pairs[:, 0].tolist(), [n_blocks] * 4, rw, share, cap)  # widths: geometric
         out_a = np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), "target", window, config=cfg))
         out_b = np.asarray(_mgpu(q_b, q_pos_b, other, jnp.int32(0), "target", window, config=cfg))
         np.testing.assert_array_equal(out_b[2], out_a[2])  # row 2: the same bits beside other rows

@@ -986,7 +986,8 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
         if all(k in inputs and inputs[k].shape == v for k, v in want.items()):
             pairs, ctas = inputs["ws_pairs"], inputs["ws_ctas"]
         else:
-            pairs, ctas = ws.work_of(st_ws, meta[:, 0])
+            pairs, ctas = ws.work_of(meta[:, 0], hkv, G, st_ws.flat_ctas, st_ws.flat_cap, st_ws.ring_w,
+                                     st_ws.geo_blocks)
         args += [pairs, ctas]
     o, ml = kernel(*args)[:2]  # ("ws" with ws_pair_merge: the consumers' exchange buffers follow)
     if return_partials:

@@ -167,7 +167,7 @@ class _WsStatic:
     # The balanced ("flat") schedule of the draft view (see `flat_work`): a grid of `flat_ctas` CTAs,
     # each an equal share of the flattened (row, KV head, block) work, walking the (row, head)
     # segments of its share with one continuous TMA stream; `flat_cap` + 1 partial slots per (row,
-    # head) and consumer. (`flat_split` derives the three numbers; `flat_work` uses them.)
+    # head) and consumer. (`flat_split` derives these numbers and geo_blocks below; `work_of` uses them.)
     flat: bool = False
     flat_ctas: int = 0
     flat_cap: int = 0
@@ -388,13 +388,15 @@ def ring_weight(view: str, D: int, G: int, R: int, scale_dtype: Any, fp_dtype: A
     return max(1, -(-ring * num // (block * den)))
 
 
-def flat_split(B: int, H: int, D: int, G: int, R: int, view: str, scale_dtype: Any, fp_dtype: Any,
+def flat_split(B: int, H: int, D: int, G: int, R: int, S_max: int, view: str, scale_dtype: Any, fp_dtype: Any,
                ctas: int | None = None) -> dict[str, int]:
     """The balanced schedule's static numbers for a cache geometry: its CTA count (one per SM by
-    default), `flat_cap` and the ring's weight (`_WsStatic` fields, `flat_work`'s arguments)."""
+    default), `flat_cap`, the ring's weight and (target view: shares of the geometry) every pair's
+    width in blocks, S_max // G, else 0 (`_WsStatic` fields, `work_of`'s arguments)."""
     ctas = ctas or num_sms()
     return dict(flat_ctas=ctas, flat_cap=flat_cap(B, H, ctas),
-                ring_w=ring_weight(view, D, G, R, scale_dtype, fp_dtype))
+                ring_w=ring_weight(view, D, G, R, scale_dtype, fp_dtype),
+                geo_blocks=max(1, S_max // G) if view == "target" else 0)
 
 
 def flat_work(q_len: Array, hkv: int, G: int, ctas: int, cap: int, ring_w: int) -> tuple[Array, Array]:
@@ -436,12 +438,13 @@ def geo_work(q_len: Array, hkv: int, G: int, ctas: int, cap: int, ring_w: int, n
     return pairs.at[:, 1].set(jnp.repeat(q_len.astype(jnp.int32) // G, hkv)), work
 
 
-def work_of(st: Any, q_len: Array) -> tuple[Array, Array]:
-    """The balanced schedule's work split (ws_pairs, ws_ctas) of a call with static config `st`:
-    `geo_work` for the target view, `flat_work` for the draft's."""
-    if st.geo_blocks:
-        return geo_work(q_len, st.H, st.G, st.flat_ctas, st.flat_cap, st.ring_w, st.geo_blocks)
-    return flat_work(q_len, st.H, st.G, st.flat_ctas, st.flat_cap, st.ring_w)
+def work_of(q_len: Array, hkv: int, G: int, flat_ctas: int, flat_cap: int, ring_w: int, geo_blocks: int
+            ) -> tuple[Array, Array]:
+    """The balanced schedule's work split (ws_pairs, ws_ctas) from `flat_split`'s numbers: `geo_work`
+    where pairs have a geometric width (the target view), `flat_work` otherwise (the draft's)."""
+    if geo_blocks:
+        return geo_work(q_len, hkv, G, flat_ctas, flat_cap, ring_w, geo_blocks)
+    return flat_work(q_len, hkv, G, flat_ctas, flat_cap, ring_w)
 
 
 def flat_inputs(cache: Any, view: str) -> dict[str, Array]:
@@ -452,11 +455,8 @@ def flat_inputs(cache: Any, view: str) -> dict[str, Array]:
     if not flat_of(None, view, B):
         return {}
     G = cache.group_size
-    f = flat_split(B, H, 2 * dh, G, cache.ring_size, view, cache.k_scale.dtype, cache.k_fp.dtype)
-    if view == "target":
-        pairs, work = geo_work(cache.q_len, H, G, f["flat_ctas"], f["flat_cap"], f["ring_w"], max(1, S // G))
-    else:
-        pairs, work = flat_work(cache.q_len, H, G, f["flat_ctas"], f["flat_cap"], f["ring_w"])
+    f = flat_split(B, H, 2 * dh, G, cache.ring_size, S, view, cache.k_scale.dtype, cache.k_fp.dtype)
+    pairs, work = work_of(cache.q_len, H, G, **f)
     return {"ws_pairs": pairs, "ws_ctas": work}
 
 
@@ -774,6 +774,11 @@ def _build_ws(st: _WsStatic):
             turn = pick(cnts, w) + j
             return w + NC * lax.rem(turn, S2), turn
 
+        def geo_block_slot(cnts, blk0, i):
+            """GEO: `geo_slot` of the segment's block i in stream order (the TMA warp's and the prep's):
+            its consumer (blk0 + i) % NC, of whose blocks it is the (i // NC)-th."""
+            return geo_slot(cnts, lax.rem(blk0 + i, NC), lax.div(i, NC))
+
         def walk(body, carry):
             """carry after body(k, Seg(k), base, rbase, carry, cnts) over this CTA's segments, base and
             rbase the quantized blocks and ring tiles of the segments before k (the slot and ring
@@ -881,7 +886,7 @@ def _build_ws(st: _WsStatic):
             elif GEO:
                 @pl.loop(0, n)
                 def _(i):
-                    slot, turn = geo_slot(cnts, lax.rem(blk0 + i, NC), lax.div(i, NC))
+                    slot, turn = geo_block_slot(cnts, blk0, i)
                     _when(turn >= S2)(lambda: plgpu.barrier_wait(consumed.at[slot]))  # turn - S2 released it
                     issue(i, slot)
             else:
@@ -1024,8 +1029,7 @@ def _build_ws(st: _WsStatic):
                         i0 = lax.rem(r - lax.rem(base, NPREP) + NPREP, NPREP) if FLAT else r
                         count = (n - i0 + NPREP - 1) // NPREP
                     if GEO and not seq:  # (NPREP 1) block i in consumer (blk0 + i) % NC's ring
-                        pl.loop(0, n)(lambda i: prep_block(
-                            qb, geo_slot(cnts, lax.rem(sg["blk0"] + i, NC), lax.div(i, NC))[0], q_regs))
+                        pl.loop(0, n)(lambda i: prep_block(qb, geo_block_slot(cnts, sg["blk0"], i)[0], q_regs))
                     elif st.prep_pairs:  # (NPREP 1: i0 0) blocks 2j and 2j + 1, then an odd last one alone
                         pl.loop(0, lax.div(n, i32(2)))(
                             lambda j: prep_pair(qb, slot_of(base + 2 * j), slot_of(base + 2 * j + 1), q_regs))
@@ -1706,13 +1710,13 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
         if config.ws_static_slots or config.ws_pair_merge:
             raise ValueError("ws_flat: the balanced schedule runs with runtime slots and one partial per consumer "
                              "(no ws_static_slots, no ws_pair_merge)")
-        f = flat_split(B, H, D, G, R, view, scale_dtype, fp_dtype, config.ws_flat_ctas)
+        f = flat_split(B, H, D, G, R, S_max, view, scale_dtype, fp_dtype, config.ws_flat_ctas)
         rw = f["ring_w"]
         # a share's bound (`flat_work`): blocks and segments (pairs overlapping it) of one CTA
         share = max(-(-(B * H * (n_blocks + rw)) // f["flat_ctas"]), -(-(n_blocks + rw) // f["flat_cap"]))
         segs = min(B * H, share // rw + 2)
         per, ring_tiles_per_cta = share, n_ring_tiles * segs
-        flat_fields = dict(flat=True, seq_segs=segs, geo_blocks=n_blocks if geo else 0, **f)
+        flat_fields = dict(flat=True, seq_segs=segs, **f)
     else:
         per = -(-n_blocks // np_)
         ring_tiles_per_cta = -(-n_ring_tiles // np_)

