@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 L2_BYTES = 50 * 2**20
 from qspec_jax.bench import options, report
-from qspec_jax.bench.synthetic import random_quant_cache
+from qspec_jax.bench.synthetic import attention_config, random_quant_cache
 from qspec_jax.bench.timing import copy_bandwidth, read_ceiling_bps, time_loop
 
 MAX_COPIES = 8
@@ -85,10 +85,8 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
     import pallas_kernels as pk
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.cache import QuantSpecCache  # noqa: F401
-    from qspec_jax.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
-                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    cfg = attention_config(hq, hkv, d)
     if kind == "dense":
         per_copy = 2 * batch * hkv * ctx * d * 2
     else:

@@ -16,7 +16,7 @@ import numpy as np
 
 from qspec_jax import attention as A
 from qspec_jax import model as M
-from qspec_jax.bench.synthetic import random_quant_cache
+from qspec_jax.bench.synthetic import attention_config, random_quant_cache
 from qspec_jax.cache import DenseKVCache, QuantSpecCache
 from qspec_jax.config import ModelConfig
 
@@ -41,8 +41,7 @@ def main(argv=None) -> int:
     sizes = ((8, 2, 128, 512 + 200, 2), (3, 1, 64, 256 + 77, 3)) if small else \
         ((32, 8, 128, 8192 + 200, 2),) if quick else ((32, 8, 128, 8192 + 200, 2), (9, 3, 64, 4096 + 77, 3))
     for hq, hkv, d, ctx, b in sizes:
-        cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=2, num_heads=hq,
-                          num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+        cfg = attention_config(hq, hkv, d, layers=2)
         cache = random_quant_cache(cfg, b, ctx, key, layers=2, fp_start=3)
         # mixed rows: row 1 has no quantized tokens, row 2 (if any) half the context
         q_len = np.asarray(cache.q_len).copy()

@@ -10,6 +10,13 @@ from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
 
 
+def attention_config(hq: int, hkv: int, d: int, layers: int = 1) -> ModelConfig:
+    """A model of just these attention heads (hq query, hkv KV heads of head dim d; bfloat16): what a
+    synthetic cache and an attention kernel's call need, for kernel benchmarks and checks."""
+    return ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=layers, num_heads=hq,
+                       num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+
+
 def random_dense_cache(cfg: ModelConfig, batch: int, context: int, key: jax.Array, *, extra_slots: int = 0,
                        layers: int | None = None, lengths: jax.Array | None = None) -> DenseKVCache:
     """A dense cache holding `context` random tokens per row (or `lengths` int32[B] <= context,

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import qspec_jax  # noqa: E402,F401  (XLA flags)
 from qspec_jax.bench import kernel as K  # noqa: E402
 from qspec_jax.bench.e2e import batch_lengths  # noqa: E402
-from qspec_jax.bench.synthetic import random_quant_cache  # noqa: E402
+from qspec_jax.bench.synthetic import attention_config, random_quant_cache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ragged_attention import config_of  # noqa: E402
@@ -120,11 +120,9 @@ def main(argv=None) -> int:
 
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
-    from qspec_jax.config import ModelConfig
 
     hq, hkv, d = K.SHAPES[args.shape]
-    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
-                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    cfg = attention_config(hq, hkv, d)
     lengths = batch_lengths(args.batch, args.ctx) if args.layout == "ragged" else None
     key = jax.random.PRNGKey(0)
     cache = random_quant_cache(cfg, args.batch, args.ctx, key, layers=1, fp_start=3, lengths=lengths)

@@ -108,12 +108,10 @@ SHAPES = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 
 
 def make_cache(shape: str, b: int, ctx: int, seed: int = 0):
-    from qspec_jax.bench.synthetic import random_quant_cache
-    from qspec_jax.config import ModelConfig
+    from qspec_jax.bench.synthetic import attention_config, random_quant_cache
 
     hq, hkv, d = SHAPES[shape]
-    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=2, num_heads=hq,
-                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    cfg = attention_config(hq, hkv, d, layers=2)
     cache = random_quant_cache(cfg, b, ctx, jax.random.PRNGKey(seed), layers=2, fp_start=3, extra_slots=16)
     q_len = np.asarray(cache.q_len).copy()
     fp_len = np.asarray(cache.fp_len).copy()

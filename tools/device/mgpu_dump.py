@@ -35,12 +35,10 @@ def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target
          regs: tuple[int, int, int] | None = None, diag: str | None = None, pipeline: bool | None = None,
          shape: str = "llama3-8b") -> int:
     from pallas_kernels.decode_attention import mosaic_gpu as mg
-    from qspec_jax.bench.synthetic import random_quant_cache
-    from qspec_jax.config import ModelConfig
+    from qspec_jax.bench.synthetic import attention_config, random_quant_cache
 
     hq, hkv, d = (9, 3, 64) if shape == "smollm2" else (32, 8, 128)
-    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
-                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    cfg = attention_config(hq, hkv, d)
     cache = random_quant_cache(cfg, batch, 8192, jax.random.PRNGKey(0), layers=1)
     conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps, ws_flat=flat or None,
                          ws_live_cols=None if live is None else bool(live), ws_regs=regs, ws_diag=diag,

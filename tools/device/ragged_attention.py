@@ -29,7 +29,7 @@ import qspec_jax  # noqa: E402,F401  (XLA flags)
 from pallas_kernels.decode_attention.mosaic_gpu import MgpuConfig  # noqa: E402
 from qspec_jax.bench import kernel as K  # noqa: E402
 from qspec_jax.bench.e2e import batch_lengths  # noqa: E402
-from qspec_jax.bench.synthetic import random_quant_cache  # noqa: E402
+from qspec_jax.bench.synthetic import attention_config, random_quant_cache  # noqa: E402
 
 
 def config_of(token: str) -> MgpuConfig:
@@ -71,10 +71,8 @@ def draft_cases(args, hq: int, hkv: int, d: int, layouts: dict, seed: int):
 
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax import attention as A
-    from qspec_jax.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
-                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    cfg = attention_config(hq, hkv, d)
     call = jax.jit(lambda q, p, c, conf: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view="draft",
                                                                             config=conf), static_argnums=3)
     for i, (name, lengths) in enumerate(layouts.items()):

@@ -31,8 +31,7 @@ from pallas_kernels.decode_attention import mosaic_gpu as mg  # noqa: E402
 from qspec_jax import attention as A  # noqa: E402
 from qspec_jax.bench import kernel as K  # noqa: E402
 from qspec_jax.bench.e2e import batch_lengths  # noqa: E402
-from qspec_jax.bench.synthetic import random_quant_cache  # noqa: E402
-from qspec_jax.config import ModelConfig  # noqa: E402
+from qspec_jax.bench.synthetic import attention_config, random_quant_cache  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -47,8 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interpret", action="store_true", help="GPU interpret mode (CPU; the SMEM-operand twin)")
     args = ap.parse_args(argv)
     hq, hkv, d = K.SHAPES[args.shape][:3]
-    cfg = ModelConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=8, num_layers=1, num_heads=hq,
-                      num_kv_heads=hkv, head_dim=d, dtype="bfloat16")
+    cfg = attention_config(hq, hkv, d)
     b = args.batch
     lens_a = batch_lengths(b, args.ctx)
     r = b // 2  # the row the locality check keeps; every other row gets another length
