@@ -319,3 +319,29 @@ def test_prefill_impl_dispatch_on_this_machine() -> None:
     assert prefill_impl("xla", 128, jnp.bfloat16) == "xla"
     with pytest.raises(ValueError, match="prefill_attention_impl='cudnn' cannot run here: no GPU"):
         prefill_impl("cudnn", 128, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_prefill_pins_the_cache_to_the_decode_layout(params: M.Params, kind: str, chunk: int | None) -> None:
+    """Every per-token cache array a prefill writes leaves its layer loop row-major, the layout the
+    decode kernels read. Unpinned, XLA on a GPU lays the loop's cache out like the projections'
+    [B, T, Hkv, D] output and transposes the whole cache before decoding (`cache._row_major`);
+    the CPU picks row-major either way, so this reads the lowered program's constraints."""
+    toks = jnp.zeros((2, 64), jnp.int32)
+    lengths = jnp.array([64, 40], jnp.int32)
+    cache = (QuantSpecCache.init(CFG, 2, 128, group_size=G, gamma_max=3) if kind == "int8"
+             else DenseKVCache.init(CFG, 2, 128))
+    text = jax.jit(lambda c: M.prefill(params, toks, lengths, c, chunk=chunk)).lower(cache).as_text()
+    pinned = set()
+    for line in text.splitlines():
+        if "@LayoutConstraint" not in line:
+            continue
+        layout = line.split("result_layouts = [dense<[")[1].split("]")[0]
+        shape = line.rsplit("-> tensor<", 1)[1].split(">")[0]
+        dims = shape.split("x")[:-1]
+        assert [int(i) for i in layout.split(",")] == list(range(len(dims)))[::-1], line
+        pinned.add(tuple(int(n) for n in dims) + (shape.split("x")[-1],))
+    written = {tuple(a.shape) + (str(a.dtype).replace("float", "f").replace("uint", "ui").replace("bfloat", "bf"),)
+               for a in jax.tree.leaves(cache) if a.ndim == 5}
+    assert written and written <= pinned, (written, pinned)

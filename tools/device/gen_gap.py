@@ -80,6 +80,9 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke run)")
     ap.add_argument("--top", type=int, default=16)
+    ap.add_argument("--no-trace", action="store_true",
+                    help="the untraced wall times only (XLA runs op by op under the profiler, without its command "
+                         "buffers: an A/B of XLA flags reads the walls)")
     args = ap.parse_args()
 
     cfg, _ = P.SHAPES[args.shape]
@@ -117,9 +120,13 @@ def main() -> int:
         pre_s = statistics.median(t["prefill_s"] for t in ts)
         steps = args.new - 1  # the first token is the prefill's
         rounds = getattr(res, "tokens_per_round", None)
+        per_step = sorted((t["run_s"] - t["prefill_s"]) / steps * 1e3 for t in ts)
         print(f"== {name}: run {run_s * 1e3:.1f} ms, prefill alone {pre_s * 1e3:.1f} ms, decode "
-              f"{(run_s - pre_s) / steps * 1e3:.3f} ms per token step ({steps} steps"
+              f"{(run_s - pre_s) / steps * 1e3:.3f} ms per token step (trials {per_step[0]:.3f}-{per_step[-1]:.3f}; "
+              f"{steps} steps"
               + (f", {rounds:.2f} tokens per round" if rounds else "") + ")", flush=True)
+        if args.no_trace:
+            continue
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(f"{d}/whole", create_perfetto_trace=True):
                 fn({}, False)  # the whole program alone

@@ -38,6 +38,9 @@
 #   STAGES="geo": the target view's geometric balanced schedule checked, timed alone and in a whole generation (29th)
 #   STAGES="gengap": where a whole generation's decode step goes at SmolLM2 batch 32 (tools/device/gen_gap.py:
 #   AR at widths 1 / 8, QuantSpec at gamma_max 7 / gamma), 27th session
+#   STAGES="cmdbuf": XLA's command buffers (default / + WHILE, CONDITIONAL / none) A/B in a whole generation, and the
+#   optimized HLO of the AR-bf16 and QuantSpec programs (30th session); STAGES="layoutfix": the prefill's cache pinned
+#   row-major, timed in a whole generation, its AR program's entry read, exactness (30th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -420,6 +423,38 @@ for stage in ${STAGES:-probe smol 8b}; do
         --new 128 --methods ${GAP_METHODS:-ar_bf16,ar_bf16:8,spec:2,spec:2:2,ar_int8} --trials 2 --top 12 2>&1 \
         | grep -v "^W[0-9]" | tee $L/gen_gap.log | grep -E "^== |kernels in"
       echo "== gengap done ($(( $(date +%s) - T0 )) s)";;
+    cmdbuf)  # XLA's command buffers (CUDA graphs) in a whole generation (30th session): the default types, + WHILE and
+      # CONDITIONAL (the layer and token loops as graph nodes), none; untraced walls (the profiler runs op by op).
+      # Then the optimized HLO of the default's programs (copies: AR-bf16's memcpy32_post, ~99 us per step)
+      for cb in ${CB_SETS:-default +WHILE,+CONDITIONAL none}; do
+        case $cb in default) F="";; none) F="--xla_gpu_enable_command_buffer=";;
+          *) F="--xla_gpu_enable_command_buffer=$cb";; esac
+        echo "== command buffers: $cb" | tee -a $L/cmdbuf.log
+        XLA_FLAGS="$F" timeout ${LIMIT:-300} python3 tools/device/gen_gap.py --shape ${CB_SHAPE:-smollm2} \
+          --batch ${CB_BATCH:-32} --context ${CB_CTX:-8000} --new 128 --methods ${CB_METHODS:-ar_bf16,spec:2:2} \
+          --trials 3 --no-trace 2>&1 | grep -v "^W[0-9]" | tee -a $L/cmdbuf.log | grep -E "^== |rror"
+      done
+      XLA_FLAGS="--xla_dump_to=$L/hlo --xla_dump_hlo_module_re=.*(autoregressive|speculative)_program.* \
+        --xla_dump_hlo_pass_re=^$" timeout ${LIMIT:-300} python3 tools/device/gen_gap.py --shape smollm2 \
+        --batch 32 --context 8000 --new 128 --methods ar_bf16,spec:2:2 --trials 1 --no-trace 2>&1 | grep -E "^== "
+      find $L/hlo -type f ! -name "*after_optimizations.txt" -delete 2>/dev/null; ls -la $L/hlo | head
+      echo "== cmdbuf done ($(( $(date +%s) - T0 )) s)";;
+    layoutfix)  # the prefill's cache pinned row-major (30th session, cache._row_major): a whole generation's untraced
+      # walls, the AR program's entry computation (no whole-cache transpose left between prefill and decode), exactness
+      timeout ${LIMIT:-300} python3 tools/device/gen_gap.py --shape smollm2 --batch 32 --context 8000 --new 128 \
+        --methods ${LF_METHODS:-ar_bf16,ar_int8,spec:2:2} --trials 3 --no-trace 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/layoutfix_walls.log | grep -E "^== |rror"
+      XLA_FLAGS="--xla_dump_to=$L/hlo_lf --xla_dump_hlo_module_re=.*autoregressive_program.* --xla_dump_hlo_pass_re=^$" \
+        timeout ${LIMIT:-300} python3 tools/device/gen_gap.py --shape smollm2 --batch 32 --context 8000 --new 128 \
+        --methods ar_bf16 --trials 1 --no-trace 2>&1 | grep -E "^== "
+      for f in $L/hlo_lf/*after_optimizations.txt; do
+        echo "entry transposes in $(basename $f): $(awk '/^ENTRY/,/^}/' $f | grep -c 'transpose')"
+        awk '/^ENTRY/,/^}/' $f | grep -oE "bf16\[30,32,3,[0-9]+,64\]\{[0-9,]+\}" | sort | uniq -c
+      done | tee $L/layoutfix_hlo.log
+      find $L/hlo_lf -type f ! -name "*after_optimizations.txt" -delete 2>/dev/null
+      timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 --batches 32,5 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/exactness_check_layoutfix.log | tail -3
+      echo "== layoutfix done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done
