@@ -64,23 +64,23 @@ def config_of(token: str) -> MgpuConfig:
     return dataclasses.replace(base, ws_diag=diag or None, **extra)
 
 
-def draft_cases(args, hq: int, hkv: int, d: int, layouts: dict, seed: int):
+def draft_cases(args, hq: int, hkv: int, d: int, layouts: dict, seed: int, view: str = "draft", t: int = 1):
     """Per layout: (name, run(config) -> float64 output, the jnp reference's output), on a fresh random
-    cache and query (draft view, T 1; PRNG seed + the layout's index)."""
+    cache and query (`view` with T `t`, by default the draft's T 1; PRNG seed + the layout's index)."""
     import jax.numpy as jnp
 
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax import attention as A
 
     cfg = attention_config(hq, hkv, d)
-    call = jax.jit(lambda q, p, c, conf: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view="draft",
+    call = jax.jit(lambda q, p, c, conf: mg.quantized_decode_attention_mgpu(q, p, c, jnp.int32(0), view=view,
                                                                             config=conf), static_argnums=3)
     for i, (name, lengths) in enumerate(layouts.items()):
         key = jax.random.PRNGKey(seed + i)
         cache = random_quant_cache(cfg, args.batch, args.ctx, key, layers=1, fp_start=3, lengths=lengths)
-        q = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, 1, hq, d), jnp.float32).astype(jnp.bfloat16)
-        q_pos = (cache.q_len + cache.fp_len)[:, None] - 1
-        ref = np.asarray(jax.jit(lambda q, p, c: A.quantized_cache_attention(q, p, c, jnp.int32(0), "draft", None))(
+        q = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, t, hq, d), jnp.float32).astype(jnp.bfloat16)
+        q_pos = (cache.q_len + cache.fp_len)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+        ref = np.asarray(jax.jit(lambda q, p, c: A.quantized_cache_attention(q, p, c, jnp.int32(0), view, None))(
             q, q_pos, cache), np.float64)
         yield name, (lambda conf, q=q, q_pos=q_pos, cache=cache: np.asarray(
             call(q, q_pos, cache, conf).astype(jnp.float32), np.float64)), ref
@@ -107,13 +107,13 @@ def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
             print(f"check {n:7s} {name:11s}: {err_s} {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def check_tokens(args, hq: int, hkv: int, d: int, layouts: dict) -> list[str]:
-    """Every --nps token's draft call against the jnp reference (relative error, finite) and against
+def check_tokens(args, hq: int, hkv: int, d: int, layouts: dict, view: str = "draft", t: int = 1) -> list[str]:
+    """Every --nps token's call (`view`, T `t`) against the jnp reference (relative error, finite) and against
     the first token's call (bitwise or not), fresh random cache and queries per layout. A token the
     kernel refuses (e.g. stages that do not fit in shared memory) is reported and dropped; returns
     the tokens that ran."""
     tokens = list(dict.fromkeys(args.nps.split(",")))
-    for name, run, ref in draft_cases(args, hq, hkv, d, layouts, 200):
+    for name, run, ref in draft_cases(args, hq, hkv, d, layouts, 200, view, t):
         first = None
         for tok in list(tokens):
             try:
@@ -126,8 +126,8 @@ def check_tokens(args, hq: int, hkv: int, d: int, layouts: dict) -> list[str]:
             ok = bool(np.isfinite(o).all()) and err <= 2e-2
             same = "" if first is None else (", bitwise equal to " if np.array_equal(o, first) else ", differs from ") + tokens[0]
             first = o if first is None else first
-            print(f"check {tok:16s} {name:11s}: relerr {err:.2e} vs the jnp reference{same} {'ok' if ok else 'FAIL'}",
-                  flush=True)
+            print(f"check {view} {tok:16s} {name:11s}: relerr {err:.2e} vs the jnp reference{same} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
     return tokens
 
 
@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-q-regs", action="store_true",
                     help="also check the prep's query in registers (ws_prep_q_regs) bitwise against it off")
     ap.add_argument("--check-tokens", action="store_true",
-                    help="check every --nps token's draft call against the jnp reference first (fresh inputs)")
+                    help="check every --nps token's call (the draft's, or the verify's when the views have no "
+                         "draft) against the jnp reference first (fresh inputs)")
     ap.add_argument("--layouts", default="uniform,ragged,ragged_desc",
                     help="uniform: every row at ctx; ragged: e2e.batch_lengths (shortest row first); ragged_desc: "
                          "the same rows longest first (the grid's row order is the dispatch order)")
@@ -154,8 +155,9 @@ def main(argv=None) -> int:
     layouts = {"uniform": None, "ragged": ragged, "ragged_desc": ragged[::-1].copy()}
     layouts = {k: layouts[k] for k in args.layouts.split(",")}
     print(f"ragged rows: {ragged.tolist()}", flush=True)
-    if args.check_tokens and "draft" in args.views:
-        args.nps = ",".join(check_tokens(args, hq, hkv, d, layouts))
+    if args.check_tokens and ("draft" in args.views or "target" in args.views):
+        view = "draft" if "draft" in args.views else "target"
+        args.nps = ",".join(check_tokens(args, hq, hkv, d, layouts, view, 1 if view == "draft" else args.target_t))
     elif any(n.startswith("flat") for n in args.nps.split(",")) and "draft" in args.views:
         check_flat(args, hq, hkv, d, layouts)
     table = []
