@@ -116,7 +116,8 @@ class MgpuConfig:
     schedule: str | None = None
     ws_regs: tuple[int, int, int] | None = None  # "ws" setmaxnreg (consumers, prep, TMA)
     # "ws" timing diagnostics (wrong results): "stream", "stream_planes", "stream_noring", "noring", "noprep",
-    # "scores_only", "no_values", "noconv", "nosoftmax", "noconv_nosoftmax", "nobias"; "and_or" (right results);
+    # "scores_only", "no_values", "noconv", "nosoftmax", "noconv_nosoftmax", "nobias", "nolazybar", "nocommit",
+    # "nobars"; "and_or" (right results);
     # see `mosaic_gpu_ws._WsStatic.diag`
     ws_diag: str | None = None
     # "ws": issue a block's value MMA, then the next block's K conversion and score MMA, before

@@ -151,7 +151,9 @@ class _WsStatic:
     # converts K and runs the score MMA, then releases the block) and "no_values" (everything but the
     # value MMA and its V conversion), "noconv" (the code words as the MMA operands, no conversion),
     # "nobias" (the prep's q s_k without the bias sum), "nosoftmax" (P = the biased scores: no max,
-    # exp2, l, y or rescale) and "noconv_nosoftmax" give wrong results; "and_or" (right results)
+    # exp2, l, y or rescale) and "noconv_nosoftmax", "nolazybar" (no lazy-max test: no `bar.red.or`, the
+    # reference never moves), "nocommit" (no commit_smem after the P stores: their fence and barrier) and
+    # "nobars" (neither) give wrong results; "and_or" (right results)
     # converts codes with and + or, two LOP3s per word where the default has one
     diag: str | None = None
     pipeline: bool = True  # software-pipelined consumers (`values_then_scores`)
@@ -1110,6 +1112,8 @@ def _build_ws(st: _WsStatic):
                 m + LAZY_TH; then it takes the block's exact max. The flag (any column changed)
                 costs one warpgroup barrier, which also orders this block's score-MMA reads of the
                 slot's B operand before its P stores."""
+                if st.diag in ("nolazybar", "nobars"):  # timing diagnostic: no barrier, the reference never moves
+                    return tuple(ms), [m * 0.0 + 1.0 for m in ms], jnp.zeros((), jnp.int32)
                 flag = any_positive([s - bcast_col(m + LAZY_TH, s.shape) for s_t, m in zip(s_by_c, ms) for s in s_t])
 
                 def exact(ms):
@@ -1225,7 +1229,8 @@ def _build_ws(st: _WsStatic):
                             qp_s[slot, c, pl.ds(mt * MT, MT)] = pp[mt] if nl == NT else with_lv(zeros_p(), pp[mt], c)
                         new_ls.append(with_lv(ls[c], lv(ls[c], c) + functools.reduce(jnp.add, pr), c))
                         new_ys.append(with_lv(ys[c], y, c))
-                    plgpu.commit_smem()
+                    if st.diag not in ("nocommit", "nobars"):  # timing diagnostic: the P stores unpublished (a race)
+                        plgpu.commit_smem()
                     new_ms = tuple(with_lv(m, live_ms[c], c) for c, m in enumerate(ms))
                     return new_ms, tuple(new_ls), tuple(new_ys), os_
 

@@ -40,7 +40,9 @@
 #   AR at widths 1 / 8, QuantSpec at gamma_max 7 / gamma), 27th session
 #   STAGES="cmdbuf": XLA's command buffers (default / + WHILE, CONDITIONAL / none) A/B in a whole generation, and the
 #   optimized HLO of the AR-bf16 and QuantSpec programs (30th session); STAGES="layoutfix": the prefill's cache pinned
-#   row-major, timed in a whole generation, its AR program's entry read, exactness (30th)
+#   row-major, timed in a whole generation, its AR program's entry read, exactness (30th); STAGES="bars": the
+#   consumers' per-block barriers' cost (diagnostics nolazybar / nocommit / nobars), kernels alone (30th);
+#   STAGES="layoutab" (carry .devcarry/cache_old.py): the row-major pin against the build before it, AR-bf16 walls
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -455,6 +457,28 @@ for stage in ${STAGES:-probe smol 8b}; do
       timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 --batches 32,5 2>&1 \
         | grep -v "^W[0-9]" | tee $L/exactness_check_layoutfix.log | tail -3
       echo "== layoutfix done ($(( $(date +%s) - T0 )) s)";;
+    bars)  # what the consumers' two per-block barriers cost (30th): SmolLM2 batch 32 / 8k kernels alone without the lazy
+      # max's bar.red.or, without commit_smem after the P stores, without both (timing diagnostics, wrong results)
+      timeout ${KERNEL_LIMIT:-240} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${BARS_DRAFT:-flat,flat:nolazybar,flat:nocommit,flat:nobars,flat:nosoftmax} --views draft \
+        --layouts uniform,ragged --trials 5 2>&1 | grep -v "^W[0-9]" | tee $L/bars_draft.log | grep -E "^draft"
+      timeout ${KERNEL_LIMIT:-240} python3 tools/device/ragged_attention.py --shape smollm2 --batch 32 --ctx 8192 \
+        --nps ${BARS_TARGET:-0,0:nolazybar,0:nocommit,0:nobars} --views target --target-t 3 --layouts uniform \
+        --trials 5 2>&1 | grep -v "^W[0-9]" | tee $L/bars_target.log | grep -E "^target"
+      echo "== bars done ($(( $(date +%s) - T0 )) s)";;
+    layoutab)  # the prefill's row-major pin against the build before it (30th): AR-bf16 untraced walls, alternating
+      # builds (carry .devcarry/cache_old.py, the earlier qspec_jax/cache.py), SmolLM2 batch 32 / 8k
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r qspec_jax pallas_kernels tools /tmp/old/ \
+        && cp .devcarry/cache_old.py /tmp/old/qspec_jax/cache.py || continue
+      for r in 1 2; do
+        for b in old new; do
+          d=$([ $b = old ] && echo /tmp/old || echo .)
+          (cd $d && PYTHONPATH=. timeout ${LIMIT:-200} python3 tools/device/gen_gap.py --shape smollm2 --batch 32 \
+            --context 8000 --new 128 --methods ar_bf16 --trials 5 --no-trace 2>&1) | grep -v "^W[0-9]" \
+            | tee -a $L/layoutab.log | grep -E "^== |rror" | sed "s/^/$b $r: /"
+        done
+      done
+      echo "== layoutab done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done
