@@ -338,10 +338,10 @@ def test_prefill_pins_the_cache_to_the_decode_layout(params: M.Params, kind: str
         if "@LayoutConstraint" not in line:
             continue
         layout = line.split("result_layouts = [dense<[")[1].split("]")[0]
-        shape = line.rsplit("-> tensor<", 1)[1].split(">")[0]
-        dims = shape.split("x")[:-1]
+        *dims, elt = line.rsplit("-> tensor<", 1)[1].split(">")[0].split("x")
         assert [int(i) for i in layout.split(",")] == list(range(len(dims)))[::-1], line
-        pinned.add(tuple(int(n) for n in dims) + (shape.split("x")[-1],))
-    written = {tuple(a.shape) + (str(a.dtype).replace("float", "f").replace("uint", "ui").replace("bfloat", "bf"),)
+        pinned.add((*(int(n) for n in dims), elt))
+    # the cache's dtypes as MLIR spells them: f32, f16, bf16, ui8
+    written = {(*a.shape, str(a.dtype).replace("float", "f").replace("uint", "ui"))
                for a in jax.tree.leaves(cache) if a.ndim == 5}
     assert written and written <= pinned, (written, pinned)

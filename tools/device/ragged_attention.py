@@ -64,7 +64,7 @@ def config_of(token: str) -> MgpuConfig:
     return dataclasses.replace(base, ws_diag=diag or None, **extra)
 
 
-def draft_cases(args, hq: int, hkv: int, d: int, layouts: dict, seed: int, view: str = "draft", t: int = 1):
+def view_cases(args, hq: int, hkv: int, d: int, layouts: dict, seed: int, view: str = "draft", t: int = 1):
     """Per layout: (name, run(config) -> float64 output, the jnp reference's output), on a fresh random
     cache and query (`view` with T `t`, by default the draft's T 1; PRNG seed + the layout's index)."""
     import jax.numpy as jnp
@@ -89,7 +89,7 @@ def draft_cases(args, hq: int, hkv: int, d: int, layouts: dict, seed: int, view:
 def check_flat(args, hq: int, hkv: int, d: int, layouts: dict) -> None:
     """The balanced schedule against the jnp reference and the row split, fresh random
     cache and queries per layout (relative error; the two schedules sum in different orders)."""
-    for name, run, ref in draft_cases(args, hq, hkv, d, layouts, 100):
+    for name, run, ref in view_cases(args, hq, hkv, d, layouts, 100):
         confs = {"row": MgpuConfig(ws_flat=False), "flat": MgpuConfig(ws_flat=True)}
         if args.check_q_regs:  # the prep's query in registers (on by default for the row split) against it off:
             # the same operands, so the same bits
@@ -113,7 +113,7 @@ def check_tokens(args, hq: int, hkv: int, d: int, layouts: dict, view: str = "dr
     kernel refuses (e.g. stages that do not fit in shared memory) is reported and dropped; returns
     the tokens that ran."""
     tokens = list(dict.fromkeys(args.nps.split(",")))
-    for name, run, ref in draft_cases(args, hq, hkv, d, layouts, 200, view, t):
+    for name, run, ref in view_cases(args, hq, hkv, d, layouts, 200, view, t):
         first = None
         for tok in list(tokens):
             try:
