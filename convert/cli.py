@@ -53,7 +53,7 @@ WORKER_FAILED = 3  # convert.worker: failed after printing its error line
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal went away
 # Fields of qspec_jax.weight_quant.DraftWeightsConfig set by the draft flags (argparse dest -> field).
 DRAFT_DESTS = {"draft_group": "group_size", "draft_scope": "scope", "draft_method": "method",
-               "draft_lm_head": "lm_head"}
+               "draft_lm_head": "lm_head", "draft_fold_norms": "fold_norms"}
 
 
 def _draft_facts() -> dict[str, str]:
@@ -64,7 +64,8 @@ def _draft_facts() -> dict[str, str]:
 
     return {"group": str(D.group_size), "groups": ", ".join(map(str, WEIGHT_GROUPS)), "scope": D.scope,
             "scopes": ", ".join(DRAFT_SCOPES), "method": D.method, "methods": ", ".join(DRAFT_METHODS),
-            "calibrated": ", ".join(CALIBRATED_METHODS) or "none", "lm_head": "yes" if D.lm_head else "no"}
+            "calibrated": ", ".join(CALIBRATED_METHODS) or "none", "lm_head": "yes" if D.lm_head else "no",
+            "fold_norms": "yes" if D.fold_norms else "no"}
 
 
 class _HelpFormatter(HelpFormatter):
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "else the built-in text), clip is the fast data-free one (default: {method})")
     g.add_argument("--draft-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="quantize the lm_head to INT4 as well (default: {lm_head})")
+    g.add_argument("--draft-fold-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="fold the RMSNorm weights into the INT4 weights that read them, so the fused draft kernels "
+                        "skip them (default: {fold_norms})")
     g.add_argument("--calibration-text", action="append", type=Path, metavar="FILE", default=None,
                    help="UTF-8 text the calibrated methods ({calibrated}) collect input statistics on; "
                         "repeat for several files (default: the built-in text, qspec_jax/data/botchan.txt, a public "

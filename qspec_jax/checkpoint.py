@@ -26,7 +26,7 @@ import numpy as np
 
 from qspec_jax import model as M
 from qspec_jax.config import ModelConfig
-from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight
+from qspec_jax.weight_quant import DraftWeightsConfig, QuantizedWeight, folded_norms, with_unit_norms
 
 FORMAT_VERSION = 1
 MANIFEST = "qspec_checkpoint.json"
@@ -91,8 +91,10 @@ def draft_to_flat(draft: M.Params) -> dict[str, np.ndarray]:
     return flat
 
 
-def draft_from_flat(params: M.Params, flat: dict[str, Any]) -> M.Params:
-    """Draft params: `params` with the linears found under "draft/..." replaced by INT4 weights."""
+def draft_from_flat(params: M.Params, flat: dict[str, Any], unit_norms: tuple[str, ...] = ()) -> M.Params:
+    """Draft params: `params` with the linears found under "draft/..." replaced by INT4 weights,
+    and the norm weights `unit_norms` (those the stored draft folded into its weights,
+    `weight_quant.folded_norms`) by ones."""
     quantized = {}
     for key in flat:
         if key.startswith("draft/") and key.endswith("/packed"):
@@ -100,7 +102,7 @@ def draft_from_flat(params: M.Params, flat: dict[str, Any]) -> M.Params:
             quantized[name] = QuantizedWeight(**{p: jnp.asarray(flat[f"draft/{name}/{p}"])
                                                  for p in ("packed", "scale", "zero")})
     layers = params.layers.replace(**{n.split("/", 1)[1]: w for n, w in quantized.items() if n.startswith("layers/")})
-    return params.replace(layers=layers, lm_head=quantized.get("lm_head", params.lm_head))
+    return with_unit_norms(params.replace(layers=layers, lm_head=quantized.get("lm_head", params.lm_head)), unit_norms)
 
 
 def write_checkpoint_into(dst: str | Path, cfg: ModelConfig, flat_params: dict[str, np.ndarray], *,
@@ -296,8 +298,9 @@ def load(path: str | Path, *, dtype: str | None = None, attention_impl: str | No
     params = M.params_from_flat(cfg, {k: _cast(v, jdtype) for k, v in target_flat.items()})
     draft, draft_cfg = None, None
     if manifest.get("draft_weights"):
-        draft_cfg = DraftWeightsConfig(**manifest["draft_weights"])
-        draft = draft_from_flat(params, flat)
+        # a manifest written before `fold_norms` existed describes an unfolded draft
+        draft_cfg = DraftWeightsConfig(**{"fold_norms": False, **manifest["draft_weights"]})
+        draft = draft_from_flat(params, flat, folded_norms(draft_cfg))
     tok = None
     if tokenizer and (path / TOKENIZER_DIR).is_dir():
         from qspec_jax.tokenizer import TokenizerError, load_tokenizer

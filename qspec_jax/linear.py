@@ -185,25 +185,26 @@ def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Arra
 
 
 def qkv_into_cache(x: Array, w: Any, *, int4_impl: str, norm: Any, norm_eps: float, rope: Array, slots: Array,
-                   q_buf: Array, k_ring: Array, v_ring: Array) -> tuple[Array, Array, Array]:
+                   q_buf: Array, k_ring: Array, v_ring: Array, norm_unit: bool = False) -> tuple[Array, Array, Array]:
     """The draft's normed q|k|v product, RoPE'd and written where the decode attention reads it,
     in one Mosaic kernel (`pallas_kernels.linear.int4_qkv_cache`; `qkv_cache_fusable` says
     where): x [B, 1, D] (one token per row), w a StackedLayer of the fused weight, `norm` the
-    attention norm (a StackedLayer read in place); rope, slots, q_buf, k_ring, v_ring as that
-    entry takes them. Returns the updated (q_buf, k_ring, v_ring)."""
+    attention norm (a StackedLayer read in place; `norm_unit`: its weight is ones and the kernel
+    does not read it); rope, slots, q_buf, k_ring, v_ring as that entry takes them. Returns the
+    updated (q_buf, k_ring, v_ring)."""
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
     if isinstance(norm, StackedLayer):
         norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
     from pallas_kernels.linear import int4_qkv_cache
 
     return int4_qkv_cache(x, inner, backend="interpret" if int4_impl == "interpret" else "mosaic", layer=layer,
-                          rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring, norm_weight=norm,
-                          norm_eps=norm_eps)
+                          rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring,
+                          norm_weight=None if norm_unit else norm, unit_norm=norm_unit, norm_eps=norm_eps)
 
 
 def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto", out_dtype: Any = None,
            mesh: Any = None, row_parallel: bool = False, norm: Any = None, norm_eps: float = 1e-5,
-           swiglu: bool = False, residual: Array | None = None) -> Array:
+           norm_unit: bool = False, swiglu: bool = False, residual: Array | None = None) -> Array:
     """x [..., Din] @ w -> [..., Dout] in `out_dtype` (x's dtype by default).
 
     Dense dots produce x's dtype and are cast afterwards: the GEMM accumulates in float32
@@ -215,13 +216,14 @@ def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto"
 
     Fused glue, only where `fusable(w, int4_impl, rows)`: `norm` (an RMSNorm weight [Din], or a
     StackedLayer of [L, Din] at the weight's layer, read in place) normalizes x first with
-    `norm_eps`; `swiglu` returns silu(gate) * up [..., Dout/2] of w's gate | up halves; `residual`
+    `norm_eps` (`norm_unit`: that weight is all ones, folded into w, and the kernel does not read
+    it); `swiglu` returns silu(gate) * up [..., Dout/2] of w's gate | up halves; `residual`
     [..., Dout] is added to the output (`pallas_kernels.linear.mosaic_gpu.Epilogue`).
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
     if norm is not None or swiglu or residual is not None:
-        return _int4_fused(x, inner, layer, int4_impl, out_dtype, norm, norm_eps, swiglu, residual)
+        return _int4_fused(x, inner, layer, int4_impl, out_dtype, norm, norm_eps, norm_unit, swiglu, residual)
     tp = mesh is not None and mesh.size > 1
     if is_int4(inner):
         def matmul(x, w, layer):
@@ -260,7 +262,7 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
 
 
 def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any, norm: Any, norm_eps: float,
-                swiglu: bool, residual: Array | None) -> Array:
+                norm_unit: bool, swiglu: bool, residual: Array | None) -> Array:
     rows = int(np.prod(x.shape[:-1]))
     glue = dict(norm=norm is not None, swiglu=swiglu, residual=residual is not None)
     from pallas_kernels.linear.mosaic_gpu import MAX_FUSED_M
@@ -274,7 +276,8 @@ def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any
     if isinstance(norm, StackedLayer):  # read in place at the weight's own layer, else one slice
         norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
     return int4_linear(x, w, backend="interpret" if impl == "interpret" else "mosaic", layer=layer,
-                       out_dtype=out_dtype, norm_weight=norm, norm_eps=norm_eps, swiglu=swiglu, residual=residual)
+                       out_dtype=out_dtype, norm_weight=None if norm_unit else norm, unit_norm=norm_unit,
+                       norm_eps=norm_eps, swiglu=swiglu, residual=residual)
 
 
 def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *, pad_single_row: bool) -> Array:

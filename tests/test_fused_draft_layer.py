@@ -35,17 +35,28 @@ CFG = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_la
                   int4_matmul_impl="interpret")
 
 
-def _make_draft():
+def _target():
     params = M.init_random_params(CFG, jax.random.PRNGKey(0), scale=0.1)
-    params = params.replace(layers=params.layers.replace(  # norms away from 1, so that they matter
+    return params.replace(layers=params.layers.replace(  # norms away from 1, so that they matter
         attn_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (2, 128))).astype(jnp.bfloat16),
         mlp_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 128))).astype(jnp.bfloat16)))
-    return M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
+
+
+def _make_draft(fold_norms: bool = False):
+    """The draft with its norm weights kept (the kernels read them), or folded into its INT4
+    weights (`fold_norms`: the kernels run the norm without weight)."""
+    cfg = DraftWeightsConfig(group_size=64, method="clip", fold_norms=fold_norms)
+    return M.for_device(make_draft_params(_target(), cfg))
 
 
 @pytest.fixture(scope="module")
 def draft():
     return _make_draft()
+
+
+@pytest.fixture(scope="module")
+def folded_draft():
+    return _make_draft(fold_norms=True)
 
 
 def _rel(a, b) -> float:
@@ -100,14 +111,15 @@ def _case_layer() -> None:
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Every INT4 linear through `epilogue_reference` (backend "reference") instead of the
-    interpret-mode kernels, which do not finish inside the layer loop on the CPU; counts the
-    fused calls."""
+    interpret-mode kernels, which do not finish inside the layer loop on the CPU; records the
+    fused calls as (norm, swiglu, residual), norm True with a weight, "unit" without."""
     calls = []
     real = plinear.int4_linear
 
     def fake(x, w, *, backend="auto", **kw):
-        if kw.get("norm_weight") is not None or kw.get("swiglu") or kw.get("residual") is not None:
-            calls.append((kw.get("norm_weight") is not None, kw.get("swiglu", False), kw.get("residual") is not None))
+        norm = "unit" if kw.get("unit_norm") else kw.get("norm_weight") is not None
+        if norm or kw.get("swiglu") or kw.get("residual") is not None:
+            calls.append((norm, kw.get("swiglu", False), kw.get("residual") is not None))
         return real(x, w, backend="reference", **kw)
 
     monkeypatch.setattr(plinear, "int4_linear", fake)
@@ -265,3 +277,25 @@ def test_norm_rows_follow_the_qkv_cache_kernel(reference_kernels, qkv_reference,
     assert qkv_calls == ["interpret"] and len(operands) == 1 and operands[0].shape[0] == b
     assert reference_kernels == [(False, False, True), (True, True, False), (False, False, True)]  # o, gate_up, down
     assert logits.shape == (b, 1, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_folded_draft_runs_its_norms_without_weight(draft, folded_draft, reference_kernels, monkeypatch):
+    """A draft whose norm weights are folded into its INT4 weights (`DraftWeightsConfig.fold_norms`)
+    decodes with the norms in its kernels without weight (`unit_norm`: the kernels read no g);
+    its fused decode matches its unfused one, and it approximates the target as closely as the
+    unfolded draft does (the same function, INT4-rounded elsewhere), while a fold that applied
+    the norm weights twice would not."""
+    monkeypatch.setenv(qlinear.FUSE_ENV, "1")
+    assert folded_draft.unit_norms == ("attn_norm", "mlp_norm", "final_norm") and draft.unit_norms == ()
+    assert M._draft_fusion(folded_draft, 2) == M.LayerFusion(norm=True, residual=True, unit_norms=folded_draft.unit_norms)
+    on = _draft_logits(folded_draft, 2)
+    assert reference_kernels == [("unit", False, False), (False, False, True), ("unit", True, False), (False, False, True)]
+    monkeypatch.setenv(qlinear.FUSE_ENV, "0")
+    off = _draft_logits(folded_draft, 2)
+    assert _rel(on, off) < 2e-2
+    target = _draft_logits(M.for_device(_target()), 2)  # bf16 weights, the same (draft-view) cache
+    err, err_unfolded = _rel(on, target), _rel(_draft_logits(draft, 2), target)
+    assert err < 1.25 * err_unfolded, (err, err_unfolded)
+    twice = folded_draft.replace(layers=folded_draft.layers.replace(attn_norm=draft.layers.attn_norm,
+                                                                    mlp_norm=draft.layers.mlp_norm))
+    assert _rel(_draft_logits(twice, 2), target) > 1.5 * err

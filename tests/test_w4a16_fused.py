@@ -62,14 +62,16 @@ def _fused_case(seed: int, m: int, k: int, n: int, g: int, lead: tuple[int, ...]
 
 
 def _epi_kwargs(epi: mg.Epilogue, gw, res) -> dict:
-    return dict(norm_weight=gw if epi.norm else None, swiglu=epi.swiglu, residual=res if epi.residual else None)
+    return dict(norm_weight=gw if epi.norm and epi.gain else None, unit_norm=epi.norm and not epi.gain,
+                swiglu=epi.swiglu, residual=res if epi.residual else None)
 
 
 def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi: mg.Epilogue, nt: int = 1,
                  reduce: str = "gmem", k_groups: int = 1) -> None:
     """The interpret-mode twin with epilogue `epi` against `epilogue_reference` on the kernel's own
     bf16 weight: float32 outputs to 1e-5 (only float32 summation order differs); a residual,
-    added in bf16, against the unfused kernel's output plus the residual, bit for bit."""
+    added in bf16, against the unfused kernel's output plus the residual, bit for bit; a norm
+    without weight (`Epilogue.gain` False), against the kernel given a weight of ones, bit for bit."""
     k, n = 2 * splits * max(kt, g), 64 * wgs * nt
     p, x, gw, res = _fused_case(seed, m, k, n, g)
     cfg = mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2 * k_groups, reduce=reduce,
@@ -87,6 +89,10 @@ def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi:
     assert y.shape == (m, n // 2 if epi.swiglu else n) and not np.isnan(y).any(), "unwritten output elements"
     ref = np.asarray(mg.epilogue_reference(x, wb, epi, norm_weight=gw, out_dtype=jnp.float32), np.float64)
     assert _rel(y, ref) < 1e-5
+    if epi.norm and not epi.gain:  # no weight is a weight of ones, bit for bit
+        gw = jnp.ones_like(gw)
+        ones = np.asarray(run(out_dtype=jnp.float32, **_epi_kwargs(epi.replace(gain=True), gw, res)))
+        np.testing.assert_array_equal(y.view(np.uint32), ones.view(np.uint32))
     if epi.norm:  # against the model's unfused math: RMSNorm in bf16, then the product
         xf = np.asarray(x, np.float64)
         h = (xf / np.sqrt(np.mean(xf ** 2, axis=-1, keepdims=True) + epi.eps)) * np.asarray(gw, np.float64)
@@ -98,7 +104,8 @@ def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi:
 
 
 def _epi(name: str) -> mg.Epilogue:
-    return mg.Epilogue(norm="norm" in name, swiglu="swiglu" in name, residual="res" in name)
+    """"unorm": the norm without weight (`Epilogue.gain` False)."""
+    return mg.Epilogue(norm="norm" in name, gain="unorm" not in name, swiglu="swiglu" in name, residual="res" in name)
 
 
 def _check_fused_named(seed, m, g, kt, wgs, splits, name, nt=1) -> None:
@@ -109,6 +116,7 @@ def _check_fused_named(seed, m, g, kt, wgs, splits, name, nt=1) -> None:
     (5, 32, 128, 1, 1, "norm"), (13, 64, 256, 2, 1, "norm"), (3, 32, 128, 2, 1, "norm+swiglu"),
     (1, 128, 128, 2, 1, "swiglu"), (5, 32, 64, 1, 2, "res"), (9, 64, 128, 2, 1, "res"), (2, 32, 64, 1, 1, "norm+res"),
     (32, 32, 128, 2, 1, "norm+swiglu"),  # M_pad 32: the wide exchange's shapes (its layouts are GPU-only)
+    (5, 32, 128, 1, 1, "unorm"), (3, 64, 128, 2, 1, "unorm+swiglu"),  # the norm without weight
 ])
 def test_fused_twin_matches_reference(m, g, kt, wgs, splits, name):
     _child("_check_fused_named", 21, m, g, kt, wgs, splits, name)
@@ -116,7 +124,8 @@ def test_fused_twin_matches_reference(m, g, kt, wgs, splits, name):
 
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 1000), m=st.integers(1, mg.MAX_FUSED_M), g=st.sampled_from([32, 64, 128]),
-       kt=st.sampled_from([64, 128, 256]), name=st.sampled_from(["norm", "norm+swiglu", "res", "norm+res"]),
+       kt=st.sampled_from([64, 128, 256]),
+       name=st.sampled_from(["norm", "norm+swiglu", "res", "norm+res", "unorm", "unorm+swiglu"]),
        nt=st.integers(1, 2))
 def test_fused_twin_random_shapes(seed, m, g, kt, name, nt):
     """Random shapes and epilogues (each new shape compiles the interpreted kernel anew)."""
@@ -415,6 +424,14 @@ for m in (1, 32):  # SmolLM2's K 576 at k_tile 192 (three k blocks per stage; th
                                                 config=mg.MgpuConfig(wgs=wgs, k_tile=192))
         assert "mosaic_gpu" in lower(f, x, W((), 576, n), g1)
         n_ok += 1
+for m in (1, 32):  # the norm without weight (unit_norm): in the consumers at K 576, the producer's pass at 1024
+    for k, wgs, n, swiglu, kt in ((576, 1, 960, False, 192), (576, 2, 3072, True, 192), (1024, 2, 512, True, 128),
+                                  (1024, 1, 256, False, 256)):
+        f = lambda x, w, l: mg.int4_matmul_mgpu(x, w, layer=l, unit_norm=True, swiglu=swiglu, interpret=False,
+                                                config=mg.MgpuConfig(wgs=wgs, k_tile=kt))
+        text = lower(f, S((m, k), jnp.bfloat16), W((3,), k, n), S((), jnp.int32))
+        assert "mosaic_gpu" in text and "_norm1" in text
+        n_ok += 1
 for d in mg.NORM_DIAGNOSTICS:  # the consumer norm's timing diagnostics (parts left out)
     f = lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, interpret=False,
                                             config=mg.MgpuConfig(wgs=1, k_tile=64, diag=d))
@@ -494,19 +511,31 @@ def test_qkv_epilogue_64_channel_heads_matches_reference():
     _child("_case_qkv_cache", 64, None, 3, 1, 11, 576)
 
 
+def test_qkv_epilogue_norm_without_weight_matches_reference():
+    """The qkv epilogue with the norm without weight (`unit_norm`: the draft's attention norm
+    folded into its weights) at SmolLM2's shape, against the reference, which equals the
+    reference with a weight of ones bit for bit."""
+    _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, True)
+
+
 def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 2, seed: int = 7,
-                    k: int = 128) -> None:
-    """wgs None: the default launch shape."""
+                    k: int = 128, unit: bool = False) -> None:
+    """wgs None: the default launch shape; `unit`: the norm without weight."""
     b = 3
     p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k)
     rope = mg.rope_table(pos, _inv_freq(dh=dh))
     cfg = None if wgs is None else mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1, stages=2)
     layer = jnp.int32(1)
     got = mg.int4_qkv_cache_mgpu(x, p, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
-                                 norm_weight=gw, config=cfg, interpret=True)
+                                 norm_weight=None if unit else gw, unit_norm=unit, config=cfg, interpret=True)
     wb = lay.dequantize_bf16(p).astype(jnp.float32)[1]
     want = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
-                                  norm_weight=gw[1])
+                                  norm_weight=None if unit else gw[1], unit_norm=unit)
+    if unit:  # the norm without weight is the norm with a weight of ones (the reference's)
+        ones = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+                                      norm_weight=jnp.ones_like(gw[1]))
+        for a, b_ in zip(want, ones):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
     for name, a, r, orig in zip(("q_buf", "k_ring", "v_ring"), got, want, (qb, kr, vr)):
         a, r, orig = (np.asarray(t, np.float32) for t in (a, r, orig))
         assert a.shape[-1 if name != "q_buf" else -2] == dh, (name, a.shape)
@@ -576,14 +605,14 @@ def test_qkv_epilogue_bad_inputs_raise():
 
 
 QKV_LOWER_SCRIPT = _LOWER_PRELUDE + r'''
-def lower_qkv(b, L, hq, hkv, D, K, R, cfg):
+def lower_qkv(b, L, hq, hkv, D, K, R, cfg, unit=False):
     n, CN = (hq + 2 * hkv) * D, 16
     args = (S((b, K), jnp.bfloat16), W((L,), K, n), S((L, K), jnp.bfloat16), S((), jnp.int32),
             S((2, 64, mg.rows_for(b)), jnp.float32), S((b,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
             S((L, b, hkv, R, D), jnp.bfloat16), S((L, b, hkv, R, D), jnp.bfloat16))
     f = lambda x, w, g, l, cs, sl, q, k, v: mg.int4_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q,
-                                                                  k_ring=k, v_ring=v, norm_weight=g, config=cfg,
-                                                                  interpret=False)
+                                                                  k_ring=k, v_ring=v, norm_weight=None if unit else g,
+                                                                  unit_norm=unit, config=cfg, interpret=False)
     text = lower(f, *args)
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
 n_ok = 0
@@ -596,6 +625,10 @@ for b in (1, 8, 24, 32):  # 64-channel heads: SmolLM2's (N = 960, one warpgroup 
         lower_qkv(b, L, hq, hkv, 64, K, 96, mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1))
         n_ok += 1
     lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1))  # three k blocks per stage
+    lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1), unit=True)  # no norm weight
+    n_ok += 2
+for b in (1, 24):  # the 8B heads' norm without weight (the producer's pass)
+    lower_qkv(b, 4, 32, 8, 128, 4096, 288, None, unit=True)
     n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''

@@ -524,3 +524,76 @@ def test_fused_projections_compute_the_same_model(tiny_params):
         for f in ("packed", "scale", "zero"):
             np.testing.assert_array_equal(np.asarray(getattr(getattr(ud.layers, n), f)),
                                           np.asarray(getattr(getattr(draft.layers, n), f)))
+
+
+# ------------------------------------------------------------------ folded norms (fold_norms)
+import functools  # noqa: E402
+
+from qspec_jax.weight_quant import folded_norms  # noqa: E402
+
+
+def test_folded_norms_follow_the_scope():
+    """A norm is folded only where every linear reading it is quantized, and only with fold_norms."""
+    D = functools.partial(DraftWeightsConfig, fold_norms=True)
+    assert folded_norms(D()) == ("attn_norm", "mlp_norm", "final_norm")
+    assert folded_norms(D(scope="ffn")) == ("mlp_norm", "final_norm")
+    assert folded_norms(D(lm_head=False)) == ("attn_norm", "mlp_norm")
+    assert folded_norms(DraftWeightsConfig()) == () and not DraftWeightsConfig().fold_norms  # off by default
+
+
+def _with_norms(params, seed: int):
+    """`params` with norm weights away from 1 (one channel 0), so that folding them matters."""
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    lay_, d = params.layers.attn_norm.shape
+    g = lambda k, s: 1.0 + 0.5 * jax.random.normal(k, s, jnp.float32)  # noqa: E731
+    return params.replace(layers=params.layers.replace(attn_norm=g(k1, (lay_, d)).at[0, 3].set(0.0),
+                                                       mlp_norm=g(k2, (lay_, d))), final_norm=g(k3, (d,)))
+
+
+def test_fold_norms_quantizes_the_norm_scaled_weights(tiny_params):
+    """fold_norms: each linear reading a norm is quantized as diag(g) W (the SPEC's group
+    quantization of the scaled rows, bit for bit), the others as W; the draft's folded norm
+    weights are ones and recorded (`Params.unit_norms`); the target is untouched. Without
+    fold_norms the draft shares the target's norms."""
+    p = _with_norms(tiny_params, 11)
+    draft = make_draft_params(p, DraftWeightsConfig(group_size=32, method="minmax", fold_norms=True))
+    assert draft.unit_norms == ("attn_norm", "mlp_norm", "final_norm") and p.unit_norms == ()
+    for a in (draft.layers.attn_norm, draft.layers.mlp_norm, draft.final_norm):
+        assert (np.asarray(a) == 1).all()
+    gains = {"wq": p.layers.attn_norm, "wk": p.layers.attn_norm, "wv": p.layers.attn_norm,
+             "w_gate": p.layers.mlp_norm, "w_up": p.layers.mlp_norm, "wo": None, "w_down": None}
+    for name, g in gains.items():
+        w = getattr(p.layers, name)
+        want = quantize_weight(w if g is None else g[..., :, None] * w, 32, method="minmax")
+        got = getattr(draft.layers, name)
+        for part in ("packed", "scale", "zero"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, part)), np.asarray(getattr(want, part)), name)
+    want = quantize_weight(p.final_norm[:, None] * p.embed.T, 32, method="minmax")  # tied lm_head
+    np.testing.assert_array_equal(np.asarray(draft.lm_head.packed), np.asarray(want.packed))
+    plain = make_draft_params(p, DraftWeightsConfig(group_size=32, method="minmax", fold_norms=False))
+    assert plain.unit_norms == () and plain.layers.mlp_norm is p.layers.mlp_norm and plain.final_norm is p.final_norm
+    assert not np.array_equal(np.asarray(plain.layers.wq.packed), np.asarray(draft.layers.wq.packed))
+
+
+def test_gptq_folds_with_the_unweighted_inputs_hessian(tiny_params):
+    """GPTQ of a folded weight diag(g) W runs on the Hessian of its own inputs x / g,
+    diag(1/g) H diag(1/g): its output error on the calibration inputs, tr(E^T H E) with
+    E = diag(1/g) Q' - W, is below that of GPTQ on the folded weight with the unfolded H (the
+    wrong objective) and of round-to-nearest ("clip") of the folded weight."""
+    p = _with_norms(tiny_params, 12)
+    toks = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (8, 64), 0, TINY.vocab_size))
+    hs = C.collect_hessians(p, toks, progress=False)
+    drafts = {name: make_draft_params(p, DraftWeightsConfig(group_size=32, method=m, fold_norms=True), hessians=hs)
+              for name, m in (("gptq", "gptq"), ("rtn", "clip"))}
+    for name, norm in (("wq", "attn_norm"), ("w_gate", "mlp_norm")):
+        for layer in range(TINY.num_layers):
+            w, h = getattr(p.layers, name)[layer], hs[f"layers/{name}"][layer]
+            g = getattr(p.layers, norm)[layer]
+            qs = {key: getattr(d.layers, name).dequantize()[layer] for key, d in drafts.items()}
+            qs["wrong H"] = gptq_quantize(g[:, None] * w, h, 32).dequantize()
+            g64, w64, h64 = (np.asarray(a, np.float64) for a in (g[:, None], w, h))
+            err = {}
+            for key, q in qs.items():
+                e = np.where(g64 != 0, np.asarray(q, np.float64) / np.where(g64 != 0, g64, 1), 0) - w64
+                err[key] = float(np.trace(e.T @ h64 @ e))
+            assert err["gptq"] < min(err["wrong H"], err["rtn"]), (name, layer, err)

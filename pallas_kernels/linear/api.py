@@ -114,12 +114,14 @@ def _flatten(x: Array, k: int) -> tuple[Array, tuple[int, ...]]:
 
 def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
                 out_dtype: Any = None, norm_weight: Array | None = None, norm_eps: float = 1e-5,
-                swiglu: bool = False, residual: Array | None = None) -> Array:
+                unit_norm: bool = False, swiglu: bool = False, residual: Array | None = None) -> Array:
     """x [..., K] @ W [K, N] with W in INT4 -> [..., N] (float32 accumulation; `out_dtype`
     defaults to x's dtype). See the module docstring for `backend` and the weight formats.
 
     Fused glue (`mosaic_gpu.Epilogue`): `norm_weight` [K] (or [L, K] read at `layer`) applies
-    RMSNorm to x first, `swiglu` returns silu(gate) * up [..., N/2] of W's gate | up halves,
+    RMSNorm to x first (`unit_norm`: RMSNorm without a weight, i.e. a weight of ones, which the
+    Mosaic kernel neither loads nor multiplies; for norm weights folded into W), `swiglu` returns
+    silu(gate) * up [..., N/2] of W's gate | up halves,
     `residual` [..., N] is added to the output. The Mosaic backends run them inside the kernel
     ("auto" picks them only where the kernel takes the call: bf16, Hopper, at most
     `mosaic_gpu.auto_fused_rows(epilogue)` rows; "mosaic" up to `MAX_FUSED_M`); every other backend computes
@@ -132,7 +134,10 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     x2, lead = _flatten(x, k)
     m = x2.shape[0]
-    epi = mg.Epilogue(norm=norm_weight is not None, eps=float(norm_eps), swiglu=swiglu, residual=residual is not None)
+    if unit_norm and norm_weight is not None:
+        raise ValueError("unit_norm=True is RMSNorm without a weight: pass norm_weight=None")
+    epi = mg.Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
+                      swiglu=swiglu, residual=residual is not None)
     res2 = residual.reshape(m, n) if epi.residual else None
     n_out = n // 2 if swiglu else n
     if backend == "auto":
@@ -151,7 +156,7 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
         y = mg.int4_matmul_mgpu(x2, _as_packed(w), layer=layer, out_dtype=out_dtype,
                                 variant="mma" if backend == "mosaic" else "smem",
                                 interpret=backend == "interpret", norm_weight=norm_weight, norm_eps=norm_eps,
-                                swiglu=swiglu, residual=res2)
+                                unit_norm=unit_norm, swiglu=swiglu, residual=res2)
     elif backend == "triton":
         if isinstance(w, lay.W4A16Packed):
             raise ValueError("backend='triton' reads the QuantizedWeight fields (.packed, .scale, .zero); got a "
@@ -176,17 +181,21 @@ QKV_CACHE_BACKENDS = ("mosaic", "interpret", "reference")
 
 def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, slots: Array, q_buf: Array,
                    k_ring: Array, v_ring: Array, norm_weight: Array | None = None,
-                   norm_eps: float = 1e-5) -> tuple[Array, Array, Array]:
+                   norm_eps: float = 1e-5, unit_norm: bool = False) -> tuple[Array, Array, Array]:
     """The draft's q|k|v projection written where the decode attention reads it: one kernel for
     RMSNorm, the INT4 product, RoPE, the query operand and the FP ring writes
     (`mosaic_gpu.int4_qkv_cache_mgpu` has the shapes). `backend`: "mosaic" (Hopper), "interpret"
     (its SMEM twin in GPU interpret mode) or "reference" (`mosaic_gpu.qkv_cache_reference`, the
-    oracle: float32 product). x: [B, K] or [B, 1, K]. Returns (q_buf, k_ring, v_ring)."""
+    oracle: float32 product). x: [B, K] or [B, 1, K]. `unit_norm`: the norm without a weight (as
+    `int4_linear`). Returns (q_buf, k_ring, v_ring)."""
     if backend not in QKV_CACHE_BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {QKV_CACHE_BACKENDS}")
     k, _, wlead = _int4_shape(w)
     x2, _ = _flatten(x, k)
-    kw = dict(layer=layer, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring, norm_eps=norm_eps)
+    if unit_norm and norm_weight is not None:
+        raise ValueError("unit_norm=True is RMSNorm without a weight: pass norm_weight=None")
+    kw = dict(layer=layer, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring, norm_eps=norm_eps,
+              unit_norm=unit_norm)
     if backend == "reference":
         w1 = jax.tree.map(lambda a: a[layer], w) if wlead else w
         g1 = norm_weight[layer] if norm_weight is not None and norm_weight.ndim == 2 else norm_weight

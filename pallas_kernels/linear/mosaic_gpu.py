@@ -174,6 +174,9 @@ class Epilogue:
       Where `norm_in_consumers` (the "mma" variant, K <= CONSUMER_NORM_MAX_K) the consumers scale
       their B fragments (the same bf16(x g)) and sum x^2 from them in another fixed order
       (`fragment_sum_plan`), also independent of M.
+      `gain` False: the norm has no weight (g = 1: the draft's norm weights folded into its INT4
+      weights, `qspec_jax.weight_quant`'s `fold_norms`), so there is no g operand, no g loads and
+      no multiply: out = r (x W), bit for bit what a weight of ones gives (bf16(x 1) = x).
     * `swiglu`: the weight holds gate | up column halves (N = 2F): warpgroup 0 of CTA j computes
       gate columns [64 j, 64 j + 64), warpgroup 1 the same up columns, and out [M, F] =
       silu(gate) up in float32 (silu(a) = a / (1 + exp(-a))), rounded once.
@@ -193,6 +196,7 @@ class Epilogue:
 
     norm: bool = False
     eps: float = 1e-5
+    gain: bool = True  # norm: x is multiplied by the norm weight g (False: no weight, g = 1)
     swiglu: bool = False
     residual: bool = False
     qkv: "QkvCache | None" = None
@@ -205,8 +209,8 @@ class Epilogue:
 
     def tag(self) -> str:
         """Kernel-name suffix ("" for the plain kernel)."""
-        return "".join(t for t, on in (("_norm", self.norm), ("_swiglu", self.swiglu), ("_res", self.residual),
-                                       ("_qkvcache", self.qkv is not None)) if on)
+        return "".join(t for t, on in (("_norm", self.norm), ("1", self.norm and not self.gain), ("_swiglu", self.swiglu),
+                                       ("_res", self.residual), ("_qkvcache", self.qkv is not None)) if on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +253,7 @@ def epilogue_reference(x: Array, w: Array, epi: Epilogue, *, norm_weight: Array 
     xf = x.astype(jnp.float32)
     if epi.norm:
         r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + epi.eps)
+    if epi.norm and epi.gain:
         xf = (xf * norm_weight.astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
     acc = jnp.dot(xf, w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     if epi.norm:
@@ -659,7 +664,7 @@ def norm_in_consumers(epi: "Epilogue", kind: str, variant: str, interpret: bool,
             and k_groups == 1 and k <= CONSUMER_NORM_MAX_K and env == "0")
 
 
-def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False):
+def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False, gain: bool = True):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -683,7 +688,8 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
     x^2 chain for activation row 8 ct + lane // 4, the other registers unused), and the function returns
     (acc, ssq). Register t of the x4 load for k16 steps j, j + 1 holds 16-byte chunk 2 j + t of the
     row, pair lane % 4 (`x_fragment_offset`): its x^2 goes into the chain (lo^2 then hi^2, chunks in k
-    order) and the register becomes bf16(x g) with (g[k], g[k + 1]) before the MMAs. (Two or four
+    order) and the register becomes bf16(x g) with (g[k], g[k + 1]) before the MMAs (`gain` False: no
+    g_ref operand and no multiply, the norm without weight, `Epilogue.gain`). (Two or four
     chains per tile, summed pairwise after the loop, were measured on the H200 and gained nothing:
     docs/kernel_notes.md, twenty-seventh session.)"""
     g = group_size
@@ -695,13 +701,16 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms=x_tf),
-                   *((plgpu.RefType(),) if norm else ()), plgpu.Layout.WGMMA,
+                   *((plgpu.RefType(),) if norm and gain else ()), plgpu.Layout.WGMMA,
                    *((plgpu.Layout.WGMMA,) if norm else ())),
         return_type=(acc_ty, acc_ty) if norm else acc_ty)
     def fn(ctx, w_ref, sz_ref, x_ref, *rest):
         del ctx
-        if norm:
+        g_ref = None
+        if norm and gain:
             g_ref, acc, ssq = rest
+        elif norm:
+            acc, ssq = rest
         else:
             (acc,) = rest
         ir, arith, llvm, mgpu, fa, mu = _mgpu_modules()
@@ -723,7 +732,7 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                   for j in (0, 2)}
         # norm: g pair (g[k], g[k + 1]) of chunk c of k block kb at byte kb 128 + 16 c + 4 (lane % 4)
         g_base = (arith.addi(_smem_addr(g_ref), arith.muli(arith.remui(lane, mu.c(4, i32)), mu.c(4, i32)))
-                  if norm else None)
+                  if g_ref is not None else None)
         # norm: ct -> this thread's x^2 chain (register (ct, 0, 0) of ssq)
         sq = {ct: wgmma_element(ssq, ct, 0, 0) for ct in range(nct)} if norm else {}
         # accumulator registers: [0, ct, 0, 0, h, 0, 0, 0, 0] = (row g + 8 h, cols 2c, 2c + 1)
@@ -750,7 +759,7 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                 return scales[(i, e)]
 
             b_frag: dict[tuple[int, int], tuple[Any, Any]] = {}
-            scale = norm and diag not in ("noscale", "nonorm")
+            scale = norm and gain and diag not in ("noscale", "nonorm")
             g_pair = ([llvm.inline_asm(i32, [arith.addi(g_base, mu.c(kb * 128 + 16 * c, i32))], _LD_B32_ASM,
                                        "=r,r", has_side_effects=True) for c in range(8)] if scale else None)
             for ct in range(nct):
@@ -935,10 +944,10 @@ def norm_thread_rows(t: int, m: int, kt: int) -> tuple[int, list[int]]:
     return t % pairs, [r0 + t // pairs for r0 in range(0, m, lanes) if r0 + t // pairs < m]
 
 
-def _norm_stage(m: int, kt: int, first: bool):
+def _norm_stage(m: int, kt: int, first: bool, gain: bool = True):
     """inline_mgpu function run by the producer warpgroup on a landed stage: (x_ref bf16 [M_pad,
-    KT] (swizzled tiles), g_ref bf16 [KT], part_ref float32 [M, 128]) -> x rows < M multiplied by
-    g in place, part[r, q] (+)= the sum of x[r, pair q]^2 for the KT / 2 pairs q of the stage
+    KT] (swizzled tiles), g_ref bf16 [KT] (`gain` only), part_ref float32 [M, 128]) -> x rows < M
+    multiplied by g in place (`gain`; without, x is left as it landed), part[r, q] (+)= the sum of x[r, pair q]^2 for the KT / 2 pairs q of the stage
     (`first`: the stage that initializes part, and zeroes part[r, q >= KT / 2], which the finish
     sums too). Thread t handles pair q = t % (KT / 2) of rows r = t // (KT / 2) + R j (see
     `norm_row_lanes`); a row's partials are the same whichever thread computes them, so the
@@ -949,9 +958,10 @@ def _norm_stage(m: int, kt: int, first: bool):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms=(plgpu.TilingTransform((8, SWIZZLE // 2)),
                                                             plgpu.SwizzleTransform(SWIZZLE))),
-                                  plgpu.RefType(), plgpu.RefType()))
-    def fn(ctx, x_ref, g_ref, part_ref):
+                                  *((plgpu.RefType(),) if gain else ()), plgpu.RefType()))
+    def fn(ctx, x_ref, *refs):
         del ctx
+        g_ref, part_ref = refs if gain else (None, *refs)
         ir, arith, llvm, _, _, mu = _mgpu_modules()
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         void = ir.Type.parse("!llvm.void")
@@ -966,7 +976,7 @@ def _norm_stage(m: int, kt: int, first: bool):
         x_base = arith.addi(_smem_addr(x_ref), arith.addi(
             arith.muli(qwarp, c(1024)), arith.addi(arith.muli(arith.remui(qlane, c(4)), c(4)),
                                                    arith.muli(lane_row, c(128)))))
-        g_val = asm(i32, [arith.addi(_smem_addr(g_ref), arith.muli(q, c(4)))], _LD_B32_ASM, "=r,r", True)
+        g_val = asm(i32, [arith.addi(_smem_addr(g_ref), arith.muli(q, c(4)))], _LD_B32_ASM, "=r,r", True) if gain else None
         p_base = arith.addi(_smem_addr(part_ref), arith.addi(arith.muli(q, c(4)),
                                                              arith.muli(lane_row, c(4 * lay.THREADS))))
         rows = list(range(0, m, lanes))  # r0 = R j: this thread's row is r0 + lane_row
@@ -983,11 +993,12 @@ def _norm_stage(m: int, kt: int, first: bool):
             xs = [asm(i32, [xa], _LD_B32_ASM, "=r,r", True) for xa, _, _ in batch]
             if not first:
                 accs = [asm(f32, [pa, ok], _LD_F32_IF_ASM, "=f,r,r", True) for _, pa, ok in batch]
-            ys = [asm(i32, [xv, g_val], _MUL_BF16X2_ASM, "=r,r,r") for xv in xs]
+            ys = [asm(i32, [xv, g_val], _MUL_BF16X2_ASM, "=r,r,r") for xv in xs] if gain else [None] * len(xs)
             sq = ([asm(f32, [xv], _SQ_FIRST_ASM, "=f,r") for xv in xs] if first else
                   [asm(f32, [xv, a], _SQ_NEXT_ASM, "=f,r,f") for xv, a in zip(xs, accs)])
             for (xa, pa, ok), y, v in zip(batch, ys, sq):
-                asm(void, [xa, y, ok], _ST_B32_IF_ASM, "r,r,r", True)
+                if gain:
+                    asm(void, [xa, y, ok], _ST_B32_IF_ASM, "r,r,r", True)
                 asm(void, [pa, v, ok], _ST_F32_IF_ASM, "r,f,r", True)
                 if first:  # the slots of pairs this K tile does not have (the finish sums all 128)
                     for i in range(1, lanes):
@@ -1058,11 +1069,13 @@ def _norm_finish(m: int, mp: int):
     return fn
 
 
-def _norm_twin(x: Array, g: Array) -> tuple[Array, Array]:
+def _norm_twin(x: Array, g: Array | None = None) -> tuple[Array, Array]:
     """Interpret mode's `_norm_stage` on values: x [M_pad, KT] bf16, g [KT] -> (bf16(x g), the
-    same product as `mul.rn.bf16x2`; the row sums of x^2 [M_pad] float32, jnp order)."""
+    same product as `mul.rn.bf16x2`, or x itself without g; the row sums of x^2 [M_pad] float32,
+    jnp order)."""
     xf = x.astype(jnp.float32)
-    return (xf * g.astype(jnp.float32)[None, :]).astype(x.dtype), jnp.sum(xf * xf, axis=1)
+    xg = x if g is None else (xf * g.astype(jnp.float32)[None, :]).astype(x.dtype)
+    return xg, jnp.sum(xf * xf, axis=1)
 
 
 # ------------------------------------------------------------------------------ the SMEM twin
@@ -1139,7 +1152,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             # norm: x goes through the producer's pass first, unless the consumers run the norm (cn)
             bar = xfull.at[slot] if epi.norm and not cn else full.at[slot]
             plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], bar)
-            if epi.norm:
+            if epi.norm and epi.gain:
                 plgpu.copy_gmem_to_smem(g_gmem.at[(*g_lead, pl.ds(k0, kt))], g_smem.at[slot], bar)
 
         def issue_w(i, slot):
@@ -1172,15 +1185,17 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             issue_x(i, slot)
             return carry
 
-        def process(j, first):  # norm: the landed x tile of step j times g, and the sums of x^2
+        def process(j, first):  # norm: the landed x tile of step j times g (gain), and the sums of x^2
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(xfull.at[slot])
+            g_op = (g_smem.at[slot],) if epi.gain else ()
             if interpret:
-                xg, ss = _norm_twin(x_smem.at[slot][...], g_smem.at[slot][...])
-                x_smem.at[slot][...] = xg
+                xg, ss = _norm_twin(x_smem.at[slot][...], *(g[...] for g in g_op))
+                if epi.gain:
+                    x_smem.at[slot][...] = xg
                 part[...] = ss if first else part[...] + ss
             else:
-                _norm_stage(m, kt, first)(x_smem.at[slot], g_smem.at[slot], part)
+                _norm_stage(m, kt, first, epi.gain)(x_smem.at[slot], *g_op, part)
             plgpu.barrier_arrive(full.at[slot])
 
         # static: the prologue's tiles (pdl: the weight tiles, which no earlier kernel writes, go
@@ -1431,8 +1446,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 plgpu.barrier_wait(full.at[slot])
                 ops = (w_smem.at[slot, rt], sz_smem.at[slot, rt], x_smem.at[slot])
                 if cn:  # carry: (acc, the x^2 chains)
-                    carry = mma_stage(g, kt, mp, diag, mma_chains, norm=True)(
-                        *ops, g_smem.at[slot], *carry)
+                    carry = mma_stage(g, kt, mp, diag, mma_chains, norm=True, gain=epi.gain)(
+                        *ops, *((g_smem.at[slot],) if epi.gain else ()), *carry)
                 else:
                     carry = mma_stage(g, kt, mp, diag, mma_chains)(*ops, carry)
                 plgpu.barrier_arrive(empty.at[slot])
@@ -1628,7 +1643,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         raise ValueError(f"diag={cfg.diag!r} leaves out a part of the norm in the consumers; this launch has none "
                          f"(norm_in_consumers: the 'mma' variant on the GPU, the norm, one split and k group, "
                          f"K <= {CONSUMER_NORM_MAX_K}; got norm={epi.norm}, variant={variant!r}, K={k}, splits={s})")
-    n_full = (2 if cn else 1) + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)  # x (or the pass) + w
+    n_full = (2 if cn and epi.gain else 1) + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)  # x (or the pass) + w
 
     def declare_scratch(stages: int) -> dict[str, Any]:
         scratch: dict[str, Any] = {"x_smem": plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)}
@@ -1651,10 +1666,10 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
             scratch["kx"] = plgpu.SMEM((kg - 1, wgs, lay.ROWS, mp), f32,
                                        transforms=() if interpret else exchange_transforms(mp))
             scratch["kx_bar"] = plgpu.Barrier(num_barriers=wgs, num_arrivals=kg - 1)
-        if epi.norm:
+        if epi.norm and epi.gain:
             scratch["g_smem"] = plgpu.SMEM((stages, kt), jnp.bfloat16)
         if epi.norm and not cn:  # the producer's pass and finish
-            scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2)  # x and g tiles
+            scratch["xfull"] = plgpu.Barrier(num_barriers=stages, num_arrivals=2 if epi.gain else 1)  # x (and g)
             scratch["part"] = plgpu.SMEM((mp,) if interpret else (m, lay.THREADS), f32)
             if not interpret:
                 scratch["ssw"] = plgpu.SMEM((4, mp), f32)
@@ -1688,11 +1703,11 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     inputs: dict[str, Array] = {"x": x, "w": w_arrays[0]}
     if kind == "int4":
         inputs["sz"] = w_arrays[1]
-    if epi.norm:
+    if epi.norm and epi.gain:
         inputs["g"] = norm_weight
     if res_in_kernel:
         inputs["res"] = residual
-    g_stacked = epi.norm and norm_weight.ndim == 2
+    g_stacked = epi.norm and epi.gain and norm_weight.ndim == 2
     if w_stacked or g_stacked or epi.qkv is not None:
         inputs["layer"] = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     if epi.qkv is not None:
@@ -1793,7 +1808,9 @@ def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype
         return
     if m > MAX_FUSED_M:
         raise ValueError(f"M={m} rows; a fused epilogue takes 1..{MAX_FUSED_M} (Epilogue)")
-    if epi.norm:
+    if epi.norm and not epi.gain and norm_weight is not None:
+        raise ValueError("unit_norm (a norm without weight) takes no norm_weight")
+    if epi.norm and epi.gain:
         if norm_weight.dtype != jnp.bfloat16 or norm_weight.ndim not in (1, 2) or norm_weight.shape[-1] != k:
             raise ValueError(f"norm_weight must be bfloat16 [K={k}] or a stack [L, K]; got "
                              f"{norm_weight.dtype} {norm_weight.shape}")
@@ -1808,7 +1825,7 @@ def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype
 def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dtype: Any = None,
                      config: MgpuConfig | None = None, variant: str = "mma",
                      interpret: bool | None = None, norm_weight: Array | None = None, norm_eps: float = 1e-5,
-                     swiglu: bool = False, residual: Array | None = None) -> Array:
+                     unit_norm: bool = False, swiglu: bool = False, residual: Array | None = None) -> Array:
     """x [M, K] bf16 @ W [K, N] (INT4, packed layout) -> [M, N] (default bf16) on Hopper.
 
     `w` holds one layer ([N/64, K/64, 128, 4] ...) or a stack [L, ...] with `layer` (int or traced
@@ -1818,7 +1835,8 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     backend is a GPU; the register variants cannot be interpreted (ValueError).
 
     Fused glue (`Epilogue`; at most MAX_FUSED_M rows): `norm_weight` bf16 [K] (or a stack [L, K]
-    read at `layer`) folds RMSNorm(x) with that weight and `norm_eps` into the product;
+    read at `layer`) folds RMSNorm(x) with that weight and `norm_eps` into the product, `unit_norm`
+    RMSNorm without a weight (g = 1: `Epilogue.gain` False; no norm_weight);
     `swiglu` returns silu(gate) * up [M, N/2] of the gate | up halves of W; `residual` [M, N]
     (the output dtype) is added to the output. `epilogue_reference` is the math."""
     if variant not in VARIANTS:
@@ -1834,7 +1852,8 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     lay.check_shape(k, n, g)
     m = _check_x(x, k)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    epi = Epilogue(norm=norm_weight is not None, eps=float(norm_eps), swiglu=swiglu, residual=residual is not None)
+    epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm, swiglu=swiglu,
+                   residual=residual is not None)
     _check_epilogue(epi, m, k, n, layer, out_dtype, norm_weight, residual)
     n_layers = w.lead[0] if n_lead else (norm_weight.shape[0] if g_stacked else 0)
     if g_stacked and norm_weight.shape[0] != n_layers:
@@ -1897,10 +1916,10 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
 
 def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
                         k_ring: Array, v_ring: Array, norm_weight: Array | None = None, norm_eps: float = 1e-5,
-                        config: MgpuConfig | None = None, interpret: bool | None = None,
+                        unit_norm: bool = False, config: MgpuConfig | None = None, interpret: bool | None = None,
                         ) -> tuple[Array, Array, Array]:
     """The draft's q|k|v projection written where the decode attention reads it (`QkvCache`):
-    RMSNorm (optional, as `int4_matmul_mgpu`), the INT4 product, RoPE of the query and key heads,
+    RMSNorm (optional, with or without weight, as `int4_matmul_mgpu`), the INT4 product, RoPE of the query and key heads,
     the queries into the attention's operand and the keys and values into the FP rings, in one
     kernel that replaces the product's three XLA consumers (query rope + pad, key rope + ring
     write, value ring write).
@@ -1924,7 +1943,7 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
     n_lead = len(w.lead)
     if n_lead > 1 or (n_lead == 1 and w.lead[0] != geo.layers):
         raise ValueError(f"weight leading dims {w.lead}: one layer, or a stack of the rings' {geo.layers} layers")
-    epi = Epilogue(norm=norm_weight is not None, eps=float(norm_eps), qkv=geo)
+    epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm, qkv=geo)
     _check_epilogue(epi, m, k, n, layer, jnp.dtype(jnp.bfloat16), norm_weight, None)
     interp = _common.interpret_default(interpret)
     cfg = config or default_config(k, n, g, reduce=reduce_mode(m, interp), epilogue=epi)
@@ -1950,7 +1969,7 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
 
 def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
                         k_ring: Array, v_ring: Array, norm_weight: Array | None = None,
-                        norm_eps: float = 1e-5) -> tuple[Array, Array, Array]:
+                        norm_eps: float = 1e-5, unit_norm: bool = False) -> tuple[Array, Array, Array]:
     """jnp: what `int4_qkv_cache_mgpu` computes, for the weight as its MMA sees it (w [K, N]
     float32, `lay.dequantize_bf16`): `epilogue_reference`'s float32 product (with the norm),
     RoPE in float32 with the table's cos and sin, then the bf16 writes."""
@@ -1958,7 +1977,8 @@ def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
     geo = _qkv_geometry(m, w.shape[1], q_buf, k_ring, v_ring, rope, slots)
     hq, hkv, dh = geo.num_heads, geo.num_kv_heads, geo.head_dim
     half = dh // 2
-    y = epilogue_reference(x, w, Epilogue(norm=norm_weight is not None, eps=float(norm_eps)),
+    y = epilogue_reference(x, w, Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps),
+                                          gain=not unit_norm),
                            norm_weight=norm_weight, out_dtype=jnp.float32).reshape(m, -1, dh)
     cos, sin = rope[0, :half, :m].T[:, None], rope[1, :half, :m].T[:, None]  # [M, 1, D/2]
     x1, x2 = y[..., :half], y[..., half:]

@@ -356,7 +356,7 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
     import qspec_jax
     from qspec_jax.evaluation import read_text_tokens
     from qspec_jax.generation import generate_autoregressive
-    from qspec_jax.speculative import generate
+    from qspec_jax.speculative import draft_format_fields, generate
 
     model = qspec_jax.load(args.smollm_checkpoint, attention_impl=args.attention_impl)
     texts = sorted(Path(args.text_dir).glob("*.txt"))
@@ -368,7 +368,9 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
     # verify width (`exact_ar`), where the target computes the verify's logits bit for bit (the width-1
     # loop may differ in a last bit: GenerationConfig).
     ar = {kv: GenerationConfig(max_new_tokens=new, kv=kv, eos_token_ids=(), width=1) for kv in ("bf16", "int8")}
-    spec = {g: loop_spec(g, max_new_tokens=new, eos_token_ids=()) for g in args.smollm_gamma}
+    stored = model.draft_weights_config  # the checkpoint's INT4 draft, used as it is (None: the default format, made)
+    fmt = draft_format_fields(stored) if stored is not None else {}
+    spec = {g: loop_spec(g, max_new_tokens=new, eos_token_ids=(), **fmt) for g in args.smollm_gamma}
     exact_ar = {w: GenerationConfig(max_new_tokens=new, kv="int8", eos_token_ids=(), width=w)
                 for w in sorted({c.verify_width for c in spec.values()})}
     rows = []

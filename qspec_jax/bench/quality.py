@@ -74,6 +74,7 @@ class DraftVariant:
     scope: str = "all"
     method: str = "clip"
     lm_head: bool = True
+    fold_norms: bool = False
 
 
 VARIANTS = (
@@ -86,6 +87,7 @@ VARIANTS = (
     DraftVariant("both, g64 min/max", method="minmax"),
     DraftVariant("both, scope ffn", scope="ffn"),
     DraftVariant("both, bf16 lm_head", lm_head=False),
+    DraftVariant("both, norms folded", fold_norms=True),
 )
 
 
@@ -97,7 +99,8 @@ def _draft(model: Any, v: DraftVariant) -> Any:
     from qspec_jax.speculative import SpecConfig, draft_params_for
 
     return draft_params_for(model, SpecConfig(draft_weights=v.draft_weights, draft_group=v.group,
-                                              draft_scope=v.scope, draft_method=v.method, draft_lm_head=v.lm_head))
+                                              draft_scope=v.scope, draft_method=v.method, draft_lm_head=v.lm_head,
+                                              draft_fold_norms=v.fold_norms))
 
 
 def part_ppl(model: Any, text_dir: Path, context: int, n_eval: int) -> list[dict[str, Any]]:
@@ -176,7 +179,7 @@ def accept_context(model: Any, v: DraftVariant, draft: Any, text_dir: Path, cont
         log(f"free-running: {v.name}, context {context}, gamma {g}")
         spec = SpecConfig(gamma=g, max_new_tokens=n_free, draft_kv=v.draft_kv, draft_weights=v.draft_weights,
                           draft_group=v.group, draft_scope=v.scope, draft_method=v.method,
-                          draft_lm_head=v.lm_head, eos_token_ids=())
+                          draft_lm_head=v.lm_head, draft_fold_norms=v.fold_norms, eos_token_ids=())
         r = generate(model, toks[:, :context], spec, jax.random.PRNGKey(0), draft_params=draft)
         rows.append({"variant": v.name, "mode": "free-running", "context": context, "gamma": g,
                      "acceptance_rate": r.acceptance_rate, "tokens_per_round": r.tokens_per_round})

@@ -25,7 +25,8 @@ DEFAULT_GROUP_SIZE = 128
 KV_GROUP_SIZES = (16, 32, 64, 128, 256)
 # argparse attribute of each DraftWeightsConfig field, and the flag that sets it.
 DRAFT_FLAGS = {"group_size": ("draft_group", "--draft-group"), "scope": ("draft_scope", "--draft-scope"),
-               "method": ("draft_method", "--draft-method"), "lm_head": ("draft_lm_head", "--draft-lm-head")}
+               "method": ("draft_method", "--draft-method"), "lm_head": ("draft_lm_head", "--draft-lm-head"),
+               "fold_norms": ("draft_fold_norms", "--draft-fold-norms")}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -294,7 +295,8 @@ def require_tokenizer(model: Any) -> None:
 
 # ------------------------------------------------------------------------------ draft format
 def add_draft_format_args(p: argparse.ArgumentParser) -> None:
-    """--draft-group/--draft-scope/--draft-method/--[no-]draft-lm-head; None when not given."""
+    """--draft-group/--draft-scope/--draft-method/--[no-]draft-lm-head/--[no-]draft-fold-norms; None when not
+    given."""
     from qspec_jax.weight_quant import CALIBRATED_METHODS, DRAFT_METHODS, DRAFT_SCOPES, WEIGHT_GROUPS
     from qspec_jax.weight_quant import DraftWeightsConfig as D
 
@@ -315,6 +317,9 @@ def add_draft_format_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="quantize the lm_head to INT4 as well (default: the checkpoint's, else "
                         f"{'yes' if D.lm_head else 'no'})")
+    g.add_argument("--draft-fold-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="fold the RMSNorm weights into the INT4 weights that read them (the fused draft kernels then "
+                        f"skip them) (default: the checkpoint's, else {'yes' if D.fold_norms else 'no'})")
 
 
 def draft_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -333,7 +338,8 @@ def check_draft_flags(prog: str, args: argparse.Namespace) -> None:
 def describe_draft(cfg: Any) -> str:
     """'clip, group 32, all linears + lm_head' for a DraftWeightsConfig."""
     return (f"{cfg.method}, group {cfg.group_size}, {cfg.scope} linears"
-            + (" + lm_head" if cfg.lm_head else ", lm_head not quantized"))
+            + (" + lm_head" if cfg.lm_head else ", lm_head not quantized")
+            + (", norms folded" if cfg.fold_norms else ""))
 
 
 def draft_config(prog: str, fields: dict[str, Any], base: Any) -> Any:

@@ -178,13 +178,12 @@ def check_fits(model: Any, ids: list[int], args: argparse.Namespace) -> None:
 
 def spec_config(model: Any, args: argparse.Namespace, gamma: int) -> Any:
     """The SpecConfig of spec mode (with the format of the draft the model carries)."""
-    from qspec_jax.speculative import SpecConfig
+    from qspec_jax.speculative import SpecConfig, draft_format_fields
 
     kv = dict(target_kv="bf16", draft_kv="bf16") if args.kv == "bf16" else {}
     draft = {}
     if args.draft_weights == "int4" and getattr(model, "draft_weights_config", None) is not None:
-        d = model.draft_weights_config
-        draft = dict(draft_group=d.group_size, draft_scope=d.scope, draft_lm_head=d.lm_head, draft_method=d.method)
+        draft = draft_format_fields(model.draft_weights_config)
     return SpecConfig(gamma=gamma, draft_weights=args.draft_weights, draft_policy=args.draft_policy,
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, **kv, **draft, **prefill_options(args))

@@ -43,6 +43,8 @@
 #   row-major, timed in a whole generation, its AR program's entry read, exactness (30th); STAGES="bars": the
 #   consumers' per-block barriers' cost (diagnostics nolazybar / nocommit / nobars), kernels alone (30th);
 #   STAGES="layoutab" (carry .devcarry/cache_old.py): the row-major pin against the build before it, AR-bf16 walls
+#   STAGES="fold": the draft's norms folded into its INT4 weights, GPU checks and the batch-32 draft step A/B; after
+#   "smolreal", "smolfold" runs the real model's e2e with the norms folded; "fold8b": the 8B draft step (31st session)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -346,7 +348,7 @@ for stage in ${STAGES:-probe smol 8b}; do
         --smollm-gamma ${SMOL_GAMMAS:-2,3,4} \
         --out $OUT/p_smolreal \
         2>&1 | grep -v "^W[0-9]" > $L/e2e_smollm_real.log
-      grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"[a-z_0-9]*prefill_s": [0-9.]+|"gamma": [0-9]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
+      grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"[a-z_0-9]*prefill_s": [0-9.]+|"gamma": [0-9]+|"acceptance_rate": [0-9.]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
         $L/e2e_smollm_real.log \
         | paste -sd' ' | sed 's/"batch"/\n"batch"/g'
       echo "== smolreal e2e done ($(( $(date +%s) - T0 )) s)"
@@ -479,6 +481,43 @@ for stage in ${STAGES:-probe smol 8b}; do
         done
       done
       echo "== layoutab done ($(( $(date +%s) - T0 )) s)";;
+    fold)  # the draft's norm weights folded into its INT4 weights (31st session, weight_quant fold_norms; the kernels'
+      # norm without weight, Epilogue.gain): the GPU checks (the norm without weight bit for bit a weight of ones, in
+      # the consumers and the pass; the qkv kernel against its reference; the draft's decode with and without the qkv
+      # kernel), then the draft step at SmolLM2 batch 32 folded / not folded, alternating (random weights: norms 1)
+      timeout 150 python3 tools/device/norm_consumers_gpu.py --ms ${NC_MS:-1,32} --shapes s_qkv,s_gate_up,qkv 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/fold_norm_check.log | tail -7
+      timeout 150 python3 tools/device/qkv_cache_gpu.py --batches 1,32 --model-batches 32 --shapes smollm2 2>&1 \
+        | grep -v "^W[0-9]" > $L/fold_qkv_cache_check.log
+      grep -iE "fail|error|ALL OK" $L/fold_qkv_cache_check.log | tail -8
+      echo "== fold checks done ($(( $(date +%s) - T0 )) s)"
+      for i in ${FOLD_TRIALS:-1 2}; do  # (--no-fold-norms: off; on, the random weights' norms of 1 folded)
+        LIMIT=120 ab draft_fold$i draft --fold-norms
+        LIMIT=120 ab draft_nofold$i draft
+      done
+      echo "== fold done ($(( $(date +%s) - T0 )) s)";;
+    fold8b)  # the 8B's draft step at batch 1, 4k, norms folded / not (31st session): the K-4096 kernels run the
+      # producer's norm pass, which then neither loads g nor writes x g back
+      for i in ${FOLD8_TRIALS:-1}; do
+        for v in fold nofold; do
+          timeout ${LIMIT:-240} python3 tools/device/tuned_table_run.py $([ $v = fold ] && echo --fold-norms) \
+            -- profile --steps 8 --trials 3 --batch 1 --contexts 4096 --programs draft --out $OUT/p_8b$v$i 2>&1 \
+            | grep -v "^W[0-9]" > $L/profile_8b_b1_4k_draft_$v$i.log
+          echo "-- 8b draft $v$i: $(grep -E '^== ' $L/profile_8b_b1_4k_draft_$v$i.log | paste -sd' ')"
+          grep -E "\[linear\]|glue  " $L/profile_8b_b1_4k_draft_$v$i.log | head -6; rm -rf $OUT/p_8b$v$i/traces
+        done
+      done
+      echo "== fold8b done ($(( $(date +%s) - T0 )) s)";;
+    smolfold)  # (after smolreal, which converts with the default draft: norms not folded) the same e2e with the
+      # draft's norms folded (convert --draft-fold-norms; e2e uses the stored draft), the real model's A/B (31st)
+      PYTHONPATH=/tmp/site:. timeout 300 python3 -m convert /tmp/smol.gguf /tmp/ckpt_f --no-progress \
+        --draft-fold-norms 2>&1 | tail -2
+      PYTHONPATH=/tmp/site:. timeout ${SMOL_LIMIT:-300} python3 -m qspec_jax.cli.bench e2e --parts smollm \
+        --smollm-checkpoint /tmp/ckpt_f --text-dir $TX --smollm-batches ${SMOL_E2E_BATCHES:-1,8,32} \
+        --smollm-gamma ${SMOL_GAMMAS:-2,3,4} --out $OUT/p_smolfold 2>&1 | grep -v "^W[0-9]" > $L/e2e_smollm_real_fold.log
+      grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"gamma": [0-9]+|"acceptance_rate": [0-9.]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
+        $L/e2e_smollm_real_fold.log | paste -sd' ' | sed 's/"batch"/\n"batch"/g'
+      echo "== smolfold done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

@@ -9,7 +9,9 @@ norm in the consumers, twice (a race would give other bits), each row of the cal
 x^2 is summed in another order), and both against `epilogue_reference` on the host CPU (relative error of
 the bf16 output, the check's TOL_BF16). Each launch shape is the model's (`default_config` with the epilogue);
 --k-tile replaces its k_tile for the consumers' runs (e.g. 192 at K 576: three stages of three k blocks; the
-pass, which takes k_tile 64 / 128 / 256 only, runs at 64 where the model's is another).
+pass, which takes k_tile 64 / 128 / 256 only, runs at 64 where the model's is another). The norm without
+weight (`unit_norm`: the draft's norms folded into its weights) against the kernel given a weight of ones, bit for
+bit, in the consumers and in the pass.
 """
 from __future__ import annotations
 
@@ -68,6 +70,14 @@ def main() -> int:
                 one = jax.jit(lambda x, p, gw: mg.int4_matmul_mgpu(x, p, norm_weight=gw, swiglu=swiglu, config=cfg))
                 rows_bad = sum(int(not np.array_equal(np.asarray(one(x[i:i + 1], p, gw)).view(np.uint16)[0], a[i]))
                                for i in range(min(m, 4)))
+                unit_bad = 0  # the norm without weight against a weight of ones, consumers then pass
+                for pass_env in ("0", "1"):
+                    os.environ["QSPEC_W4A16_NORM_PASS"] = pass_env
+                    c = cfg if pass_env == "0" else pass_cfg
+                    unit = jax.jit(lambda x, p: mg.int4_matmul_mgpu(x, p, unit_norm=True, swiglu=swiglu, config=c))
+                    ones = jax.jit(lambda x, p, g1: mg.int4_matmul_mgpu(x, p, norm_weight=g1, swiglu=swiglu, config=c))
+                    unit_bad += int((np.asarray(unit(x, p)).view(np.uint16)
+                                     != np.asarray(ones(x, p, jnp.ones_like(gw))).view(np.uint16)).sum())
             finally:
                 os.environ.pop("QSPEC_W4A16_NORM_PASS", None)
             cpu = jax.devices("cpu")[0]
@@ -79,12 +89,12 @@ def main() -> int:
             rel = float(np.abs(f32(a) - ref).max() / max(np.abs(ref).max(), 1e-30))
             rel_old = float(np.abs(f32(old) - ref).max() / max(np.abs(ref).max(), 1e-30))
             same, det = int((a != old).sum()), int((a != b).sum())
-            ok = det == 0 and rows_bad == 0 and rel <= TOL_BF16
+            ok = det == 0 and rows_bad == 0 and rel <= TOL_BF16 and unit_bad == 0
             fails += not ok
             print(f"{name:9s} M={m:2d} wgs {cfg.wgs} kt {cfg.k_tile} s {cfg.splits}: "
                   f"rel {rel:.2e} (pass {rel_old:.2e}), "
                   f"{same} of {a.size} elements differ from the pass, {det} between two runs, {rows_bad} rows differ "
-                  f"alone: {'ok' if ok else 'FAIL'}", flush=True)
+                  f"alone, {unit_bad} unit-norm elements differ from ones: {'ok' if ok else 'FAIL'}", flush=True)
     print("ALL OK" if not fails else f"{fails} FAILED")
     return int(bool(fails))
 

@@ -11,7 +11,10 @@ one warm machine without editing the tree between runs.
 ws_pair_merge=1[,stages=6] changes the defaults of the attention's `MgpuConfig` (what the model's calls get);
 --linear-config norm_ahead=3[,stages=6] replaces those fields (integers, or strings such as diag=nosq) of every
 INT4 / bf16 W4A16 launch shape the model's calls get (`mosaic_gpu.default_config`; the consumer norm's diagnostics,
-`mosaic_gpu.NORM_DIAGNOSTICS`, only where the call has the norm), --linear-k 576 only where the weight's K is 576. After `--`, a
+`mosaic_gpu.NORM_DIAGNOSTICS`, only where the call has the norm), --linear-k 576 only where the weight's K is 576;
+--fold-norms makes every draft made with make_draft_params fold its norm weights into its INT4 weights
+(`DraftWeightsConfig.fold_norms`, off by default: the kernels then run the norm without weight), the A/B of
+folding. After `--`, a
 path ending in .py runs that check script under the same patches instead of qspec-bench
 (`-- tools/device/qkv_cache_gpu.py --batches 32 ...`).
 """
@@ -45,6 +48,7 @@ def main() -> int:
     ap.add_argument("--attn-config", default="", help="FIELD=VALUE,... defaults of the attention's MgpuConfig")
     ap.add_argument("--linear-config", default="", help="FIELD=INT,... of the W4A16 kernels' launch shapes")
     ap.add_argument("--linear-k", type=int, default=0, help="--linear-config only for weights of this K (0: all)")
+    ap.add_argument("--fold-norms", action="store_true", help="drafts fold their norm weights (fold_norms)")
     args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     for spec in args.drop:
         kind, key, _ = _entry(spec)
@@ -56,6 +60,12 @@ def main() -> int:
             raise SystemExit(f"--set {spec}: expected WGS,KT,S,REDUCE[,K_GROUPS,STAGES] with REDUCE in {mg.REDUCE_MODES}")
         mg.TUNED_SHAPES.setdefault(kind, {})[key] = (int(wgs), int(kt), int(s), red, *(int(v) for v in more))
     print(f"TUNED_SHAPES = {mg.TUNED_SHAPES}", flush=True)
+    if args.fold_norms:
+        from qspec_jax import weight_quant
+
+        base_folded = weight_quant.folded_norms  # make_draft_params looks the name up at call time
+        weight_quant.folded_norms = lambda cfg: base_folded(dataclasses.replace(cfg, fold_norms=True))
+        print("drafts fold their norm weights (fold_norms)", flush=True)
     if args.attn_splits:
         from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
 
