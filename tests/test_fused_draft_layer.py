@@ -287,9 +287,12 @@ def test_folded_draft_runs_its_norms_without_weight(draft, folded_draft, referen
     the norm weights twice would not."""
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
     assert folded_draft.unit_norms == ("attn_norm", "mlp_norm", "final_norm") and draft.unit_norms == ()
-    assert M._draft_fusion(folded_draft, 2) == M.LayerFusion(norm=True, residual=True, unit_norms=folded_draft.unit_norms)
+    fused = M.LayerFusion(norm=True, residual=True, unit_norms=folded_draft.unit_norms)
+    assert M._draft_fusion(folded_draft, 2) == fused
     on = _draft_logits(folded_draft, 2)
-    assert reference_kernels == [("unit", False, False), (False, False, True), ("unit", True, False), (False, False, True)]
+    # qkv, o, gate_up, down
+    assert reference_kernels == [("unit", False, False), (False, False, True), ("unit", True, False),
+                                 (False, False, True)]
     monkeypatch.setenv(qlinear.FUSE_ENV, "0")
     off = _draft_logits(folded_draft, 2)
     assert _rel(on, off) < 2e-2

@@ -209,8 +209,9 @@ class Epilogue:
 
     def tag(self) -> str:
         """Kernel-name suffix ("" for the plain kernel)."""
-        return "".join(t for t, on in (("_norm", self.norm), ("1", self.norm and not self.gain), ("_swiglu", self.swiglu),
-                                       ("_res", self.residual), ("_qkvcache", self.qkv is not None)) if on)
+        parts = (("_norm", self.norm), ("1", self.norm and not self.gain), ("_swiglu", self.swiglu),
+                 ("_res", self.residual), ("_qkvcache", self.qkv is not None))
+        return "".join(t for t, on in parts if on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -947,7 +948,8 @@ def norm_thread_rows(t: int, m: int, kt: int) -> tuple[int, list[int]]:
 def _norm_stage(m: int, kt: int, first: bool, gain: bool = True):
     """inline_mgpu function run by the producer warpgroup on a landed stage: (x_ref bf16 [M_pad,
     KT] (swizzled tiles), g_ref bf16 [KT] (`gain` only), part_ref float32 [M, 128]) -> x rows < M
-    multiplied by g in place (`gain`; without, x is left as it landed), part[r, q] (+)= the sum of x[r, pair q]^2 for the KT / 2 pairs q of the stage
+    multiplied by g in place (`gain`; without, x is left as it landed), part[r, q] (+)= the sum of
+    x[r, pair q]^2 for the KT / 2 pairs q of the stage
     (`first`: the stage that initializes part, and zeroes part[r, q >= KT / 2], which the finish
     sums too). Thread t handles pair q = t % (KT / 2) of rows r = t // (KT / 2) + R j (see
     `norm_row_lanes`); a row's partials are the same whichever thread computes them, so the
@@ -976,7 +978,8 @@ def _norm_stage(m: int, kt: int, first: bool, gain: bool = True):
         x_base = arith.addi(_smem_addr(x_ref), arith.addi(
             arith.muli(qwarp, c(1024)), arith.addi(arith.muli(arith.remui(qlane, c(4)), c(4)),
                                                    arith.muli(lane_row, c(128)))))
-        g_val = asm(i32, [arith.addi(_smem_addr(g_ref), arith.muli(q, c(4)))], _LD_B32_ASM, "=r,r", True) if gain else None
+        g_val = (asm(i32, [arith.addi(_smem_addr(g_ref), arith.muli(q, c(4)))], _LD_B32_ASM, "=r,r", True)
+                 if gain else None)
         p_base = arith.addi(_smem_addr(part_ref), arith.addi(arith.muli(q, c(4)),
                                                              arith.muli(lane_row, c(4 * lay.THREADS))))
         rows = list(range(0, m, lanes))  # r0 = R j: this thread's row is r0 + lane_row
@@ -1643,7 +1646,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         raise ValueError(f"diag={cfg.diag!r} leaves out a part of the norm in the consumers; this launch has none "
                          f"(norm_in_consumers: the 'mma' variant on the GPU, the norm, one split and k group, "
                          f"K <= {CONSUMER_NORM_MAX_K}; got norm={epi.norm}, variant={variant!r}, K={k}, splits={s})")
-    n_full = (2 if cn and epi.gain else 1) + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)  # x (or the pass) + w
+    # full's arrivals: x (the pass's, or x and g in the consumers) + w
+    n_full = (2 if cn and epi.gain else 1) + ((2 * wgs if epi.swiglu else 2) if kind == "int4" else wgs)
 
     def declare_scratch(stages: int) -> dict[str, Any]:
         scratch: dict[str, Any] = {"x_smem": plgpu.SMEM((stages, mp, kt), jnp.bfloat16, transforms=x_tf)}
@@ -1919,9 +1923,9 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
                         unit_norm: bool = False, config: MgpuConfig | None = None, interpret: bool | None = None,
                         ) -> tuple[Array, Array, Array]:
     """The draft's q|k|v projection written where the decode attention reads it (`QkvCache`):
-    RMSNorm (optional, with or without weight, as `int4_matmul_mgpu`), the INT4 product, RoPE of the query and key heads,
-    the queries into the attention's operand and the keys and values into the FP rings, in one
-    kernel that replaces the product's three XLA consumers (query rope + pad, key rope + ring
+    RMSNorm (optional, with or without weight, as `int4_matmul_mgpu`), the INT4 product, RoPE of
+    the query and key heads, the queries into the attention's operand and the keys and values
+    into the FP rings, in one kernel that replaces the product's three XLA consumers (query rope + pad, key rope + ring
     write, value ring write).
 
     x [B, K] bf16, one new token per row; w the fused weight [K, (Hq + 2 Hkv) D] for a head dim D

@@ -86,7 +86,8 @@ def check_kernel(b: int, n_layers: int, seed: int, shape: str = "8b", unit: bool
         good = (np.array_equal(a[~written], orig[~written]) and np.array_equal(a, a2)
                 and bool((np.abs(a - r) <= BF16_STEP * np.abs(r) + SUM_ORDER * np.abs(r).max()).all()))
         ok &= good
-        print(f"  {'OK  ' if good else 'FAIL'} kernel {shape}{' unit norm' if unit else ''} B={b} layer {layer} {name}: "
+        what = f"{shape}{' unit norm' if unit else ''}"
+        print(f"  {'OK  ' if good else 'FAIL'} kernel {what} B={b} layer {layer} {name}: "
               f"{int(written.sum())} written, "
               f"max err {err:.3g}, max |ref| {float(np.abs(r).max()):.3g}, deterministic {np.array_equal(a, a2)}",
               flush=True)
