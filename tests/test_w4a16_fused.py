@@ -518,19 +518,46 @@ def test_qkv_epilogue_norm_without_weight_matches_reference():
     _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, True)
 
 
+def test_qkv_epilogue_with_given_sums_matches_reference():
+    """The qkv epilogue with the rows' sums of x^2 given (`norm_sums`, `Epilogue.sums`: the kernel
+    sums no x^2; here by 64-column chunks, added in order) at SmolLM2's shape, against the
+    reference given the same sums, which agrees with the reference that sums x^2 itself."""
+    _child("_case_qkv_cache", 64, None, 3, 1, 13, 576, False, True)
+
+
+def chunk_sums(x, chunk: int = 64):
+    """The rows' sums of x^2 as float32 [K / chunk, rows_for(M)]: one part per column chunk."""
+    m, k = x.shape
+    xf = x.astype(jnp.float32).reshape(m, k // chunk, chunk)
+    return jnp.pad(jnp.sum(xf * xf, axis=-1).T, ((0, 0), (0, mg.rows_for(m) - m)))
+
+
 def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 2, seed: int = 7,
-                    k: int = 128, unit: bool = False) -> None:
-    """wgs None: the default launch shape; `unit`: the norm without weight."""
+                    k: int = 128, unit: bool = False, sums: bool = False) -> None:
+    """wgs None: the default launch shape; `unit`: the norm without weight; `sums`: the rows' sums
+    of x^2 given (`norm_sums`, by 64-column chunks)."""
     b = 3
     p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k)
     rope = mg.rope_table(pos, _inv_freq(dh=dh))
     cfg = None if wgs is None else mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1, stages=2)
     layer = jnp.int32(1)
+    ss = chunk_sums(x) if sums else None
     got = mg.int4_qkv_cache_mgpu(x, p, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
-                                 norm_weight=None if unit else gw, unit_norm=unit, config=cfg, interpret=True)
+                                 norm_weight=None if unit else gw, unit_norm=unit, norm_sums=ss, config=cfg,
+                                 interpret=True)
     wb = lay.dequantize_bf16(p).astype(jnp.float32)[1]
     want = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
-                                  norm_weight=None if unit else gw[1], unit_norm=unit)
+                                  norm_weight=None if unit else gw[1], unit_norm=unit, norm_sums=ss)
+    if sums:  # the given sums are the row's sums: the reference that sums x^2 itself agrees to float32 order
+        own = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+                                     norm_weight=None if unit else gw[1], unit_norm=unit)
+        for a, b_ in zip(want, own):
+            a, b_ = np.asarray(a, np.float32), np.asarray(b_, np.float32)
+            assert (np.abs(a - b_) <= 2.0 ** -7 * np.abs(b_)).all()
+        # and they are used: sums of 4 x^2 give r / 2
+        half = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+                                      norm_weight=None if unit else gw[1], unit_norm=unit, norm_sums=4 * ss)
+        assert not np.array_equal(np.asarray(half[1], np.float32), np.asarray(want[1], np.float32))
     if unit:  # the norm without weight is the norm with a weight of ones (the reference's)
         ones = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
                                       norm_weight=jnp.ones_like(gw[1]))
@@ -605,14 +632,15 @@ def test_qkv_epilogue_bad_inputs_raise():
 
 
 QKV_LOWER_SCRIPT = _LOWER_PRELUDE + r'''
-def lower_qkv(b, L, hq, hkv, D, K, R, cfg, unit=False):
+def lower_qkv(b, L, hq, hkv, D, K, R, cfg, unit=False, sums=False):
     n, CN = (hq + 2 * hkv) * D, 16
     args = (S((b, K), jnp.bfloat16), W((L,), K, n), S((L, K), jnp.bfloat16), S((), jnp.int32),
             S((2, 64, mg.rows_for(b)), jnp.float32), S((b,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
-            S((L, b, hkv, R, D), jnp.bfloat16), S((L, b, hkv, R, D), jnp.bfloat16))
-    f = lambda x, w, g, l, cs, sl, q, k, v: mg.int4_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q,
-                                                                  k_ring=k, v_ring=v, norm_weight=None if unit else g,
-                                                                  unit_norm=unit, config=cfg, interpret=False)
+            S((L, b, hkv, R, D), jnp.bfloat16), S((L, b, hkv, R, D), jnp.bfloat16),
+            S((K // 64, mg.rows_for(b)), jnp.float32))
+    f = lambda x, w, g, l, cs, sl, q, k, v, ss: mg.int4_qkv_cache_mgpu(
+        x, w, layer=l, rope=cs, slots=sl, q_buf=q, k_ring=k, v_ring=v, norm_weight=None if unit else g,
+        unit_norm=unit, norm_sums=ss if sums else None, config=cfg, interpret=False)
     text = lower(f, *args)
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
 n_ok = 0
@@ -626,7 +654,8 @@ for b in (1, 8, 24, 32):  # 64-channel heads: SmolLM2's (N = 960, one warpgroup 
         n_ok += 1
     lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1))  # three k blocks per stage
     lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1), unit=True)  # no norm weight
-    n_ok += 2
+    lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1), sums=True)  # the sums given
+    n_ok += 3
 for b in (1, 24):  # the 8B heads' norm without weight (the producer's pass)
     lower_qkv(b, 4, 32, 8, 128, 4096, 288, None, unit=True)
     n_ok += 1

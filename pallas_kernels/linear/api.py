@@ -181,13 +181,15 @@ QKV_CACHE_BACKENDS = ("mosaic", "interpret", "reference")
 
 def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, slots: Array, q_buf: Array,
                    k_ring: Array, v_ring: Array, norm_weight: Array | None = None,
-                   norm_eps: float = 1e-5, unit_norm: bool = False) -> tuple[Array, Array, Array]:
+                   norm_eps: float = 1e-5, unit_norm: bool = False,
+                   norm_sums: Array | None = None) -> tuple[Array, Array, Array]:
     """The draft's q|k|v projection written where the decode attention reads it: one kernel for
     RMSNorm, the INT4 product, RoPE, the query operand and the FP ring writes
     (`mosaic_gpu.int4_qkv_cache_mgpu` has the shapes). `backend`: "mosaic" (Hopper), "interpret"
     (its SMEM twin in GPU interpret mode) or "reference" (`mosaic_gpu.qkv_cache_reference`, the
     oracle: float32 product). x: [B, K] or [B, 1, K]. `unit_norm`: the norm without a weight (as
-    `int4_linear`). Returns (q_buf, k_ring, v_ring)."""
+    `int4_linear`); `norm_sums` float32 [P, M_pad]: the rows' sums of x^2 in P parts, given
+    (`mosaic_gpu.Epilogue.sums`). Returns (q_buf, k_ring, v_ring)."""
     if backend not in QKV_CACHE_BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {QKV_CACHE_BACKENDS}")
     k, _, wlead = _int4_shape(w)
@@ -195,7 +197,7 @@ def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, s
     if unit_norm and norm_weight is not None:
         raise ValueError("unit_norm=True is RMSNorm without a weight: pass norm_weight=None")
     kw = dict(layer=layer, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring, norm_eps=norm_eps,
-              unit_norm=unit_norm)
+              unit_norm=unit_norm, norm_sums=norm_sums)
     if backend == "reference":
         w1 = jax.tree.map(lambda a: a[layer], w) if wlead else w
         g1 = norm_weight[layer] if norm_weight is not None and norm_weight.ndim == 2 else norm_weight

@@ -177,6 +177,11 @@ class Epilogue:
       `gain` False: the norm has no weight (g = 1: the draft's norm weights folded into its INT4
       weights, `qspec_jax.weight_quant`'s `fold_norms`), so there is no g operand, no g loads and
       no multiply: out = r (x W), bit for bit what a weight of ones gives (bf16(x 1) = x).
+      `sums`: the rows' sums of x^2 come in (`norm_sums` float32 [P, M_pad]: P partial sums of each
+      row, e.g. of column chunks of x, added in the order p = 0, 1, ..., P - 1 into the row's sum)
+      and the kernel sums no x^2: where x is formed by a kernel or an XLA fusion that can sum it
+      on the way (the draft's layer loop, `qspec_jax.model`). In the consumers only (on the GPU:
+      `norm_in_consumers`; interpret mode's pass takes them instead of its own sums).
     * `swiglu`: the weight holds gate | up column halves (N = 2F): warpgroup 0 of CTA j computes
       gate columns [64 j, 64 j + 64), warpgroup 1 the same up columns, and out [M, F] =
       silu(gate) up in float32 (silu(a) = a / (1 + exp(-a))), rounded once.
@@ -197,6 +202,7 @@ class Epilogue:
     norm: bool = False
     eps: float = 1e-5
     gain: bool = True  # norm: x is multiplied by the norm weight g (False: no weight, g = 1)
+    sums: bool = False  # norm: the rows' sums of x^2 are an input (norm_sums [P, M_pad]), not computed
     swiglu: bool = False
     residual: bool = False
     qkv: "QkvCache | None" = None
@@ -209,7 +215,8 @@ class Epilogue:
 
     def tag(self) -> str:
         """Kernel-name suffix ("" for the plain kernel)."""
-        parts = (("_norm", self.norm), ("1", self.norm and not self.gain), ("_swiglu", self.swiglu),
+        parts = (("_norm", self.norm), ("1", self.norm and not self.gain), ("s", self.norm and self.sums),
+                 ("_swiglu", self.swiglu),
                  ("_res", self.residual), ("_qkvcache", self.qkv is not None))
         return "".join(t for t, on in parts if on)
 
@@ -246,13 +253,19 @@ def auto_fused_rows(epi: Epilogue) -> int:
 
 
 def epilogue_reference(x: Array, w: Array, epi: Epilogue, *, norm_weight: Array | None = None,
-                       residual: Array | None = None, out_dtype: Any = None) -> Array:
+                       residual: Array | None = None, out_dtype: Any = None, norm_sums: Array | None = None) -> Array:
     """jnp: what the fused INT4 kernel computes for x [M, K] and the weight as its MMA sees it,
     w [K, N] float32 (the bf16 dequantization for the Mosaic kernel, `lay.dequantize_bf16`).
-    float32 with HIGHEST-precision dots; see `Epilogue` for the math."""
+    float32 with HIGHEST-precision dots; see `Epilogue` for the math (`norm_sums` [P, M_pad] with
+    `epi.sums`)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     xf = x.astype(jnp.float32)
-    if epi.norm:
+    if epi.norm and epi.sums:
+        ss = norm_sums[0, :x.shape[0]]
+        for p in range(1, norm_sums.shape[0]):  # in order p = 0, 1, ...
+            ss = ss + norm_sums[p, :x.shape[0]]
+        r = lax.rsqrt(ss[:, None] * (1.0 / x.shape[-1]) + epi.eps)
+    elif epi.norm:
         r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + epi.eps)
     if epi.norm and epi.gain:
         xf = (xf * norm_weight.astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
@@ -665,7 +678,8 @@ def norm_in_consumers(epi: "Epilogue", kind: str, variant: str, interpret: bool,
             and k_groups == 1 and k <= CONSUMER_NORM_MAX_K and env == "0")
 
 
-def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False, gain: bool = True):
+def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False, gain: bool = True,
+              sq: bool = True):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -690,7 +704,8 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
     (acc, ssq). Register t of the x4 load for k16 steps j, j + 1 holds 16-byte chunk 2 j + t of the
     row, pair lane % 4 (`x_fragment_offset`): its x^2 goes into the chain (lo^2 then hi^2, chunks in k
     order) and the register becomes bf16(x g) with (g[k], g[k + 1]) before the MMAs (`gain` False: no
-    g_ref operand and no multiply, the norm without weight, `Epilogue.gain`). (Two or four
+    g_ref operand and no multiply, the norm without weight, `Epilogue.gain`; `sq` False: no ssq
+    operand, no chains, and only acc returned: the sums come in, `Epilogue.sums`). (Two or four
     chains per tile, summed pairwise after the loop, were measured on the H200 and gained nothing:
     docs/kernel_notes.md, twenty-seventh session.)"""
     g = group_size
@@ -703,17 +718,14 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms=x_tf),
                    *((plgpu.RefType(),) if norm and gain else ()), plgpu.Layout.WGMMA,
-                   *((plgpu.Layout.WGMMA,) if norm else ())),
-        return_type=(acc_ty, acc_ty) if norm else acc_ty)
+                   *((plgpu.Layout.WGMMA,) if norm and sq else ())),
+        return_type=(acc_ty, acc_ty) if norm and sq else acc_ty)
     def fn(ctx, w_ref, sz_ref, x_ref, *rest):
         del ctx
-        g_ref = None
-        if norm and gain:
-            g_ref, acc, ssq = rest
-        elif norm:
-            acc, ssq = rest
-        else:
-            (acc,) = rest
+        rest = list(rest)
+        g_ref = rest.pop(0) if norm and gain else None
+        ssq = rest.pop() if norm and sq else None
+        (acc,) = rest
         ir, arith, llvm, mgpu, fa, mu = _mgpu_modules()
         i32 = ir.IntegerType.get_signless(32)
         f32 = ir.F32Type.get()
@@ -735,7 +747,7 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
         g_base = (arith.addi(_smem_addr(g_ref), arith.muli(arith.remui(lane, mu.c(4, i32)), mu.c(4, i32)))
                   if g_ref is not None else None)
         # norm: ct -> this thread's x^2 chain (register (ct, 0, 0) of ssq)
-        sq = {ct: wgmma_element(ssq, ct, 0, 0) for ct in range(nct)} if norm else {}
+        chain_sq = {ct: wgmma_element(ssq, ct, 0, 0) for ct in range(nct)} if ssq is not None else {}
         # accumulator registers: [0, ct, 0, 0, h, 0, 0, 0, 0] = (row g + 8 h, cols 2c, 2c + 1)
         regs_in = acc.registers
         cur = {(ct, 2 * h + e): wgmma_element(acc, ct, h, e) for ct in range(nct) for h in range(2) for e in range(2)}
@@ -769,10 +781,10 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                     res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [addr], _LDMATRIX_ASM,
                                           "=r,=r,=r,=r,r", has_side_effects=True)
                     b = [llvm.extractvalue(i32, res, [t]) for t in range(4)]
-                    if norm and diag not in ("nosq", "nonorm"):  # chunk 2 j + t: x^2 into the chain
+                    if ssq is not None and diag not in ("nosq", "nonorm"):  # chunk 2 j + t: x^2 into the chain
                         for t in range(4):
-                            sq[ct] = llvm.inline_asm(f32, [b[t], sq[ct]], _SQ_NEXT_ASM, "=f,r,f",
-                                                     has_side_effects=False)
+                            chain_sq[ct] = llvm.inline_asm(f32, [b[t], chain_sq[ct]], _SQ_NEXT_ASM, "=f,r,f",
+                                                           has_side_effects=False)
                     if scale:  # then bf16(x g)
                         b = [llvm.inline_asm(i32, [b[t], g_pair[2 * j + t]], _MUL_BF16X2_ASM, "=r,r,r",
                                              has_side_effects=False) for t in range(4)]
@@ -807,10 +819,10 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
         if diag in ("load", "convert"):
             c_acc[0][0] = arith.addf(c_acc[0][0], arith.bitcast(f32, sink))
         out = _wgmma_array(regs_in.shape, acc.layout, lambda ct, h, e: c_acc[ct][2 * h + e])
-        if not norm:
+        if ssq is None:
             return out
         return out, _wgmma_array(regs_in.shape, ssq.layout,
-                                 lambda ct, h, e: sq[ct] if (h, e) == (0, 0) else zero)
+                                 lambda ct, h, e: chain_sq[ct] if (h, e) == (0, 0) else zero)
 
     return fn
 
@@ -1134,6 +1146,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                                                                      "norm_bar"))
     res_smem, res_bar, pair, pair_bar = (r.get(k) for k in ("res_smem", "res_bar", "pair", "pair_bar"))
     cs_gmem, slots_gmem, qbuf, kring, vring = (r.get(k) for k in ("cs", "slots", "qbuf", "kring", "vring"))
+    ssin_gmem = r.get("ssin")  # Epilogue.sums: the rows' sums of x^2, float32 [P, M_pad]
     rpair, rope_bar, seq_bar = (r.get(k) for k in ("rpair", "rope_bar", "seq_bar"))
     kx, kx_bar = r.get("kx"), r.get("kx_bar")  # k groups > 1: the partials of groups 1 .. k_groups - 1
     nt = lax.axis_index("nt")
@@ -1147,6 +1160,15 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     layer_idx = jnp.clip(r["layer"][0], 0, n_layers - 1) if "layer" in r else None
     lead: tuple[Any, ...] = (layer_idx,) if w_stacked else ()
     g_lead: tuple[Any, ...] = (layer_idx,) if g_stacked else ()
+
+    def given_sums():
+        """Epilogue.sums: ss [64, M_pad] (every row the same) = norm_sums[0] + norm_sums[1] + ..."""
+        vec = (lambda p: ssin_gmem.at[p][...]) if interpret else (
+            lambda p: _common.load_with_layout(ssin_gmem.at[p], plgpu.Layout.WGMMA.reduce(0), optimized=False))
+        ss = vec(0)
+        for p in range(1, ssin_gmem.shape[0]):  # in order: row independent, M independent
+            ss = ss + vec(p)
+        return lax.broadcast_in_dim(ss, (lay.ROWS, mp), (1,))
 
     @pl.when(wg == wgs * k_groups)
     def _producer():
@@ -1196,7 +1218,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 xg, ss = _norm_twin(x_smem.at[slot][...], *(g[...] for g in g_op))
                 if epi.gain:
                     x_smem.at[slot][...] = xg
-                part[...] = ss if first else part[...] + ss
+                if not epi.sums:
+                    part[...] = ss if first else part[...] + ss
             else:
                 _norm_stage(m, kt, first, epi.gain)(x_smem.at[slot], *g_op, part)
             plgpu.barrier_arrive(full.at[slot])
@@ -1256,7 +1279,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         lax.fori_loop(0, steps, norm_step, 0)
         drain()
         if interpret:
-            ss_ref[...] = jnp.broadcast_to(part[...][None, :], (lay.ROWS, mp))
+            ss_ref[...] = given_sums() if epi.sums else jnp.broadcast_to(part[...][None, :], (lay.ROWS, mp))
         else:
             _norm_finish(m, mp)(part, ssw, ss_ref)
         if red is None:  # one CTA per column tile: the consumers wait for the sums (the cluster syncs instead)
@@ -1448,16 +1471,20 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 slot = lax.rem(j * k_groups + q, stages)
                 plgpu.barrier_wait(full.at[slot])
                 ops = (w_smem.at[slot, rt], sz_smem.at[slot, rt], x_smem.at[slot])
-                if cn:  # carry: (acc, the x^2 chains)
-                    carry = mma_stage(g, kt, mp, diag, mma_chains, norm=True, gain=epi.gain)(
-                        *ops, *((g_smem.at[slot],) if epi.gain else ()), *carry)
+                if cn:  # carry: (acc, the x^2 chains), or acc where the sums come in
+                    sq = not epi.sums
+                    out = mma_stage(g, kt, mp, diag, mma_chains, norm=True, gain=epi.gain, sq=sq)(
+                        *ops, *((g_smem.at[slot],) if epi.gain else ()), *(carry if sq else (carry,)))
+                    carry = out
                 else:
                     carry = mma_stage(g, kt, mp, diag, mma_chains)(*ops, carry)
                 plgpu.barrier_arrive(empty.at[slot])
                 return carry
 
             acc0 = plgpu.layout_cast(jnp.zeros((lay.ROWS, mp), jnp.float32), plgpu.Layout.WGMMA)
-            if cn:
+            if cn and epi.sums:
+                gather_groups(lax.fori_loop(0, group_steps, mma_step, acc0), given_sums())
+            elif cn:
                 acc, ssq = lax.fori_loop(0, group_steps, mma_step, (acc0, acc0))
                 gather_groups(acc, _fragment_row_sums(mp)(ssq))
             else:
@@ -1617,7 +1644,8 @@ def _load_row_sums(ss_ref: Any, mp: int, interpret: bool) -> Array:
 def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: int, n: int,
           g: int | None, cfg: MgpuConfig, out_dtype: Any, variant: str, interpret: bool,
           n_layers: int, w_stacked: bool, epi: Epilogue = Epilogue(), norm_weight: Array | None = None,
-          residual: Array | None = None, qkv_operands: dict[str, Any] | None = None) -> Array:
+          residual: Array | None = None, qkv_operands: dict[str, Any] | None = None,
+          norm_sums: Array | None = None) -> Array:
     """Builds and runs one launch. `qkv_operands` (Epilogue.qkv): the arrays "cs" and "slots" and
     the refs "qbuf", "kring", "vring" (flat, `jax.new_ref`), which the kernel writes in place."""
     m = x.shape[0]
@@ -1642,6 +1670,10 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     f32 = jnp.float32
     x_tf = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
     cn = norm_in_consumers(epi, kind, variant, interpret, k, s, kg)  # the norm in the consumers: x and g land there
+    if epi.sums and not (cn or interpret) or epi.sums and s > 1:
+        raise ValueError(f"norm_sums (the rows' sums of x^2 given) run in the consumers, with one split: the 'mma' "
+                         f"variant, K <= {CONSUMER_NORM_MAX_K} (norm_in_consumers); got variant={variant!r}, K={k}, "
+                         f"splits={s}")
     if cfg.diag in NORM_DIAGNOSTICS and not cn:
         raise ValueError(f"diag={cfg.diag!r} leaves out a part of the norm in the consumers; this launch has none "
                          f"(norm_in_consumers: the 'mma' variant on the GPU, the norm, one split and k group, "
@@ -1709,6 +1741,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         inputs["sz"] = w_arrays[1]
     if epi.norm and epi.gain:
         inputs["g"] = norm_weight
+    if epi.sums:
+        inputs["ssin"] = norm_sums
     if res_in_kernel:
         inputs["res"] = residual
     g_stacked = epi.norm and epi.gain and norm_weight.ndim == 2
@@ -1814,6 +1848,8 @@ def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype
         raise ValueError(f"M={m} rows; a fused epilogue takes 1..{MAX_FUSED_M} (Epilogue)")
     if epi.norm and not epi.gain and norm_weight is not None:
         raise ValueError("unit_norm (a norm without weight) takes no norm_weight")
+    if epi.sums and not epi.norm:
+        raise ValueError("norm_sums are the norm's row sums: pass norm_weight or unit_norm=True with them")
     if epi.norm and epi.gain:
         if norm_weight.dtype != jnp.bfloat16 or norm_weight.ndim not in (1, 2) or norm_weight.shape[-1] != k:
             raise ValueError(f"norm_weight must be bfloat16 [K={k}] or a stack [L, K]; got "
@@ -1826,10 +1862,18 @@ def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype
                          f"got {residual.dtype} {residual.shape}")
 
 
+def _check_sums(norm_sums: Array | None, m: int) -> None:
+    if norm_sums is not None and (norm_sums.ndim != 2 or norm_sums.shape[1] != rows_for(m)
+                                  or norm_sums.dtype != jnp.float32):
+        raise ValueError(f"norm_sums must be float32 [P, {rows_for(m)}] (P partial sums per row, rows padded to "
+                         f"rows_for({m})); got {norm_sums.dtype} {norm_sums.shape}")
+
+
 def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dtype: Any = None,
                      config: MgpuConfig | None = None, variant: str = "mma",
                      interpret: bool | None = None, norm_weight: Array | None = None, norm_eps: float = 1e-5,
-                     unit_norm: bool = False, swiglu: bool = False, residual: Array | None = None) -> Array:
+                     unit_norm: bool = False, norm_sums: Array | None = None, swiglu: bool = False,
+                     residual: Array | None = None) -> Array:
     """x [M, K] bf16 @ W [K, N] (INT4, packed layout) -> [M, N] (default bf16) on Hopper.
 
     `w` holds one layer ([N/64, K/64, 128, 4] ...) or a stack [L, ...] with `layer` (int or traced
@@ -1840,7 +1884,8 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
 
     Fused glue (`Epilogue`; at most MAX_FUSED_M rows): `norm_weight` bf16 [K] (or a stack [L, K]
     read at `layer`) folds RMSNorm(x) with that weight and `norm_eps` into the product, `unit_norm`
-    RMSNorm without a weight (g = 1: `Epilogue.gain` False; no norm_weight);
+    RMSNorm without a weight (g = 1: `Epilogue.gain` False; no norm_weight), `norm_sums` float32
+    [P, rows_for(M)] the rows' sums of x^2 in P parts (`Epilogue.sums`: not computed here);
     `swiglu` returns silu(gate) * up [M, N/2] of the gate | up halves of W; `residual` [M, N]
     (the output dtype) is added to the output. `epilogue_reference` is the math."""
     if variant not in VARIANTS:
@@ -1856,9 +1901,10 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     lay.check_shape(k, n, g)
     m = _check_x(x, k)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm, swiglu=swiglu,
-                   residual=residual is not None)
+    epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
+                   sums=norm_sums is not None, swiglu=swiglu, residual=residual is not None)
     _check_epilogue(epi, m, k, n, layer, out_dtype, norm_weight, residual)
+    _check_sums(norm_sums, m)
     n_layers = w.lead[0] if n_lead else (norm_weight.shape[0] if g_stacked else 0)
     if g_stacked and norm_weight.shape[0] != n_layers:
         raise ValueError(f"norm_weight has {norm_weight.shape[0]} layers, the weight {n_layers}")
@@ -1871,7 +1917,7 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     qw_tma = w.qw.reshape(*w.qw.shape[:-2], *TMA_VIEWS[cfg.tma_view])  # same bytes
     return _call("int4", x, (qw_tma, w.sz), layer, k=k, n=n, g=g, cfg=cfg, out_dtype=out_dtype, variant=variant,
                  interpret=interp, n_layers=n_layers, w_stacked=bool(n_lead), epi=epi, norm_weight=norm_weight,
-                 residual=residual)
+                 residual=residual, norm_sums=norm_sums)
 
 
 def rope_table(positions: Array, inv_freq: Array) -> Array:
@@ -1920,8 +1966,8 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
 
 def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
                         k_ring: Array, v_ring: Array, norm_weight: Array | None = None, norm_eps: float = 1e-5,
-                        unit_norm: bool = False, config: MgpuConfig | None = None, interpret: bool | None = None,
-                        ) -> tuple[Array, Array, Array]:
+                        unit_norm: bool = False, norm_sums: Array | None = None, config: MgpuConfig | None = None,
+                        interpret: bool | None = None) -> tuple[Array, Array, Array]:
     """The draft's q|k|v projection written where the decode attention reads it (`QkvCache`):
     RMSNorm (optional, with or without weight, as `int4_matmul_mgpu`), the INT4 product, RoPE of
     the query and key heads, the queries into the attention's operand and the keys and values
@@ -1947,8 +1993,10 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
     n_lead = len(w.lead)
     if n_lead > 1 or (n_lead == 1 and w.lead[0] != geo.layers):
         raise ValueError(f"weight leading dims {w.lead}: one layer, or a stack of the rings' {geo.layers} layers")
-    epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm, qkv=geo)
+    epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
+                   sums=norm_sums is not None, qkv=geo)
     _check_epilogue(epi, m, k, n, layer, jnp.dtype(jnp.bfloat16), norm_weight, None)
+    _check_sums(norm_sums, m)
     interp = _common.interpret_default(interpret)
     cfg = config or default_config(k, n, g, reduce=reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.chunk_cols(g))
@@ -1957,23 +2005,24 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
         raise ValueError(f"the qkv epilogue of {geo.head_dim}-channel heads needs {wgs} and the whole K sum in "
                          f"the kernel; got {cfg}")
 
-    def run(x, qw, sz, norm_weight, layer, rope, slots, bufs):
+    def run(x, qw, sz, norm_weight, norm_sums, layer, rope, slots, bufs):
         # refs in global memory exist only under jit (inside an outer jit this one is inlined)
         refs = [jax.new_ref(a.reshape(-1), memory_space=plgpu.GMEM) for a in bufs]
         qw_tma = qw.reshape(*qw.shape[:-2], *TMA_VIEWS[cfg.tma_view])
         _call("int4", x, (qw_tma, sz), layer, k=k, n=n, g=g, cfg=cfg, out_dtype=jnp.bfloat16,
               variant="smem" if interp else "mma", interpret=interp, n_layers=w.lead[0] if n_lead else geo.layers,
-              w_stacked=bool(n_lead), epi=epi, norm_weight=norm_weight,
+              w_stacked=bool(n_lead), epi=epi, norm_weight=norm_weight, norm_sums=norm_sums,
               qkv_operands=dict(cs=rope, slots=jnp.pad(slots, (0, rows_for(m) - slots.shape[0])), qbuf=refs[0],
                                 kring=refs[1], vring=refs[2]))
         return tuple(r[...].reshape(a.shape) for r, a in zip(refs, bufs))
 
-    return jax.jit(run)(x, w.qw, w.sz, norm_weight, layer, rope, slots, (q_buf, k_ring, v_ring))
+    return jax.jit(run)(x, w.qw, w.sz, norm_weight, norm_sums, layer, rope, slots, (q_buf, k_ring, v_ring))
 
 
 def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
                         k_ring: Array, v_ring: Array, norm_weight: Array | None = None,
-                        norm_eps: float = 1e-5, unit_norm: bool = False) -> tuple[Array, Array, Array]:
+                        norm_eps: float = 1e-5, unit_norm: bool = False,
+                        norm_sums: Array | None = None) -> tuple[Array, Array, Array]:
     """jnp: what `int4_qkv_cache_mgpu` computes, for the weight as its MMA sees it (w [K, N]
     float32, `lay.dequantize_bf16`): `epilogue_reference`'s float32 product (with the norm),
     RoPE in float32 with the table's cos and sin, then the bf16 writes."""
@@ -1982,8 +2031,8 @@ def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
     hq, hkv, dh = geo.num_heads, geo.num_kv_heads, geo.head_dim
     half = dh // 2
     y = epilogue_reference(x, w, Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps),
-                                          gain=not unit_norm),
-                           norm_weight=norm_weight, out_dtype=jnp.float32).reshape(m, -1, dh)
+                                          gain=not unit_norm, sums=norm_sums is not None),
+                           norm_weight=norm_weight, norm_sums=norm_sums, out_dtype=jnp.float32).reshape(m, -1, dh)
     cos, sin = rope[0, :half, :m].T[:, None], rope[1, :half, :m].T[:, None]  # [M, 1, D/2]
     x1, x2 = y[..., :half], y[..., half:]
     roped = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(jnp.bfloat16)
