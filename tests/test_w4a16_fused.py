@@ -71,7 +71,8 @@ def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi:
     """The interpret-mode twin with epilogue `epi` against `epilogue_reference` on the kernel's own
     bf16 weight: float32 outputs to 1e-5 (only float32 summation order differs); a residual,
     added in bf16, against the unfused kernel's output plus the residual, bit for bit; a norm
-    without weight (`Epilogue.gain` False), against the kernel given a weight of ones, bit for bit."""
+    without weight (`Epilogue.gain` False), against the kernel given a weight of ones, to float32
+    rounding (bit for bit on the GPU)."""
     k, n = 2 * splits * max(kt, g), 64 * wgs * nt
     p, x, gw, res = _fused_case(seed, m, k, n, g)
     cfg = mg.MgpuConfig(wgs=wgs, k_tile=max(kt, g), splits=splits, stages=2 * k_groups, reduce=reduce,
@@ -89,10 +90,13 @@ def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi:
     assert y.shape == (m, n // 2 if epi.swiglu else n) and not np.isnan(y).any(), "unwritten output elements"
     ref = np.asarray(mg.epilogue_reference(x, wb, epi, norm_weight=gw, out_dtype=jnp.float32), np.float64)
     assert _rel(y, ref) < 1e-5
-    if epi.norm and not epi.gain:  # no weight is a weight of ones, bit for bit
+    if epi.norm and not epi.gain:  # no weight is a weight of ones: x g = x exactly, the rest is the same math
         gw = jnp.ones_like(gw)
         ones = np.asarray(run(out_dtype=jnp.float32, **_epi_kwargs(epi.replace(gain=True), gw, res)))
-        np.testing.assert_array_equal(y.view(np.uint32), ones.view(np.uint32))
+        # to float32 rounding, not bit for bit: the twin's row sums are jnp reductions whose order XLA:CPU picks per
+        # program (a program with g fuses them differently); the GPU kernels' bitwise equality is checked on the
+        # device (tools/device/norm_consumers_gpu.py)
+        np.testing.assert_allclose(y, ones, rtol=1e-6, atol=0)
     if epi.norm:  # against the model's unfused math: RMSNorm in bf16, then the product
         xf = np.asarray(x, np.float64)
         h = (xf / np.sqrt(np.mean(xf ** 2, axis=-1, keepdims=True) + epi.eps)) * np.asarray(gw, np.float64)
