@@ -127,9 +127,9 @@ def with_unit_norms(params: Any, names: tuple[str, ...]) -> Any:
 
 
 def _fold(w: Array, g: Array | None) -> Array:
-    """diag(g) W in float32 for w [..., Din, Dout] and g [..., Din] (None: w itself)."""
-    wf = w.astype(jnp.float32)
-    return wf if g is None else g.astype(jnp.float32)[..., :, None] * wf
+    """diag(g) W in float32 for w [..., Din, Dout] and g [..., Din]; None: w itself, as it is (the
+    quantizers widen it to float32 themselves)."""
+    return w if g is None else g.astype(jnp.float32)[..., :, None] * w.astype(jnp.float32)
 
 
 def _unfold_hessian(h: Array, g: Array | None) -> Array:
@@ -380,7 +380,9 @@ def gptq_quantize(w: Array, hessian: Array, group_size: int, scale_dtype: Any = 
 
 # Module-level jits: one compilation per weight shape and setting per process, however many
 # drafts are made (a jax.jit of a fresh functools.partial per call would compile every time).
-_quantize_jit = jax.jit(quantize_weight, static_argnames=("group_size", "method", "scale_dtype"))
+# one weight [Din, Dout] folded with its norm weight g [Din] (or None) inside the jit: no float32 copy made outside it
+_quantize_jit = jax.jit(lambda w, g, group_size, method, scale_dtype: quantize_weight(
+    _fold(w, g), group_size, method, scale_dtype), static_argnums=(2, 3, 4))
 # a stack [L, Din, Dout] one layer at a time (lax.map bounds peak memory), each folded with its norm weight g [L, Din]
 _quantize_stack_jit = jax.jit(lambda w, g, group_size, method, scale_dtype: jax.lax.map(
     lambda wg: quantize_weight(_fold(*wg), group_size, method, scale_dtype), (w, g)), static_argnums=(2, 3, 4))
@@ -481,8 +483,7 @@ def make_draft_params(params: Any, cfg: DraftWeightsConfig, *, hessians: Any = N
                                        scale_dtype=sd)
     else:
         for k in tqdm(names, desc=desc, unit="weight", disable=not progress):
-            out[k] = (_quantize_jit(_fold(lm_head_w, gains.get(k)), group_size=cfg.group_size, method=cfg.method,
-                                    scale_dtype=sd)
+            out[k] = (_quantize_jit(lm_head_w, gains.get(k), cfg.group_size, cfg.method, sd)
                       if k == "lm_head" else
                       _quantize_stack_jit(getattr(params.layers, k.split("/", 1)[1]), gains.get(k), cfg.group_size,
                                           cfg.method, sd))

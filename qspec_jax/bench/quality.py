@@ -32,6 +32,7 @@ import numpy as np
 
 from qspec_jax.bench import options, report
 from qspec_jax.weight_quant import DRAFT_METHODS as DRAFT_METHODS_DEFAULT
+from qspec_jax.weight_quant import DraftWeightsConfig
 
 PPL_PLAYS = ("much_ado_about_nothing_gut.txt", "twelfth_night_gut.txt")
 COMEDIES = ("as_you_like_it_gut.txt", "merry_wives_of_windsor_gut.txt", "taming_of_the_shrew_gut.txt")
@@ -76,6 +77,14 @@ class DraftVariant:
     lm_head: bool = True
     fold_norms: bool = False
 
+    def spec_fields(self) -> dict[str, Any]:
+        """SpecConfig's draft fields for this variant."""
+        from qspec_jax.speculative import draft_format_fields
+
+        fmt = DraftWeightsConfig(group_size=self.group, scope=self.scope, method=self.method, lm_head=self.lm_head,
+                                 fold_norms=self.fold_norms)
+        return dict(draft_weights=self.draft_weights, **draft_format_fields(fmt))
+
 
 VARIANTS = (
     DraftVariant("both (INT4 W g64 clip + INT4 KV)"),
@@ -98,9 +107,7 @@ def log(msg: str) -> None:
 def _draft(model: Any, v: DraftVariant) -> Any:
     from qspec_jax.speculative import SpecConfig, draft_params_for
 
-    return draft_params_for(model, SpecConfig(draft_weights=v.draft_weights, draft_group=v.group,
-                                              draft_scope=v.scope, draft_method=v.method, draft_lm_head=v.lm_head,
-                                              draft_fold_norms=v.fold_norms))
+    return draft_params_for(model, SpecConfig(**v.spec_fields()))
 
 
 def part_ppl(model: Any, text_dir: Path, context: int, n_eval: int) -> list[dict[str, Any]]:
@@ -177,9 +184,7 @@ def accept_context(model: Any, v: DraftVariant, draft: Any, text_dir: Path, cont
         log(json.dumps(rows[-1]))
     for g in (gammas if "free-running" in modes else ()):
         log(f"free-running: {v.name}, context {context}, gamma {g}")
-        spec = SpecConfig(gamma=g, max_new_tokens=n_free, draft_kv=v.draft_kv, draft_weights=v.draft_weights,
-                          draft_group=v.group, draft_scope=v.scope, draft_method=v.method,
-                          draft_lm_head=v.lm_head, draft_fold_norms=v.fold_norms, eos_token_ids=())
+        spec = SpecConfig(gamma=g, max_new_tokens=n_free, draft_kv=v.draft_kv, eos_token_ids=(), **v.spec_fields())
         r = generate(model, toks[:, :context], spec, jax.random.PRNGKey(0), draft_params=draft)
         rows.append({"variant": v.name, "mode": "free-running", "context": context, "gamma": g,
                      "acceptance_rate": r.acceptance_rate, "tokens_per_round": r.tokens_per_round})

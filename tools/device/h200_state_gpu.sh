@@ -491,7 +491,7 @@ for stage in ${STAGES:-probe smol 8b}; do
         | grep -v "^W[0-9]" > $L/fold_qkv_cache_check.log
       grep -iE "fail|error|ALL OK" $L/fold_qkv_cache_check.log | tail -8
       echo "== fold checks done ($(( $(date +%s) - T0 )) s)"
-      for i in ${FOLD_TRIALS:-1 2}; do  # (--no-fold-norms: off; on, the random weights' norms of 1 folded)
+      for i in ${FOLD_TRIALS:-1 2}; do  # (tuned_table_run.py --fold-norms: the random weights' norms of 1 folded)
         LIMIT=120 ab draft_fold$i draft --fold-norms
         LIMIT=120 ab draft_nofold$i draft
       done
