@@ -133,6 +133,34 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
+NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "0": the draft's norm kernels sum x^2 themselves again (`norm_sums_fusable`)
+
+
+def norm_sums_fusable(w: Any, int4_impl: str, rows: int, *, swiglu: bool = False) -> bool:
+    """Whether the fused norm kernel of the INT4 weight `w` (`fusable(norm=True)` holds) takes the
+    rows' sums of x^2 from the kernel that formed x at `rows` rows, instead of summing them itself
+    (`pallas_kernels.linear.mosaic_gpu.takes_norm_sums`: where the norm runs in its consumers;
+    always in interpret mode); QSPEC_NORM_SUMS=0 turns it off."""
+    mode = os.environ.get(NORM_SUMS_ENV, "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{NORM_SUMS_ENV}={mode!r}: expected 0 or 1")
+    from pallas_kernels.linear.mosaic_gpu import takes_norm_sums
+
+    inner = w.weight if isinstance(w, StackedLayer) else w
+    return mode == "1" and takes_norm_sums(inner.k, inner.n, inner.group_size, rows, swiglu=swiglu,
+                                           interpret=int4_impl == "interpret")
+
+
+def norm_sums_of(x: Array) -> Array:
+    """x [..., D] -> the rows' sums of x^2 per 64-column chunk, float32 [D / 64, M_pad] over the
+    M rows of x flattened (`mosaic_gpu.chunk_row_sums`): what the o and down kernels return with
+    `row_sums`, formed by XLA where no kernel forms x (the embedding, for the first layer)."""
+    from pallas_kernels.linear.mosaic_gpu import chunk_row_sums, rows_for
+
+    x2 = x.reshape(-1, x.shape[-1])
+    return chunk_row_sums(x2, rows_for(x2.shape[0]))
+
+
 QKV_CACHE_ENV = "QSPEC_QKV_CACHE"  # the draft's q|k|v into the cache in one kernel: "0" off, "1" (default), "all"
 # Head dims `qkv_into_cache` runs for by default: those measured faster on a GPU. 128 (the 8B's): draft step 2.922 ->
 # 2.805 ms (H100, batch 1, 4k). 64 (SmolLM2's): draft step 1.202 -> 1.081 ms at batch 1 and 1.374 -> 1.239 at batch 8
@@ -185,13 +213,14 @@ def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Arra
 
 
 def qkv_into_cache(x: Array, w: Any, *, int4_impl: str, norm: Any, norm_eps: float, rope: Array, slots: Array,
-                   q_buf: Array, k_ring: Array, v_ring: Array, norm_unit: bool = False) -> tuple[Array, Array, Array]:
+                   q_buf: Array, k_ring: Array, v_ring: Array, norm_unit: bool = False,
+                   norm_sums: Array | None = None) -> tuple[Array, Array, Array]:
     """The draft's normed q|k|v product, RoPE'd and written where the decode attention reads it,
     in one Mosaic kernel (`pallas_kernels.linear.int4_qkv_cache`; `qkv_cache_fusable` says
     where): x [B, 1, D] (one token per row), w a StackedLayer of the fused weight, `norm` the
     attention norm (a StackedLayer read in place; `norm_unit`: its weight is ones and the kernel
-    does not read it); rope, slots, q_buf, k_ring, v_ring as that entry takes them. Returns the
-    updated (q_buf, k_ring, v_ring)."""
+    does not read it; `norm_sums`: the rows' sums of x^2, given, `norm_sums_fusable`); rope, slots,
+    q_buf, k_ring, v_ring as that entry takes them. Returns the updated (q_buf, k_ring, v_ring)."""
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
     if isinstance(norm, StackedLayer):
         norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
@@ -199,12 +228,14 @@ def qkv_into_cache(x: Array, w: Any, *, int4_impl: str, norm: Any, norm_eps: flo
 
     return int4_qkv_cache(x, inner, backend="interpret" if int4_impl == "interpret" else "mosaic", layer=layer,
                           rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring,
-                          norm_weight=None if norm_unit else norm, unit_norm=norm_unit, norm_eps=norm_eps)
+                          norm_weight=None if norm_unit else norm, unit_norm=norm_unit, norm_eps=norm_eps,
+                          norm_sums=norm_sums)
 
 
 def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto", out_dtype: Any = None,
            mesh: Any = None, row_parallel: bool = False, norm: Any = None, norm_eps: float = 1e-5,
-           norm_unit: bool = False, swiglu: bool = False, residual: Array | None = None) -> Array:
+           norm_unit: bool = False, swiglu: bool = False, residual: Array | None = None,
+           norm_sums: Array | None = None, row_sums: bool = False) -> Array | tuple[Array, Array]:
     """x [..., Din] @ w -> [..., Dout] in `out_dtype` (x's dtype by default).
 
     Dense dots produce x's dtype and are cast afterwards: the GEMM accumulates in float32
@@ -217,13 +248,16 @@ def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto"
     Fused glue, only where `fusable(w, int4_impl, rows)`: `norm` (an RMSNorm weight [Din], or a
     StackedLayer of [L, Din] at the weight's layer, read in place) normalizes x first with
     `norm_eps` (`norm_unit`: that weight is all ones, folded into w, and the kernel does not read
-    it); `swiglu` returns silu(gate) * up [..., Dout/2] of w's gate | up halves; `residual`
-    [..., Dout] is added to the output (`pallas_kernels.linear.mosaic_gpu.Epilogue`).
+    it; `norm_sums`: the rows' sums of x^2 given, where `norm_sums_fusable`); `swiglu` returns
+    silu(gate) * up [..., Dout/2] of w's gate | up halves; `residual` [..., Dout] is added to the
+    output, and with `row_sums` the call returns (out, `norm_sums_of(out)` as the kernel forms
+    them: the next norm's `norm_sums`) (`pallas_kernels.linear.mosaic_gpu.Epilogue`).
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
     if norm is not None or swiglu or residual is not None:
-        return _int4_fused(x, inner, layer, int4_impl, out_dtype, norm, norm_eps, norm_unit, swiglu, residual)
+        return _int4_fused(x, inner, layer, int4_impl, out_dtype, norm, norm_eps, norm_unit, swiglu, residual,
+                           norm_sums, row_sums)
     tp = mesh is not None and mesh.size > 1
     if is_int4(inner):
         def matmul(x, w, layer):
@@ -262,7 +296,8 @@ def _int4(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any) -> A
 
 
 def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any, norm: Any, norm_eps: float,
-                norm_unit: bool, swiglu: bool, residual: Array | None) -> Array:
+                norm_unit: bool, swiglu: bool, residual: Array | None, norm_sums: Array | None = None,
+                row_sums: bool = False) -> Array | tuple[Array, Array]:
     rows = int(np.prod(x.shape[:-1]))
     glue = dict(norm=norm is not None, swiglu=swiglu, residual=residual is not None)
     from pallas_kernels.linear.mosaic_gpu import MAX_FUSED_M
@@ -277,7 +312,7 @@ def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any
         norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
     return int4_linear(x, w, backend="interpret" if impl == "interpret" else "mosaic", layer=layer,
                        out_dtype=out_dtype, norm_weight=None if norm_unit else norm, unit_norm=norm_unit,
-                       norm_eps=norm_eps, swiglu=swiglu, residual=residual)
+                       norm_eps=norm_eps, swiglu=swiglu, residual=residual, norm_sums=norm_sums, row_sums=row_sums)
 
 
 def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *, pad_single_row: bool) -> Array:

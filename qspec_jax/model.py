@@ -36,6 +36,8 @@ from qspec_jax.linear import (
     keep_stacked,
     kernel_layout_wanted,
     linear,
+    norm_sums_fusable,
+    norm_sums_of,
     qkv_cache_fusable,
     qkv_into_cache,
     qkv_pass_inputs,
@@ -256,17 +258,18 @@ def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
 
 
 def _qkv(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, mesh: Any,
-         norm: Any = None, unit_norm: bool = False) -> tuple[Array, Array, Array]:
+         norm: Any = None, unit_norm: bool = False, norm_sums: Array | None = None) -> tuple[Array, Array, Array]:
     """Normed x [B, T, D] -> q [B, T, Hq, Dh], k/v [B, Hkv, T, Dh], with RoPE applied to q and k.
     With `norm` (the fused draft layer, `_draft_fusion`), h is the layer input x and the attention
-    norm with that weight runs inside the qkv kernel (`unit_norm`: a weight of ones, not read)."""
+    norm with that weight runs inside the qkv kernel (`unit_norm`: a weight of ones, not read;
+    `norm_sums`: x's rows' sums of squares, given: `LayerFusion.sums`)."""
     b, t, _ = h.shape
     inv_freq = rope_inv_freq(cfg)
     mm = _matmul(cfg, mesh)
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     if norm is not None:
-        q, k, v = jnp.split(mm(h, lp.wqkv, norm=norm, norm_unit=unit_norm, norm_eps=cfg.rms_norm_eps),
-                            [nq, nq + nkv], axis=-1)
+        q, k, v = jnp.split(mm(h, lp.wqkv, norm=norm, norm_unit=unit_norm, norm_eps=cfg.rms_norm_eps,
+                               norm_sums=norm_sums), [nq, nq + nkv], axis=-1)
     elif lp.wqkv is not None:
         q, k, v = jnp.split(mm(h, lp.wqkv), [nq, nq + nkv], axis=-1)
     else:
@@ -287,6 +290,10 @@ class LayerFusion:
     add_norm: str = struct.field(pytree_node=False, default="")
     # With `norm`: the norm weights that are ones (`Params.unit_norms`), which the kernels then do not read.
     unit_norms: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    # With `norm` and `residual`: the norm kernels take the rows' sums of x^2 from the kernel that formed x (the o
+    # and down kernels' `row_sums`; the first layer's from XLA on the embedding), so the layer loop carries the pair
+    # (x [B, T, D], its sums float32 [D / 64, M_pad]) instead of x.
+    sums: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def defers_residual(self) -> bool:
@@ -315,17 +322,21 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
     kernels; `norm`, the MLP norm and SiLU(gate)·up inside the gate_up kernel, and the normed
     input is not formed (None); `add_norm`, the residual add and the MLP norm in one kernel, and
     with `defers_residual` the first return value is the pair (x, down) whose sum the next
-    layer's attention norm forms.
+    layer's attention norm forms; `sums`, the o and down kernels also return their outputs' rows'
+    sums of squares, which the MLP norm takes, and the first return value is the pair (x, sums).
     """
     col = _matmul(cfg, mesh)
     row = _matmul(cfg, mesh, row_parallel=True)
-    if fusion.residual:
+    sums = None
+    if fusion.sums:  # o's output with its rows' sums of squares, the MLP norm's input
+        x, sums = row(attn, lp.wo, residual=x, row_sums=True)
+    elif fusion.residual:
         x = row(attn, lp.wo, residual=x)
     elif not fusion.add_norm:
         x = x + row(attn, lp.wo)
     if fusion.norm:
         h, act = None, col(x, lp.w_gate_up, norm=lp.mlp_norm, norm_unit="mlp_norm" in fusion.unit_norms,
-                           norm_eps=cfg.rms_norm_eps, swiglu=True)
+                           norm_eps=cfg.rms_norm_eps, norm_sums=sums, swiglu=True)
     else:
         if fusion.add_norm:
             x, h = add_rms_norm(x, lp.mlp_norm, eps=cfg.rms_norm_eps, backend=fusion.add_norm,
@@ -337,8 +348,8 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
         else:
             gate, up = col(h, lp.w_gate), col(h, lp.w_up)
         act = jax.nn.silu(gate) * up
-    if fusion.residual:
-        out = row(act, lp.w_down, residual=x)
+    if fusion.residual:  # with `fusion.sums` the pair (out, its rows' sums of squares)
+        out = row(act, lp.w_down, residual=x, row_sums=fusion.sums)
     elif fusion.defers_residual:
         out = (x, row(act, lp.w_down))
     else:
@@ -426,7 +437,9 @@ def _draft_fusion(params: Params, rows: int) -> LayerFusion:
     Hopper; QSPEC_W4A16_FUSE=0 turns it off): the residual adds in the o and down kernels, and
     the attention norm in the qkv kernel, the MLP norm and SiLU(gate)·up in the gate_up kernel,
     each where its kernels fuse `rows` = B x T rows (the norm up to 24, or up to 32 where the q|k|v
-    into the cache kernel runs there: `linear.fused_norm_rows`; the residual up to 64)."""
+    into the cache kernel runs there: `linear.fused_norm_rows`; the residual up to 64); with both,
+    the norms' x^2 sums from the o and down kernels where the norm kernels take them
+    (`linear.norm_sums_fusable`: `LayerFusion.sums`)."""
     lp, cfg = params.layers, params.config
     ws = (lp.wqkv, lp.wo, lp.w_gate_up, lp.w_down)
     if (params.mesh is not None and params.mesh.size > 1) or any(w is None for w in ws):
@@ -434,8 +447,10 @@ def _draft_fusion(params: Params, rows: int) -> LayerFusion:
     ok = functools.partial(fusable, int4_impl=cfg.int4_matmul_impl, rows=rows)
     norm = (ok(lp.wqkv, norm=True, head_dim=cfg.head_dim)
             and ok(lp.w_gate_up, norm=True, swiglu=True, head_dim=cfg.head_dim))
-    return LayerFusion(norm=norm, residual=ok(lp.wo, residual=True) and ok(lp.w_down, residual=True),
-                       unit_norms=params.unit_norms if norm else ())
+    residual = ok(lp.wo, residual=True) and ok(lp.w_down, residual=True)
+    sums = (norm and residual and norm_sums_fusable(lp.wqkv, cfg.int4_matmul_impl, rows)
+            and norm_sums_fusable(lp.w_gate_up, cfg.int4_matmul_impl, rows, swiglu=True))
+    return LayerFusion(norm=norm, residual=residual, unit_norms=params.unit_norms if norm else (), sums=sums)
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -588,10 +603,11 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     if q_operand is not None:
         return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, q_operand, t)
 
-    def layer(lp, x, cache, i):  # x [B, T, D], or the pair (x, down) with fusion.defers_residual
+    def layer(lp, x, cache, i):  # x [B, T, D], or the pair (x, down) / (x, sums): fusion.defers_residual / sums
         if fusion.norm:
+            x, sums = x if fusion.sums else (x, None)
             q, k, v = _qkv(cfg, lp, x, positions, params.mesh, norm=lp.attn_norm,
-                           unit_norm="attn_norm" in fusion.unit_norms)
+                           unit_norm="attn_norm" in fusion.unit_norms, norm_sums=sums)
         else:
             x, h = _input_norm(cfg, fusion, x, lp.attn_norm)
             q, k, v = _qkv(cfg, lp, h, positions, params.mesh)
@@ -602,9 +618,13 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
 
     if fusion.defers_residual:  # the first layer's pending residual: zeros (x + 0 is x)
         x = (x, jnp.zeros_like(x))
+    elif fusion.sums:  # the first layer's norm input is the embedding: its sums from XLA
+        x = (x, norm_sums_of(x))
     x, cache = _scan_layers(params, x, cache, layer, stack_norms=fusion.norm or bool(fusion.add_norm))
     if fusion.defers_residual:
         x = x[0] + x[1]
+    elif fusion.sums:
+        x = x[0]
     # The lm_head runs over all `width` columns too (its shape must not depend on T).
     return _logits(params, x)[:, :t], cache.advance(t)
 
@@ -635,17 +655,20 @@ def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: QuantSp
     cfg = params.config
     rope, slots = qkv_pass_inputs(positions[:, 0], cache.append_slots(1)[:, 0], rope_inv_freq(cfg))  # once per pass
 
-    def layer(lp, x, carry, i):
+    def layer(lp, x, carry, i):  # x [B, 1, D], or the pair (x, its rows' sums of squares): fusion.sums
         cache, q_buf = carry
+        x, sums = x if fusion.sums else (x, None)
         q_buf, k_fp, v_fp = qkv_into_cache(x, lp.wqkv, int4_impl=cfg.int4_matmul_impl, norm=lp.attn_norm,
                                            norm_unit="attn_norm" in fusion.unit_norms,
                                            norm_eps=cfg.rms_norm_eps, rope=rope, slots=slots, q_buf=q_buf,
-                                           k_ring=cache.k_fp, v_ring=cache.v_fp)
+                                           k_ring=cache.k_fp, v_ring=cache.v_fp, norm_sums=sums)
         cache = cache.replace(k_fp=k_fp, v_fp=v_fp)
         attn = cache_attention(q_struct, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                inputs=inputs, q_operand=q_buf)
         return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh, fusion)[0], (cache, q_buf)
 
     q_buf = jnp.zeros(q_operand, jnp.bfloat16)
+    x = (x, norm_sums_of(x)) if fusion.sums else x  # the first layer's norm input, the embedding: sums from XLA
     x, (cache, _) = _scan_layers(params, x, (cache, q_buf), layer, stack_norms=True)
+    x = x[0] if fusion.sums else x
     return _logits(params, x)[:, :t], cache.advance(t)

@@ -72,7 +72,8 @@ def _layer(draft, i):
 
 def test_fused_layer_kernels_match_the_unfused_math():
     """One draft layer with the interpret-mode fused kernels (qkv with the attention norm, o and
-    down with the residual, gate_up with the MLP norm and SiLU·up) against the same layer's
+    down with the residual and their outputs' rows' sums of squares, gate_up with the MLP norm
+    given o's sums and SiLU·up) against the same layer's
     unfused math (rms_norm, the plain INT4 product, silu(gate) * up, residual adds): the same
     function up to the bf16 roundings the fusion moves. In a child with 8 host devices
     (`subproc.run_in_child`: the gate_up kernel simulates three warpgroups)."""
@@ -87,11 +88,13 @@ def _case_layer() -> None:
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 128), jnp.float32).astype(jnp.bfloat16)
     attn = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 128), jnp.float32).astype(jnp.bfloat16)
     pos = jnp.asarray([[7], [3]], jnp.int32)
-    full = M.LayerFusion(norm=True, residual=True)
+    full = M.LayerFusion(norm=True, residual=True, sums=True)
     assert M._draft_fusion(draft, 2) == full
-    q, k, v = M._qkv(CFG, lp, x, pos, None, norm=lp.attn_norm)
-    out, h, act = M._attn_out_and_mlp(CFG, lp, x, attn, None, full)
+    q, k, v = M._qkv(CFG, lp, x, pos, None, norm=lp.attn_norm, norm_sums=qlinear.norm_sums_of(x))
+    (out, sums), h, act = M._attn_out_and_mlp(CFG, lp, x, attn, None, full)
     assert h is None and act.shape == (2, 1, 128)
+    # the down kernel's rows' sums of its output squared (the next layer's norm input), to float32 rounding
+    np.testing.assert_allclose(np.asarray(sums), np.asarray(qlinear.norm_sums_of(out)), rtol=1e-6)
     plain = draft.replace(config=CFG.replace(int4_matmul_impl="xla"))  # dequantize -> dot, unfused
     norm1 = lambda w: w.weight[w.layer]  # noqa: E731
     lp0 = lp.replace(attn_norm=norm1(lp.attn_norm), mlp_norm=norm1(lp.mlp_norm))
@@ -100,7 +103,7 @@ def _case_layer() -> None:
     for a, b in ((q, q0), (k, k0), (v, v0), (act, act0), (out, out0)):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert _rel(a, b) < 2e-2
-    other = M._attn_out_and_mlp(CFG, _layer(draft, jnp.int32(0)), x, attn, None, full)[0]
+    other = M._attn_out_and_mlp(CFG, _layer(draft, jnp.int32(0)), x, attn, None, full)[0][0]
     assert _rel(other, out0) > 10 * _rel(out, out0)  # it read layer 1's weights and norms
     # the residual adds alone in the kernels (above 24 rows): the MLP norm and SiLU·up in XLA
     lp1 = lp.replace(mlp_norm=norm1(lp.mlp_norm))
@@ -134,7 +137,7 @@ def _draft_logits(draft, b):
 
 def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, monkeypatch):
     monkeypatch.delenv(qlinear.FUSE_ENV, raising=False)
-    assert qlinear.fusion_enabled() and M._draft_fusion(draft, 1) == M.LayerFusion(norm=True, residual=True)
+    assert qlinear.fusion_enabled() and M._draft_fusion(draft, 1) == M.LayerFusion(norm=True, residual=True, sums=True)
     monkeypatch.setenv(qlinear.FUSE_ENV, "0")
     off = _draft_logits(draft, 2)
     assert reference_kernels == []
@@ -149,7 +152,7 @@ def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, 
 def test_decode_falls_back_beyond_the_fused_rows(draft, reference_kernels, monkeypatch):
     """Above 24 rows only the residual adds stay in the kernels (o, down); above 64 nothing."""
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
-    assert M._draft_fusion(draft, 24) == M.LayerFusion(norm=True, residual=True)
+    assert M._draft_fusion(draft, 24) == M.LayerFusion(norm=True, residual=True, sums=True)
     assert M._draft_fusion(draft, 25) == M._draft_fusion(draft, 64) == M.LayerFusion(residual=True)
     assert M._draft_fusion(draft, 65) == M.LayerFusion()
     on = _draft_logits(draft, 25)
@@ -260,7 +263,7 @@ def test_norm_rows_follow_the_qkv_cache_kernel(reference_kernels, qkv_reference,
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
     monkeypatch.delenv(qlinear.QKV_CACHE_ENV, raising=False)
     (cfg, d64), (_, d128) = _head_dim_draft(64), _head_dim_draft(128)
-    full, res = M.LayerFusion(norm=True, residual=True), M.LayerFusion(residual=True)
+    full, res = M.LayerFusion(norm=True, residual=True, sums=True), M.LayerFusion(residual=True)
     assert M._draft_fusion(d64, 32) == full and M._draft_fusion(d64, 33) == res
     assert M._draft_fusion(d128, 24) == full and M._draft_fusion(d128, 25) == res
     assert qlinear.qkv_cache_fusable(d64.layers.wqkv, "interpret", 32, 64)
@@ -287,7 +290,7 @@ def test_folded_draft_runs_its_norms_without_weight(draft, folded_draft, referen
     the norm weights twice would not."""
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
     assert folded_draft.unit_norms == ("attn_norm", "mlp_norm", "final_norm") and draft.unit_norms == ()
-    fused = M.LayerFusion(norm=True, residual=True, unit_norms=folded_draft.unit_norms)
+    fused = M.LayerFusion(norm=True, residual=True, unit_norms=folded_draft.unit_norms, sums=True)
     assert M._draft_fusion(folded_draft, 2) == fused
     on = _draft_logits(folded_draft, 2)
     # qkv, o, gate_up, down
@@ -302,3 +305,59 @@ def test_folded_draft_runs_its_norms_without_weight(draft, folded_draft, referen
     twice = folded_draft.replace(layers=folded_draft.layers.replace(attn_norm=draft.layers.attn_norm,
                                                                     mlp_norm=draft.layers.mlp_norm))
     assert _rel(_draft_logits(twice, 2), target) > 1.5 * err
+
+
+@pytest.mark.parametrize("head_dim", [None, 64])
+def test_norms_take_their_sums_from_the_residual_kernels(draft, reference_kernels, qkv_reference, monkeypatch,
+                                                          head_dim):
+    """`LayerFusion.sums` (where the norm kernels take them, `linear.norm_sums_fusable`: always in
+    interpret mode; QSPEC_NORM_SUMS=0 turns it off): the o and down kernels return their outputs'
+    rows' sums of squares (`row_sums`), which the next norm kernels take (`norm_sums`: gate_up, and
+    the next layer's q|k|v, through `linear` or, at head dim 64, the q|k|v-into-the-cache kernel),
+    the first layer's from XLA on the embedding. Every norm call gets the sums of its own input
+    (against `norm_sums_of` of the x it is given: float32 summation order only), and the logits
+    are those without the sums up to the bf16 roundings a different float32 scale moves."""
+    monkeypatch.setenv(qlinear.FUSE_ENV, "1")
+    monkeypatch.delenv(qlinear.NORM_SUMS_ENV, raising=False)
+    cfg, params = (CFG, draft) if head_dim is None else _head_dim_draft(head_dim)
+    errs, produced = [], []
+
+    def check(x, sums):  # the largest difference from x's own sums, relative to the largest sum
+        ref = qlinear.norm_sums_of(x)
+        jax.debug.callback(lambda e: errs.append(float(e)), jnp.max(jnp.abs(sums - ref)) / jnp.max(ref))
+
+    lin = plinear.int4_linear  # the reference_kernels fixture's
+
+    def fake_linear(x, w, **kw):
+        if kw.get("norm_sums") is not None:
+            check(x, kw["norm_sums"])
+        produced.append(bool(kw.get("row_sums")))
+        return lin(x, w, **kw)
+
+    qkv = plinear.int4_qkv_cache  # the qkv_reference fixture's
+
+    def fake_qkv(x, w, **kw):
+        if kw.get("norm_sums") is not None:
+            check(x, kw["norm_sums"])
+        return qkv(x, w, **kw)
+
+    monkeypatch.setattr(plinear, "int4_linear", fake_linear)
+    monkeypatch.setattr(plinear, "int4_qkv_cache", fake_qkv)
+    fusion = M._draft_fusion(params, 3)
+    assert fusion.sums and fusion == M.LayerFusion(norm=True, residual=True, sums=True)
+    b = 3
+    cache = synthetic.random_quant_cache(cfg, b, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
+    toks = jnp.arange(b, dtype=jnp.int32)[:, None] + 3
+    on = np.asarray(M.decode(params, toks, cache, view="draft")[0])
+    # the loop body traced once: o and down return sums (qkv is its own kernel at head dim 64)
+    assert produced.count(True) == 2
+    assert len(errs) == 2 * cfg.num_layers and max(errs) < 1e-5, errs  # q|k|v's and gate_up's, every layer
+    monkeypatch.setenv(qlinear.NORM_SUMS_ENV, "0")
+    assert M._draft_fusion(params, 3) == M.LayerFusion(norm=True, residual=True)
+    errs.clear()
+    off = np.asarray(M.decode(params, toks, cache, view="draft")[0])
+    assert errs == []
+    assert _rel(on, off) < 2e-2  # the bf16 roundings downstream of the norms' scale (as fused against unfused)
+    monkeypatch.setenv(qlinear.NORM_SUMS_ENV, "yes")
+    with pytest.raises(ValueError, match="QSPEC_NORM_SUMS='yes': expected 0 or 1"):
+        M._draft_fusion(params, 3)

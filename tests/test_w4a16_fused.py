@@ -63,14 +63,15 @@ def _fused_case(seed: int, m: int, k: int, n: int, g: int, lead: tuple[int, ...]
 
 def _epi_kwargs(epi: mg.Epilogue, gw, res) -> dict:
     return dict(norm_weight=gw if epi.norm and epi.gain else None, unit_norm=epi.norm and not epi.gain,
-                swiglu=epi.swiglu, residual=res if epi.residual else None)
+                swiglu=epi.swiglu, residual=res if epi.residual else None, row_sums=epi.row_sums)
 
 
 def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi: mg.Epilogue, nt: int = 1,
                  reduce: str = "gmem", k_groups: int = 1) -> None:
     """The interpret-mode twin with epilogue `epi` against `epilogue_reference` on the kernel's own
     bf16 weight: float32 outputs to 1e-5 (only float32 summation order differs); a residual,
-    added in bf16, against the unfused kernel's output plus the residual, bit for bit; a norm
+    added in bf16, against the unfused kernel's output plus the residual, bit for bit (and its rows'
+    sums of squares, `Epilogue.row_sums`, against `chunk_row_sums` of that output); a norm
     without weight (`Epilogue.gain` False), against the kernel given a weight of ones, to float32
     rounding (bit for bit on the GPU)."""
     k, n = 2 * splits * max(kt, g), 64 * wgs * nt
@@ -80,10 +81,17 @@ def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi:
     wb = lay.dequantize_bf16(p).astype(jnp.float32)
     run = functools.partial(mg.int4_matmul_mgpu, x, p, config=cfg, variant="smem", interpret=True)
     if epi.residual:
-        y = np.asarray(run(**_epi_kwargs(epi, gw, res)))
-        plain = run(**_epi_kwargs(epi.replace(residual=False), gw, res))
+        y = run(**_epi_kwargs(epi, gw, res))
+        if epi.row_sums:  # the output rows' sums of squares per 64-column tile, to float32 rounding
+            y, sums = y
+            assert sums.shape == (n // 64, mg.rows_for(m)) and sums.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(sums), np.asarray(mg.chunk_row_sums(y, mg.rows_for(m))),
+                                       rtol=1e-6, atol=0)
+            assert not np.asarray(sums)[:, m:].any(), "rows past M must sum to 0"
+        y = np.asarray(y)
+        plain = run(**_epi_kwargs(epi.replace(residual=False, row_sums=False), gw, res))
         np.testing.assert_array_equal(y.view(np.uint16), np.asarray(plain + res).view(np.uint16))
-        ref = mg.epilogue_reference(x, wb, epi, norm_weight=gw, residual=res)
+        ref = mg.epilogue_reference(x, wb, epi.replace(row_sums=False), norm_weight=gw, residual=res)
         assert _rel(y, np.asarray(ref, np.float64)) < 1e-2  # bf16 output roundings
         return
     y = np.asarray(run(out_dtype=jnp.float32, **_epi_kwargs(epi, gw, res)))
@@ -109,7 +117,8 @@ def _check_fused(seed: int, m: int, g: int, kt: int, wgs: int, splits: int, epi:
 
 def _epi(name: str) -> mg.Epilogue:
     """"unorm": the norm without weight (`Epilogue.gain` False)."""
-    return mg.Epilogue(norm="norm" in name, gain="unorm" not in name, swiglu="swiglu" in name, residual="res" in name)
+    return mg.Epilogue(norm="norm" in name, gain="unorm" not in name, swiglu="swiglu" in name, residual="res" in name,
+                       row_sums="sums" in name)
 
 
 def _check_fused_named(seed, m, g, kt, wgs, splits, name, nt=1) -> None:
@@ -121,6 +130,8 @@ def _check_fused_named(seed, m, g, kt, wgs, splits, name, nt=1) -> None:
     (1, 128, 128, 2, 1, "swiglu"), (5, 32, 64, 1, 2, "res"), (9, 64, 128, 2, 1, "res"), (2, 32, 64, 1, 1, "norm+res"),
     (32, 32, 128, 2, 1, "norm+swiglu"),  # M_pad 32: the wide exchange's shapes (its layouts are GPU-only)
     (5, 32, 128, 1, 1, "unorm"), (3, 64, 128, 2, 1, "unorm+swiglu"),  # the norm without weight
+    # the output rows' sums of squares: in the kernel (one split, two warpgroups: each its tile), and by XLA
+    (9, 32, 128, 2, 1, "res+sums"), (32, 32, 64, 1, 1, "res+sums"), (5, 32, 64, 1, 2, "res+sums"),
 ])
 def test_fused_twin_matches_reference(m, g, kt, wgs, splits, name):
     _child("_check_fused_named", 21, m, g, kt, wgs, splits, name)
@@ -129,7 +140,7 @@ def test_fused_twin_matches_reference(m, g, kt, wgs, splits, name):
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 1000), m=st.integers(1, mg.MAX_FUSED_M), g=st.sampled_from([32, 64, 128]),
        kt=st.sampled_from([64, 128, 256]),
-       name=st.sampled_from(["norm", "norm+swiglu", "res", "norm+res", "unorm", "unorm+swiglu"]),
+       name=st.sampled_from(["norm", "norm+swiglu", "res", "norm+res", "unorm", "unorm+swiglu", "res+sums"]),
        nt=st.integers(1, 2))
 def test_fused_twin_random_shapes(seed, m, g, kt, name, nt):
     """Random shapes and epilogues (each new shape compiles the interpreted kernel anew)."""
@@ -436,6 +447,25 @@ for m in (1, 32):  # the norm without weight (unit_norm): in the consumers at K 
         text = lower(f, S((m, k), jnp.bfloat16), W((3,), k, n), S((), jnp.int32))
         assert "mosaic_gpu" in text and "_norm1" in text
         n_ok += 1
+for m in (1, 13, 32, 64):  # the residual kernels' row sums (one split, the cluster and "sem" sums; by XLA after "gmem")
+    for k, n, cfg in ((576, 576, mg.MgpuConfig(wgs=1, k_tile=192)), (1536, 576, mg.MgpuConfig(wgs=1, k_tile=192)),
+                      (1024, 256, mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="sem")),
+                      (1024, 256, mg.MgpuConfig(wgs=2, k_tile=256)),
+                      (1024, 256, mg.MgpuConfig(wgs=1, k_tile=256, splits=2, reduce="cluster"))):
+        if cfg.reduce == "cluster" and m > mg.PLAIN_EXCHANGE_MP:
+            continue
+        f = lambda x, w, r, l: mg.int4_matmul_mgpu(x, w, layer=l, residual=r, row_sums=True, config=cfg,
+                                                   interpret=False)
+        text = lower(f, S((m, k), jnp.bfloat16), W((3,), k, n), S((m, n), jnp.bfloat16), S((), jnp.int32))
+        assert "mosaic_gpu" in text and "_resq" in text
+        n_ok += 1
+    # the norm kernel given the rows' sums (SmolLM2's gate_up: the norm in the consumers, SiLU·up)
+    f = lambda x, w, g, s: mg.int4_matmul_mgpu(x, w, norm_weight=g, norm_sums=s, swiglu=True, interpret=False,
+                                               config=mg.MgpuConfig(wgs=2, k_tile=192))
+    text = lower(f, S((m, 576), jnp.bfloat16), W((), 576, 3072), S((576,), jnp.bfloat16),
+                 S((9, mg.rows_for(m)), jnp.float32))
+    assert "mosaic_gpu" in text and "_norms_swiglu" in text
+    n_ok += 1
 for d in mg.NORM_DIAGNOSTICS:  # the consumer norm's timing diagnostics (parts left out)
     f = lambda x, w, g: mg.int4_matmul_mgpu(x, w, norm_weight=g, interpret=False,
                                             config=mg.MgpuConfig(wgs=1, k_tile=64, diag=d))
@@ -680,7 +710,8 @@ def test_fused_kernels_lower_for_cuda(script, jax_version):
     producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at M = 32, 40, 64 (the wide
     exchange: swizzled [64, M_pad] tiles, the norm's row sums as a vector; a plain tile there
     fails Mosaic's transfer planning), and SmolLM2's K 576 at k_tile 192 (the norm in the
-    consumers, three k blocks per stage; its x^2 in 2 and 4 chains). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
+    consumers, three k blocks per stage; its x^2 in 2 and 4 chains), the residual kernels' row sums (`row_sums`: one
+    CTA, the cluster and "sem" sums, 1 to 64 rows) and gate_up given them (`norm_sums`). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
     to 24 rows, the 8B heads; SmolLM2's 64-channel heads to 32 rows, one and two warpgroups per
     CTA, and k_tile 192, its x^2 in 4 chains), whose outputs alias the query operand and the rings."""
     python = sys.executable if jax_version == "0.10" else subproc.jax011_python()

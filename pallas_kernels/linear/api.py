@@ -114,7 +114,8 @@ def _flatten(x: Array, k: int) -> tuple[Array, tuple[int, ...]]:
 
 def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
                 out_dtype: Any = None, norm_weight: Array | None = None, norm_eps: float = 1e-5,
-                unit_norm: bool = False, swiglu: bool = False, residual: Array | None = None) -> Array:
+                unit_norm: bool = False, swiglu: bool = False, residual: Array | None = None,
+                norm_sums: Array | None = None, row_sums: bool = False) -> Array | tuple[Array, Array]:
     """x [..., K] @ W [K, N] with W in INT4 -> [..., N] (float32 accumulation; `out_dtype`
     defaults to x's dtype). See the module docstring for `backend` and the weight formats.
 
@@ -122,7 +123,11 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
     RMSNorm to x first (`unit_norm`: RMSNorm without a weight, i.e. a weight of ones, which the
     Mosaic kernel neither loads nor multiplies; for norm weights folded into W), `swiglu` returns
     silu(gate) * up [..., N/2] of W's gate | up halves,
-    `residual` [..., N] is added to the output. The Mosaic backends run them inside the kernel
+    `residual` [..., N] is added to the output; `norm_sums` float32 [P, M_pad] gives the norm the
+    rows' sums of x^2 (`mosaic_gpu.Epilogue.sums`; the Mosaic kernel then sums none: where
+    `mosaic_gpu.takes_norm_sums`), and `row_sums` (with `residual`) returns (out, the rows' sums of
+    out^2 per 64-column tile, float32 [N / 64, M_pad]: the next norm's `norm_sums`,
+    `mosaic_gpu.chunk_row_sums`), M the rows of x flattened. The Mosaic backends run them inside the kernel
     ("auto" picks them only where the kernel takes the call: bf16, Hopper, at most
     `mosaic_gpu.auto_fused_rows(epilogue)` rows; "mosaic" up to `MAX_FUSED_M`); every other backend computes
     `mosaic_gpu.epilogue_reference`."""
@@ -137,9 +142,19 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
     if unit_norm and norm_weight is not None:
         raise ValueError("unit_norm=True is RMSNorm without a weight: pass norm_weight=None")
     epi = mg.Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
-                      swiglu=swiglu, residual=residual is not None)
+                      sums=norm_sums is not None, swiglu=swiglu, residual=residual is not None, row_sums=row_sums)
+    if epi.sums and not epi.norm:
+        raise ValueError("norm_sums are the norm's row sums: pass norm_weight or unit_norm=True with them")
+    if epi.sums and (norm_sums.ndim != 2 or norm_sums.shape[1] != mg.rows_for(m) or norm_sums.dtype != jnp.float32):
+        raise ValueError(f"norm_sums must be float32 [P, {mg.rows_for(m)}] (P partial sums per row of the {m} rows, "
+                         f"padded to rows_for); got {norm_sums.dtype} {norm_sums.shape}")
+    if row_sums and (residual is None or swiglu):
+        raise ValueError("row_sums=True are the sums of the residual kernel's output: pass residual= (not swiglu)")
     res2 = residual.reshape(m, n) if epi.residual else None
     n_out = n // 2 if swiglu else n
+
+    def shaped(y):  # [M, N'] (and the row sums) -> x's leading dims
+        return (y[0].reshape(*lead, n_out), y[1]) if row_sums else y.reshape(*lead, n_out)
     if backend == "auto":
         backend = pick_backend("int4", m, k, n, x.dtype, hopper_layout=isinstance(w, lay.W4A16Packed))
         if epi and backend == "mosaic" and m > mg.auto_fused_rows(epi):
@@ -149,15 +164,16 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
             w = jax.tree.map(lambda a: a[layer], w) if wlead else w
             norm_weight = norm_weight[layer] if g_stacked else norm_weight
         wf = _dequantize_f32(w)
-        y = mg.epilogue_reference(x2, wf if backend == "reference" else wf.astype(x2.dtype), epi,
-                                  norm_weight=norm_weight, residual=res2, out_dtype=out_dtype)
-        return y.reshape(*lead, n_out)
+        return shaped(mg.epilogue_reference(x2, wf if backend == "reference" else wf.astype(x2.dtype), epi,
+                                            norm_weight=norm_weight, residual=res2, out_dtype=out_dtype,
+                                            norm_sums=norm_sums))
     if backend in ("mosaic", "interpret"):
-        y = mg.int4_matmul_mgpu(x2, _as_packed(w), layer=layer, out_dtype=out_dtype,
-                                variant="mma" if backend == "mosaic" else "smem",
-                                interpret=backend == "interpret", norm_weight=norm_weight, norm_eps=norm_eps,
-                                unit_norm=unit_norm, swiglu=swiglu, residual=res2)
-    elif backend == "triton":
+        return shaped(mg.int4_matmul_mgpu(x2, _as_packed(w), layer=layer, out_dtype=out_dtype,
+                                          variant="mma" if backend == "mosaic" else "smem",
+                                          interpret=backend == "interpret", norm_weight=norm_weight,
+                                          norm_eps=norm_eps, unit_norm=unit_norm, norm_sums=norm_sums,
+                                          swiglu=swiglu, residual=res2, row_sums=row_sums))
+    if backend == "triton":
         if isinstance(w, lay.W4A16Packed):
             raise ValueError("backend='triton' reads the QuantizedWeight fields (.packed, .scale, .zero); got a "
                              "W4A16Packed weight, whose records hold the Mosaic kernel's bf16 pair and not the "

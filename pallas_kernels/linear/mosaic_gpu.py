@@ -187,6 +187,13 @@ class Epilogue:
       silu(gate) up in float32 (silu(a) = a / (1 + exp(-a))), rounded once.
     * `residual`: out = bf16(acc) + res in the output dtype (one rounding of the sum of two
       output-dtype values, i.e. the unfused `linear(x, W) + res` bit for bit).
+      `row_sums` (with `residual`): the kernel also returns what the next RMSNorm of out needs,
+      the rows' sums of out^2 per 64-column tile, float32 [N / 64, M_pad] (`chunk_row_sums` is
+      the math; rows >= M are 0): the next norm kernel's `norm_sums` (`sums`), so that kernel
+      sums no x^2. Each warpgroup sums its tile's rows from the output tile in shared memory
+      after the residual add (`_tile_row_sums`: a warp per row, a lane per two columns, a
+      butterfly: a fixed order per row, independent of M); where XLA adds the residual (split-K
+      partials summed by XLA) XLA forms them in the same fusion.
     * `qkv` (`QkvCache`): no out [M, N]; the (normed) float32 product of each 128-channel head is
       RoPE'd (query and key heads, float32, the table's cos and sin) and stored in bf16 into the
       attention's query operand or the FP rings (`int4_qkv_cache_mgpu`, `qkv_cache_reference`).
@@ -205,6 +212,7 @@ class Epilogue:
     sums: bool = False  # norm: the rows' sums of x^2 are an input (norm_sums [P, M_pad]), not computed
     swiglu: bool = False
     residual: bool = False
+    row_sums: bool = False  # residual: also the rows' sums of out^2 per 64-column tile, [N / 64, M_pad] float32
     qkv: "QkvCache | None" = None
 
     def __bool__(self) -> bool:
@@ -217,7 +225,7 @@ class Epilogue:
         """Kernel-name suffix ("" for the plain kernel)."""
         parts = (("_norm", self.norm), ("1", self.norm and not self.gain), ("s", self.norm and self.sums),
                  ("_swiglu", self.swiglu),
-                 ("_res", self.residual), ("_qkvcache", self.qkv is not None))
+                 ("_res", self.residual), ("q", self.residual and self.row_sums), ("_qkvcache", self.qkv is not None))
         return "".join(t for t, on in parts if on)
 
 
@@ -257,7 +265,7 @@ def epilogue_reference(x: Array, w: Array, epi: Epilogue, *, norm_weight: Array 
     """jnp: what the fused INT4 kernel computes for x [M, K] and the weight as its MMA sees it,
     w [K, N] float32 (the bf16 dequantization for the Mosaic kernel, `lay.dequantize_bf16`).
     float32 with HIGHEST-precision dots; see `Epilogue` for the math (`norm_sums` [P, M_pad] with
-    `epi.sums`)."""
+    `epi.sums`; with `epi.row_sums` the pair (out, `chunk_row_sums(out, rows_for(M))`))."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     xf = x.astype(jnp.float32)
     if epi.norm and epi.sums:
@@ -278,7 +286,25 @@ def epilogue_reference(x: Array, w: Array, epi: Epilogue, *, norm_weight: Array 
     out = acc.astype(out_dtype)
     if epi.residual:
         out = out + residual.astype(out_dtype)
+    if epi.row_sums:
+        return out, chunk_row_sums(out, rows_for(x.shape[0]))
     return out
+
+
+def chunk_row_sums(y: Array, rows: int) -> Array:
+    """The rows' sums of y^2 per 64-column chunk: y [M, N] (N a multiple of 64) -> float32
+    [N / 64, rows] (rows >= M: 0), sums[c, m] = sum_j y[m, 64 c + j]^2 in float32. What a norm
+    kernel takes as `norm_sums` for RMSNorm(y) (`Epilogue.sums`; it adds the chunks in order c = 0,
+    1, ...), and what the residual kernels write with `Epilogue.row_sums` (in their own order
+    inside a chunk: equal up to float32 rounding)."""
+    m, n = y.shape
+    if n % lay.ROWS or rows < m:
+        raise ValueError(f"chunk_row_sums: y [{m}, {n}] needs N a multiple of {lay.ROWS} and rows >= {m}, got {rows}")
+    yf = y.astype(jnp.float32)
+    if jnp.dtype(y.dtype) == jnp.bfloat16:  # y's own values: XLA may drop a bf16 rounding inside a fusion
+        yf = lax.reduce_precision(yf, exponent_bits=8, mantissa_bits=7)
+    sums = jnp.sum((yf * yf).reshape(m, n // lay.ROWS, lay.ROWS), axis=-1).T  # [N / 64, M]
+    return jnp.pad(sums, ((0, 0), (0, rows - m)))
 
 
 def exchange_transforms(mp: int) -> tuple:
@@ -676,6 +702,20 @@ def norm_in_consumers(epi: "Epilogue", kind: str, variant: str, interpret: bool,
         raise ValueError(f"QSPEC_W4A16_NORM_PASS={env!r}; expected 0 or 1")
     return (bool(epi.norm) and kind == "int4" and variant == "mma" and not interpret and splits == 1
             and k_groups == 1 and k <= CONSUMER_NORM_MAX_K and env == "0")
+
+
+def takes_norm_sums(k: int, n: int, group_size: int | None, m: int, *, swiglu: bool = False,
+                    interpret: bool | None = None) -> bool:
+    """Whether the norm kernel of a [K, N] INT4 weight at M rows, at its default launch shape,
+    takes the rows' sums of x^2 as an input (`norm_sums`, `Epilogue.sums`): where its norm runs
+    in the consumers (`norm_in_consumers`: K <= CONSUMER_NORM_MAX_K, one split), and always in
+    interpret mode. From (K, N, G) and the device, like the launch shape."""
+    interp = _common.interpret_default(interpret)
+    if interp:
+        return True
+    epi = Epilogue(norm=True, swiglu=swiglu)
+    cfg = default_config(k, n, group_size, reduce=reduce_mode(m, interp), epilogue=epi)
+    return norm_in_consumers(epi, "int4", "mma", interp, k, cfg.splits, cfg.k_groups)
 
 
 def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False, gain: bool = True,
@@ -1147,6 +1187,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     res_smem, res_bar, pair, pair_bar = (r.get(k) for k in ("res_smem", "res_bar", "pair", "pair_bar"))
     cs_gmem, slots_gmem, qbuf, kring, vring = (r.get(k) for k in ("cs", "slots", "qbuf", "kring", "vring"))
     ssin_gmem = r.get("ssin")  # Epilogue.sums: the rows' sums of x^2, float32 [P, M_pad]
+    rsq_gmem = r.get("rsq")  # Epilogue.row_sums: the output rows' sums of squares, float32 [N / 64, M_pad]
     rpair, rope_bar, seq_bar = (r.get(k) for k in ("rpair", "rope_bar", "seq_bar"))
     kx, kx_bar = r.get("kx"), r.get("kx_bar")  # k groups > 1: the partials of groups 1 .. k_groups - 1
     nt = lax.axis_index("nt")
@@ -1295,7 +1336,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             return
         res = dict(res=res_smem.at[wg], res_bar=res_bar.at[0]) if res_smem is not None else {}
         if not epi.swiglu:
-            _store_tile(acc, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret, **res)
+            sums = rsq_gmem.at[nt * wgs + wg] if rsq_gmem is not None else None
+            _store_tile(acc, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret, sums=sums, **res)
             return
 
         @pl.when(wg == 1)  # up
@@ -1550,10 +1592,12 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
 
 def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int, interpret: bool,
-                res: Any = None, res_bar: Any = None) -> None:
+                res: Any = None, res_bar: Any = None, sums: Any = None) -> None:
     """acc [64 (n), M_pad] float32 -> out rows 0..M-1, columns col0 .. col0 + 63 (transposed
     through shared memory, one TMA store). `res` (shared [M_pad, 64], landing on `res_bar`):
-    the tile in the output dtype plus res, in that dtype (`Epilogue.residual`)."""
+    the tile in the output dtype plus res, in that dtype (`Epilogue.residual`). `sums` (global
+    float32 [M_pad], `Epilogue.row_sums`): the rows' sums of the stored tile squared, read back
+    from shared memory while the TMA store runs."""
     val = acc.astype(o_smem.dtype)
     tile = o_smem.at[wg]
     if interpret:
@@ -1566,7 +1610,53 @@ def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int
         tile[...] = tile[...] + res[...]
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, m)], dst.at[pl.ds(0, m), pl.ds(col0, lay.ROWS)])
+    if sums is not None:
+        if interpret:
+            sums[...] = chunk_row_sums(tile[...][:m], tile.shape[0])[0]
+        else:
+            _tile_row_sums(m, tile.shape[0])(tile, sums)
     plgpu.wait_smem_to_gmem(0)
+
+
+_SHFL_BFLY = "shfl.sync.bfly.b32 $0, $1, {}, 0x1f, 0xffffffff;"  # float32 butterfly partner (lane ^ {})
+
+
+def _tile_row_sums(m: int, mp: int):
+    """inline_mgpu function of one warpgroup: (tile shared [M_pad, 64] of the output dtype, dst
+    global float32 [M_pad]) -> dst[r] = sum_c tile[r, c]^2 in float32 for r < M, 0 above (rows
+    past M hold no output). Warp w takes rows w, w + 4, ...; lane l of it columns 2 l and 2 l + 1
+    (a warp reads one row's 128 bytes: every bank once), x_2l^2 + x_2l+1^2, then a butterfly over
+    the 32 lanes (partners 16, 8, 4, 2, 1: every lane ends with the same bits, float addition
+    being commutative) and lane 0 stores. A row's order is fixed: independent of M and of the
+    other rows. The tile must be complete (a warpgroup barrier after its last store)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def fn(ctx, tile, dst):
+        del ctx
+        ir, arith, llvm, _, _, mu = _mgpu_modules()
+        from jax._src.lib.mlir.dialects import memref, scf
+
+        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
+        c = lambda v: arith.constant(i32, v)  # noqa: E731
+        tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
+        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+        cols = [arith.index_cast(index, arith.addi(arith.muli(lane, c(2)), c(e))) for e in range(2)]
+        is_f32 = ir.MemRefType(tile.type).element_type == f32
+        for j in range(mp // 4):
+            row = arith.addi(warp, c(4 * j))
+            vals = [memref.load(tile, [arith.index_cast(index, row), col]) for col in cols]
+            vals = [v if is_f32 else arith.extf(f32, v) for v in vals]
+            tot = arith.addf(arith.mulf(vals[0], vals[0]), arith.mulf(vals[1], vals[1]))
+            for sh in (16, 8, 4, 2, 1):
+                other = llvm.inline_asm(f32, [tot], _SHFL_BFLY.format(sh), "=f,f", has_side_effects=True)
+                tot = arith.addf(tot, other)
+            tot = arith.select(arith.cmpi(arith.CmpIPredicate.ult, row, c(m)), tot, arith.constant(f32, 0.0))
+            branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, lane, c(0)))
+            with ir.InsertionPoint(branch.then_block):
+                memref.store(tot, dst, [arith.index_cast(index, row)])
+                scf.yield_([])
+
+    return fn
 
 
 def wgmma_iota(shape: tuple[int, int], dim: int, interpret: bool) -> Array:
@@ -1752,7 +1842,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         inputs.update(qkv_operands)
     sem_ws = reduce == "sem" and s > 1
     ws_names = (("ws", "wss") if epi.norm else ("ws",)) if sem_ws else ()  # partials (and row sums x^2)
-    names = (*inputs, "out", *ws_names, *scratch)
+    rsq_names = ("rsq",) if epi.row_sums and res_in_kernel else ()  # the output rows' sums of squares
+    names = (*inputs, "out", *rsq_names, *ws_names, *scratch)
     kernel = functools.partial(
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
@@ -1765,9 +1856,10 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         kw.update(grid=(n // (lay.ROWS * wgs),), grid_names=("nt",), cluster=(s,), cluster_names=("ks",))
     else:
         kw.update(grid=(n // (lay.ROWS * wgs), s), grid_names=("nt", "ks"))
-    out_type = jax.ShapeDtypeStruct(out_shape, o_dtype)
-    if sem_ws:
-        out_type = (out_type, *[jax.ShapeDtypeStruct((s - 1, n // lay.ROWS, lay.ROWS, mp), f32) for _ in ws_names])
+    out_types = [jax.ShapeDtypeStruct(out_shape, o_dtype)]
+    out_types += [jax.ShapeDtypeStruct((n // lay.ROWS, mp), f32) for _ in rsq_names]
+    out_types += [jax.ShapeDtypeStruct((s - 1, n // lay.ROWS, lay.ROWS, mp), f32) for _ in ws_names]
+    out_type = tuple(out_types) if len(out_types) > 1 else out_types[0]
     name = f"{kind}_{variant}_skinny_k{k}_n{n}_g{g}_s{s}{f'_kg{kg}' if kg > 1 else ''}{epi.tag()}"
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
     if epi.qkv is None:
@@ -1783,7 +1875,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
 
         y = pl.kernel(body, out_type=(out_type,), mesh=mesh, compiler_params=params, interpret=interp,
                       name=name)(*inputs.values())[0]
-    if sem_ws:
+    rsq = y[1] if rsq_names else None
+    if len(out_types) > 1:
         y = y[0]
     if not whole:  # fixed-order sum of the split-K partials: p[0] + p[1] + ... + p[S-1]
         acc = y[0]
@@ -1792,7 +1885,9 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         y = acc.astype(out_dtype)
         if epi.residual:  # the kernel's formula: the output-dtype product plus the residual
             y = y + residual
-    return y
+        if epi.row_sums:  # in the same XLA fusion
+            rsq = chunk_row_sums(y, mp)
+    return (y, rsq) if epi.row_sums else y
 
 
 # ------------------------------------------------------------------------------ public entries
@@ -1850,6 +1945,9 @@ def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype
         raise ValueError("unit_norm (a norm without weight) takes no norm_weight")
     if epi.sums and not epi.norm:
         raise ValueError("norm_sums are the norm's row sums: pass norm_weight or unit_norm=True with them")
+    if epi.row_sums and not (epi.residual and not epi.swiglu and epi.qkv is None):
+        raise ValueError("row_sums=True are the sums of the residual kernel's output (the next norm's input): "
+                         "pass residual= with it (not swiglu)")
     if epi.norm and epi.gain:
         if norm_weight.dtype != jnp.bfloat16 or norm_weight.ndim not in (1, 2) or norm_weight.shape[-1] != k:
             raise ValueError(f"norm_weight must be bfloat16 [K={k}] or a stack [L, K]; got "
@@ -1873,7 +1971,7 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
                      config: MgpuConfig | None = None, variant: str = "mma",
                      interpret: bool | None = None, norm_weight: Array | None = None, norm_eps: float = 1e-5,
                      unit_norm: bool = False, norm_sums: Array | None = None, swiglu: bool = False,
-                     residual: Array | None = None) -> Array:
+                     residual: Array | None = None, row_sums: bool = False) -> Array | tuple[Array, Array]:
     """x [M, K] bf16 @ W [K, N] (INT4, packed layout) -> [M, N] (default bf16) on Hopper.
 
     `w` holds one layer ([N/64, K/64, 128, 4] ...) or a stack [L, ...] with `layer` (int or traced
@@ -1887,7 +1985,9 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     RMSNorm without a weight (g = 1: `Epilogue.gain` False; no norm_weight), `norm_sums` float32
     [P, rows_for(M)] the rows' sums of x^2 in P parts (`Epilogue.sums`: not computed here);
     `swiglu` returns silu(gate) * up [M, N/2] of the gate | up halves of W; `residual` [M, N]
-    (the output dtype) is added to the output. `epilogue_reference` is the math."""
+    (the output dtype) is added to the output, and with `row_sums` the call returns (out, the
+    rows' sums of out^2 per 64-column tile, float32 [N / 64, rows_for(M)]: the next norm's
+    `norm_sums`). `epilogue_reference` is the math."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; expected one of {VARIANTS}")
     if not isinstance(w, lay.W4A16Packed):
@@ -1902,7 +2002,7 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     m = _check_x(x, k)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
-                   sums=norm_sums is not None, swiglu=swiglu, residual=residual is not None)
+                   sums=norm_sums is not None, swiglu=swiglu, residual=residual is not None, row_sums=row_sums)
     _check_epilogue(epi, m, k, n, layer, out_dtype, norm_weight, residual)
     _check_sums(norm_sums, m)
     n_layers = w.lead[0] if n_lead else (norm_weight.shape[0] if g_stacked else 0)
@@ -2067,5 +2167,5 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
 
 __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_CACHE_FUSED_M", "QKV_HEAD_DIM",
            "QKV_HEAD_DIMS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu",
-           "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu", "interpret_params",
-           "qkv_cache_reference", "rope_table", "rows_for", "tuned_config"]
+           "chunk_row_sums", "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
+           "interpret_params", "qkv_cache_reference", "rope_table", "rows_for", "takes_norm_sums", "tuned_config"]

@@ -45,6 +45,9 @@
 #   STAGES="layoutab" (carry .devcarry/cache_old.py): the row-major pin against the build before it, AR-bf16 walls
 #   STAGES="fold": the draft's norms folded into its INT4 weights, GPU checks and the batch-32 draft step A/B; after
 #   "smolreal", "smolfold" runs the real model's e2e with the norms folded; "fold8b": the 8B draft step (31st session)
+#   STAGES="sums": the norms' x^2 sums from the o / down kernels, GPU checks and the batch-32 draft step A/B; after
+#   "smolreal", "smolsums" runs the real model's e2e without them; "linpeers": the linears against cuBLAS / tinygemm
+#   (32nd session)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -518,6 +521,40 @@ for stage in ${STAGES:-probe smol 8b}; do
       grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"gamma": [0-9]+|"acceptance_rate": [0-9.]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
         $L/e2e_smollm_real_fold.log | paste -sd' ' | sed 's/"batch"/\n"batch"/g'
       echo "== smolfold done ($(( $(date +%s) - T0 )) s)";;
+    sums)  # the residual kernels' row sums (Epilogue.row_sums) taken by the next norm kernels (Epilogue.sums,
+      # LayerFusion.sums; 32nd session): GPU checks (producers, consumers, the draft's decode with / without), then the
+      # draft step at SmolLM2 batch SUMS_BATCHES (32) with / without (QSPEC_NORM_SUMS=0), alternating
+      timeout 300 python3 tools/device/row_sums_gpu.py --ms ${RS_MS:-1,8,32} 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/row_sums_check.log | tail -24
+      timeout 150 python3 tools/device/qkv_cache_gpu.py --batches 32 --model-batches 1,32 --shapes smollm2 2>&1 \
+        | grep -v "^W[0-9]" > $L/sums_qkv_cache_check.log
+      grep -iE "fail|error|ALL OK" $L/sums_qkv_cache_check.log | tail -8
+      echo "== sums checks done ($(( $(date +%s) - T0 )) s)"
+      for b in ${SUMS_BATCHES:-32}; do
+        for i in ${SUMS_TRIALS:-1 2}; do
+          QSPEC_NORM_SUMS=1 AB_BATCH=$b LIMIT=120 ab draft_sums$i draft
+          QSPEC_NORM_SUMS=0 AB_BATCH=$b LIMIT=120 ab draft_nosums$i draft
+        done
+      done
+      echo "== sums done ($(( $(date +%s) - T0 )) s)";;
+    smolsums)  # (after smolreal, whose e2e ran with the norms' sums from the residual kernels, the default) the same
+      # e2e with QSPEC_NORM_SUMS=0: the real model's A/B (32nd session)
+      QSPEC_NORM_SUMS=0 PYTHONPATH=/tmp/site:. timeout ${SMOL_LIMIT:-300} python3 -m qspec_jax.cli.bench e2e \
+        --parts smollm --smollm-checkpoint /tmp/ckpt --text-dir $TX --smollm-batches ${SMOL_E2E_BATCHES:-1,8,32} \
+        --smollm-gamma ${SMOL_GAMMAS:-2,3,4} --out $OUT/p_smolnosums 2>&1 | grep -v "^W[0-9]" \
+        > $L/e2e_smollm_real_nosums.log
+      grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"gamma": [0-9]+|"acceptance_rate": [0-9.]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
+        $L/e2e_smollm_real_nosums.log | paste -sd' ' | sed 's/"batch"/\n"batch"/g'
+      echo "== smolsums done ($(( $(date +%s) - T0 )) s)";;
+    linpeers)  # the INT4 and bf16 linears against cuBLAS and tinygemm in one run (`qspec-bench w4a16` through
+      # check_w4a16.py's timing part): the 8B's q|k|v / o at M 1 / 5 (the verify width: does the Mosaic bf16 GEMM keep
+      # up with cuBLAS there, for a bf16 q|k|v epilogue in the target?) and SmolLM2's four at M 32 (32nd session)
+      timeout 420 python3 tools/device/check_w4a16.py --out $OUT --skip correctness,rows,sass,diag,fused,fused_timing \
+        --bench-shapes ${LP_SHAPES:-qkv,o,s_qkv,s_o,s_gate_up,s_down} --bench-m ${LP_M:-1,5,32} --bench-groups 32 \
+        --bench-impls bf16,mosaic_bf16,mosaic_int4,tinygemm --budget ${LP_BUDGET:-300} 2>&1 | grep -v "^W[0-9]" \
+        > $L/w4a16_peers.log; sed -n '/==== summary/,$p' $L/w4a16_peers.log
+      mv $OUT/check_w4a16.json $L/w4a16_peers.json 2>/dev/null
+      echo "== linpeers done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done
