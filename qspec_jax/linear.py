@@ -133,22 +133,30 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
-NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "0": the draft's norm kernels sum x^2 themselves again (`norm_sums_fusable`)
+NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "auto" (default), "1" at every row count, "0" off (`norm_sums_fusable`)
+# Rows from which "auto" takes the norms' sums from the o / down kernels: where it measured faster (H200, SmolLM2's
+# draft step at 8k, 2026-12-01, kernels with / without): batch 32 1.636 / 1.677 ms (gate_up -31 us, q|k|v -19, o and
+# down +5 each); batch 8 1.036 / 1.037 (even); batch 1 0.893 / 0.900 but the wall 1.026 / 1.010 ms (one more launch:
+# the embedding's sums).
+NORM_SUMS_MIN_ROWS = 32
 
 
 def norm_sums_fusable(w: Any, int4_impl: str, rows: int, *, swiglu: bool = False) -> bool:
     """Whether the fused norm kernel of the INT4 weight `w` (`fusable(norm=True)` holds) takes the
-    rows' sums of x^2 from the kernel that formed x at `rows` rows, instead of summing them itself
-    (`pallas_kernels.linear.mosaic_gpu.takes_norm_sums`: where the norm runs in its consumers;
-    always in interpret mode); QSPEC_NORM_SUMS=0 turns it off."""
-    mode = os.environ.get(NORM_SUMS_ENV, "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{NORM_SUMS_ENV}={mode!r}: expected 0 or 1")
+    rows' sums of x^2 from the kernel that formed x at `rows` rows, instead of summing them itself:
+    where the kernel can (`pallas_kernels.linear.mosaic_gpu.takes_norm_sums`: the norm in its
+    consumers; always in interpret mode) and QSPEC_NORM_SUMS allows: "auto" (the default) from
+    NORM_SUMS_MIN_ROWS rows, "1" at every row count, "0" never. From the row count (for the draft,
+    the batch), never from T."""
+    mode = os.environ.get(NORM_SUMS_ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{NORM_SUMS_ENV}={mode!r}: expected auto, 0 or 1")
+    if mode == "0" or (mode == "auto" and rows < NORM_SUMS_MIN_ROWS):
+        return False
     from pallas_kernels.linear.mosaic_gpu import takes_norm_sums
 
     inner = w.weight if isinstance(w, StackedLayer) else w
-    return mode == "1" and takes_norm_sums(inner.k, inner.n, inner.group_size, rows, swiglu=swiglu,
-                                           interpret=int4_impl == "interpret")
+    return takes_norm_sums(inner.k, inner.n, inner.group_size, rows, swiglu=swiglu, interpret=int4_impl == "interpret")
 
 
 def norm_sums_of(x: Array) -> Array:

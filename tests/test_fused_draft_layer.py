@@ -82,6 +82,7 @@ def test_fused_layer_kernels_match_the_unfused_math():
 
 def _case_layer() -> None:
     os.environ[qlinear.FUSE_ENV] = "1"  # a child process of its own
+    os.environ[qlinear.NORM_SUMS_ENV] = "1"  # the norms' sums from the o / down kernels at 2 rows too
     draft = _make_draft()
     i = jnp.int32(1)
     lp = _layer(draft, i)
@@ -137,7 +138,7 @@ def _draft_logits(draft, b):
 
 def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, monkeypatch):
     monkeypatch.delenv(qlinear.FUSE_ENV, raising=False)
-    assert qlinear.fusion_enabled() and M._draft_fusion(draft, 1) == M.LayerFusion(norm=True, residual=True, sums=True)
+    assert qlinear.fusion_enabled() and M._draft_fusion(draft, 1) == M.LayerFusion(norm=True, residual=True)
     monkeypatch.setenv(qlinear.FUSE_ENV, "0")
     off = _draft_logits(draft, 2)
     assert reference_kernels == []
@@ -152,7 +153,7 @@ def test_decode_runs_the_fused_layer_when_switched_on(draft, reference_kernels, 
 def test_decode_falls_back_beyond_the_fused_rows(draft, reference_kernels, monkeypatch):
     """Above 24 rows only the residual adds stay in the kernels (o, down); above 64 nothing."""
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
-    assert M._draft_fusion(draft, 24) == M.LayerFusion(norm=True, residual=True, sums=True)
+    assert M._draft_fusion(draft, 24) == M.LayerFusion(norm=True, residual=True)
     assert M._draft_fusion(draft, 25) == M._draft_fusion(draft, 64) == M.LayerFusion(residual=True)
     assert M._draft_fusion(draft, 65) == M.LayerFusion()
     on = _draft_logits(draft, 25)
@@ -263,8 +264,9 @@ def test_norm_rows_follow_the_qkv_cache_kernel(reference_kernels, qkv_reference,
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
     monkeypatch.delenv(qlinear.QKV_CACHE_ENV, raising=False)
     (cfg, d64), (_, d128) = _head_dim_draft(64), _head_dim_draft(128)
-    full, res = M.LayerFusion(norm=True, residual=True, sums=True), M.LayerFusion(residual=True)
-    assert M._draft_fusion(d64, 32) == full and M._draft_fusion(d64, 33) == res
+    full, res = M.LayerFusion(norm=True, residual=True), M.LayerFusion(residual=True)
+    # from 32 rows the norms take their sums from the o / down kernels (`linear.NORM_SUMS_MIN_ROWS`)
+    assert M._draft_fusion(d64, 32) == full.replace(sums=True) and M._draft_fusion(d64, 33) == res
     assert M._draft_fusion(d128, 24) == full and M._draft_fusion(d128, 25) == res
     assert qlinear.qkv_cache_fusable(d64.layers.wqkv, "interpret", 32, 64)
     assert not qlinear.qkv_cache_fusable(d64.layers.wqkv, "interpret", 33, 64)
@@ -290,7 +292,7 @@ def test_folded_draft_runs_its_norms_without_weight(draft, folded_draft, referen
     the norm weights twice would not."""
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
     assert folded_draft.unit_norms == ("attn_norm", "mlp_norm", "final_norm") and draft.unit_norms == ()
-    fused = M.LayerFusion(norm=True, residual=True, unit_norms=folded_draft.unit_norms, sums=True)
+    fused = M.LayerFusion(norm=True, residual=True, unit_norms=folded_draft.unit_norms)
     assert M._draft_fusion(folded_draft, 2) == fused
     on = _draft_logits(folded_draft, 2)
     # qkv, o, gate_up, down
@@ -311,7 +313,7 @@ def test_folded_draft_runs_its_norms_without_weight(draft, folded_draft, referen
 def test_norms_take_their_sums_from_the_residual_kernels(draft, reference_kernels, qkv_reference, monkeypatch,
                                                           head_dim):
     """`LayerFusion.sums` (where the norm kernels take them, `linear.norm_sums_fusable`: always in
-    interpret mode; QSPEC_NORM_SUMS=0 turns it off): the o and down kernels return their outputs'
+    interpret mode; QSPEC_NORM_SUMS "auto" from 32 rows, "1" at any row count, "0" off): the o and down kernels return their outputs'
     rows' sums of squares (`row_sums`), which the next norm kernels take (`norm_sums`: gate_up, and
     the next layer's q|k|v, through `linear` or, at head dim 64, the q|k|v-into-the-cache kernel),
     the first layer's from XLA on the embedding. Every norm call gets the sums of its own input
@@ -320,6 +322,8 @@ def test_norms_take_their_sums_from_the_residual_kernels(draft, reference_kernel
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")
     monkeypatch.delenv(qlinear.NORM_SUMS_ENV, raising=False)
     cfg, params = (CFG, draft) if head_dim is None else _head_dim_draft(head_dim)
+    assert not M._draft_fusion(params, 3).sums  # "auto": not below 32 rows
+    monkeypatch.setenv(qlinear.NORM_SUMS_ENV, "1")
     errs, produced = [], []
 
     def check(x, sums):  # the largest difference from x's own sums, relative to the largest sum
@@ -359,5 +363,5 @@ def test_norms_take_their_sums_from_the_residual_kernels(draft, reference_kernel
     assert errs == []
     assert _rel(on, off) < 2e-2  # the bf16 roundings downstream of the norms' scale (as fused against unfused)
     monkeypatch.setenv(qlinear.NORM_SUMS_ENV, "yes")
-    with pytest.raises(ValueError, match="QSPEC_NORM_SUMS='yes': expected 0 or 1"):
+    with pytest.raises(ValueError, match="QSPEC_NORM_SUMS='yes': expected auto, 0 or 1"):
         M._draft_fusion(params, 3)

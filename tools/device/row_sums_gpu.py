@@ -12,7 +12,7 @@ Consumers (SmolLM2's q|k|v and gate_up, K 576, where the norm runs in the consum
 `chunk_row_sums(x)` against `epilogue_reference` given the same sums (the check's TOL_BF16) and against the
 kernel that sums x^2 itself (the same function: TOL_BF16).
 Model (--model-batches): a SmolLM2-shaped draft's decode step with the sums (`LayerFusion.sums`) and without
-(QSPEC_NORM_SUMS=0): logits within 2e-2 (bf16 roundings the norms' float32 scale moves).
+(QSPEC_NORM_SUMS=1 against 0): logits within 2e-2 (bf16 roundings the norms' float32 scale moves).
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def check_consumer(name: str, m: int, key) -> bool:
 
 def check_model(b: int, n_layers: int = 4) -> bool:
     """One draft decode step of a SmolLM2-shaped model (random weights and cache) with the norms' sums
-    from the residual kernels (`LayerFusion.sums`) and without (QSPEC_NORM_SUMS=0): logits close."""
+    from the residual kernels (`LayerFusion.sums`, QSPEC_NORM_SUMS=1) and without (0): logits close."""
     from qspec_jax import linear as qlinear
     from qspec_jax import model as M
     from qspec_jax.bench import synthetic
