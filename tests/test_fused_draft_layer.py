@@ -313,10 +313,10 @@ def test_folded_draft_runs_its_norms_without_weight(draft, folded_draft, referen
 def test_norms_take_their_sums_from_the_residual_kernels(draft, reference_kernels, qkv_reference, monkeypatch,
                                                           head_dim):
     """`LayerFusion.sums` (where the norm kernels take them, `linear.norm_sums_fusable`: always in
-    interpret mode; QSPEC_NORM_SUMS "auto" from 32 rows, "1" at any row count, "0" off): the o and down kernels return their outputs'
-    rows' sums of squares (`row_sums`), which the next norm kernels take (`norm_sums`: gate_up, and
-    the next layer's q|k|v, through `linear` or, at head dim 64, the q|k|v-into-the-cache kernel),
-    the first layer's from XLA on the embedding. Every norm call gets the sums of its own input
+    interpret mode; QSPEC_NORM_SUMS "auto" from 32 rows, "1" at any row count, "0" off): the o and
+    down kernels return their outputs' rows' sums of squares (`row_sums`), which the next norm
+    kernels take (`norm_sums`: gate_up, and the next layer's q|k|v, through `linear` or, at head dim
+    64, the q|k|v-into-the-cache kernel), the first layer's from XLA on the embedding. Every norm call gets the sums of its own input
     (against `norm_sums_of` of the x it is given: float32 summation order only), and the logits
     are those without the sums up to the bf16 roundings a different float32 scale moves."""
     monkeypatch.setenv(qlinear.FUSE_ENV, "1")

@@ -710,8 +710,9 @@ def test_fused_kernels_lower_for_cuda(script, jax_version):
     producer pass) at M = 1, 13, 24, and the one-CTA and "sem" ones at M = 32, 40, 64 (the wide
     exchange: swizzled [64, M_pad] tiles, the norm's row sums as a vector; a plain tile there
     fails Mosaic's transfer planning), and SmolLM2's K 576 at k_tile 192 (the norm in the
-    consumers, three k blocks per stage; its x^2 in 2 and 4 chains), the residual kernels' row sums (`row_sums`: one
-    CTA, the cluster and "sem" sums, 1 to 64 rows) and gate_up given them (`norm_sums`). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
+    consumers, three k blocks per stage; its x^2 in 2 and 4 chains), the residual kernels' row sums
+    (`row_sums`: one CTA, the cluster and "sem" sums, 1 to 64 rows) and gate_up given them
+    (`norm_sums`). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
     to 24 rows, the 8B heads; SmolLM2's 64-channel heads to 32 rows, one and two warpgroups per
     CTA, and k_tile 192, its x^2 in 4 chains), whose outputs alias the query operand and the rings."""
     python = sys.executable if jax_version == "0.10" else subproc.jax011_python()
