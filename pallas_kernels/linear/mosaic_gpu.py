@@ -1618,7 +1618,31 @@ def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int
     plgpu.wait_smem_to_gmem(0)
 
 
+def thread_coords() -> tuple[Any, Any, Any, Any]:
+    """Inside an inline_mgpu function of one warpgroup: (c, tid, warp, lane), c(v) an i32 constant,
+    tid the thread's index in its warpgroup (0..127), warp = tid / 32 and lane = tid % 32 (i32)."""
+    ir, arith, _, _, _, mu = _mgpu_modules()
+    i32 = ir.IntegerType.get_signless(32)
+
+    def c(v: int) -> Any:
+        return arith.constant(i32, v)
+
+    tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
+    return c, tid, arith.divui(tid, c(32)), arith.remui(tid, c(32))
+
+
 _SHFL_BFLY = "shfl.sync.bfly.b32 $0, $1, {}, 0x1f, 0xffffffff;"  # float32 butterfly partner (lane ^ {})
+
+
+def butterfly_sum(v: Any, partners: tuple[int, ...]) -> Any:
+    """Inside an inline_mgpu function: float32 v plus its butterfly partners' (lane ^ p for p in
+    `partners`, in that order, each step adding the partner's running sum): every lane of the
+    group ends with the same bits (float addition is commutative)."""
+    ir, arith, llvm, _, _, _ = _mgpu_modules()
+    f32 = ir.F32Type.get()
+    for p in partners:
+        v = arith.addf(v, llvm.inline_asm(f32, [v], _SHFL_BFLY.format(p), "=f,f", has_side_effects=True))
+    return v
 
 
 def _tile_row_sums(m: int, mp: int):
@@ -1633,23 +1657,19 @@ def _tile_row_sums(m: int, mp: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def fn(ctx, tile, dst):
         del ctx
-        ir, arith, llvm, _, _, mu = _mgpu_modules()
+        ir, arith, _, _, _, _ = _mgpu_modules()
         from jax._src.lib.mlir.dialects import memref, scf
 
-        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
-        c = lambda v: arith.constant(i32, v)  # noqa: E731
-        tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
-        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+        index, f32 = ir.IndexType.get(), ir.F32Type.get()
+        c, _, warp, lane = thread_coords()
         cols = [arith.index_cast(index, arith.addi(arith.muli(lane, c(2)), c(e))) for e in range(2)]
         is_f32 = ir.MemRefType(tile.type).element_type == f32
         for j in range(mp // 4):
             row = arith.addi(warp, c(4 * j))
             vals = [memref.load(tile, [arith.index_cast(index, row), col]) for col in cols]
             vals = [v if is_f32 else arith.extf(f32, v) for v in vals]
-            tot = arith.addf(arith.mulf(vals[0], vals[0]), arith.mulf(vals[1], vals[1]))
-            for sh in (16, 8, 4, 2, 1):
-                other = llvm.inline_asm(f32, [tot], _SHFL_BFLY.format(sh), "=f,f", has_side_effects=True)
-                tot = arith.addf(tot, other)
+            tot = butterfly_sum(arith.addf(arith.mulf(vals[0], vals[0]), arith.mulf(vals[1], vals[1])),
+                                (16, 8, 4, 2, 1))
             tot = arith.select(arith.cmpi(arith.CmpIPredicate.ult, row, c(m)), tot, arith.constant(f32, 0.0))
             branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.eq, lane, c(0)))
             with ir.InsertionPoint(branch.then_block):

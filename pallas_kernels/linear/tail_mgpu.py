@@ -314,9 +314,6 @@ def _tile_access(mp: int, store: bool):
     return fn
 
 
-_SHFL = "shfl.sync.bfly.b32 $0, $1, {}, 0x1f, 0xffffffff;"  # float32 butterfly partner (lane ^ {})
-
-
 def _column_sums(mp: int):
     """inline_mgpu function of one warpgroup: (v float32 [64, M_pad] WGMMA, buf shared float32 [4, M_pad]
     (this warpgroup's own), dst global float32 [M_pad]) -> dst[c] = sum over the 64 rows of v[:, c].
@@ -328,21 +325,16 @@ def _column_sums(mp: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))
     def fn(ctx, v, buf, dst):
         del ctx
-        ir, arith, llvm, memref, _, mu = _mlir()
+        ir, arith, _, memref, _, mu = _mlir()
         from jax._src.lib.mlir.dialects import scf
-        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
-        c = lambda x: arith.constant(i32, x)  # noqa: E731
-        tid = arith.remui(mu.thread_idx(), c(lay.THREADS))
-        warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+        index = ir.IndexType.get()
+        c, tid, warp, lane = mg.thread_coords()
         quad = arith.remui(lane, c(4))  # the thread's columns: 8 ct + 2 quad + e
         mu.warpgroup_barrier()  # the previous call's reads of buf are done
         for ct in range(mp // 8):
             for e in range(2):
                 vals = [mg.wgmma_element(v, ct, h, e) for h in range(2)]  # rows g and g + 8 of the warp's 16
-                tot = arith.addf(vals[0], vals[1])
-                for sh in (4, 8, 16):
-                    other = llvm.inline_asm(f32, [tot], _SHFL.format(sh), "=f,f", has_side_effects=True)
-                    tot = arith.addf(tot, other)
+                tot = mg.butterfly_sum(arith.addf(vals[0], vals[1]), (4, 8, 16))
                 col = arith.addi(c(8 * ct + e), arith.muli(quad, c(2)))
                 branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lane, c(4)))
                 with ir.InsertionPoint(branch.then_block):
