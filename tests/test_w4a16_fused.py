@@ -508,16 +508,17 @@ def test_fused_inline_ptx_assembles():
 
 # ------------------------------------------------------------------ the qkv epilogue (Epilogue.qkv)
 def _qkv_case(seed: int, b: int, hq: int, hkv: int, n_layers: int = 2, ring: int = 32, cn: int = 16, k: int = 128,
-              dh: int = 128):
-    """A stacked q|k|v weight of `dh`-channel heads, x, norm weights, positions, slots and
-    random query operand and rings (so that untouched elements are recognisable)."""
+              dh: int = 128, t: int = 1):
+    """A stacked q|k|v weight of `dh`-channel heads, x of T tokens per batch row (row m = b T + t),
+    norm weights, positions, slots and random query operand and rings (so that untouched elements
+    are recognisable)."""
     rng = np.random.default_rng(seed)
     n = (hq + 2 * hkv) * dh
     p = lay.pack_quantized(_qweight(seed, (n_layers,), k, n, 32))
-    x = _x(seed + 1, b, k)
+    x = _x(seed + 1, b * t, k)
     gw = jnp.asarray(1.0 + 0.3 * rng.standard_normal((n_layers, k)).astype(np.float32)).astype(jnp.bfloat16)
-    pos = jnp.asarray(rng.integers(0, 100_000, b), jnp.int32)
-    slots = jnp.asarray(rng.permutation(ring)[:b], jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 100_000, b * t), jnp.int32)
+    slots = jnp.asarray(rng.permutation(ring)[:b * t], jnp.int32)
     bf = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(jnp.bfloat16)  # noqa: E731
     return p, x, gw, pos, slots, bf(b, hkv, dh, cn), bf(n_layers, b, hkv, ring, dh), bf(n_layers, b, hkv, ring, dh)
 
@@ -552,6 +553,15 @@ def test_qkv_epilogue_norm_without_weight_matches_reference():
     _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, True)
 
 
+def test_qkv_epilogue_takes_several_tokens_per_row():
+    """The qkv epilogue for T tokens of each batch row (M = B T, row m = b T + t: the verify's
+    shape): query head r of token t lands in column t n_rep + r of its KV head (what a one-token
+    call writes for that token, in its columns 0..n_rep-1), keys and values in each token's slot,
+    for 128-channel heads (T 2) and SmolLM2's 64-channel ones at its K 576 (T 3)."""
+    _child("_case_qkv_cache", 128, 2, 4, 2, 7, 128, False, False, 2)
+    _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, False, False, 3)
+
+
 def test_qkv_epilogue_with_given_sums_matches_reference():
     """The qkv epilogue with the rows' sums of x^2 given (`norm_sums`, `Epilogue.sums`: the kernel
     sums no x^2; here by 64-column chunks, added in order) at SmolLM2's shape, against the
@@ -567,11 +577,11 @@ def chunk_sums(x, chunk: int = 64):
 
 
 def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 2, seed: int = 7,
-                    k: int = 128, unit: bool = False, sums: bool = False) -> None:
+                    k: int = 128, unit: bool = False, sums: bool = False, t: int = 1) -> None:
     """wgs None: the default launch shape; `unit`: the norm without weight; `sums`: the rows' sums
-    of x^2 given (`norm_sums`, by 64-column chunks)."""
+    of x^2 given (`norm_sums`, by 64-column chunks); `t`: tokens per batch row."""
     b = 3
-    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k)
+    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k, t=t)
     rope = mg.rope_table(pos, _inv_freq(dh=dh))
     cfg = None if wgs is None else mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1, stages=2)
     layer = jnp.int32(1)
@@ -605,12 +615,20 @@ def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 
         np.testing.assert_array_equal(a[~written], orig[~written], err_msg=name)  # nothing else touched
         # one bf16 step (the twin's float32 sums run in another order) plus that order near zero
         assert (np.abs(a - r) <= 2.0 ** -7 * np.abs(r) + 2.0 ** -10 * np.abs(r).max()).all(), name
-    # where the reference writes: query columns 0..n_rep-1 of each KV head; layer 1, the rows' slots
+    # where the reference writes: query columns 0..T n_rep-1 of each KV head; layer 1, the rows' slots
+    n_rep = hq // hkv
     q_cols = np.nonzero((np.asarray(want[0], np.float32) != np.asarray(qb, np.float32)).any(axis=(0, 1, 2)))[0]
-    assert set(q_cols) <= set(range(hq // hkv))
+    assert set(q_cols) <= set(range(t * n_rep))
     k_w = np.argwhere((np.asarray(want[1], np.float32) != np.asarray(kr, np.float32)).any(axis=(2, 4)))
     assert {(int(layer_), int(row), int(slot)) for layer_, row, slot in k_w} <= {
-        (1, i, int(slots[i])) for i in range(b)}
+        (1, i // t, int(slots[i])) for i in range(b * t)}
+    for tt in range(t if t > 1 else 0):  # token tt's columns t n_rep .. hold what a one-token call writes for it
+        one = mg.qkv_cache_reference(x[tt::t], wb, layer=1, rope=mg.rope_table(pos[tt::t], _inv_freq(dh=dh)),
+                                     slots=slots[tt::t], q_buf=qb, k_ring=kr, v_ring=vr,
+                                     norm_weight=None if unit else gw[1], unit_norm=unit)
+        a = np.asarray(got[0], np.float32)[..., tt * n_rep:(tt + 1) * n_rep]
+        r = np.asarray(one[0], np.float32)[..., :n_rep]
+        assert (np.abs(a - r) <= 2.0 ** -7 * np.abs(r) + 2.0 ** -10 * np.abs(r).max()).all(), tt
 
 
 @pytest.mark.parametrize("dh", [128, 64])
@@ -639,7 +657,7 @@ def test_qkv_epilogue_bad_inputs_raise():
     p, x, gw, pos, slots, qb, kr, vr = _qkv_case(3, 2, 2, 1)
     rope = mg.rope_table(pos, _inv_freq())
     kw = dict(layer=0, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=gw, interpret=True)
-    with pytest.raises(ValueError, match="one token per batch row"):
+    with pytest.raises(ValueError, match="T tokens per batch row: a multiple of the batch 2"):
         mg.int4_qkv_cache_mgpu(_x(1, 3, 128), p, **kw)
     with pytest.raises(ValueError, match="q_buf"):
         mg.int4_qkv_cache_mgpu(x, p, **{**kw, "q_buf": qb[:, :, :64]})
@@ -666,12 +684,12 @@ def test_qkv_epilogue_bad_inputs_raise():
 
 
 QKV_LOWER_SCRIPT = _LOWER_PRELUDE + r'''
-def lower_qkv(b, L, hq, hkv, D, K, R, cfg, unit=False, sums=False):
-    n, CN = (hq + 2 * hkv) * D, 16
-    args = (S((b, K), jnp.bfloat16), W((L,), K, n), S((L, K), jnp.bfloat16), S((), jnp.int32),
-            S((2, 64, mg.rows_for(b)), jnp.float32), S((b,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
+def lower_qkv(b, L, hq, hkv, D, K, R, cfg, unit=False, sums=False, t=1):
+    n, CN, m = (hq + 2 * hkv) * D, 16 * -(-t * (hq // hkv) // 16), b * t
+    args = (S((m, K), jnp.bfloat16), W((L,), K, n), S((L, K), jnp.bfloat16), S((), jnp.int32),
+            S((2, 64, mg.rows_for(m)), jnp.float32), S((m,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
             S((L, b, hkv, R, D), jnp.bfloat16), S((L, b, hkv, R, D), jnp.bfloat16),
-            S((K // 64, mg.rows_for(b)), jnp.float32))
+            S((K // 64, mg.rows_for(m)), jnp.float32))
     f = lambda x, w, g, l, cs, sl, q, k, v, ss: mg.int4_qkv_cache_mgpu(
         x, w, layer=l, rope=cs, slots=sl, q_buf=q, k_ring=k, v_ring=v, norm_weight=None if unit else g,
         unit_norm=unit, norm_sums=ss if sums else None, config=cfg, interpret=False)
@@ -692,6 +710,12 @@ for b in (1, 8, 24, 32):  # 64-channel heads: SmolLM2's (N = 960, one warpgroup 
     n_ok += 3
 for b in (1, 24):  # the 8B heads' norm without weight (the producer's pass)
     lower_qkv(b, 4, 32, 8, 128, 4096, 288, None, unit=True)
+    n_ok += 1
+for b, t in ((1, 2), (4, 4), (1, 5)):  # T tokens per batch row (the verify's rows): the 8B heads (to 16 rows, one CTA)
+    lower_qkv(b, 4, 32, 8, 128, 4096, 288, None, t=t)
+    n_ok += 1
+for b, t in ((1, 5), (4, 3), (6, 5)):  # SmolLM2's, to 30 rows
+    lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1), t=t)
     n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''

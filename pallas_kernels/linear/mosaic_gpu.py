@@ -232,10 +232,11 @@ class Epilogue:
 @dataclasses.dataclass(frozen=True)
 class QkvCache:
     """Static geometry of the qkv epilogue (`Epilogue.qkv`, `int4_qkv_cache_mgpu`): instead of
-    out [M, N], the kernel writes what the decode attention reads, for M = B rows of one new
-    token each: RoPE'd query heads into the attention's query operand [B, Hkv, D, CN] (column
-    r of KV head h for query head h n_rep + r, other columns untouched), RoPE'd key heads and the
-    value heads into ring slot `slots[b]` of layer `layer` of the FP rings [L, B, Hkv, R, D].
+    out [M, N], the kernel writes what the decode attention reads, for M = B T rows, T new tokens
+    of each batch row (row m = b T + t): RoPE'd query heads into the attention's query operand
+    [B, Hkv, D, CN] (column t n_rep + r of KV head h for query head h n_rep + r of token t, other
+    columns untouched), RoPE'd key heads and the value heads into ring slot `slots[m]` of layer
+    `layer` of the FP rings [L, B, Hkv, R, D].
     The weight's columns are q | k | v heads of D channels. D = 128 (QKV_HEAD_DIM): one CTA of
     two warpgroups per head (channels 0..63 and 64..127: RoPE's rotate-half pairs row r of one
     with row r of the other). D = 64 (SmolLM2): one warpgroup per head (its rows r and r + 32
@@ -248,6 +249,7 @@ class QkvCache:
     q_cols: int  # CN, the query operand's columns per KV head (>= Hq / Hkv)
     layers: int  # L of the rings
     head_dim: int = 128  # D, one of QKV_HEAD_DIMS
+    tokens: int = 1  # T, new tokens per batch row (M = B T)
 
 
 QKV_HEAD_DIM = 2 * 64  # the qkv epilogue's two-warpgroup head dim: one head per CTA of two 64-row warpgroups
@@ -1385,8 +1387,10 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         cos, sin = load_g(cs_gmem.at[0]), load_g(cs_gmem.at[1])  # row r: the angle of r's pair (rope_table)
         # rotate-half: channel c < D/2 gets x_c cos - x_(c+D/2) sin, channel c + D/2 x_(c+D/2) cos + x_c sin
         roped = acc * cos + sign * (other * sin)
-        b = wgmma_iota((lay.ROWS, mp), 1, interpret)  # row of x = batch row (one token per row)
-        valid = b < m
+        mrow = wgmma_iota((lay.ROWS, mp), 1, interpret)  # row of x: m = b T + t
+        valid = mrow < m
+        # batch row b and the query operand's first column of token t, t n_rep (T = 1: b = m, t = 0)
+        b, t_col = (mrow, None) if geo.tokens == 1 else (mrow // geo.tokens, lax.rem(mrow, geo.tokens) * n_rep)
         slot_col = slots_gmem[...] if interpret else _common.load_with_layout(
             slots_gmem, plgpu.Layout.WGMMA.reduce(0), optimized=False)
         slot = lax.broadcast_in_dim(slot_col, (lay.ROWS, mp), (1,))
@@ -1413,8 +1417,9 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 plgpu.barrier_arrive(seq_bar.at[0])
 
         @pl.when(head < hq)
-        def _():  # query head: qbuf[b, head // n_rep, channel, head % n_rep]
-            store(roped, ((b * hkv + head // n_rep) * dh + channel) * geo.q_cols + head % n_rep, qbuf)
+        def _():  # query head: qbuf[b, head // n_rep, channel, t n_rep + head % n_rep]
+            store(roped, ((b * hkv + head // n_rep) * dh + channel) * geo.q_cols
+                  + (head % n_rep if t_col is None else t_col + head % n_rep), qbuf)
 
         @pl.when((head >= hq) & (head < hq + hkv))
         def _():
@@ -2068,20 +2073,22 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
     if n % dh or n // dh <= 2 * hkv:
         raise ValueError(f"N={n} must be q | k | v heads of {dh} channels with {hkv} KV heads each for k and v")
     hq = n // dh - 2 * hkv
-    if hq % hkv or q_buf.ndim != 4 or q_buf.shape[:3] != (b, hkv, dh) or q_buf.shape[3] < hq // hkv:
-        raise ValueError(f"q_buf must be [B={b}, Hkv={hkv}, {dh}, CN >= {hq // hkv}] (Hq={hq}); got {q_buf.shape}")
-    if m != b:
-        raise ValueError(f"x has {m} rows; the qkv epilogue takes one token per batch row ({b})")
+    if m % b:
+        raise ValueError(f"x has {m} rows; the qkv epilogue takes T tokens per batch row: a multiple of the batch {b}")
+    t = m // b
+    if hq % hkv or q_buf.ndim != 4 or q_buf.shape[:3] != (b, hkv, dh) or q_buf.shape[3] < t * (hq // hkv):
+        raise ValueError(f"q_buf must be [B={b}, Hkv={hkv}, {dh}, CN >= T n_rep = {t * (hq // hkv)}] (Hq={hq}, T={t}); "
+                         f"got {q_buf.shape}")
     for name, a in (("q_buf", q_buf), ("k_ring", k_ring), ("v_ring", v_ring)):
         if a.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
     if rope.shape != (2, lay.ROWS, rows_for(m)) or rope.dtype != jnp.float32:
         raise ValueError(f"rope must be float32 [2, {lay.ROWS}, {rows_for(m)}] (rope_table); got {rope.dtype} "
                          f"{rope.shape}")
-    if slots.shape not in ((b,), (rows_for(m),)) or slots.dtype != jnp.int32:
-        raise ValueError(f"slots must be int32 [{b}] (or padded to [{rows_for(m)}]), got {slots.dtype} {slots.shape}")
+    if slots.shape not in ((m,), (rows_for(m),)) or slots.dtype != jnp.int32:
+        raise ValueError(f"slots must be int32 [{m}] (or padded to [{rows_for(m)}]), got {slots.dtype} {slots.shape}")
     return QkvCache(num_heads=hq, num_kv_heads=hkv, batch=b, ring=ring, q_cols=q_buf.shape[3], layers=n_layers,
-                    head_dim=dh)
+                    head_dim=dh, tokens=t)
 
 
 def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
@@ -2094,13 +2101,13 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
     into the FP rings, in one kernel that replaces the product's three XLA consumers (query rope + pad, key rope + ring
     write, value ring write).
 
-    x [B, K] bf16, one new token per row; w the fused weight [K, (Hq + 2 Hkv) D] for a head dim D
-    in QKV_HEAD_DIMS (stacked [L, ...] and read at `layer`, or one layer); rope float32
-    [2, 64, M_pad] (`rope_table` of the rows' positions); slots int32 [B], each row's ring slot
-    (or padded to [M_pad], which a caller looping over layers does once); q_buf bf16
-    [B, Hkv, D, CN] (the attention's query operand: column r of KV head h gets query head
-    h n_rep + r, the others are left as they are); k_ring, v_ring bf16 [L, B, Hkv, R, D] (the
-    cache's `k_fp`, `v_fp`).
+    x [M, K] bf16, M = B T: T new tokens of each batch row, row m = b T + t; w the fused weight
+    [K, (Hq + 2 Hkv) D] for a head dim D in QKV_HEAD_DIMS (stacked [L, ...] and read at `layer`,
+    or one layer); rope float32 [2, 64, M_pad] (`rope_table` of the rows' positions); slots int32
+    [M], each row's ring slot (or padded to [M_pad], which a caller looping over layers does
+    once); q_buf bf16 [B, Hkv, D, CN] (the attention's query operand: column t n_rep + r of KV
+    head h gets query head h n_rep + r of token t, the others are left as they are); k_ring,
+    v_ring bf16 [L, B, Hkv, R, D] (the cache's `k_fp`, `v_fp`).
     Returns the updated (q_buf, k_ring, v_ring): the kernel writes them in place (aliased in and
     out), so a caller that donates or loop-carries them pays no copy. `qkv_cache_reference` is
     the math."""
@@ -2156,9 +2163,11 @@ def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
     cos, sin = rope[0, :half, :m].T[:, None], rope[1, :half, :m].T[:, None]  # [M, 1, D/2]
     x1, x2 = y[..., :half], y[..., half:]
     roped = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(jnp.bfloat16)
-    q = roped[:, :hq].reshape(m, hkv, hq // hkv, dh)  # [B, Hkv, n_rep, D]
-    q_buf = q_buf.at[:, :, :, :hq // hkv].set(jnp.swapaxes(q, 2, 3))
-    b = jnp.arange(m)
+    t, n_rep = geo.tokens, hq // hkv
+    q = roped[:, :hq].reshape(m // t, t, hkv, n_rep, dh)  # [B, T, Hkv, n_rep, D]
+    q = jnp.transpose(q, (0, 2, 4, 1, 3)).reshape(m // t, hkv, dh, t * n_rep)  # column t n_rep + r
+    q_buf = q_buf.at[:, :, :, :t * n_rep].set(q)
+    b = jnp.arange(m) // t  # row m = b T + t
     slots = slots[:m]
     k_ring = k_ring.at[layer, b, :, slots].set(roped[:, hq:hq + hkv])
     v_ring = v_ring.at[layer, b, :, slots].set(y[:, hq + hkv:].astype(jnp.bfloat16))
