@@ -562,6 +562,14 @@ def test_qkv_epilogue_takes_several_tokens_per_row():
     _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, False, False, 3)
 
 
+def test_bf16_qkv_epilogue_matches_reference():
+    """The qkv epilogue on the bf16 kernel (`bf16_qkv_cache_mgpu`: a target's q|k|v, x already
+    normed) against `qkv_cache_reference` on the same bf16 weight, one token per row and T per row,
+    128- and 64-channel heads."""
+    _child("_case_qkv_cache", 128, 2, 4, 2, 7, 128, False, False, 1, True)
+    _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, False, False, 3, True)
+
+
 def test_qkv_epilogue_with_given_sums_matches_reference():
     """The qkv epilogue with the rows' sums of x^2 given (`norm_sums`, `Epilogue.sums`: the kernel
     sums no x^2; here by 64-column chunks, added in order) at SmolLM2's shape, against the
@@ -577,21 +585,28 @@ def chunk_sums(x, chunk: int = 64):
 
 
 def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 2, seed: int = 7,
-                    k: int = 128, unit: bool = False, sums: bool = False, t: int = 1) -> None:
+                    k: int = 128, unit: bool = False, sums: bool = False, t: int = 1, dense: bool = False) -> None:
     """wgs None: the default launch shape; `unit`: the norm without weight; `sums`: the rows' sums
-    of x^2 given (`norm_sums`, by 64-column chunks); `t`: tokens per batch row."""
+    of x^2 given (`norm_sums`, by 64-column chunks); `t`: tokens per batch row; `dense`: the bf16
+    kernel (`bf16_qkv_cache_mgpu`, no norm) on the same weight's bf16 values."""
     b = 3
     p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k, t=t)
     rope = mg.rope_table(pos, _inv_freq(dh=dh))
     cfg = None if wgs is None else mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1, stages=2)
     layer = jnp.int32(1)
     ss = chunk_sums(x) if sums else None
-    got = mg.int4_qkv_cache_mgpu(x, p, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
-                                 norm_weight=None if unit else gw, unit_norm=unit, norm_sums=ss, config=cfg,
-                                 interpret=True)
+    if dense:  # no norm in the bf16 kernel: the reference without one
+        gw, unit = None, False
+        got = mg.bf16_qkv_cache_mgpu(x, lay.dequantize_bf16(p), layer=layer, rope=rope, slots=slots, q_buf=qb,
+                                     k_ring=kr, v_ring=vr, config=cfg, interpret=True)
+    else:
+        got = mg.int4_qkv_cache_mgpu(x, p, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+                                     norm_weight=None if unit else gw, unit_norm=unit, norm_sums=ss, config=cfg,
+                                     interpret=True)
     wb = lay.dequantize_bf16(p).astype(jnp.float32)[1]
+    gw1 = None if unit or gw is None else gw[1]
     want = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
-                                  norm_weight=None if unit else gw[1], unit_norm=unit, norm_sums=ss)
+                                  norm_weight=gw1, unit_norm=unit, norm_sums=ss)
     if sums:  # the given sums are the row's sums: the reference that sums x^2 itself agrees to float32 order
         own = mg.qkv_cache_reference(x, wb, layer=1, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
                                      norm_weight=None if unit else gw[1], unit_norm=unit)
@@ -624,8 +639,8 @@ def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 
         (1, i // t, int(slots[i])) for i in range(b * t)}
     for tt in range(t if t > 1 else 0):  # token tt's columns t n_rep .. hold what a one-token call writes for it
         one = mg.qkv_cache_reference(x[tt::t], wb, layer=1, rope=mg.rope_table(pos[tt::t], _inv_freq(dh=dh)),
-                                     slots=slots[tt::t], q_buf=qb, k_ring=kr, v_ring=vr,
-                                     norm_weight=None if unit else gw[1], unit_norm=unit)
+                                     slots=slots[tt::t], q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=gw1,
+                                     unit_norm=unit)
         a = np.asarray(got[0], np.float32)[..., tt * n_rep:(tt + 1) * n_rep]
         r = np.asarray(one[0], np.float32)[..., :n_rep]
         assert (np.abs(a - r) <= 2.0 ** -7 * np.abs(r) + 2.0 ** -10 * np.abs(r).max()).all(), tt
@@ -717,6 +732,17 @@ for b, t in ((1, 2), (4, 4), (1, 5)):  # T tokens per batch row (the verify's ro
 for b, t in ((1, 5), (4, 3), (6, 5)):  # SmolLM2's, to 30 rows
     lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1), t=t)
     n_ok += 1
+for b, t, L, hq, hkv, D, K, R in ((1, 1, 4, 32, 8, 128, 4096, 288), (1, 5, 4, 32, 8, 128, 4096, 288),
+                                  (32, 1, 30, 9, 3, 64, 576, 96), (6, 5, 30, 9, 3, 64, 576, 96)):  # the bf16 kernel
+    n, m = (hq + 2 * hkv) * D, b * t
+    CN = 16 * -(-t * (hq // hkv) // 16)
+    f = lambda x, w, l, cs, sl, q, k, v: mg.bf16_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q, k_ring=k,
+                                                                v_ring=v, interpret=False)
+    text = lower(f, S((m, K), jnp.bfloat16), S((L, K, n), jnp.bfloat16), S((), jnp.int32),
+                 S((2, 64, mg.rows_for(m)), jnp.float32), S((m,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
+                 S((L, b, hkv, R, D), jnp.bfloat16), S((L, b, hkv, R, D), jnp.bfloat16))
+    assert "mosaic_gpu" in text and "output_operand_aliases" in text
+    n_ok += 1
 print("ALL OK", n_ok, jax.__version__)
 '''
 
@@ -736,7 +762,8 @@ def test_fused_kernels_lower_for_cuda(script, jax_version):
     fails Mosaic's transfer planning), and SmolLM2's K 576 at k_tile 192 (the norm in the
     consumers, three k blocks per stage; its x^2 in 2 and 4 chains), the residual kernels' row sums
     (`row_sums`: one CTA, the cluster and "sem" sums, 1 to 64 rows) and gate_up given them
-    (`norm_sums`). "qkv": the qkv epilogue (one CTA and the cluster sum, 1
+    (`norm_sums`). "qkv": the qkv epilogue (T tokens per batch row, to 30 rows; the bf16 kernel's, one
+    and T tokens per row; one CTA and the cluster sum, 1
     to 24 rows, the 8B heads; SmolLM2's 64-channel heads to 32 rows, one and two warpgroups per
     CTA, and k_tile 192, its x^2 in 4 chains), whose outputs alias the query operand and the rings."""
     python = sys.executable if jax_version == "0.10" else subproc.jax011_python()

@@ -2127,23 +2127,66 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
     interp = _common.interpret_default(interpret)
     cfg = config or default_config(k, n, g, reduce=reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.chunk_cols(g))
-    if not epilogue_allows(epi, cfg.wgs, cfg.splits, cfg.reduce if cfg.splits > 1 else "gmem"):
-        wgs = "wgs=2" if geo.head_dim == QKV_HEAD_DIM else "wgs=1 or 2"
-        raise ValueError(f"the qkv epilogue of {geo.head_dim}-channel heads needs {wgs} and the whole K sum in "
-                         f"the kernel; got {cfg}")
+    _check_qkv_cfg(epi, cfg)
 
     def run(x, qw, sz, norm_weight, norm_sums, layer, rope, slots, bufs):
-        # refs in global memory exist only under jit (inside an outer jit this one is inlined)
-        refs = [jax.new_ref(a.reshape(-1), memory_space=plgpu.GMEM) for a in bufs]
         qw_tma = qw.reshape(*qw.shape[:-2], *TMA_VIEWS[cfg.tma_view])
-        _call("int4", x, (qw_tma, sz), layer, k=k, n=n, g=g, cfg=cfg, out_dtype=jnp.bfloat16,
-              variant="smem" if interp else "mma", interpret=interp, n_layers=w.lead[0] if n_lead else geo.layers,
-              w_stacked=bool(n_lead), epi=epi, norm_weight=norm_weight, norm_sums=norm_sums,
-              qkv_operands=dict(cs=rope, slots=jnp.pad(slots, (0, rows_for(m) - slots.shape[0])), qbuf=refs[0],
-                                kring=refs[1], vring=refs[2]))
-        return tuple(r[...].reshape(a.shape) for r, a in zip(refs, bufs))
+        return _qkv_cache_call("int4", x, (qw_tma, sz), layer, rope, slots, bufs, k=k, n=n, g=g, cfg=cfg,
+                               variant="smem" if interp else "mma", interpret=interp,
+                               n_layers=w.lead[0] if n_lead else geo.layers, w_stacked=bool(n_lead), epi=epi,
+                               norm_weight=norm_weight, norm_sums=norm_sums)
 
     return jax.jit(run)(x, w.qw, w.sz, norm_weight, norm_sums, layer, rope, slots, (q_buf, k_ring, v_ring))
+
+
+def _check_qkv_cfg(epi: Epilogue, cfg: MgpuConfig) -> None:
+    if not epilogue_allows(epi, cfg.wgs, cfg.splits, cfg.reduce if cfg.splits > 1 else "gmem"):
+        wgs = "wgs=2" if epi.qkv.head_dim == QKV_HEAD_DIM else "wgs=1 or 2"
+        raise ValueError(f"the qkv epilogue of {epi.qkv.head_dim}-channel heads needs {wgs} and the whole K sum in "
+                         f"the kernel; got {cfg}")
+
+
+def _qkv_cache_call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, rope: Array, slots: Array,
+                    bufs: tuple[Array, Array, Array], **kw: Any) -> tuple[Array, Array, Array]:
+    """`_call` with the qkv epilogue (under jit: refs in global memory exist only there; inside an
+    outer jit this one is inlined): the query operand and the rings `bufs` written in place."""
+    refs = [jax.new_ref(a.reshape(-1), memory_space=plgpu.GMEM) for a in bufs]
+    m = x.shape[0]
+    _call(kind, x, w_arrays, layer, out_dtype=jnp.bfloat16,
+          qkv_operands=dict(cs=rope, slots=jnp.pad(slots, (0, rows_for(m) - slots.shape[0])), qbuf=refs[0],
+                            kring=refs[1], vring=refs[2]), **kw)
+    return tuple(r[...].reshape(a.shape) for r, a in zip(refs, bufs))
+
+
+def bf16_qkv_cache_mgpu(x: Array, w: Array, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
+                        k_ring: Array, v_ring: Array, config: MgpuConfig | None = None,
+                        interpret: bool | None = None) -> tuple[Array, Array, Array]:
+    """`int4_qkv_cache_mgpu` for a bf16 weight (the target's q|k|v): x [M, K] bf16 already normed
+    (no norm in the kernel), w [K, N] or a stack [L, K, N] read at `layer`; the product (the bf16
+    kernel's, rows independent of M), RoPE and the writes as there. `qkv_cache_reference` with
+    w in float32 is the math."""
+    if w.dtype != jnp.bfloat16 or w.ndim not in (2, 3):
+        raise ValueError(f"w must be bfloat16 [K, N] or a stack [L, K, N]; got {w.dtype} {w.shape}")
+    k, n = w.shape[-2:]
+    if k % lay.KB or n % lay.ROWS:
+        raise ValueError(f"W [K={k}, N={n}]: K must be a multiple of {lay.KB} and N of {lay.ROWS}")
+    m = _check_x(x, k)
+    geo = _qkv_geometry(m, n, q_buf, k_ring, v_ring, rope, slots)
+    if w.ndim == 3 and w.shape[0] != geo.layers:
+        raise ValueError(f"weight stack of {w.shape[0]} layers; the rings hold {geo.layers}")
+    epi = Epilogue(qkv=geo)
+    _check_epilogue(epi, m, k, n, layer, jnp.dtype(jnp.bfloat16), None, None)
+    interp = _common.interpret_default(interpret)
+    cfg = config or default_config(k, n, None, reduce=reduce_mode(m, interp), epilogue=epi)
+    _check_cfg(cfg, k, n, lay.KB)
+    _check_qkv_cfg(epi, cfg)
+
+    def run(x, w, layer, rope, slots, bufs):
+        return _qkv_cache_call("bf16", x, (w,), layer, rope, slots, bufs, k=k, n=n, g=None, cfg=cfg,
+                               variant="wgmma", interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else geo.layers,
+                               w_stacked=w.ndim == 3, epi=epi)
+
+    return jax.jit(run)(x, w, layer, rope, slots, (q_buf, k_ring, v_ring))
 
 
 def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
@@ -2196,5 +2239,6 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
 
 __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_CACHE_FUSED_M", "QKV_HEAD_DIM",
            "QKV_HEAD_DIMS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu",
+           "bf16_qkv_cache_mgpu",
            "chunk_row_sums", "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
            "interpret_params", "qkv_cache_reference", "rope_table", "rows_for", "takes_norm_sums", "tuned_config"]

@@ -46,8 +46,8 @@
 #   STAGES="fold": the draft's norms folded into its INT4 weights, GPU checks and the batch-32 draft step A/B; after
 #   "smolreal", "smolfold" runs the real model's e2e with the norms folded; "fold8b": the 8B draft step (31st session)
 #   STAGES="sums": the norms' x^2 sums from the o / down kernels, GPU checks and the batch-32 draft step A/B; after
-#   "smolreal", "smolsums" runs the real model's e2e without them; "linpeers": the linears against cuBLAS / tinygemm
-#   (32nd session)
+#   "smolreal", "smolsums" runs the real model's e2e without them; "linpeers": the linears against cuBLAS / tinygemm;
+#   "qkvt": the qkv epilogue at T tokens per row and on the bf16 kernel, GPU checks (32nd session)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -556,6 +556,12 @@ for stage in ${STAGES:-probe smol 8b}; do
         > $L/w4a16_peers.log; sed -n '/==== summary/,$p' $L/w4a16_peers.log
       mv $OUT/check_w4a16.json $L/w4a16_peers.json 2>/dev/null
       echo "== linpeers done ($(( $(date +%s) - T0 )) s)";;
+    qkvt)  # the qkv epilogue for T tokens per batch row and on the bf16 kernel (32nd session, CPU-checked only):
+      # the GPU checks against the reference, int4 and bf16, T 1 / 3 / 5, the 8B's and SmolLM2's heads
+      timeout 400 python3 tools/device/qkv_cache_gpu.py --parts kernel --kinds int4,bf16 --tokens ${QKVT_T:-1,3,5} \
+        --batches ${QKVT_B:-1,4} --shapes 8b,smollm2 2>&1 | grep -v "^W[0-9]" > $L/qkv_cache_tokens_check.log
+      grep -iE "fail|error|ALL OK" $L/qkv_cache_tokens_check.log | tail -12
+      echo "== qkvt done ($(( $(date +%s) - T0 )) s)";;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

@@ -1,13 +1,16 @@
 """GPU check of the draft's fused q|k|v kernel (`mosaic_gpu.int4_qkv_cache_mgpu`, Epilogue.qkv; not in CI).
 
     PYTHONPATH=. python3 tools/device/qkv_cache_gpu.py [--batches 1,3,8,24] [--layers 4] [--shapes 8b,smollm2]
+        [--tokens 1,5] [--kinds int4,bf16]
 
 1. The kernel (with the norm's weight, and without: `unit_norm`, against the reference with a weight of ones) at
    the 8B heads (Hq 32, Hkv 8, D 128, K 4096, a stack of --layers layers, ring 288) and at
    SmolLM2's (Hq 9, Hkv 3, D 64, K 576: one head per warpgroup, one warpgroup per CTA) with
    fresh random inputs against `qkv_cache_reference` (float32): every written element within one bf16 step
    (plus the float32 summation order near zero: BF16_STEP, SUM_ORDER),
-   every other element of the query operand and the rings untouched, two calls bit for bit equal.
+   every other element of the query operand and the rings untouched, two calls bit for bit equal. --tokens: T
+   tokens per batch row (x [B T, K], the verify's rows); --kinds bf16: the same checks of the bf16 kernel
+   (`bf16_qkv_cache_mgpu`, a target's q|k|v without norm) on the INT4 weight's bf16 values.
 2. The model: one draft decode step of an 8B- and a SmolLM2-shaped model (--layers layers, random
    weights, a random QuantSpecCache) with the fused kernel (QSPEC_QKV_CACHE=all) and without: logits and
    rings close, the rings' other slots bit for bit the same. Prints OK / FAIL lines and exits 1 on any failure.
@@ -45,39 +48,48 @@ def _bf(rng, *shape):
 SHAPES = {"8b": (32, 8, 128, 4096, 500_000.0), "smollm2": (9, 3, 64, 576, 100_000.0)}
 
 
-def check_kernel(b: int, n_layers: int, seed: int, shape: str = "8b", unit: bool = False) -> bool:
-    """`unit`: the norm without weight (`unit_norm`), against the reference with a weight of ones."""
+def check_kernel(b: int, n_layers: int, seed: int, shape: str = "8b", unit: bool = False, tokens: int = 1,
+                 dense: bool = False) -> bool:
+    """`unit`: the norm without weight (`unit_norm`), against the reference with a weight of ones;
+    `tokens`: T tokens per batch row (x [B T, K]); `dense`: the bf16 kernel (`bf16_qkv_cache_mgpu`, no
+    norm) on the INT4 weight's bf16 values."""
     rng = np.random.default_rng(seed)
     hq, hkv, dh, k, theta = SHAPES[shape]
-    ring, cn, g = 288, 16, 32
+    m = b * tokens
+    ring, cn, g = 288, 16 * -(-tokens * (hq // hkv) // 16), 32
     n = (hq + 2 * hkv) * dh
     packed = rng.integers(0, 256, (n_layers, k // 2, n), dtype=np.uint8)
     scale = rng.uniform(0.005, 0.02, (n_layers, k // g, n)).astype(np.float16)
     zero = rng.uniform(-0.1, 0.0, (n_layers, k // g, n)).astype(np.float16)
     w = lay.pack_fields(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(zero))
-    x = _bf(rng, b, k)
+    x = _bf(rng, m, k)
     gw = jnp.asarray(1 + 0.3 * rng.standard_normal((n_layers, k)).astype(np.float32)).astype(jnp.bfloat16)
-    pos = jnp.asarray(rng.integers(0, 200_000, b), jnp.int32)
-    slots = jnp.asarray(rng.permutation(ring)[:b], jnp.int32)
+    pos = jnp.asarray(rng.integers(0, 200_000, m), jnp.int32)
+    slots = jnp.asarray(rng.permutation(ring)[:m], jnp.int32)
     inv = jnp.asarray(1.0 / theta ** (np.arange(0, dh, 2) / dh), jnp.float32)
     rope = mg.rope_table(pos, inv)
     qb, kr, vr = _bf(rng, b, hkv, dh, cn), _bf(rng, n_layers, b, hkv, ring, dh), _bf(rng, n_layers, b, hkv, ring, dh)
     layer = int(rng.integers(0, n_layers))
     if unit:
         gw = jnp.ones_like(gw)
-    f = jax.jit(lambda x, w, gw, l, rope, slots, qb, kr, vr: mg.int4_qkv_cache_mgpu(
-        x, w, layer=l, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr, norm_weight=None if unit else gw,
-        unit_norm=unit))
+    if dense:  # the bf16 kernel on the same values; no norm
+        f = jax.jit(lambda x, w, gw, l, rope, slots, qb, kr, vr: mg.bf16_qkv_cache_mgpu(
+            x, lay.dequantize_bf16(w), layer=l, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr))
+    else:
+        f = jax.jit(lambda x, w, gw, l, rope, slots, qb, kr, vr: mg.int4_qkv_cache_mgpu(
+            x, w, layer=l, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
+            norm_weight=None if unit else gw, unit_norm=unit))
     got = [np.asarray(a, np.float32) for a in f(x, w, gw, jnp.int32(layer), rope, slots, qb, kr, vr)]
     again = [np.asarray(a, np.float32) for a in f(x, w, gw, jnp.int32(layer), rope, slots, qb, kr, vr)]
     wf = lay.dequantize_bf16(jax.tree.map(lambda a: a[layer], w)).astype(jnp.float32)
+    g_ref = None if dense else gw[layer]
     want = mg.qkv_cache_reference(x, wf, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
-                                  norm_weight=gw[layer])
+                                  norm_weight=g_ref)
     # where the reference writes: the elements it turns from NaN into numbers (not where its value differs from
     # the buffer's: at batch 32 a few random bf16 values equal the one they replace)
     nan = [jnp.full_like(a, jnp.nan) for a in (qb, kr, vr)]
     marks = mg.qkv_cache_reference(x, wf, layer=layer, rope=rope, slots=slots, q_buf=nan[0], k_ring=nan[1],
-                                   v_ring=nan[2], norm_weight=gw[layer])
+                                   v_ring=nan[2], norm_weight=g_ref)
     ok = True
     for name, a, a2, r, orig, mark in zip(("q_buf", "k_ring", "v_ring"), got, again, want, (qb, kr, vr), marks):
         r, orig = np.asarray(r, np.float32), np.asarray(orig, np.float32)
@@ -86,7 +98,7 @@ def check_kernel(b: int, n_layers: int, seed: int, shape: str = "8b", unit: bool
         good = (np.array_equal(a[~written], orig[~written]) and np.array_equal(a, a2)
                 and bool((np.abs(a - r) <= BF16_STEP * np.abs(r) + SUM_ORDER * np.abs(r).max()).all()))
         ok &= good
-        what = f"{shape}{' unit norm' if unit else ''}"
+        what = f"{shape}{' unit norm' if unit else ''}{' bf16' if dense else ''}{f' T={tokens}' if tokens > 1 else ''}"
         print(f"  {'OK  ' if good else 'FAIL'} kernel {what} B={b} layer {layer} {name}: "
               f"{int(written.sum())} written, "
               f"max err {err:.3g}, max |ref| {float(np.abs(r).max()):.3g}, deterministic {np.array_equal(a, a2)}",
@@ -146,6 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="kernel,model")
     ap.add_argument("--model-batches", default="1,8")
     ap.add_argument("--shapes", default="8b,smollm2", help=f"head shapes, of {sorted(SHAPES)}")
+    ap.add_argument("--tokens", default="1", help="tokens per batch row of the kernel checks (comma list)")
+    ap.add_argument("--kinds", default="int4", help="int4 (the draft's kernel, with and without norm weight) and / "
+                                                    "or bf16 (`bf16_qkv_cache_mgpu`)")
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     if bad := [s for s in shapes if s not in SHAPES]:
@@ -155,8 +170,12 @@ def main(argv=None) -> int:
     for shape in shapes:
         if "kernel" in args.parts:
             for i, b in enumerate(int(v) for v in args.batches.split(",")):
-                ok &= check_kernel(b, args.layers, seed=100 + i, shape=shape)
-                ok &= check_kernel(b, args.layers, seed=200 + i, shape=shape, unit=True)
+                for t in (int(v) for v in args.tokens.split(",")):
+                    if "int4" in args.kinds:
+                        ok &= check_kernel(b, args.layers, seed=100 + i, shape=shape, tokens=t)
+                        ok &= check_kernel(b, args.layers, seed=200 + i, shape=shape, unit=True, tokens=t)
+                    if "bf16" in args.kinds:
+                        ok &= check_kernel(b, args.layers, seed=300 + i, shape=shape, tokens=t, dense=True)
         if "model" in args.parts:
             for b in (int(v) for v in args.model_batches.split(",")):
                 ok &= check_model(b, args.layers, shape)
