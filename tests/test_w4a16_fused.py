@@ -26,6 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pallas_kernels.linear as plinear
 from pallas_kernels.linear import layout as lay
 from pallas_kernels.linear import mosaic_gpu as mg
 
@@ -379,6 +380,20 @@ def test_fused_bad_inputs_raise():
         mg.int4_matmul_mgpu(x, p, norm_weight=gw, config=mg.MgpuConfig(wgs=1, k_tile=64, splits=2), **kw)
     with pytest.raises(ValueError, match="whole K"):
         mg.int4_matmul_mgpu(x, p, swiglu=True, config=mg.MgpuConfig(wgs=1, k_tile=64), **kw)
+    # the sums' rules, the same for the kernel's entry and every int4_linear backend
+    sums = mg.chunk_row_sums(x, mg.rows_for(3))
+    for call in (functools.partial(mg.int4_matmul_mgpu, x, p, **kw),
+                 functools.partial(plinear.int4_linear, x, p, backend="reference")):
+        with pytest.raises(ValueError, match="pass residual= with it"):  # row sums of no residual output
+            call(row_sums=True)
+        with pytest.raises(ValueError, match="pass residual= with it"):
+            call(swiglu=True, row_sums=True)
+        with pytest.raises(ValueError, match="norm_sums are the norm's row sums"):  # sums for no norm
+            call(norm_sums=sums)
+        with pytest.raises(ValueError, match=r"norm_sums must be float32 \[P, 8\]"):
+            call(norm_weight=gw, norm_sums=sums[:, :4])
+        with pytest.raises(ValueError, match=r"norm_sums must be float32 \[P, 8\]"):
+            call(norm_weight=gw, norm_sums=sums.astype(jnp.bfloat16))
 
 
 _LOWER_PRELUDE = r'''

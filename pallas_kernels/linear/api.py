@@ -143,13 +143,8 @@ def int4_linear(x: Array, w: Any, *, backend: str = "auto", layer: Any = None,
         raise ValueError("unit_norm=True is RMSNorm without a weight: pass norm_weight=None")
     epi = mg.Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
                       sums=norm_sums is not None, swiglu=swiglu, residual=residual is not None, row_sums=row_sums)
-    if epi.sums and not epi.norm:
-        raise ValueError("norm_sums are the norm's row sums: pass norm_weight or unit_norm=True with them")
-    if epi.sums and (norm_sums.ndim != 2 or norm_sums.shape[1] != mg.rows_for(m) or norm_sums.dtype != jnp.float32):
-        raise ValueError(f"norm_sums must be float32 [P, {mg.rows_for(m)}] (P partial sums per row of the {m} rows, "
-                         f"padded to rows_for); got {norm_sums.dtype} {norm_sums.shape}")
-    if row_sums and (residual is None or swiglu):
-        raise ValueError("row_sums=True are the sums of the residual kernel's output: pass residual= (not swiglu)")
+    mg.check_sums_flags(epi)  # every backend's rules, before the dispatch
+    mg.check_norm_sums(norm_sums, m)
     res2 = residual.reshape(m, n) if epi.residual else None
     n_out = n // 2 if swiglu else n
 

@@ -1962,17 +1962,13 @@ def reduce_mode(m: int, interpret: bool) -> str:
 
 def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype: Any,
                     norm_weight: Array | None, residual: Array | None) -> None:
+    check_sums_flags(epi)  # first: row_sums alone is a falsy (empty) epilogue
     if not epi:
         return
     if m > MAX_FUSED_M:
         raise ValueError(f"M={m} rows; a fused epilogue takes 1..{MAX_FUSED_M} (Epilogue)")
     if epi.norm and not epi.gain and norm_weight is not None:
         raise ValueError("unit_norm (a norm without weight) takes no norm_weight")
-    if epi.sums and not epi.norm:
-        raise ValueError("norm_sums are the norm's row sums: pass norm_weight or unit_norm=True with them")
-    if epi.row_sums and not (epi.residual and not epi.swiglu and epi.qkv is None):
-        raise ValueError("row_sums=True are the sums of the residual kernel's output (the next norm's input): "
-                         "pass residual= with it (not swiglu)")
     if epi.norm and epi.gain:
         if norm_weight.dtype != jnp.bfloat16 or norm_weight.ndim not in (1, 2) or norm_weight.shape[-1] != k:
             raise ValueError(f"norm_weight must be bfloat16 [K={k}] or a stack [L, K]; got "
@@ -1985,7 +1981,18 @@ def _check_epilogue(epi: Epilogue, m: int, k: int, n: int, layer: Any, out_dtype
                          f"got {residual.dtype} {residual.shape}")
 
 
-def _check_sums(norm_sums: Array | None, m: int) -> None:
+def check_sums_flags(epi: Epilogue) -> None:
+    """The sums' rules of an `Epilogue` (every backend's): `sums` needs the norm, `row_sums` a residual
+    output (not SiLU·up, not the qkv epilogue)."""
+    if epi.sums and not epi.norm:
+        raise ValueError("norm_sums are the norm's row sums: pass norm_weight or unit_norm=True with them")
+    if epi.row_sums and not (epi.residual and not epi.swiglu and epi.qkv is None):
+        raise ValueError("row_sums=True are the sums of the residual kernel's output (the next norm's input): "
+                         "pass residual= with it (not swiglu)")
+
+
+def check_norm_sums(norm_sums: Array | None, m: int) -> None:
+    """`norm_sums` for M rows: None or float32 [P, rows_for(M)]."""
     if norm_sums is not None and (norm_sums.ndim != 2 or norm_sums.shape[1] != rows_for(m)
                                   or norm_sums.dtype != jnp.float32):
         raise ValueError(f"norm_sums must be float32 [P, {rows_for(m)}] (P partial sums per row, rows padded to "
@@ -2029,7 +2036,7 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
     epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
                    sums=norm_sums is not None, swiglu=swiglu, residual=residual is not None, row_sums=row_sums)
     _check_epilogue(epi, m, k, n, layer, out_dtype, norm_weight, residual)
-    _check_sums(norm_sums, m)
+    check_norm_sums(norm_sums, m)
     n_layers = w.lead[0] if n_lead else (norm_weight.shape[0] if g_stacked else 0)
     if g_stacked and norm_weight.shape[0] != n_layers:
         raise ValueError(f"norm_weight has {norm_weight.shape[0]} layers, the weight {n_layers}")
@@ -2123,7 +2130,7 @@ def int4_qkv_cache_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any, rope: Array
     epi = Epilogue(norm=norm_weight is not None or unit_norm, eps=float(norm_eps), gain=not unit_norm,
                    sums=norm_sums is not None, qkv=geo)
     _check_epilogue(epi, m, k, n, layer, jnp.dtype(jnp.bfloat16), norm_weight, None)
-    _check_sums(norm_sums, m)
+    check_norm_sums(norm_sums, m)
     interp = _common.interpret_default(interpret)
     cfg = config or default_config(k, n, g, reduce=reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.chunk_cols(g))
@@ -2158,6 +2165,18 @@ def _qkv_cache_call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any
     return tuple(r[...].reshape(a.shape) for r, a in zip(refs, bufs))
 
 
+def _check_bf16_weight(w: Array, entry: str) -> tuple[int, int]:
+    """(K, N) of a bf16 weight [K, N] or stack [L, K, N] the bf16 kernel takes."""
+    if w.dtype != jnp.bfloat16:
+        raise ValueError(f"w dtype {w.dtype}: {entry} takes bfloat16 weights")
+    if w.ndim not in (2, 3):
+        raise ValueError(f"w must be [K, N] or a stack [L, K, N]; got {w.shape}")
+    k, n = w.shape[-2:]
+    if k % lay.KB or n % lay.ROWS:
+        raise ValueError(f"W [K={k}, N={n}]: K must be a multiple of {lay.KB} and N of {lay.ROWS}")
+    return k, n
+
+
 def bf16_qkv_cache_mgpu(x: Array, w: Array, *, layer: Any, rope: Array, slots: Array, q_buf: Array,
                         k_ring: Array, v_ring: Array, config: MgpuConfig | None = None,
                         interpret: bool | None = None) -> tuple[Array, Array, Array]:
@@ -2165,11 +2184,7 @@ def bf16_qkv_cache_mgpu(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
     (no norm in the kernel), w [K, N] or a stack [L, K, N] read at `layer`; the product (the bf16
     kernel's, rows independent of M), RoPE and the writes as there. `qkv_cache_reference` with
     w in float32 is the math."""
-    if w.dtype != jnp.bfloat16 or w.ndim not in (2, 3):
-        raise ValueError(f"w must be bfloat16 [K, N] or a stack [L, K, N]; got {w.dtype} {w.shape}")
-    k, n = w.shape[-2:]
-    if k % lay.KB or n % lay.ROWS:
-        raise ValueError(f"W [K={k}, N={n}]: K must be a multiple of {lay.KB} and N of {lay.ROWS}")
+    k, n = _check_bf16_weight(w, "bf16_qkv_cache_mgpu")
     m = _check_x(x, k)
     geo = _qkv_geometry(m, n, q_buf, k_ring, v_ring, rope, slots)
     if w.ndim == 3 and w.shape[0] != geo.layers:
@@ -2221,13 +2236,9 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                      config: MgpuConfig | None = None, interpret: bool | None = None) -> Array:
     """x [M, K] bf16 @ W [K, N] bf16 -> [M, N] with row-invariant results (module docstring).
     `w` is one layer [K, N] or a stack [L, K, N] with `layer` read in place."""
-    if w.dtype != jnp.bfloat16:
-        raise ValueError(f"w dtype {w.dtype}: bf16_matmul_mgpu takes bfloat16 weights")
-    if w.ndim not in (2, 3) or (layer is None) != (w.ndim == 2):
+    k, n = _check_bf16_weight(w, "bf16_matmul_mgpu")
+    if (layer is None) != (w.ndim == 2):
         raise ValueError(f"w must be [K, N], or [L, K, N] with layer=; got {w.shape} and layer={layer!r}")
-    k, n = w.shape[-2:]
-    if k % lay.KB or n % lay.ROWS:
-        raise ValueError(f"W [K={k}, N={n}]: K must be a multiple of {lay.KB} and N of {lay.ROWS}")
     m = _check_x(x, k)
     interp = _common.interpret_default(interpret)
     cfg = config or default_config(k, n, None, reduce=reduce_mode(m, interp))
@@ -2241,4 +2252,5 @@ __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_CACHE
            "QKV_HEAD_DIMS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu",
            "bf16_qkv_cache_mgpu",
            "chunk_row_sums", "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
-           "interpret_params", "qkv_cache_reference", "rope_table", "rows_for", "takes_norm_sums", "tuned_config"]
+           "check_norm_sums", "check_sums_flags", "interpret_params", "qkv_cache_reference", "rope_table", "rows_for",
+           "takes_norm_sums", "tuned_config"]
