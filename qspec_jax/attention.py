@@ -395,7 +395,7 @@ def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache
     the draft's fused qkv kernel writes them; q then gives only the shapes (single device).
     """
     if q_operand is not None and (mesh is not None and mesh.size > 1 or not uses_kernels(impl)):
-        raise ValueError("q_operand: only the single-device Mosaic attention kernel takes a prepared query operand")
+        raise ValueError("q_operand: only the single-device attention kernels take a prepared query operand")
     if uses_kernels(impl):
         import pallas_kernels  # imported lazily: the CPU path needs no Triton
 

@@ -139,9 +139,22 @@ class DenseKVCache:
         take = lambda x: jax.lax.dynamic_slice(x, (layer, 0, 0, start, 0), (1, b, h, length, d))[0]  # noqa: E731
         return take(self.k), take(self.v)
 
+    def append_slots(self, t: int) -> Array:
+        """int32[B, T]: the rows of `append_buffers` that T new tokens go to (their positions)."""
+        return self.next_positions(t)
+
+    @property
+    def append_buffers(self) -> tuple[Array, Array]:
+        """(k, v) [L, B, Hkv, S, D]: where `append_layer` writes new tokens, at `append_slots`
+        (a kernel that writes them itself returns them through `with_append_buffers`)."""
+        return self.k, self.v
+
+    def with_append_buffers(self, k: Array, v: Array) -> "DenseKVCache":
+        return self.replace(k=k, v=v)
+
     def append_layer(self, layer: Array, k: Array, v: Array) -> "DenseKVCache":
         """Writes K/V [B, Hkv, T, D] of T new tokens after each row's committed tokens."""
-        slots = self.next_positions(k.shape[2])
+        slots = self.append_slots(k.shape[2])
         return self.replace(k=_scatter_rows(self.k, layer, slots, k, contiguous=True),
                             v=_scatter_rows(self.v, layer, slots, v, contiguous=True))
 
@@ -327,6 +340,15 @@ class QuantSpecCache:
         """int32[B, T]: the ring slots of T new tokens after each row's committed ones."""
         j = self.fp_len[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         return ((self.fp_start[:, None] + j) % self.ring_size).astype(jnp.int32)
+
+    @property
+    def append_buffers(self) -> tuple[Array, Array]:
+        """(k_fp, v_fp) [L, B, Hkv, R, D]: the FP rings `append_layer` writes new tokens to, at
+        `append_slots` (a kernel that writes them itself returns them through `with_append_buffers`)."""
+        return self.k_fp, self.v_fp
+
+    def with_append_buffers(self, k: Array, v: Array) -> "QuantSpecCache":
+        return self.replace(k_fp=k, v_fp=v)
 
     def append_layer(self, layer: Array, k: Array, v: Array) -> "QuantSpecCache":
         """Writes K/V [B, Hkv, T, D] of T new tokens into the ring slots after the committed ones

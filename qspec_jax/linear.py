@@ -209,35 +209,81 @@ def qkv_cache_fusable(w: Any, int4_impl: str, rows: int, head_dim: int) -> bool:
     return head_dim in _qkv_cache_dims() and fusable(w, int4_impl, rows, norm=True, head_dim=head_dim)
 
 
+TARGET_QKV_CACHE_ENV = "QSPEC_TARGET_QKV_CACHE"  # a target's bf16 q|k|v into the cache in one kernel (below)
+# Head dims "auto" runs a target's `qkv_into_cache` for: those measured faster in the model. 128 (the 8B's; H200,
+# 2026-12-01, `qspec-bench profile` at 4k, on / off in one call): the verify step (T 5) at batch 1 5.035 -> 4.744 ms
+# (glue 0.629 -> 0.378 ms, 526 -> 400 launches; linears 3.803 -> 3.779 with the kernel's tuned launch shape), the
+# QuantSpec loop 3.937 -> 3.848 ms a token; at batch 4 (20 rows) 5.472 -> 5.428. 64 (SmolLM2's): not yet timed; nor
+# the AR-bf16 baseline's dense cache (the Triton dense kernel given the operand): "auto" leaves both to "1".
+TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS = (128,)
+
+
+def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = None,
+                             dense_cache: bool = False) -> str | None:
+    """The backend `qkv_into_cache` runs a target's fused bf16 q|k|v weight `w` (a stack [L, K, N]
+    or its StackedLayer) with at `rows` = B x T rows, or None where the target keeps its XLA q|k|v,
+    RoPE and cache writes. QSPEC_TARGET_QKV_CACHE: "auto" (the default) the Mosaic kernel on
+    Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS over a QuantSpecCache, "1" for every head dim
+    the qkv epilogue takes over either cache (`dense_cache`: the AR-bf16 baseline's), "0" never,
+    "interpret" the kernel's CPU twin (tests). Up to the rows the draft's kernel runs at for that
+    head dim (24; 32 for 64 channels: `mosaic_gpu.QKV_CACHE_FUSED_M`) and the new tokens' buffer
+    (`buffer`: the cache's `append_buffers[0]`, or its shape) the kernel indexes
+    (`QKV_MAX_BUFFER_ELEMENTS`). From the pass's shape, never from T: the verify and the AR
+    decode it is compared with (`decode(width=)`) take the same path."""
+    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M, QKV_CACHE_FUSED_M, QKV_HEAD_DIMS, QKV_MAX_BUFFER_ELEMENTS
+
+    mode = os.environ.get(TARGET_QKV_CACHE_ENV, "auto")
+    dims = {"0": (), "auto": TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1": QKV_HEAD_DIMS, "interpret": QKV_HEAD_DIMS}
+    if mode not in dims:
+        raise ValueError(f"{TARGET_QKV_CACHE_ENV}={mode!r}: expected one of {', '.join(dims)}")
+    inner = w.weight if isinstance(w, StackedLayer) else w
+    size = 0 if buffer is None else int(np.prod(getattr(buffer, "shape", buffer)))
+    if (head_dim not in dims[mode] or (dense_cache and mode == "auto") or size > QKV_MAX_BUFFER_ELEMENTS
+            or not isinstance(inner, jax.Array) or inner.dtype != jnp.bfloat16 or inner.ndim != 3
+            or rows > QKV_CACHE_FUSED_M.get(head_dim, AUTO_FUSED_M)):
+        return None
+    if mode == "interpret":
+        return "interpret"
+    from pallas_kernels.linear import device_arch
+
+    return "mosaic" if device_arch() == ("gpu", 9) else None
+
+
 def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Array, Array]:
     """What every layer's `qkv_into_cache` of one decode pass shares, computed once outside the
-    layer loop: the RoPE table of positions int32 [B] (one token per row;
-    `pallas_kernels.linear.mosaic_gpu.rope_table`) and the ring slots int32 [B] padded to the
-    kernel's rows."""
+    layer loop: the RoPE table of positions int32 [B, T] (row m = b T + t;
+    `pallas_kernels.linear.mosaic_gpu.rope_table`) and the ring slots int32 [B, T] as the
+    kernel's rows, padded to its M_pad."""
     from pallas_kernels.linear.mosaic_gpu import rope_table, rows_for
 
-    b = positions.shape[0]
-    return rope_table(positions, jnp.asarray(inv_freq, jnp.float32)), jnp.pad(slots, (0, rows_for(b) - b))
+    m = positions.size
+    return (rope_table(positions.reshape(m), jnp.asarray(inv_freq, jnp.float32)),
+            jnp.pad(slots.reshape(m), (0, rows_for(m) - m)))
 
 
-def qkv_into_cache(x: Array, w: Any, *, int4_impl: str, norm: Any, norm_eps: float, rope: Array, slots: Array,
-                   q_buf: Array, k_ring: Array, v_ring: Array, norm_unit: bool = False,
+def qkv_into_cache(x: Array, w: Any, *, backend: str, rope: Array, slots: Array, q_buf: Array, k_ring: Array,
+                   v_ring: Array, norm: Any = None, norm_eps: float = 1e-5, norm_unit: bool = False,
                    norm_sums: Array | None = None) -> tuple[Array, Array, Array]:
-    """The draft's normed q|k|v product, RoPE'd and written where the decode attention reads it,
-    in one Mosaic kernel (`pallas_kernels.linear.int4_qkv_cache`; `qkv_cache_fusable` says
-    where): x [B, 1, D] (one token per row), w a StackedLayer of the fused weight, `norm` the
-    attention norm (a StackedLayer read in place; `norm_unit`: its weight is ones and the kernel
-    does not read it; `norm_sums`: the rows' sums of x^2, given, `norm_sums_fusable`); rope, slots,
-    q_buf, k_ring, v_ring as that entry takes them. Returns the updated (q_buf, k_ring, v_ring)."""
+    """The q|k|v product, RoPE'd and written where the decode attention reads it, in one Mosaic
+    kernel: x [B, T, D], w a StackedLayer of the fused weight; rope, slots (`qkv_pass_inputs`),
+    q_buf, k_ring, v_ring as `pallas_kernels.linear.int4_qkv_cache` takes them; `backend`
+    "mosaic" or "interpret" (the CPU twin). The draft's INT4 weight (`qkv_cache_fusable`) with its
+    attention norm inside the kernel: `norm` a StackedLayer read in place (`norm_unit`: its
+    weight is ones and the kernel does not read it; `norm_sums`: the rows' sums of x^2, given,
+    `norm_sums_fusable`); a target's bf16 weight (`target_qkv_cache_backend`) takes x already
+    normed. Returns the updated (q_buf, k_ring, v_ring)."""
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
+    bufs = dict(layer=layer, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring)
+    if not is_int4(inner):
+        from pallas_kernels.linear import bf16_qkv_cache
+
+        return bf16_qkv_cache(x, inner, backend=backend, **bufs)
     if isinstance(norm, StackedLayer):
         norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
     from pallas_kernels.linear import int4_qkv_cache
 
-    return int4_qkv_cache(x, inner, backend="interpret" if int4_impl == "interpret" else "mosaic", layer=layer,
-                          rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring,
-                          norm_weight=None if norm_unit else norm, unit_norm=norm_unit, norm_eps=norm_eps,
-                          norm_sums=norm_sums)
+    return int4_qkv_cache(x, inner, backend=backend, norm_weight=None if norm_unit else norm, unit_norm=norm_unit,
+                          norm_eps=norm_eps, norm_sums=norm_sums, **bufs)
 
 
 def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto", out_dtype: Any = None,

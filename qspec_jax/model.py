@@ -41,6 +41,7 @@ from qspec_jax.linear import (
     qkv_cache_fusable,
     qkv_into_cache,
     qkv_pass_inputs,
+    target_qkv_cache_backend,
     to_kernel_layout,
 )
 from qspec_jax.norm import add_norm_backend, add_rms_norm
@@ -382,7 +383,7 @@ def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
 
 def _scan_layers(params: Params, x: Array, cache: Any,
                  layer_fn: Callable[[LayerParams, Array, Any, Array], tuple[Array, Any]],
-                 stack_norms: bool = False) -> tuple[Array, Any]:
+                 stack_norms: bool = False, stack: tuple[str, ...] = ()) -> tuple[Array, Any]:
     """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers; `cache` is
     whatever the layers thread through the loop's carry (the cache, or a tuple holding it).
 
@@ -393,11 +394,12 @@ def _scan_layers(params: Params, x: Array, cache: Any,
     A `while_loop` over the layer index (XLA sees a known trip count, as for a scan) rather than a
     scan over `arange(L)`: the kernels then take the loop's own induction variable as their layer
     operand, where a scanned index costs a dynamic-slice kernel per layer on a GPU.
-    `stack_norms`: the RMSNorm weights stay stacked too (the fused kernels read them in place).
+    `stack_norms`: the RMSNorm weights stay stacked too (the fused kernels read them in place);
+    `stack`: so do these weights (a kernel reads them whatever `dense_matmul_impl` says).
     """
     impl = params.config.dense_matmul_impl
     stacked = {n: w for n, w in vars(params.layers).items()
-               if keep_stacked(w, impl) or (stack_norms and n in ("attn_norm", "mlp_norm"))}
+               if keep_stacked(w, impl) or (stack_norms and n in ("attn_norm", "mlp_norm")) or n in stack}
     sliced = params.layers.replace(**{n: None for n in stacked})
 
     def body(carry):
@@ -599,9 +601,9 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     q_struct = jax.ShapeDtypeStruct((b, w, cfg.num_heads, cfg.head_dim), x.dtype)
     inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
     fusion = _layer_fusion(params, b * w)
-    q_operand = _qkv_cache_operand(params, fusion, cache, view, q_struct)
-    if q_operand is not None:
-        return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, q_operand, t)
+    into_cache = _qkv_cache_plan(params, fusion, cache, view, q_struct)
+    if into_cache is not None:
+        return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, *into_cache, t)
 
     def layer(lp, x, cache, i):  # x [B, T, D], or the pair (x, down) / (x, sums): fusion.defers_residual / sums
         if fusion.norm:
@@ -616,59 +618,90 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
                                mesh=params.mesh, inputs=inputs)
         return _attn_out_and_mlp(cfg, lp, x, attn.reshape(b, w, -1), params.mesh, fusion)[0], cache
 
-    if fusion.defers_residual:  # the first layer's pending residual: zeros (x + 0 is x)
-        x = (x, jnp.zeros_like(x))
-    elif fusion.sums:  # the first layer's norm input is the embedding: its sums from XLA
-        x = (x, norm_sums_of(x))
-    x, cache = _scan_layers(params, x, cache, layer, stack_norms=fusion.norm or bool(fusion.add_norm))
-    if fusion.defers_residual:
-        x = x[0] + x[1]
-    elif fusion.sums:
-        x = x[0]
+    x, cache = _scan_layers(params, _carry_in(fusion, x), cache, layer,
+                            stack_norms=fusion.norm or bool(fusion.add_norm))
     # The lm_head runs over all `width` columns too (its shape must not depend on T).
-    return _logits(params, x)[:, :t], cache.advance(t)
+    return _logits(params, _carry_out(fusion, x))[:, :t], cache.advance(t)
 
 
-def _qkv_cache_operand(params: Params, fusion: LayerFusion, cache: Cache, view: str,
-                       q_struct: jax.ShapeDtypeStruct) -> tuple[int, ...] | None:
-    """The attention's query operand shape where `decode` runs the draft's q|k|v into the cache
-    in one kernel (`_decode_qkv_cache`): the fused draft layer (`fusion.norm`) decoding one token
-    per row over a QuantSpecCache with a bf16 ring, heads the kernel takes
-    (`linear.qkv_cache_fusable`) and an attention kernel that takes a prepared query operand.
-    Else None."""
+def _carry_in(fusion: LayerFusion, x: Array) -> Any:
+    """The layer loop's x for the embedding x [B, T, D]: x, or with `fusion.defers_residual` the
+    pair (x, zeros) (the first layer's pending residual: x + 0 is x), or with `fusion.sums` the
+    pair (x, its rows' sums of squares from XLA: no kernel formed the embedding)."""
+    if fusion.defers_residual:
+        return x, jnp.zeros_like(x)
+    if fusion.sums:
+        return x, norm_sums_of(x)
+    return x
+
+
+def _carry_out(fusion: LayerFusion, x: Any) -> Array:
+    """The last layer's output [B, T, D] from the layer loop's x (`_carry_in`)."""
+    if fusion.defers_residual:
+        return x[0] + x[1]
+    return x[0] if fusion.sums else x
+
+
+def _qkv_cache_plan(params: Params, fusion: LayerFusion, cache: Cache, view: str,
+                    q_struct: jax.ShapeDtypeStruct) -> tuple[tuple[int, ...], str] | None:
+    """(the attention's query operand shape, the kernel backend) where `decode` runs each layer's
+    q|k|v into the cache in one kernel (`_decode_qkv_cache`), else None. Where the new tokens'
+    buffers (`append_buffers`) are bf16 and the attention kernel takes a prepared query operand:
+    the fused draft layer (`fusion.norm`) decoding one token per row over a QuantSpecCache with
+    heads its INT4 kernel takes (`linear.qkv_cache_fusable`), or a target's bf16 layer where
+    `linear.target_qkv_cache_backend` runs one (the verify and the AR decode at its width alike:
+    from the pass's shape, not T; over a dense cache, the AR-bf16 baseline)."""
     cfg = params.config
     b, t = q_struct.shape[:2]
-    if not (fusion.norm and t == 1 and isinstance(cache, QuantSpecCache) and cache.k_fp.dtype == jnp.bfloat16
-            and qkv_cache_fusable(params.layers.wqkv, cfg.int4_matmul_impl, b, cfg.head_dim)):
+    buf = cache.append_buffers[0]
+    if buf.dtype != jnp.bfloat16:
         return None
-    return query_operand_shape(q_struct, cache, view, cfg.attention_impl)
+    if fusion.norm:
+        ok = (t == 1 and isinstance(cache, QuantSpecCache)
+              and qkv_cache_fusable(params.layers.wqkv, cfg.int4_matmul_impl, b, cfg.head_dim))
+        backend = "interpret" if cfg.int4_matmul_impl == "interpret" else "mosaic"
+    else:
+        single = params.mesh is None or params.mesh.size == 1
+        backend = target_qkv_cache_backend(params.layers.wqkv, b * t, cfg.head_dim, buffer=buf,
+                                           dense_cache=isinstance(cache, DenseKVCache)) if single else None
+        ok = backend is not None
+    shape = query_operand_shape(q_struct, cache, view, cfg.attention_impl) if ok else None
+    return None if shape is None else (shape, backend)
 
 
-def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: QuantSpecCache, view: str,
+def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: Cache, view: str,
                       inputs: Any, fusion: LayerFusion, q_struct: jax.ShapeDtypeStruct,
-                      q_operand: tuple[int, ...], t: int) -> tuple[Array, Cache]:
-    """`decode`'s layer loop with each layer's attention norm, q|k|v product, RoPE, query operand
-    and ring writes in one kernel (`linear.qkv_into_cache`): the same function as the unfused
-    layer (`_qkv`, `append_layer`, the attention's own query preparation) up to where the fused
-    kernel rounds. The query operand [B, Hkv, D, CN] rides in the loop's carry: each layer
-    writes its columns in place, the padding columns stay the zeros they start as."""
+                      q_operand: tuple[int, ...], backend: str, t: int) -> tuple[Array, Cache]:
+    """`decode`'s layer loop with each layer's q|k|v product, RoPE, query operand and ring writes
+    in one kernel (`linear.qkv_into_cache`; the draft's with its attention norm inside, a target's
+    after the norm's own kernel): the same function as the unfused layer (`_qkv`, `append_layer`,
+    the attention's own query preparation) up to where the fused kernel rounds. The query
+    operand [B, Hkv, D, CN] rides in the loop's carry: each layer writes its columns in place, the
+    padding columns stay the zeros they start as. The new tokens' K / V go to the cache's
+    `append_buffers` at `append_slots`, clipped into the buffer as `append_layer`'s scatter clips
+    them (generation sizes caches so that this never triggers; the kernel's stores stay in bounds)."""
     cfg = params.config
-    rope, slots = qkv_pass_inputs(positions[:, 0], cache.append_slots(1)[:, 0], rope_inv_freq(cfg))  # once per pass
+    width, rows = positions.shape[1], cache.append_buffers[0].shape[3]
+    slots = jnp.clip(cache.append_slots(width), 0, rows - 1)
+    rope, slots = qkv_pass_inputs(positions, slots, rope_inv_freq(cfg))  # once per pass
 
-    def layer(lp, x, carry, i):  # x [B, 1, D], or the pair (x, its rows' sums of squares): fusion.sums
+    def layer(lp, x, carry, i):  # x [B, W, D], or a pair (`_carry_in`)
         cache, q_buf = carry
-        x, sums = x if fusion.sums else (x, None)
-        q_buf, k_fp, v_fp = qkv_into_cache(x, lp.wqkv, int4_impl=cfg.int4_matmul_impl, norm=lp.attn_norm,
-                                           norm_unit="attn_norm" in fusion.unit_norms,
-                                           norm_eps=cfg.rms_norm_eps, rope=rope, slots=slots, q_buf=q_buf,
-                                           k_ring=cache.k_fp, v_ring=cache.v_fp, norm_sums=sums)
-        cache = cache.replace(k_fp=k_fp, v_fp=v_fp)
+        k_buf, v_buf = cache.append_buffers
+        bufs = dict(backend=backend, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_buf, v_ring=v_buf)
+        if fusion.norm:  # the draft: the attention norm inside the kernel
+            x, sums = x if fusion.sums else (x, None)
+            q_buf, k_buf, v_buf = qkv_into_cache(x, lp.wqkv, norm=lp.attn_norm, norm_eps=cfg.rms_norm_eps,
+                                                 norm_unit="attn_norm" in fusion.unit_norms, norm_sums=sums, **bufs)
+        else:
+            x, h = _input_norm(cfg, fusion, x, lp.attn_norm)
+            q_buf, k_buf, v_buf = qkv_into_cache(h, lp.wqkv, **bufs)
+        cache = cache.with_append_buffers(k_buf, v_buf)
         attn = cache_attention(q_struct, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                inputs=inputs, q_operand=q_buf)
-        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*x.shape[:2], -1), params.mesh, fusion)[0], (cache, q_buf)
+        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*positions.shape, -1), params.mesh, fusion)[0], (cache, q_buf)
 
     q_buf = jnp.zeros(q_operand, jnp.bfloat16)
-    x = (x, norm_sums_of(x)) if fusion.sums else x  # the first layer's norm input, the embedding: sums from XLA
-    x, (cache, _) = _scan_layers(params, x, (cache, q_buf), layer, stack_norms=True)
-    x = x[0] if fusion.sums else x
-    return _logits(params, x)[:, :t], cache.advance(t)
+    x, (cache, _) = _scan_layers(params, _carry_in(fusion, x), (cache, q_buf), layer,
+                                 stack_norms=fusion.norm or bool(fusion.add_norm), stack=("wqkv",))
+    return _logits(params, _carry_out(fusion, x))[:, :t], cache.advance(t)

@@ -3,8 +3,9 @@
 The fused INT4 kernels themselves are checked against `mosaic_gpu.epilogue_reference` in
 tests/test_w4a16_mgpu.py (interpret mode) and on the GPU by tools/device/check_w4a16.py. Here:
 one layer with the interpret-mode kernels against the model's unfused math, `decode`'s wiring
-(stacked norms, the switch, the fallbacks) with the kernels replaced by their reference, and
-the target's path untouched.
+(stacked norms, the switch, the fallbacks) with the kernels replaced by their reference, the
+target's path untouched by the draft's switches, and the target's own q|k|v-into-the-cache
+kernel behind its switch (QSPEC_TARGET_QKV_CACHE).
 """
 
 import importlib.util
@@ -183,32 +184,37 @@ def test_target_path_is_unchanged(monkeypatch):
 
 @pytest.fixture
 def qkv_reference(monkeypatch):
-    """The draft's q|k|v-into-the-cache kernel through its reference (its backends recorded), and
-    the model's reference attention handed the query operand the kernel writes, turned back into
-    queries (the operands recorded): ([backend of each call], [operand of each call])."""
+    """The q|k|v-into-the-cache kernels (the draft's INT4, a target's bf16) through their reference
+    (their backends recorded), and the model's reference attention handed the query operand the
+    kernel writes, turned back into queries (the operands recorded): ([backend of each call],
+    [operand of each call])."""
     from pallas_kernels.decode_attention import mosaic_gpu as mgd
 
     qkv_calls, operands = [], []
-    real_qkv = plinear.int4_qkv_cache
 
-    def fake_qkv(*a, backend, **kw):
-        qkv_calls.append(backend)
-        return real_qkv(*a, backend="reference", **kw)
+    def recorded(real):
+        def fake_qkv(*a, backend, **kw):
+            qkv_calls.append(backend)
+            return real(*a, backend="reference", **kw)
+        return fake_qkv
 
     real_attention = M.cache_attention
 
     def attention(q, q_pos, cache, layer, view, impl, sliding_window, mesh=None, inputs=None, q_operand=None):
-        if q_operand is not None:  # [B, Hkv, D, CN]: column r of KV head h is query head h n_rep + r
+        if q_operand is not None:  # [B, Hkv, D, CN]: column t n_rep + r of KV head h is query head h n_rep + r
             b, t, hq, d = q.shape
-            n_rep = hq // q_operand.shape[1]
+            hkv = q_operand.shape[1]
+            n_rep = hq // hkv
             operands.append(q_operand)
-            q = jnp.swapaxes(q_operand[..., :n_rep], 2, 3).reshape(b, t, hq, d)
+            q = q_operand[..., :t * n_rep].reshape(b, hkv, d, t, n_rep).transpose(0, 3, 1, 4, 2).reshape(b, t, hq, d)
         return real_attention(q, q_pos, cache, layer, view, impl, sliding_window, mesh=mesh, inputs=inputs)
 
-    monkeypatch.setattr(plinear, "int4_qkv_cache", fake_qkv)
+    monkeypatch.setattr(plinear, "int4_qkv_cache", recorded(plinear.int4_qkv_cache))
+    monkeypatch.setattr(plinear, "bf16_qkv_cache", recorded(plinear.bf16_qkv_cache))
     monkeypatch.setattr(M, "cache_attention", attention)
+    # [B, Hkv, D, CN]: the Mosaic kernels' and the dense kernel's operand alike (16 columns a tile)
     monkeypatch.setattr(M, "query_operand_shape", lambda q, cache, view, impl: mgd.query_operand_shape(
-        q.shape, cache.k_hi.shape[2]))
+        q.shape, cache.append_buffers[0].shape[2]))
     return qkv_calls, operands
 
 
@@ -252,6 +258,135 @@ def test_decode_writes_qkv_into_the_cache_in_one_kernel(reference_kernels, qkv_r
         keep[:, rows, :, slots] = False
         np.testing.assert_array_equal(a[keep], orig[keep])
     np.testing.assert_array_equal(np.asarray(on_cache.fp_len), np.asarray(off_cache.fp_len))
+
+
+def _head_dim_target(head_dim: int):
+    """A target of CFG (bf16, q|k|v and gate|up fused as on a GPU) with q|k|v 2 + 1 + 1 heads of
+    `head_dim` channels."""
+    cfg = CFG.replace(num_heads=2, num_kv_heads=1, head_dim=head_dim)
+    return cfg, M.fuse_projections(M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1))
+
+
+def _target_decode(target, toks, cache, width=None):
+    """The target's decode, traced anew (the switches are read at trace time)."""
+    return jax.jit(lambda c, tk: M.decode(target, tk, c, view="target", width=width))(cache, toks)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_target_writes_qkv_into_the_cache_in_one_kernel(qkv_reference, monkeypatch, head_dim):
+    """QSPEC_TARGET_QKV_CACHE runs a target's verify-shaped pass (3 tokens per
+    row over a QuantSpecCache, the target view) with each layer's bf16 q|k|v product, RoPE, the
+    attention's query operand and the ring writes in one kernel (`linear.qkv_into_cache`, here
+    through its reference) after the norm: the same logits and rings as the XLA path up to the
+    bf16 roundings the fusion moves, the query operand's columns t n_rep + r, and the ring
+    slots the XLA path leaves alone untouched. A bad value of the switch is refused by name."""
+    from pallas_kernels.decode_attention import mosaic_gpu as mgd
+
+    cfg, target = _head_dim_target(head_dim)
+    qkv_calls, operands = qkv_reference
+    b, t = 2, 3
+    cache = synthetic.random_quant_cache(cfg, b, 96, jax.random.PRNGKey(5), group=32, gamma_max=4, fp_start=7)
+    toks = jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32)
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "0")
+    off, off_cache = _target_decode(target, toks, cache)
+    assert qkv_calls == [] and operands == []
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "interpret")
+    on, on_cache = _target_decode(target, toks, cache)
+    assert qkv_calls == ["interpret"]
+    assert len(operands) == 1 and operands[0].shape == mgd.query_operand_shape((b, t, 2, head_dim), 1)
+    assert _rel(on, off) < 2e-2
+    assert (np.argmax(np.asarray(on), -1) == np.argmax(np.asarray(off), -1)).mean() >= 0.5
+    slots = np.asarray(cache.append_slots(t))
+    rows = np.repeat(np.arange(b), t)
+    for name in ("k_fp", "v_fp"):
+        a, r, orig = (np.asarray(getattr(c, name), np.float32) for c in (on_cache, off_cache, cache))
+        assert _rel(a[:, rows, :, slots.reshape(-1)], r[:, rows, :, slots.reshape(-1)]) < 2e-2, name
+        keep = np.ones(a.shape, bool)
+        keep[:, rows, :, slots.reshape(-1)] = False
+        np.testing.assert_array_equal(a[keep], orig[keep])
+    np.testing.assert_array_equal(np.asarray(on_cache.fp_len), np.asarray(off_cache.fp_len))
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "yes")
+    with pytest.raises(ValueError, match="QSPEC_TARGET_QKV_CACHE='yes': expected one of 0, auto, 1, interpret"):
+        M.decode(target, toks, cache, view="target")
+
+
+def test_target_qkv_cache_keeps_the_verify_equal_to_ar(qkv_reference, monkeypatch):
+    """With the target's q|k|v into the cache on, a verify pass of 3 tokens and the autoregressive
+    decode of the same tokens one at a time at the verify's width (`decode(width=3)`) give each
+    position bit for bit the same logits: the path follows the pass's shape [B, width], never T
+    (a pass of one token at width 3 runs the same kernel as the verify)."""
+    cfg, target = _head_dim_target(64)
+    qkv_calls, _ = qkv_reference
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "interpret")
+    cache = synthetic.random_quant_cache(cfg, 2, 96, jax.random.PRNGKey(6), group=32, gamma_max=4, fp_start=3)
+    toks = jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32)
+    verify, _ = _target_decode(target, toks, cache)
+    ar = jax.jit(lambda c, tk: M.decode(target, tk, c, view="target", width=3))
+    for j in range(3):
+        logits, cache = ar(cache, toks[:, j:j + 1])
+        np.testing.assert_array_equal(np.asarray(logits[:, 0]), np.asarray(verify[:, j]))
+    assert qkv_calls == ["interpret", "interpret"]  # one trace each: the verify, the AR step
+
+
+def test_ar_bf16_writes_qkv_into_its_dense_cache(qkv_reference, monkeypatch):
+    """Over the AR-bf16 baseline's dense cache, the target's q|k|v into the cache runs where the
+    switch says so for dense caches ("auto", the default, leaves them alone until timed;
+    "interpret" here): the new tokens' K / V at their positions (`DenseKVCache.append_slots`),
+    the dense kernel's query operand; the logits and the new rows as the XLA path's up to the
+    moved bf16 roundings, every other row of the cache untouched."""
+    cfg, target = _head_dim_target(128)
+    qkv_calls, operands = qkv_reference
+    cache = synthetic.random_dense_cache(cfg, 2, 40, jax.random.PRNGKey(3), extra_slots=24,
+                                         lengths=jnp.asarray([40, 17], jnp.int32))
+    toks = jnp.asarray([[3], [4]], jnp.int32)
+    monkeypatch.delenv(qlinear.TARGET_QKV_CACHE_ENV, raising=False)
+    off, off_cache = _target_decode(target, toks, cache)
+    assert qkv_calls == []
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "interpret")
+    on, on_cache = _target_decode(target, toks, cache)
+    assert qkv_calls == ["interpret"] and operands[0].shape == (2, 1, 128, 16)
+    assert _rel(on, off) < 2e-2
+    rows, pos = np.arange(2), np.asarray(cache.lengths)
+    for name in ("k", "v"):
+        a, r, orig = (np.asarray(getattr(c, name), np.float32) for c in (on_cache, off_cache, cache))
+        assert _rel(a[:, rows, :, pos], r[:, rows, :, pos]) < 2e-2, name
+        keep = np.ones(a.shape, bool)
+        keep[:, rows, :, pos] = False
+        np.testing.assert_array_equal(a[keep], orig[keep])
+    np.testing.assert_array_equal(np.asarray(on_cache.lengths), pos + 1)
+
+
+def test_target_qkv_cache_policy(draft, monkeypatch):
+    """Where a target's layer runs `qkv_into_cache` (`linear.target_qkv_cache_backend`): a stacked
+    bf16 q|k|v weight of heads the epilogue takes (64, 128 channels), up to the rows the draft's
+    kernel runs at (24; 32 for 64 channels); not the draft's INT4 weight, not head dim 32; the
+    Mosaic kernel on Hopper only (none here: by default, "auto", and with "1", no kernel runs on
+    the CPU); "auto" takes only the head dims measured faster (128), "0" none."""
+    _, target = _head_dim_target(128)
+    w = target.layers.wqkv
+    pick = qlinear.target_qkv_cache_backend
+    assert qlinear.TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS == (128,)
+    for mode in ("auto", "1", "0"):
+        monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, mode)
+        assert pick(w, 5, 128) is None  # the CPU
+    monkeypatch.setattr(plinear, "device_arch", lambda: ("gpu", 9))  # as on Hopper
+    monkeypatch.delenv(qlinear.TARGET_QKV_CACHE_ENV)
+    assert pick(w, 5, 128) == "mosaic" and pick(w, 5, 64) is None and pick(w, 25, 128) is None
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "1")
+    assert pick(w, 5, 128) == "mosaic" and pick(w, 5, 64) == "mosaic"
+    # a dense cache (the AR-bf16 baseline's): only when asked for, and only buffers the kernel indexes in int32
+    monkeypatch.delenv(qlinear.TARGET_QKV_CACHE_ENV)
+    assert pick(w, 5, 128, dense_cache=True) is None
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "1")
+    assert pick(w, 5, 128, dense_cache=True, buffer=(32, 1, 8, 8192, 128)) == "mosaic"
+    assert pick(w, 5, 128, dense_cache=True, buffer=(32, 1, 8, 131072, 128)) is None  # 2^32 elements
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "0")
+    assert pick(w, 5, 128) is None
+    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "interpret")
+    assert pick(w, 24, 128) == "interpret" and pick(w, 25, 128) is None
+    assert pick(w, 32, 64) == "interpret" and pick(w, 33, 64) is None
+    assert pick(w, 5, 32) is None and pick(w[0], 5, 128) is None
+    assert pick(draft.layers.wqkv, 5, 128) is None
 
 
 def test_norm_rows_follow_the_qkv_cache_kernel(reference_kernels, qkv_reference, monkeypatch):

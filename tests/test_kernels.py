@@ -269,6 +269,35 @@ def test_dense_kernel_matches_reference(dtype, t, n_rep):
         assert _relerr(win, _reference(q, q_pos, cache, jnp.int32(1), window=20)) <= F32_TOL
 
 
+@pytest.mark.parametrize("t,n_rep", [(1, 4), (5, 3)])
+def test_dense_kernel_takes_a_prepared_query_operand(t, n_rep):
+    """Given its queries as the bf16 operand [B, Hkv, D, CN] a fused q|k|v kernel writes
+    (`dense_operand_shape`: column t n_rep + r holds query head h n_rep + r of token t, the rest
+    zero), the dense kernel computes bit for bit what it computes from q, through
+    `cache_attention` too (`query_operand_shape` gives the shape for a bf16 dense cache); an
+    operand of another shape or dtype is refused by name."""
+    cfg = _cfg(hkv=2, n_rep=n_rep)
+    cache = build_dense_cache(jax.random.PRNGKey(7), cfg, 3, 96, [96, 9, 50], dtype=jnp.bfloat16)
+    b, hq, d = 3, cfg.num_heads, cfg.head_dim
+    q = jax.random.normal(jax.random.PRNGKey(8), (b, t, hq, d)).astype(jnp.bfloat16)
+    q_pos = jnp.maximum(cache.lengths[:, None] - t + jnp.arange(t)[None, :], 0).astype(jnp.int32)
+    shape = pk.query_operand_shape(q, cache, view="target")
+    assert shape == pk.dense_operand_shape(q.shape, 2) == (b, 2, d, 16 * -(-t * n_rep // 16))
+    cols = jnp.transpose(q.reshape(b, t, 2, n_rep, d), (0, 2, 4, 1, 3)).reshape(b, 2, d, t * n_rep)
+    operand = jnp.zeros(shape, jnp.bfloat16).at[..., :t * n_rep].set(cols)
+    want = np.asarray(_kernel(q, q_pos, cache, jnp.int32(1)))
+    got = pk.dense_decode_attention(q, q_pos, cache.k, cache.v, jnp.int32(1), interpret=True, q_operand=operand)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got = pk.cache_attention(q, q_pos, cache, jnp.int32(1), interpret=True, q_operand=operand)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="q_operand must be bfloat16"):
+        pk.dense_decode_attention(q, q_pos, cache.k, cache.v, 1, interpret=True, q_operand=operand[..., :-1])
+    with pytest.raises(ValueError, match="q_operand must be bfloat16"):
+        pk.dense_decode_attention(q, q_pos, cache.k, cache.v, 1, interpret=True,
+                                  q_operand=operand.astype(jnp.float32))
+    assert pk.query_operand_shape(q.astype(jnp.float32), cache, view="target") is None
+
+
 def test_dense_partials_past_length_are_neutral():
     cfg = _cfg(hkv=1, n_rep=2, layers=1)
     cache = build_dense_cache(jax.random.PRNGKey(9), cfg, 1, 1024, [30])

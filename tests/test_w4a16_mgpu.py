@@ -460,7 +460,7 @@ def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
             cfg = mg.tuned_config(k, n, g, device_kind=f"NVIDIA {kind} SXM")
             assert (cfg.wgs, cfg.k_tile, cfg.splits, cfg.reduce) == (wgs, kt, splits, red)
             assert (cfg.k_groups, cfg.stages) == (tuple(rest) or (1, 4))
-            mg._check_cfg(cfg, k, n, lay.chunk_cols(g))
+            mg._check_cfg(cfg, k, n, lay.KB if g is None else lay.chunk_cols(g))  # G None: a bf16 weight
             assert cfg == mg.default_config(k, n, g, device_kind=f"NVIDIA {kind} SXM")
     down = (14336, 4096, 32)
     model = mg.default_config(*down, device_kind="", num_sms=132)
@@ -488,6 +488,13 @@ def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
             k, n, 32, device_kind="", num_sms=132, epilogue=epi)
     assert mg.default_config(576, 49152, 32, device_kind=h200, num_sms=132) == mg.default_config(
         576, 49152, 32, device_kind="", num_sms=132)
+    # the 8B target's bf16 q|k|v with the qkv epilogue (its two warpgroups, the whole K in the kernel): k_tile 256,
+    # 2 splits summed in the cluster; not the cost model's, and not on other devices
+    qkv = mg.Epilogue(qkv=mg.QkvCache(num_heads=32, num_kv_heads=8, batch=1, ring=288, q_cols=32, layers=32,
+                                      tokens=5))
+    cfg = mg.default_config(4096, 6144, None, device_kind=h200, num_sms=132, epilogue=qkv)
+    assert (cfg.wgs, cfg.k_tile, cfg.splits, cfg.reduce) == (2, 256, 2, "cluster")
+    assert cfg != mg.default_config(4096, 6144, None, device_kind="", num_sms=132, epilogue=qkv)
     monkeypatch.setenv("QSPEC_W4A16_TUNED", "0")
     assert mg.default_config(*down, device_kind=H100, num_sms=132) == model
 

@@ -20,6 +20,7 @@ from pallas_kernels.decode_attention.mosaic_gpu import MgpuConfig, quantized_dec
 from pallas_kernels.decode_attention.triton import (
     KernelConfig,
     dense_decode_attention,
+    dense_operand_shape,
     merge_partials,
     quantized_decode_attention,
     rows_for,
@@ -33,6 +34,7 @@ __all__ = [
     "cache_attention",
     "choose_impl",
     "dense_decode_attention",
+    "dense_operand_shape",
     "is_hopper",
     "merge_partials",
     "quantized_decode_attention",

@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default
-from pallas_kernels.decode_attention.triton import dense_decode_attention, kernel_inputs, quantized_decode_attention
+from pallas_kernels.decode_attention.triton import (
+    SUPPORTED_HEAD_DIMS,
+    dense_decode_attention,
+    dense_operand_shape,
+    kernel_inputs,
+    quantized_decode_attention,
+)
 
 Array = jax.Array
 IMPLS = ("auto", "mosaic", "triton")  # cache_attention's backends ("auto": by device)
@@ -47,10 +53,16 @@ def choose_impl(impl: str, q: Array, cache: Any, view: str) -> str:
 
 def query_operand_shape(q: Any, cache: Any, *, view: str, impl: str = "auto") -> tuple[int, ...] | None:
     """The prepared query operand `cache_attention(q_operand=...)` takes for queries q [B, T, Hq, D]
-    (an array or a ShapeDtypeStruct) over a QuantSpecCache: [B, Hkv, D, CN] bf16 where the call
-    runs the Mosaic kernel's warp-specialized schedule, else None (q it is)."""
-    from qspec_jax.cache import QuantSpecCache  # lazy: keeps this module light
+    (an array or a ShapeDtypeStruct), [B, Hkv, D, CN] bf16 (column t n_rep + r: query head
+    h n_rep + r of token t), or None where the call takes q itself: over a QuantSpecCache where
+    the call runs the Mosaic kernel's warp-specialized schedule; over a bf16 DenseKVCache with
+    bf16 queries (the Triton dense kernel: `triton.dense_operand_shape`)."""
+    from qspec_jax.cache import DenseKVCache, QuantSpecCache  # lazy: keeps this module light
 
+    if isinstance(cache, DenseKVCache):
+        ok = (jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16) and cache.k.dtype == jnp.bfloat16
+              and q.shape[3] in SUPPORTED_HEAD_DIMS)
+        return dense_operand_shape(q.shape, cache.k.shape[2]) if ok else None
     if not isinstance(cache, QuantSpecCache) or choose_impl(impl, q, cache, view) != "mosaic":
         return None
     from pallas_kernels.decode_attention import mosaic_gpu as mg
@@ -89,8 +101,8 @@ def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, v
     `interpret=None` interprets unless the default backend is a GPU (the Mosaic kernel then
     runs its SMEM-operand twin). DenseKVCache: `view` is ignored (Triton dense kernel).
     `inputs`: `attention_inputs(q, q_pos, cache, view=view, impl=impl)` of this pass, or None.
-    `q_operand`: the queries already in the Mosaic kernel's operand layout (`takes_query_operand`;
-    q then gives only the shapes): QuantSpecCache with the Mosaic kernel only.
+    `q_operand`: the queries already in the kernel's operand layout (`query_operand_shape`; q
+    then gives only the shapes): the Mosaic kernel over a QuantSpecCache, the dense kernel.
     """
     from qspec_jax.cache import DenseKVCache, QuantSpecCache  # lazy: keeps this module light
 
@@ -107,9 +119,7 @@ def cache_attention(q: Array, q_pos: Array, cache: Any, layer: Array | int, *, v
             raise ValueError("q_operand: only the Mosaic GPU kernel takes a prepared query operand")
         return quantized_decode_attention(q, q_pos, cache, layer, view=view, sliding_window=sliding_window,
                                           interpret=interpret, config=config, inputs=inputs)
-    if q_operand is not None:
-        raise ValueError("q_operand: only the Mosaic GPU kernel over a QuantSpecCache takes a prepared query operand")
     if isinstance(cache, DenseKVCache):
         return dense_decode_attention(q, q_pos, cache.k, cache.v, layer, sliding_window=sliding_window,
-                                      interpret=interpret, config=config, inputs=inputs)
+                                      interpret=interpret, config=config, inputs=inputs, q_operand=q_operand)
     raise TypeError(f"unsupported cache type {type(cache).__name__}")

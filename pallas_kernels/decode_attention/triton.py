@@ -133,6 +133,14 @@ def _online_update(s_parts: list, m: Array, l: Array, vis_parts: list | None = N
     return p_parts, alpha, m_new, l
 
 
+def dense_operand_shape(q_shape: tuple[int, ...], hkv: int) -> tuple[int, int, int, int]:
+    """[B, Hkv, D, CN]: the dense kernel's prepared query operand for queries [B, T, Hq, D]
+    (`dense_decode_attention(q_operand=...)`; CN = rows_for(n_rep, T), the Mosaic kernels'
+    operand layout at the same column count)."""
+    b, t, hq, d = q_shape
+    return b, hkv, d, rows_for(hq // hkv, t)
+
+
 def _group_queries(q: Array, hkv: int) -> Array:
     """q [B, T, Hq, D] -> float32 [B, Hkv, M, D] pre-scaled by 1/sqrt(D) (M = rows_for(n_rep, T)):
     the n_rep * T real rows t-major (row = t * n_rep + j), then zero padding rows."""
@@ -489,14 +497,21 @@ def quantized_decode_attention(q: Array, q_pos: Array, cache: Any, layer: Array 
 
 # ============================================================================ dense kernel
 def _dense_kernel(layer_ref, meta_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, BS: int, NS: int,
-                  S: int, RT: int, window: int | None, exact: bool):
+                  S: int, RT: int, window: int | None, exact: bool, operand: bool = False):
+    """`operand`: q_ref is the prepared query operand, bf16 [B, Hkv, D, CN] unscaled (as the qkv
+    epilogue writes it), scaled here as `_group_queries` scales q: the same float32 product, so
+    the same bits as from q."""
     b, g, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     kv_len = jnp.minimum(meta_ref[b, 0] + 1, S)  # max query position + 1
     M = ROW_TILE
     cdt = jnp.float32 if exact else k_ref.dtype
     pos = [pos_ref[b, pl.ds(r * M, M)] for r in range(RT)]
-    qs = [q_ref[b, g, pl.ds(r * M, M), :].astype(cdt) for r in range(RT)]  # [M, D]
+    if operand:
+        D = q_ref.shape[2]
+        qs = [(q_ref[b, g, :, pl.ds(r * M, M)].T.astype(jnp.float32) * (D ** -0.5)).astype(cdt) for r in range(RT)]
+    else:
+        qs = [q_ref[b, g, pl.ds(r * M, M), :].astype(cdt) for r in range(RT)]  # [M, D]
     D = qs[0].shape[1]
     f32 = jnp.float32
     n_tiles_row = (kv_len + BS - 1) // BS
@@ -533,11 +548,14 @@ def _dense_kernel(layer_ref, meta_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_re
 def dense_decode_attention(q: Array, q_pos: Array, k: Array, v: Array, layer: Array | int, *,
                            sliding_window: int | None = None, interpret: bool | None = None,
                            config: KernelConfig | None = None, return_partials: bool = False,
-                           inputs: dict[str, Array] | None = None):
+                           inputs: dict[str, Array] | None = None, q_operand: Array | None = None):
     """Causal GQA decode attention over one layer of a stacked dense cache.
 
     q: [B, T, Hq, D]; q_pos: int32[B, T]; k, v: [L, B, Hkv, S, D] (the whole stacked cache);
     inputs: `kernel_inputs(q_pos, None, n_rep)` computed once per pass (default: here).
+    `q_operand`: the queries already as bf16 [B, Hkv, D, CN] (`dense_operand_shape`: column
+    t n_rep + r holds query head h n_rep + r of token t, the rest zero), as a fused q|k|v kernel
+    writes them; q then gives only the shapes. The same bits as from q of those values.
     A query at position p sees cached positions <= p (the new tokens must already be written).
     """
     if k.shape != v.shape or k.ndim != 5:
@@ -564,12 +582,19 @@ def dense_decode_attention(q: Array, q_pos: Array, k: Array, v: Array, layer: Ar
     ns = max(1, min(ns, n_tiles))
     warps = cfg.num_warps or NUM_WARPS
     stages = cfg.num_stages or 3
-    qg = _group_queries(q, hkv)
-    m_rows = qg.shape[2]
+    if q_operand is None:
+        qg = _group_queries(q, hkv)
+    else:
+        want = dense_operand_shape(q.shape, hkv)
+        if q_operand.shape != want or q_operand.dtype != jnp.bfloat16 or q.dtype != jnp.bfloat16:
+            raise ValueError(f"q_operand must be bfloat16 {want} for bfloat16 queries {q.shape}; got {q_operand.dtype} "
+                             f"{q_operand.shape} (queries {q.dtype})")
+        qg = q_operand
+    m_rows = rows_for(n_rep, t)
     meta, pos = _checked_inputs(inputs, q_pos, None, n_rep)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_dense_kernel, BS=bs, NS=ns, S=S, RT=m_rows // ROW_TILE, window=window,
-                               exact=q.dtype == jnp.float32)
+                               exact=q.dtype == jnp.float32, operand=q_operand is not None)
     o, m, l = _partials_call(kernel, [layer, meta, pos, qg, k, v], (B, hkv, ns), m_rows, D, warps, stages, interpret,
                              "dense_decode")
     if return_partials:

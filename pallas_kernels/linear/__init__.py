@@ -14,6 +14,7 @@
 
 from pallas_kernels.linear.api import (
     BACKENDS,
+    bf16_qkv_cache,
     dense_linear,
     device_arch,
     int4_linear,
@@ -22,4 +23,5 @@ from pallas_kernels.linear.api import (
     supports,
 )
 
-__all__ = ["BACKENDS", "dense_linear", "device_arch", "int4_linear", "int4_qkv_cache", "pick_backend", "supports"]
+__all__ = ["BACKENDS", "bf16_qkv_cache", "dense_linear", "device_arch", "int4_linear", "int4_qkv_cache",
+           "pick_backend", "supports"]

@@ -2,6 +2,7 @@
 
     int4_linear(x, w, backend="auto")   x [..., K] @ W (INT4) -> [..., N]
     int4_qkv_cache(x, w, backend=...)   the draft's q|k|v written into the attention's inputs
+    bf16_qkv_cache(x, w, backend=...)   the same for a target's bf16 q|k|v (x already normed)
     dense_linear(x, w, backend="auto")  x [..., K] @ W (bf16 [K, N]) -> [..., N]
 
 Backends ("auto" picks by the default device):
@@ -214,6 +215,23 @@ def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, s
         g1 = norm_weight[layer] if norm_weight is not None and norm_weight.ndim == 2 else norm_weight
         return mg.qkv_cache_reference(x2, _dequantize_f32(w1), norm_weight=g1, **kw)
     return mg.int4_qkv_cache_mgpu(x2, _as_packed(w), norm_weight=norm_weight, interpret=backend == "interpret", **kw)
+
+
+def bf16_qkv_cache(x: Array, w: Array, *, backend: str, layer: Any, rope: Array, slots: Array, q_buf: Array,
+                   k_ring: Array, v_ring: Array) -> tuple[Array, Array, Array]:
+    """A target's q|k|v projection written where the decode attention reads it: one kernel for
+    the bf16 product, RoPE, the query operand and the ring writes (`mosaic_gpu.bf16_qkv_cache_mgpu`
+    has the shapes; x [M, K] or [B, T, K], already normed, M = B T rows). `backend` as
+    `int4_qkv_cache` ("reference": `mosaic_gpu.qkv_cache_reference`, float32 product). w: bf16
+    [K, N] or a stack [L, K, N] read at `layer`. Returns (q_buf, k_ring, v_ring)."""
+    if backend not in QKV_CACHE_BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {QKV_CACHE_BACKENDS}")
+    x2, _ = _flatten(x, w.shape[-2])
+    kw = dict(layer=layer, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring)
+    if backend == "reference":
+        w1 = w[layer] if w.ndim == 3 else w
+        return mg.qkv_cache_reference(x2, w1.astype(jnp.float32), **kw)
+    return mg.bf16_qkv_cache_mgpu(x2, w, interpret=backend == "interpret", **kw)
 
 
 def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None,

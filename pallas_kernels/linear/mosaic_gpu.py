@@ -160,6 +160,8 @@ AUTO_RESIDUAL_M = MAX_FUSED_M  # a residual add alone
 # twenty-third session). 128 (two warpgroups per head) stays at PLAIN_EXCHANGE_MP: its halves' exchange does not lower
 # above it (`_qkv_geometry`).
 QKV_CACHE_FUSED_M = {64: 32}
+# Elements of each buffer [L, B, Hkv, R, D] the qkv epilogue writes into: its stores index the flat buffer in int32.
+QKV_MAX_BUFFER_ELEMENTS = 2 ** 31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,9 +414,12 @@ TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # (docs/bench/*_h200_2026-11-30e*): the draft step at batch 32, 8k (`tuned_table_run.py --linear-config
     # k_tile=192 --linear-k 576`): gate_up 243.4 -> 220.9 us, q|k|v 226.2 -> 215.5, o 137.3 -> 120.0, wall
     # 1.964 -> 1.896 ms; the lm_head (576, 49152) 15.6 -> 16.4 us, so it keeps the cost model's k_tile 64.
+    # The 8B target's bf16 q|k|v (G None) with the qkv epilogue, 2026-12-01 (docs/bench/*_h200_2026-12-01g*,
+    # `qkv_cache_gpu.py --parts sweep`, kernel time from a trace, M = 5): 21.0 us for the cost model's wgs 2, k_tile
+    # 64, S 8 cluster; 15.2 at k_tile 256, S 2 (S 4: 20.1, S 8: 25.6; cuBLAS's GEMM alone 17.6 there).
     "H200": {(14336, 4096, 32): (1, 256, 2, "cluster", 2, 8), (4096, 4096, 32): (1, 256, 2, "cluster", 2, 4),
              (576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
-             (576, 576, 32): (1, 192, 1, "cluster")},
+             (576, 576, 32): (1, 192, 1, "cluster"), (4096, 6144, None): (2, 256, 2, "cluster", 1, 4)},
 }
 
 
@@ -2073,6 +2078,9 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
         raise ValueError(f"k_ring, v_ring must both be [L, B, Hkv, R, D] with D in {QKV_HEAD_DIMS}; got "
                          f"{k_ring.shape}, {v_ring.shape}")
     n_layers, b, hkv, ring, dh = k_ring.shape
+    if k_ring.size > QKV_MAX_BUFFER_ELEMENTS:
+        raise ValueError(f"k_ring, v_ring {k_ring.shape}: {k_ring.size} elements; the qkv epilogue indexes them "
+                         f"in int32 (at most {QKV_MAX_BUFFER_ELEMENTS})")
     if dh == QKV_HEAD_DIM and rows_for(m) > PLAIN_EXCHANGE_MP:
         raise ValueError(f"x has {m} rows: with head dim {dh} the qkv epilogue's two warpgroups exchange a head's "
                          f"halves through shared memory untransformed, at most {PLAIN_EXCHANGE_MP} rows (above, "
@@ -2249,8 +2257,8 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
 
 
 __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_CACHE_FUSED_M", "QKV_HEAD_DIM",
-           "QKV_HEAD_DIMS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows", "bf16_matmul_mgpu",
-           "bf16_qkv_cache_mgpu",
+           "QKV_HEAD_DIMS", "QKV_MAX_BUFFER_ELEMENTS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows",
+           "bf16_matmul_mgpu", "bf16_qkv_cache_mgpu",
            "chunk_row_sums", "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
            "check_norm_sums", "check_sums_flags", "interpret_params", "qkv_cache_reference", "rope_table", "rows_for",
            "takes_norm_sums", "tuned_config"]

@@ -48,6 +48,9 @@
 #   STAGES="sums": the norms' x^2 sums from the o / down kernels, GPU checks and the batch-32 draft step A/B; after
 #   "smolreal", "smolsums" runs the real model's e2e without them; "linpeers": the linears against cuBLAS / tinygemm;
 #   "qkvt": the qkv epilogue at T tokens per row and on the bf16 kernel, GPU checks (32nd session)
+#   STAGES="tqkvcheck tqkvab": the target's q|k|v into the cache in the model, GPU checks and the 8B's A/B (33rd);
+#   "tqkvsweep": the bf16 qkv kernel's launch shapes; "tqkvdense": the same over AR-bf16's dense cache, checked and
+#   A/B; "tqkvsmol": SmolLM2's 64-channel heads A/B
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -562,6 +565,44 @@ for stage in ${STAGES:-probe smol 8b}; do
         --batches ${QKVT_B:-1,4} --shapes 8b,smollm2 2>&1 | grep -v "^W[0-9]" > $L/qkv_cache_tokens_check.log
       grep -iE "fail|error|ALL OK" $L/qkv_cache_tokens_check.log | tail -12
       echo "== qkvt done ($(( $(date +%s) - T0 )) s)";;
+    tqkvcheck)  # the target's q|k|v into the cache (QSPEC_TARGET_QKV_CACHE, 33rd session): the bf16 target's verify
+      # pass with / without it (logits, rings), then greedy QuantSpec == AR (width gamma + 1) with it on, both shapes
+      timeout 300 python3 tools/device/qkv_cache_gpu.py --parts model --target-t 5 --model-batches 1,3 \
+        --shapes 8b,smollm2 2>&1 | grep -v "^W[0-9]" | tee $L/target_qkv_model_check.log | grep -E "OK|FAIL|rror"
+      QSPEC_TARGET_QKV_CACHE=1 timeout ${EXACT_LIMIT:-150} python3 tools/device/exactness_check.py 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/exactness_target_qkv_8b.log | tail -3
+      QSPEC_TARGET_QKV_CACHE=1 timeout ${EXACT_LIMIT:-150} python3 tools/device/exactness_check.py --shape smollm2 \
+        2>&1 | grep -v "^W[0-9]" | tee $L/exactness_target_qkv_smollm2.log | tail -3
+      echo "== tqkvcheck done ($(( $(date +%s) - T0 )) s)";;
+    tqkvab)  # the same, A/B in the model: the 8B at batch 1, 4k, the verify (T 5) and the QuantSpec loop, alternating
+      for i in ${TQ_TRIALS:-1 2}; do
+        for v in 1 0; do
+          QSPEC_TARGET_QKV_CACHE=$v prof 8b_b1_4k_tqkv${v}_$i --batch 1 --contexts 4096 \
+            --programs ${TQ_PROGS:-verify,spec_loop} --verify-t 5
+        done
+      done;;
+    tqkvsweep)  # the bf16 qkv kernel's launch shapes at the 8B's q|k|v, M QKVS_T (5), kernel time from a trace
+      timeout 400 python3 tools/device/qkv_cache_gpu.py --parts sweep --shapes 8b --tokens ${QKVS_T:-5} \
+        --budget ${QKVS_BUDGET:-200} 2>&1 | grep -v "^W[0-9]" | tee $L/qkv_bf16_sweep.log | grep -E "sweep|best|rror"
+      echo "== tqkvsweep done ($(( $(date +%s) - T0 )) s)";;
+    tqkvdense)  # the AR-bf16 baseline's dense cache with the target's q|k|v into it (QSPEC_TARGET_QKV_CACHE=1; "auto"
+      # leaves dense caches alone until this is timed): the GPU check, then the AR-bf16 step and loop at 8B batch 1, 4k
+      timeout 200 python3 tools/device/qkv_cache_gpu.py --parts model --target-t 1 --dense --model-batches 1,4 \
+        --shapes 8b 2>&1 | grep -v "^W[0-9]" | tee $L/target_qkv_dense_check.log | grep -E "OK|FAIL|rror"
+      for i in ${TQ_TRIALS:-1 2}; do
+        for v in 1 0; do
+          QSPEC_TARGET_QKV_CACHE=$v prof 8b_b1_4k_dense_tqkv${v}_$i --batch 1 --contexts 4096 \
+            --programs ${TQD_PROGS:-ar_bf16,ar_loop}
+        done
+      done;;
+    tqkvsmol)  # SmolLM2's 64-channel heads (QSPEC_TARGET_QKV_CACHE=1 against auto, which leaves them alone): the
+      # verify (T 5) and the QuantSpec loop at batch 1 and 4 (5 / 20 rows), 8k
+      for bb in ${TQS_BATCHES:-1 4}; do
+        for v in 1 auto; do
+          QSPEC_TARGET_QKV_CACHE=$v prof smollm2_b${bb}_8k_tqkv$v --shape smollm2 --batch $bb --contexts 8192 \
+            --programs verify,spec_loop --verify-t 5
+        done
+      done;;
     *) echo "unknown stage $stage" >&2;;
   esac
 done

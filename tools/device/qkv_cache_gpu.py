@@ -11,6 +11,7 @@
    every other element of the query operand and the rings untouched, two calls bit for bit equal. --tokens: T
    tokens per batch row (x [B T, K], the verify's rows); --kinds bf16: the same checks of the bf16 kernel
    (`bf16_qkv_cache_mgpu`, a target's q|k|v without norm) on the INT4 weight's bf16 values.
+3. --parts sweep: the bf16 kernel's launch shapes at the 8B's q|k|v (B 1, T --tokens), kernel time from a trace.
 2. The model: one draft decode step of an 8B- and a SmolLM2-shaped model (--layers layers, random
    weights, a random QuantSpecCache) with the fused kernel (QSPEC_QKV_CACHE=all) and without: logits and
    rings close, the rings' other slots bit for bit the same. Prints OK / FAIL lines and exits 1 on any failure.
@@ -106,7 +107,10 @@ def check_kernel(b: int, n_layers: int, seed: int, shape: str = "8b", unit: bool
     return ok
 
 
-def check_model(b: int, n_layers: int, shape: str = "8b") -> bool:
+def check_model(b: int, n_layers: int, shape: str = "8b", target_t: int = 0, dense: bool = False) -> bool:
+    """The draft's decode step with the fused kernel and without; `target_t` > 0: instead the bf16 target's
+    verify-shaped pass of that many tokens per row (the target view) with QSPEC_TARGET_QKV_CACHE=1 and 0, over a
+    QuantSpecCache, or with `dense` over a dense cache (the AR-bf16 baseline's; the Triton dense kernel)."""
     from qspec_jax import linear as qlinear
     from qspec_jax import model as M
     from qspec_jax.bench import synthetic
@@ -119,27 +123,38 @@ def check_model(b: int, n_layers: int, shape: str = "8b") -> bool:
         cfg = cfg.replace(hidden_size=k, intermediate_size=1536, num_heads=hq, num_kv_heads=hkv, head_dim=dh,
                           rope_theta=theta, rope_scaling=None)
     params = M.init_random_params(cfg, jax.random.PRNGKey(0))
-    draft = M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=32, method="minmax")))
-    cache = synthetic.random_quant_cache(cfg, b, 4096, jax.random.PRNGKey(1), group=128, gamma_max=8, fp_start=5)
-    toks = jnp.arange(b, dtype=jnp.int32)[:, None] + 7
+    if dense:
+        cache = synthetic.random_dense_cache(cfg, b, 4096, jax.random.PRNGKey(1), extra_slots=64,
+                                             lengths=4096 - 7 * jnp.arange(b, dtype=jnp.int32))
+    else:
+        cache = synthetic.random_quant_cache(cfg, b, 4096, jax.random.PRNGKey(1), group=128, gamma_max=8, fp_start=5)
+    t = max(target_t, 1)
+    toks = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t) + 7
+    if target_t:
+        env, model, view = qlinear.TARGET_QKV_CACHE_ENV, M.for_device(params), "target"
+    else:
+        draft = M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=32, method="minmax")))
+        env, model, view = qlinear.QKV_CACHE_ENV, draft, "draft"
     out = {}
     for flag in ("all", "0"):
-        os.environ[qlinear.QKV_CACHE_ENV] = flag
-        logits, c = jax.jit(lambda c: M.decode(draft, toks, c, view="draft"))(cache)
-        out[flag] = (np.asarray(logits, np.float32), np.asarray(c.k_fp, np.float32), np.asarray(c.v_fp, np.float32))
+        os.environ[env] = "1" if (target_t and flag == "all") else flag
+        logits, c = jax.jit(lambda p, c: M.decode(p, toks, c, view=view))(model, cache)  # weights as arguments
+        out[flag] = (np.asarray(logits, np.float32), *(np.asarray(a, np.float32) for a in c.append_buffers))
         jax.clear_caches()
-    os.environ.pop(qlinear.QKV_CACHE_ENV)
-    slots = np.asarray(cache.append_slots(1)[:, 0])
-    rows = np.arange(b)
+    os.environ.pop(env)
+    slots = np.asarray(cache.append_slots(t)).reshape(-1)
+    rows = np.repeat(np.arange(b), t)
+    if target_t:
+        shape = f"{shape} target{' dense cache' if dense else ''} T={t}"
     ok = True
     rel = lambda a, r: float(np.linalg.norm(a - r) / np.linalg.norm(r))  # noqa: E731
     lrel = rel(out["all"][0], out["0"][0])
     agree = float((out["all"][0].argmax(-1) == out["0"][0].argmax(-1)).mean())
     good = lrel < 2e-2
-    print(f"  {'OK  ' if good else 'FAIL'} model {shape} B={b}: draft logits rel {lrel:.2e}, "
+    print(f"  {'OK  ' if good else 'FAIL'} model {shape} B={b}: logits rel {lrel:.2e}, "
           f"argmax agree {agree:.2f}", flush=True)
     ok &= good
-    for i, name in ((1, "k_fp"), (2, "v_fp")):
+    for i, name in ((1, "k"), (2, "v")):
         a, r = out["all"][i], out["0"][i]
         keep = np.ones(a.shape, bool)
         keep[:, rows, :, slots] = False
@@ -151,6 +166,67 @@ def check_model(b: int, n_layers: int, shape: str = "8b") -> bool:
     return ok
 
 
+def sweep_bf16(tokens: int, n_layers: int, budget_s: float) -> None:
+    """The bf16 qkv kernel's launch shapes at the 8B's q|k|v (B 1, `tokens` rows), each timed by its
+    kernels' GPU time in a profiler trace (not the loop's wall), with cuBLAS's GEMM alone beside it."""
+    import dataclasses
+    import itertools
+    import tempfile
+    import time
+
+    from qspec_jax.bench.timing import time_loop
+
+    rng = np.random.default_rng(8)
+    hq, hkv, dh, k, theta = SHAPES["8b"]
+    n, m, ring = (hq + 2 * hkv) * dh, tokens, 4608
+    cn = 16 * -(-tokens * (hq // hkv) // 16)
+    w = _bf(rng, n_layers, k, n)
+    inv = jnp.asarray(1.0 / theta ** (np.arange(0, dh, 2) / dh), jnp.float32)
+    rope = mg.rope_table(jnp.arange(m, dtype=jnp.int32) + 4000, inv)
+    slots = jnp.pad(jnp.arange(m, dtype=jnp.int32) + 4000, (0, mg.rows_for(m) - m))
+    bufs = (_bf(rng, 1, hkv, dh, cn), _bf(rng, n_layers, 1, hkv, ring, dh), _bf(rng, n_layers, 1, hkv, ring, dh))
+    x = _bf(rng, m, k)
+
+    def kernel_us(step):
+        with tempfile.TemporaryDirectory() as d:
+            r = time_loop(step, (jnp.int32(0), x, bufs), reps=64, trials=1, data=w, trace_dir=d)
+        return {name: us for name, us in r["kernels"].items() if us > 0.5}
+
+    def xla(c, d):
+        i, x, bufs = c
+        y = jnp.dot(x, jax.lax.dynamic_index_in_dim(d, i % n_layers, keepdims=False))
+        return i + 1, x + y[:, :k], bufs
+
+    print(f"  sweep M={m} cuBLAS: {kernel_us(xla)}", flush=True)
+    geo = mg.QkvCache(num_heads=hq, num_kv_heads=hkv, batch=1, ring=ring, q_cols=cn, layers=n_layers, head_dim=dh,
+                      tokens=m)
+    default = mg.default_config(k, n, None, reduce=mg.reduce_mode(m, False), epilogue=mg.Epilogue(qkv=geo))
+    print(f"  sweep M={m} default {default}", flush=True)
+    shapes = [(default.k_tile, default.splits, default.stages, default.reduce)]
+    shapes += list(itertools.product((128, 256), (4, 2, 8), (4, 6), ("cluster", "sem")))
+    t0, results = time.time(), []
+    for kt, sp, st, red in shapes:
+        if time.time() - t0 > budget_s:
+            break
+        cfg = dataclasses.replace(default, k_tile=kt, splits=sp, stages=st, reduce=red)
+
+        def fused(c, d, cfg=cfg):
+            i, x, bufs = c
+            out = mg.bf16_qkv_cache_mgpu(x, d, layer=i % n_layers, rope=rope, slots=slots, q_buf=bufs[0],
+                                         k_ring=bufs[1], v_ring=bufs[2], config=cfg)
+            return i + 1, x + out[0][0, 0, 0, 0], out
+        try:
+            ks = kernel_us(fused)
+        except Exception as e:  # a launch shape the kernel refuses or that does not lower
+            print(f"  sweep M={m} k{kt} s{sp} st{st} {red}: {type(e).__name__} {str(e)[:80]}", flush=True)
+            continue
+        us = sum(v for name, v in ks.items() if "mosaic" in name)
+        results.append((us, kt, sp, st, red))
+        print(f"  sweep M={m} k{kt} s{sp} st{st} {red}: {us:.2f} us", flush=True)
+    for us, kt, sp, st, red in sorted(results)[:5]:
+        print(f"  best M={m}: k{kt} s{sp} st{st} {red} {us:.2f} us (floor {k * n * 2 / 4.35e12 * 1e6:.1f})", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,3,8,24")
@@ -159,6 +235,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model-batches", default="1,8")
     ap.add_argument("--shapes", default="8b,smollm2", help=f"head shapes, of {sorted(SHAPES)}")
     ap.add_argument("--tokens", default="1", help="tokens per batch row of the kernel checks (comma list)")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds per token count of --parts sweep")
+    ap.add_argument("--target-t", type=int, default=0, help="the model part checks the bf16 target's pass of this "
+                                                             "many tokens per row instead of the draft's step")
+    ap.add_argument("--dense", action="store_true", help="with --target-t: over a dense cache (AR-bf16's)")
     ap.add_argument("--kinds", default="int4", help="int4 (the draft's kernel, with and without norm weight) and / "
                                                     "or bf16 (`bf16_qkv_cache_mgpu`)")
     args = ap.parse_args(argv)
@@ -176,9 +256,12 @@ def main(argv=None) -> int:
                         ok &= check_kernel(b, args.layers, seed=200 + i, shape=shape, unit=True, tokens=t)
                     if "bf16" in args.kinds:
                         ok &= check_kernel(b, args.layers, seed=300 + i, shape=shape, tokens=t, dense=True)
+        if "sweep" in args.parts and shape == "8b":
+            for t in (int(v) for v in args.tokens.split(",")):
+                sweep_bf16(t, max(args.layers, 8), args.budget)
         if "model" in args.parts:
             for b in (int(v) for v in args.model_batches.split(",")):
-                ok &= check_model(b, args.layers, shape)
+                ok &= check_model(b, args.layers, shape, args.target_t, args.dense)
     print("ALL OK" if ok else "FAILURES", flush=True)
     return 0 if ok else 1
 
