@@ -581,9 +581,10 @@ for stage in ${STAGES:-probe smol 8b}; do
             --programs ${TQ_PROGS:-verify,spec_loop} --verify-t 5
         done
       done;;
-    tqkvsweep)  # the bf16 qkv kernel's launch shapes at the 8B's q|k|v, M QKVS_T (5), kernel time from a trace
+    tqkvsweep)  # the bf16 kernel's launch shapes at the 8B's QKVS_LINEARS (qkv with its epilogue; o, gate_up, down
+      # plain), M QKVS_T (5), kernel time from a trace, cuBLAS beside it
       timeout 400 python3 tools/device/qkv_cache_gpu.py --parts sweep --shapes 8b --tokens ${QKVS_T:-5} \
-        --budget ${QKVS_BUDGET:-200} 2>&1 | grep -v "^W[0-9]" | tee $L/qkv_bf16_sweep.log | grep -E "sweep|best|rror"
+        --sweep-linears ${QKVS_LINEARS:-qkv} --budget ${QKVS_BUDGET:-200} 2>&1 | grep -v "^W[0-9]" | tee $L/qkv_bf16_sweep.log | grep -E "sweep|best|rror"
       echo "== tqkvsweep done ($(( $(date +%s) - T0 )) s)";;
     tqkvdense)  # the AR-bf16 baseline's dense cache with the target's q|k|v into it (QSPEC_TARGET_QKV_CACHE=1; "auto"
       # leaves dense caches alone until this is timed): the GPU check, then the AR-bf16 step and loop at 8B batch 1, 4k

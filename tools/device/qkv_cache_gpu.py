@@ -11,7 +11,8 @@
    every other element of the query operand and the rings untouched, two calls bit for bit equal. --tokens: T
    tokens per batch row (x [B T, K], the verify's rows); --kinds bf16: the same checks of the bf16 kernel
    (`bf16_qkv_cache_mgpu`, a target's q|k|v without norm) on the INT4 weight's bf16 values.
-3. --parts sweep: the bf16 kernel's launch shapes at the 8B's q|k|v (B 1, T --tokens), kernel time from a trace.
+3. --parts sweep: the bf16 kernel's launch shapes at the 8B's q|k|v (the qkv epilogue) or other linears (plain;
+   --sweep-linears), B 1, T --tokens, kernel time from a trace, cuBLAS beside it.
 2. The model: one draft decode step of an 8B- and a SmolLM2-shaped model (--layers layers, random
    weights, a random QuantSpecCache) with the fused kernel (QSPEC_QKV_CACHE=all) and without: logits and
    rings close, the rings' other slots bit for bit the same. Prints OK / FAIL lines and exits 1 on any failure.
@@ -166,9 +167,14 @@ def check_model(b: int, n_layers: int, shape: str = "8b", target_t: int = 0, den
     return ok
 
 
-def sweep_bf16(tokens: int, n_layers: int, budget_s: float) -> None:
-    """The bf16 qkv kernel's launch shapes at the 8B's q|k|v (B 1, `tokens` rows), each timed by its
-    kernels' GPU time in a profiler trace (not the loop's wall), with cuBLAS's GEMM alone beside it."""
+# The 8B's bf16 linears (K, N) `--parts sweep --sweep-linears` times: q|k|v with the qkv epilogue, the others plain.
+BF16_LINEARS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+
+
+def sweep_bf16(tokens: int, n_layers: int, budget_s: float, linear: str = "qkv") -> None:
+    """The bf16 kernel's launch shapes at one of the 8B's linears (B 1, `tokens` rows): q|k|v with
+    the qkv epilogue, the others plain (`bf16_matmul_mgpu`, the sum in the cluster), each timed by
+    its kernels' GPU time in a profiler trace (not the loop's wall), with cuBLAS's GEMM beside it."""
     import dataclasses
     import itertools
     import tempfile
@@ -177,8 +183,8 @@ def sweep_bf16(tokens: int, n_layers: int, budget_s: float) -> None:
     from qspec_jax.bench.timing import time_loop
 
     rng = np.random.default_rng(8)
-    hq, hkv, dh, k, theta = SHAPES["8b"]
-    n, m, ring = (hq + 2 * hkv) * dh, tokens, 4608
+    hq, hkv, dh, _, theta = SHAPES["8b"]
+    (k, n), m, ring = BF16_LINEARS[linear], tokens, 4608
     cn = 16 * -(-tokens * (hq // hkv) // 16)
     w = _bf(rng, n_layers, k, n)
     inv = jnp.asarray(1.0 / theta ** (np.arange(0, dh, 2) / dh), jnp.float32)
@@ -195,36 +201,44 @@ def sweep_bf16(tokens: int, n_layers: int, budget_s: float) -> None:
     def xla(c, d):
         i, x, bufs = c
         y = jnp.dot(x, jax.lax.dynamic_index_in_dim(d, i % n_layers, keepdims=False))
-        return i + 1, x + y[:, :k], bufs
+        return i + 1, x + y[0, 0], bufs
 
-    print(f"  sweep M={m} cuBLAS: {kernel_us(xla)}", flush=True)
-    geo = mg.QkvCache(num_heads=hq, num_kv_heads=hkv, batch=1, ring=ring, q_cols=cn, layers=n_layers, head_dim=dh,
-                      tokens=m)
-    default = mg.default_config(k, n, None, reduce=mg.reduce_mode(m, False), epilogue=mg.Epilogue(qkv=geo))
-    print(f"  sweep M={m} default {default}", flush=True)
-    shapes = [(default.k_tile, default.splits, default.stages, default.reduce)]
-    shapes += list(itertools.product((128, 256), (4, 2, 8), (4, 6), ("cluster", "sem")))
+    tag = f"{linear} M={m}"
+    print(f"  sweep {tag} cuBLAS: {kernel_us(xla)}", flush=True)
+    if linear == "qkv":
+        geo = mg.QkvCache(num_heads=hq, num_kv_heads=hkv, batch=1, ring=ring, q_cols=cn, layers=n_layers,
+                          head_dim=dh, tokens=m)
+        default = mg.default_config(k, n, None, reduce=mg.reduce_mode(m, False), epilogue=mg.Epilogue(qkv=geo))
+        shapes = list(itertools.product((2,), (128, 256), (4, 2, 8), (4, 6)))
+    else:
+        default = mg.default_config(k, n, None, reduce=mg.reduce_mode(m, False))
+        shapes = list(itertools.product((1, 2), (128, 256), (1, 2, 4, 8), (4, 6)))
+    print(f"  sweep {tag} default {default}", flush=True)
+    shapes = [(default.wgs, default.k_tile, default.splits, default.stages)] + shapes
     t0, results = time.time(), []
-    for kt, sp, st, red in shapes:
+    for wgs, kt, sp, st in shapes:
         if time.time() - t0 > budget_s:
             break
-        cfg = dataclasses.replace(default, k_tile=kt, splits=sp, stages=st, reduce=red)
+        cfg = dataclasses.replace(default, wgs=wgs, k_tile=kt, splits=sp, stages=st, reduce="cluster")
 
-        def fused(c, d, cfg=cfg):
+        def step(c, d, cfg=cfg):
             i, x, bufs = c
+            if linear != "qkv":
+                return i + 1, x + mg.bf16_matmul_mgpu(x, d, layer=i % n_layers, config=cfg)[0, 0], bufs
             out = mg.bf16_qkv_cache_mgpu(x, d, layer=i % n_layers, rope=rope, slots=slots, q_buf=bufs[0],
                                          k_ring=bufs[1], v_ring=bufs[2], config=cfg)
             return i + 1, x + out[0][0, 0, 0, 0], out
         try:
-            ks = kernel_us(fused)
+            ks = kernel_us(step)
         except Exception as e:  # a launch shape the kernel refuses or that does not lower
-            print(f"  sweep M={m} k{kt} s{sp} st{st} {red}: {type(e).__name__} {str(e)[:80]}", flush=True)
+            print(f"  sweep {tag} wgs{wgs} k{kt} s{sp} st{st}: {type(e).__name__} {str(e)[:80]}", flush=True)
             continue
         us = sum(v for name, v in ks.items() if "mosaic" in name)
-        results.append((us, kt, sp, st, red))
-        print(f"  sweep M={m} k{kt} s{sp} st{st} {red}: {us:.2f} us", flush=True)
-    for us, kt, sp, st, red in sorted(results)[:5]:
-        print(f"  best M={m}: k{kt} s{sp} st{st} {red} {us:.2f} us (floor {k * n * 2 / 4.35e12 * 1e6:.1f})", flush=True)
+        results.append((us, wgs, kt, sp, st))
+        print(f"  sweep {tag} wgs{wgs} k{kt} s{sp} st{st}: {us:.2f} us", flush=True)
+    for us, wgs, kt, sp, st in sorted(results)[:5]:
+        print(f"  best {tag}: wgs{wgs} k{kt} s{sp} st{st} cluster {us:.2f} us "
+              f"(floor {k * n * 2 / 4.35e12 * 1e6:.1f})", flush=True)
 
 
 def main(argv=None) -> int:
@@ -235,7 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model-batches", default="1,8")
     ap.add_argument("--shapes", default="8b,smollm2", help=f"head shapes, of {sorted(SHAPES)}")
     ap.add_argument("--tokens", default="1", help="tokens per batch row of the kernel checks (comma list)")
-    ap.add_argument("--budget", type=float, default=120.0, help="seconds per token count of --parts sweep")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds per linear and token count of --parts sweep")
+    ap.add_argument("--sweep-linears", default="qkv", help=f"--parts sweep: of {sorted(BF16_LINEARS)}")
     ap.add_argument("--target-t", type=int, default=0, help="the model part checks the bf16 target's pass of this "
                                                              "many tokens per row instead of the draft's step")
     ap.add_argument("--dense", action="store_true", help="with --target-t: over a dense cache (AR-bf16's)")
@@ -257,8 +272,9 @@ def main(argv=None) -> int:
                     if "bf16" in args.kinds:
                         ok &= check_kernel(b, args.layers, seed=300 + i, shape=shape, tokens=t, dense=True)
         if "sweep" in args.parts and shape == "8b":
-            for t in (int(v) for v in args.tokens.split(",")):
-                sweep_bf16(t, max(args.layers, 8), args.budget)
+            for lin in args.sweep_linears.split(","):
+                for t in (int(v) for v in args.tokens.split(",")):
+                    sweep_bf16(t, max(args.layers, 8), args.budget, lin)
         if "model" in args.parts:
             for b in (int(v) for v in args.model_batches.split(",")):
                 ok &= check_model(b, args.layers, shape, args.target_t, args.dense)
