@@ -275,15 +275,24 @@ def qkv_into_cache(x: Array, w: Any, *, backend: str, rope: Array, slots: Array,
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
     bufs = dict(layer=layer, rope=rope, slots=slots, q_buf=q_buf, k_ring=k_ring, v_ring=v_ring)
     if not is_int4(inner):
+        if norm is not None or norm_unit or norm_sums is not None:
+            raise ValueError("qkv_into_cache: a bf16 q|k|v weight takes x already normed (its kernel has no norm); "
+                             "got norm=, norm_unit= or norm_sums=")
         from pallas_kernels.linear import bf16_qkv_cache
 
         return bf16_qkv_cache(x, inner, backend=backend, **bufs)
-    if isinstance(norm, StackedLayer):
-        norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
     from pallas_kernels.linear import int4_qkv_cache
 
-    return int4_qkv_cache(x, inner, backend=backend, norm_weight=None if norm_unit else norm, unit_norm=norm_unit,
-                          norm_eps=norm_eps, norm_sums=norm_sums, **bufs)
+    return int4_qkv_cache(x, inner, backend=backend, norm_weight=None if norm_unit else _norm_at(norm, layer),
+                          unit_norm=norm_unit, norm_eps=norm_eps, norm_sums=norm_sums, **bufs)
+
+
+def _norm_at(norm: Any, layer: Array | None) -> Any:
+    """An RMSNorm weight for the kernel of a weight at `layer`: a StackedLayer is read in place
+    (the whole stack) where it is at the weight's own layer, else sliced to its layer."""
+    if not isinstance(norm, StackedLayer):
+        return norm
+    return norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
 
 
 def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto", out_dtype: Any = None,
@@ -362,8 +371,7 @@ def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any
                          f"{type(w).__name__}, {impl!r}, {rows} rows")
     from pallas_kernels.linear import int4_linear
 
-    if isinstance(norm, StackedLayer):  # read in place at the weight's own layer, else one slice
-        norm = norm.weight if (layer is not None and norm.layer is layer) else norm.weight[norm.layer]
+    norm = _norm_at(norm, layer)  # read in place at the weight's own layer, else one slice
     return int4_linear(x, w, backend="interpret" if impl == "interpret" else "mosaic", layer=layer,
                        out_dtype=out_dtype, norm_weight=None if norm_unit else norm, unit_norm=norm_unit,
                        norm_eps=norm_eps, swiglu=swiglu, residual=residual, norm_sums=norm_sums, row_sums=row_sums)

@@ -387,6 +387,12 @@ def test_target_qkv_cache_policy(draft, monkeypatch):
     assert pick(w, 32, 64) == "interpret" and pick(w, 33, 64) is None
     assert pick(w, 5, 32) is None and pick(w[0], 5, 128) is None
     assert pick(draft.layers.wqkv, 5, 128) is None
+    # a bf16 weight's kernel has no norm: a norm handed to it is refused, not dropped
+    stacked = qlinear.StackedLayer(w, jnp.int32(0))
+    for bad in (dict(norm=target.layers.attn_norm[0]), dict(norm_unit=True), dict(norm_sums=jnp.zeros((2, 8)))):
+        with pytest.raises(ValueError, match="a bf16 q.k.v weight takes x already normed"):
+            qlinear.qkv_into_cache(jnp.zeros((1, 1, w.shape[1]), jnp.bfloat16), stacked, backend="reference",
+                                   rope=None, slots=None, q_buf=None, k_ring=None, v_ring=None, **bad)
 
 
 def test_norm_rows_follow_the_qkv_cache_kernel(reference_kernels, qkv_reference, monkeypatch):

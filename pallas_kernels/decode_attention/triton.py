@@ -507,9 +507,9 @@ def _dense_kernel(layer_ref, meta_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_re
     M = ROW_TILE
     cdt = jnp.float32 if exact else k_ref.dtype
     pos = [pos_ref[b, pl.ds(r * M, M)] for r in range(RT)]
-    if operand:
-        D = q_ref.shape[2]
-        qs = [(q_ref[b, g, :, pl.ds(r * M, M)].T.astype(jnp.float32) * (D ** -0.5)).astype(cdt) for r in range(RT)]
+    if operand:  # [D, M] columns -> [M, D] rows, scaled
+        scale = q_ref.shape[2] ** -0.5
+        qs = [(q_ref[b, g, :, pl.ds(r * M, M)].T.astype(jnp.float32) * scale).astype(cdt) for r in range(RT)]
     else:
         qs = [q_ref[b, g, pl.ds(r * M, M), :].astype(cdt) for r in range(RT)]  # [M, D]
     D = qs[0].shape[1]
