@@ -17,7 +17,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "mosaic", "triton")
 PREFILL_ATTENTION_IMPLS = ("auto", "reference", "cudnn", "xla")  # qspec_jax.attention.prefill_attention
 INT4_MATMUL_IMPLS = ("auto", "xla", "pallas", "mosaic", "triton", "interpret")  # qspec_jax.linear
-DENSE_MATMUL_IMPLS = ("xla", "mosaic", "auto")  # qspec_jax.linear
+DENSE_MATMUL_IMPLS = ("xla", "mosaic", "auto", "interpret")  # qspec_jax.linear ("interpret": the kernel's CPU twin)
 NORM_IMPLS = ("auto", "xla", "mosaic", "interpret")  # qspec_jax.norm
 DTYPES = ("bfloat16", "float32")
 
@@ -65,7 +65,10 @@ class ModelConfig:
     dtype: str = "bfloat16"  # parameter and activation dtype; norms/softmax accumulate in float32
     attention_impl: str = "auto"  # "auto": Pallas kernel on GPU (Mosaic on Hopper), jnp reference elsewhere
     int4_matmul_impl: str = "auto"  # INT4 draft linears: "auto" (Mosaic on Hopper, Triton on older GPUs, XLA on CPU)
-    dense_matmul_impl: str = "xla"  # bf16 target linears: "xla" (cuBLAS on GPU) | "mosaic" (Hopper kernel) | "auto"
+    # bf16 target linears in decode: "auto" (the Mosaic kernel on Hopper where the device has a measured launch shape
+    # for the weight, cuBLAS elsewhere: `linear.dense_uses_kernel`), "xla" (cuBLAS on GPU), "mosaic" (Hopper kernel),
+    # "interpret" (the kernel's CPU twin: tests)
+    dense_matmul_impl: str = "auto"
     # Prompt attention: "auto" (cuDNN flash attention on a GPU where it takes the case, the jnp code elsewhere),
     # "cudnn", "reference" (jnp), "xla" (the flash path's split-and-merge through jax.nn's XLA attention: tests).
     prefill_attention_impl: str = "auto"

@@ -46,23 +46,45 @@ def is_int4(w: Any) -> bool:
     return isinstance(w, (QuantizedWeight, W4A16Packed))
 
 
-def dense_uses_kernel(impl: str) -> bool:
-    """Whether dense weights go to the Mosaic GPU kernel (which reads stacked weights in place)."""
-    if impl == "mosaic":
+def dense_uses_kernel(w: Any, impl: str) -> bool:
+    """Whether a stacked dense weight w [L, K, N] goes to the Mosaic GPU kernel (which reads its
+    layer in place) under `dense_matmul_impl` `impl`: "mosaic" (and "interpret", its CPU twin:
+    tests) always, "xla" never, "auto" on
+    Hopper for bf16 weights this device has a measured launch shape for (`mosaic_gpu.tuned_config`:
+    on the H200 the 8B's q|k|v, o, gate_up and down, each faster than cuBLAS alone and the AR-bf16
+    step 4.81 -> 4.69 ms in the model; docs/BENCHMARKS.md "Thirty-fourth session"); other shapes
+    keep cuBLAS. Decode-sized calls only: prefill rows go to XLA whatever this says
+    (`pallas_kernels.linear.supports`)."""
+    if getattr(w, "ndim", None) != 3 or impl == "xla":
+        return False
+    if impl in ("mosaic", "interpret"):
         return True
-    if impl == "auto":
-        from pallas_kernels.linear import device_arch
+    from pallas_kernels.linear import device_arch
+    from pallas_kernels.linear.mosaic_gpu import tuned_config
 
-        platform, major = device_arch()
-        return platform == "gpu" and major == 9
-    return False
+    k, n = w.shape[-2:]
+    return (w.dtype == jnp.bfloat16 and device_arch() == ("gpu", 9)
+            and tuned_config(int(k), int(n), None) is not None)
+
+
+def dense_swiglu_fusable(w: Any, dense_impl: str, rows: int) -> bool:
+    """Whether `linear(x, w, swiglu=True)` runs a target's bf16 gate | up weight (a stack [L, K, 2F])
+    with SiLU(gate)·up inside the Mosaic kernel at `rows` = B x T rows: where the dense linears go
+    to the kernel (`dense_uses_kernel`), up to the rows the fused epilogues run at (24,
+    `mosaic_gpu.AUTO_FUSED_M`), and QSPEC_W4A16_FUSE not 0. From the pass's rows, never from T, so
+    the verify and the AR decode at its width run the same kernel."""
+    from pallas_kernels.linear import layout as lay
+    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M
+
+    return (fusion_enabled() and not is_int4(w) and dense_uses_kernel(w, dense_impl) and rows <= AUTO_FUSED_M
+            and w.shape[-1] % (2 * lay.ROWS) == 0)
 
 
 def keep_stacked(w: Any, dense_impl: str) -> bool:
     """Whether the layer scan should hand this weight to `linear` stacked (StackedLayer) rather
     than as the scan's per-layer slice: INT4 weights always (every INT4 path indexes the layer
     itself), dense ones when they go to a kernel."""
-    return is_int4(w) or (isinstance(w, jax.Array) and w.ndim == 3 and dense_uses_kernel(dense_impl))
+    return is_int4(w) or (isinstance(w, jax.Array) and dense_uses_kernel(w, dense_impl))
 
 
 def kernel_layout_wanted(cfg: Any) -> bool:
@@ -213,18 +235,19 @@ TARGET_QKV_CACHE_ENV = "QSPEC_TARGET_QKV_CACHE"  # a target's bf16 q|k|v into th
 # Head dims "auto" runs a target's `qkv_into_cache` for: those measured faster in the model. 128 (the 8B's; H200,
 # 2026-12-01, `qspec-bench profile` at 4k, on / off in one call): the verify step (T 5) at batch 1 5.035 -> 4.744 ms
 # (glue 0.629 -> 0.378 ms, 526 -> 400 launches; linears 3.803 -> 3.779 with the kernel's tuned launch shape), the
-# QuantSpec loop 3.937 -> 3.848 ms a token; at batch 4 (20 rows) 5.472 -> 5.428. 64 (SmolLM2's): not yet timed; nor
-# the AR-bf16 baseline's dense cache (the Triton dense kernel given the operand): "auto" leaves both to "1".
+# QuantSpec loop 3.937 -> 3.848 ms a token; at batch 4 (20 rows) 5.472 -> 5.428. The AR-bf16 baseline's dense cache
+# (the Triton dense kernel given the operand; 2026-12-02, with the target's other linears on the Mosaic kernel too,
+# `dense_uses_kernel`): the AR-bf16 step 4.691 -> 4.605 / 4.597 ms, glue 0.442 -> 0.310 (with cuBLAS linears it was
+# even: 4.741 / 4.736 -> 4.752 / 4.751). 64 (SmolLM2's): not yet in "auto" (the verify faster, the loop not shown).
 TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS = (128,)
 
 
-def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = None,
-                             dense_cache: bool = False) -> str | None:
+def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = None) -> str | None:
     """The backend `qkv_into_cache` runs a target's fused bf16 q|k|v weight `w` (a stack [L, K, N]
     or its StackedLayer) with at `rows` = B x T rows, or None where the target keeps its XLA q|k|v,
     RoPE and cache writes. QSPEC_TARGET_QKV_CACHE: "auto" (the default) the Mosaic kernel on
-    Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS over a QuantSpecCache, "1" for every head dim
-    the qkv epilogue takes over either cache (`dense_cache`: the AR-bf16 baseline's), "0" never,
+    Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1" for every head dim the qkv epilogue takes,
+    over either cache (a QuantSpecCache, or the AR-bf16 baseline's DenseKVCache), "0" never,
     "interpret" the kernel's CPU twin (tests). Up to the rows the draft's kernel runs at for that
     head dim (24; 32 for 64 channels: `mosaic_gpu.QKV_CACHE_FUSED_M`) and the new tokens' buffer
     (`buffer`: the cache's `append_buffers[0]`, or its shape) the kernel indexes
@@ -238,7 +261,7 @@ def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = 
         raise ValueError(f"{TARGET_QKV_CACHE_ENV}={mode!r}: expected one of {', '.join(dims)}")
     inner = w.weight if isinstance(w, StackedLayer) else w
     size = 0 if buffer is None else int(np.prod(getattr(buffer, "shape", buffer)))
-    if (head_dim not in dims[mode] or (dense_cache and mode == "auto") or size > QKV_MAX_BUFFER_ELEMENTS
+    if (head_dim not in dims[mode] or size > QKV_MAX_BUFFER_ELEMENTS
             or not isinstance(inner, jax.Array) or inner.dtype != jnp.bfloat16 or inner.ndim != 3
             or rows > QKV_CACHE_FUSED_M.get(head_dim, AUTO_FUSED_M)):
         return None
@@ -318,6 +341,8 @@ def linear(x: Array, w: Any, *, dense_impl: str = "xla", int4_impl: str = "auto"
     """
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     inner, layer = (w.weight, w.layer) if isinstance(w, StackedLayer) else (w, None)
+    if swiglu and norm is None and residual is None and not is_int4(inner):
+        return _dense_swiglu(x, inner, layer, dense_impl, out_dtype)
     if norm is not None or swiglu or residual is not None:
         return _int4_fused(x, inner, layer, int4_impl, out_dtype, norm, norm_eps, norm_unit, swiglu, residual,
                            norm_sums, row_sums)
@@ -377,13 +402,28 @@ def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any
                        norm_eps=norm_eps, swiglu=swiglu, residual=residual, norm_sums=norm_sums, row_sums=row_sums)
 
 
+def _dense_swiglu(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any) -> Array:
+    rows = int(np.prod(x.shape[:-1]))
+    stack = w if layer is not None else jax.ShapeDtypeStruct((1, *w.shape), w.dtype)  # the policy's [L, K, N]
+    if not dense_swiglu_fusable(stack, impl, rows):
+        raise ValueError(f"swiglu on a dense weight needs the Mosaic kernel (dense_matmul_impl {impl!r} taking "
+                         f"{'x'.join(map(str, w.shape))}), at most 24 rows and {FUSE_ENV} not 0 "
+                         f"(linear.dense_swiglu_fusable); got {rows} rows")
+    from pallas_kernels.linear import dense_linear
+
+    return dense_linear(x, w, layer=layer, backend="interpret" if impl == "interpret" else "mosaic",
+                        out_dtype=out_dtype, swiglu=True)
+
+
 def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *, pad_single_row: bool) -> Array:
     if impl not in DENSE_MATMUL_IMPLS:
         raise ValueError(f"dense_matmul_impl={impl!r}; expected one of {DENSE_MATMUL_IMPLS}")
-    if layer is not None and dense_uses_kernel(impl):
-        from pallas_kernels.linear import dense_linear
+    if layer is not None and dense_uses_kernel(w, impl):
+        from pallas_kernels.linear import dense_linear, supports
 
-        return dense_linear(x, w, layer=layer, backend="mosaic" if impl == "mosaic" else "auto", out_dtype=out_dtype)
+        backend = {"mosaic": "mosaic", "interpret": "interpret"}.get(impl, "auto")
+        if backend == "auto" or supports(backend, int(np.prod(x.shape[:-1])), *w.shape[-2:]):
+            return dense_linear(x, w, layer=layer, backend=backend, out_dtype=out_dtype)
     if layer is not None:
         w = w[layer]
     return _dense_matmul(x, w, pad_single_row=pad_single_row).astype(out_dtype)

@@ -32,6 +32,7 @@ from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
 from qspec_jax.linear import (
     StackedLayer,
+    dense_swiglu_fusable,
     fusable,
     keep_stacked,
     kernel_layout_wanted,
@@ -295,6 +296,8 @@ class LayerFusion:
     # and down kernels' `row_sums`; the first layer's from XLA on the embedding), so the layer loop carries the pair
     # (x [B, T, D], its sums float32 [D / 64, M_pad]) instead of x.
     sums: bool = struct.field(pytree_node=False, default=False)
+    # Without `norm` (the target's bf16 layers): SiLU(gate)·up inside the gate_up kernel (`linear.dense_swiglu_fusable`).
+    swiglu: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def defers_residual(self) -> bool:
@@ -344,11 +347,14 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
                                 residual=None if fusion.residual else row(attn, lp.wo))
         else:
             h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        if lp.w_gate_up is not None:
-            gate, up = jnp.split(col(h, lp.w_gate_up), 2, axis=-1)
+        if fusion.swiglu:
+            act = col(h, lp.w_gate_up, swiglu=True)
         else:
-            gate, up = col(h, lp.w_gate), col(h, lp.w_up)
-        act = jax.nn.silu(gate) * up
+            if lp.w_gate_up is not None:
+                gate, up = jnp.split(col(h, lp.w_gate_up), 2, axis=-1)
+            else:
+                gate, up = col(h, lp.w_gate), col(h, lp.w_up)
+            act = jax.nn.silu(gate) * up
     if fusion.residual:  # with `fusion.sums` the pair (out, its rows' sums of squares)
         out = row(act, lp.w_down, residual=x, row_sums=fusion.sums)
     elif fusion.defers_residual:
@@ -426,12 +432,16 @@ def _logits(params: Params, x: Array) -> Array:
 def _layer_fusion(params: Params, rows: int) -> LayerFusion:
     """`decode`'s glue fusion for a pass of `rows` = B x T rows: the draft's INT4 kernels'
     (`_draft_fusion`), and where they do not take the norms (the target's bf16 layers, or the
-    draft above 24 rows) the residual add + RMSNorm kernel (`norm.add_norm_backend`)."""
+    draft above 24 rows) the residual add + RMSNorm kernel (`norm.add_norm_backend`) and, for a
+    bf16 gate | up weight on the Mosaic kernel, SiLU(gate)·up in it (`linear.dense_swiglu_fusable`)."""
     fusion = _draft_fusion(params, rows)
     if fusion.norm:
         return fusion
-    cfg = params.config
-    return fusion.replace(add_norm=add_norm_backend(cfg.norm_impl, rows, cfg.hidden_size, cfg.dtype, params.mesh))
+    cfg, w = params.config, params.layers.w_gate_up
+    swiglu = ((params.mesh is None or params.mesh.size == 1) and w is not None
+              and dense_swiglu_fusable(w, cfg.dense_matmul_impl, rows))
+    return fusion.replace(add_norm=add_norm_backend(cfg.norm_impl, rows, cfg.hidden_size, cfg.dtype, params.mesh),
+                          swiglu=swiglu)
 
 
 def _draft_fusion(params: Params, rows: int) -> LayerFusion:
@@ -662,8 +672,7 @@ def _qkv_cache_plan(params: Params, fusion: LayerFusion, cache: Cache, view: str
         backend = "interpret" if cfg.int4_matmul_impl == "interpret" else "mosaic"
     else:
         single = params.mesh is None or params.mesh.size == 1
-        backend = target_qkv_cache_backend(params.layers.wqkv, b * t, cfg.head_dim, buffer=buf,
-                                           dense_cache=isinstance(cache, DenseKVCache)) if single else None
+        backend = target_qkv_cache_backend(params.layers.wqkv, b * t, cfg.head_dim, buffer=buf) if single else None
         ok = backend is not None
     shape = query_operand_shape(q_struct, cache, view, cfg.attention_impl) if ok else None
     return None if shape is None else (shape, backend)

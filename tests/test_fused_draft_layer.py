@@ -361,7 +361,7 @@ def test_target_qkv_cache_policy(draft, monkeypatch):
     bf16 q|k|v weight of heads the epilogue takes (64, 128 channels), up to the rows the draft's
     kernel runs at (24; 32 for 64 channels); not the draft's INT4 weight, not head dim 32; the
     Mosaic kernel on Hopper only (none here: by default, "auto", and with "1", no kernel runs on
-    the CPU); "auto" takes only the head dims measured faster (128), "0" none."""
+    the CPU); "auto" takes only the head dims measured faster (128), over either cache, "0" none."""
     _, target = _head_dim_target(128)
     w = target.layers.wqkv
     pick = qlinear.target_qkv_cache_backend
@@ -374,12 +374,11 @@ def test_target_qkv_cache_policy(draft, monkeypatch):
     assert pick(w, 5, 128) == "mosaic" and pick(w, 5, 64) is None and pick(w, 25, 128) is None
     monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "1")
     assert pick(w, 5, 128) == "mosaic" and pick(w, 5, 64) == "mosaic"
-    # a dense cache (the AR-bf16 baseline's): only when asked for, and only buffers the kernel indexes in int32
-    monkeypatch.delenv(qlinear.TARGET_QKV_CACHE_ENV)
-    assert pick(w, 5, 128, dense_cache=True) is None
-    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "1")
-    assert pick(w, 5, 128, dense_cache=True, buffer=(32, 1, 8, 8192, 128)) == "mosaic"
-    assert pick(w, 5, 128, dense_cache=True, buffer=(32, 1, 8, 131072, 128)) is None  # 2^32 elements
+    # a dense cache's buffer (the AR-bf16 baseline's [L, B, Hkv, S, D]): only those the kernel indexes in int32
+    for mode in ("auto", "1"):
+        monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, mode)
+        assert pick(w, 5, 128, buffer=(32, 1, 8, 8192, 128)) == "mosaic"
+        assert pick(w, 5, 128, buffer=(32, 1, 8, 131072, 128)) is None  # 2^32 elements
     monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "0")
     assert pick(w, 5, 128) is None
     monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "interpret")
@@ -506,3 +505,47 @@ def test_norms_take_their_sums_from_the_residual_kernels(draft, reference_kernel
     monkeypatch.setenv(qlinear.NORM_SUMS_ENV, "yes")
     with pytest.raises(ValueError, match="QSPEC_NORM_SUMS='yes': expected auto, 0 or 1"):
         M._draft_fusion(params, 3)
+
+
+def test_target_silu_up_in_its_gate_up_kernel(monkeypatch):
+    """Where the target's bf16 linears run on the Mosaic kernel (`dense_matmul_impl` "interpret":
+    its CPU twin; on the H200 "auto" at the 8B's shapes), a decode pass of up to 24 rows forms
+    SiLU(gate)·up inside the gate_up kernel (`LayerFusion.swiglu`, `linear.dense_swiglu_fusable`):
+    the logits as the cuBLAS path's (xla) up to the bf16 roundings the fusion moves; a verify pass
+    of 3 tokens and the AR decode of the same tokens at width 3 give each position bit for bit the
+    same logits (the choice follows the pass's rows, never T); above 24 rows, and with
+    QSPEC_W4A16_FUSE=0, the product and SiLU·up stay apart."""
+    from pallas_kernels.linear import mosaic_gpu as mg
+
+    calls = []
+    kernel = mg.bf16_matmul_mgpu
+
+    def recording(x, w, **kw):
+        calls.append((x.shape[0], w.shape[-1], kw.get("swiglu", False)))
+        return kernel(x, w, **kw)
+
+    monkeypatch.setattr(mg, "bf16_matmul_mgpu", recording)
+    cfg = CFG.replace(dense_matmul_impl="interpret")
+    params = M.fuse_projections(M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1))
+    xla = params.replace(config=cfg.replace(dense_matmul_impl="xla"))
+    cache = synthetic.random_quant_cache(cfg, 2, 96, jax.random.PRNGKey(6), group=32, gamma_max=4, fp_start=3)
+    toks = jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32)
+    verify, _ = _target_decode(params, toks, cache)
+    n_gate_up = 2 * cfg.intermediate_size
+    n_qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    # one trace of the layer: q|k|v, o, gate_up with SiLU·up, down, each on the kernel
+    assert sorted(calls) == sorted([(6, n_qkv, False), (6, cfg.hidden_size, False), (6, n_gate_up, True),
+                                    (6, cfg.hidden_size, False)])
+    ref, _ = _target_decode(xla, toks, cache)
+    assert _rel(verify, ref) < 2e-2
+    ar = jax.jit(lambda c, tk: M.decode(params, tk, c, view="target", width=3))
+    step_cache = cache
+    for j in range(3):
+        logits, step_cache = ar(step_cache, toks[:, j:j + 1])
+        np.testing.assert_array_equal(np.asarray(logits[:, 0]), np.asarray(verify[:, j]))
+    assert M._layer_fusion(params, 24).swiglu and not M._layer_fusion(params, 25).swiglu
+    assert not M._layer_fusion(xla, 6).swiglu
+    monkeypatch.setenv(qlinear.FUSE_ENV, "0")
+    assert not M._layer_fusion(params, 6).swiglu
+    with pytest.raises(ValueError, match="swiglu on a dense weight needs the Mosaic kernel"):
+        qlinear.linear(jnp.zeros((1, 128), jnp.bfloat16), xla.layers.w_gate_up[0], dense_impl="xla", swiglu=True)

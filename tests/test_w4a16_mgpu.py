@@ -392,6 +392,36 @@ def test_bf16_kernel_interpret():
     assert _rel(y, ref) < 1e-5
 
 
+def test_bf16_swiglu_epilogue_matches_reference():
+    """The bf16 kernel's SiLU·up (the target's gate | up weight): warpgroup 0 streams gate tile nt,
+    warpgroup 1 up tile nt + N / 128, and the pair's float32 products give silu(gate) * up
+    [M, N / 2]; against `epilogue_reference` on the kernel's own weight (a stacked layer read in
+    place), and `dense_linear`'s XLA form (from the bf16 products) within bf16 rounding. Rows stay
+    independent bit for bit; the halves swapped give another result (the tiles are not mixed up)."""
+    rng = np.random.default_rng(31)
+    w = jnp.asarray(rng.standard_normal((2, 256, 256)).astype(np.float32) * 0.1).astype(jnp.bfloat16)
+    cfg = mg.MgpuConfig(wgs=2, k_tile=64, splits=1, stages=2)
+    x = _x(32, 5, 256)
+    f = jax.jit(lambda x, w: mg.bf16_matmul_mgpu(x, w, layer=1, config=cfg, interpret=True, swiglu=True,
+                                                 out_dtype=jnp.float32))
+    y = np.asarray(f(x, w))
+    ref = np.asarray(mg.epilogue_reference(x, w[1].astype(jnp.float32), mg.Epilogue(swiglu=True),
+                                           out_dtype=jnp.float32))
+    assert y.shape == (5, 128) and _rel(y, ref) < 1e-5
+    swapped = jnp.concatenate([w[..., 128:], w[..., :128]], axis=-1)
+    assert _rel(np.asarray(f(x, swapped)), ref) > 0.1
+    xla = np.asarray(linear.dense_linear(x, w, layer=1, backend="xla", swiglu=True, out_dtype=jnp.float32))
+    assert _rel(xla, ref) < 2e-2
+    # rows independent in the kernel's bf16 output (the CPU twin's float32 exp is XLA's, vectorized by the tile's
+    # width, so its float32 bits may move with M_pad; the GPU kernel's exp is per element)
+    _rows_are_independent(jax.jit(lambda x: mg.bf16_matmul_mgpu(x, w, layer=1, config=cfg, interpret=True,
+                                                                 swiglu=True)), 256)
+    with pytest.raises(ValueError, match="must hold gate . up halves"):
+        linear.dense_linear(x, w[..., :255], layer=1, backend="xla", swiglu=True)
+    with pytest.raises(ValueError, match="swiglu: N=192 must be gate . up halves of a multiple of 64"):
+        mg.bf16_matmul_mgpu(x, w[1, :, :192], swiglu=True, interpret=True)
+
+
 # ------------------------------------------------------------------- row invariance (bitwise)
 def _rows_are_independent(call, k: int) -> None:
     """Row i of a call with M rows == the same row computed alone, and == itself with the other
@@ -448,6 +478,39 @@ def test_default_config_is_valid(k, n, g, reduce):
 
 
 H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
+    """`qspec_jax.linear.dense_uses_kernel` under the config's default "auto": a stacked bf16 weight
+    [L, K, N] goes to the Mosaic kernel on Hopper only where this device has a measured launch
+    shape (`TUNED_SHAPES`: the 8B's q|k|v, o, gate_up and down on the H200), never on the CPU or
+    another device kind, never a float32 or one-layer weight; "mosaic" always, "xla" never; and the
+    layer loop keeps exactly those weights stacked (`keep_stacked`)."""
+    from qspec_jax import linear as qlinear
+
+    stack = lambda k, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((32, k, n), dt)  # noqa: E731
+    eight_b = [stack(4096, 6144), stack(4096, 4096), stack(4096, 28672), stack(14336, 4096)]
+    smollm2 = stack(576, 1536)
+    uses = qlinear.dense_uses_kernel
+    assert not any(uses(w, "auto") for w in eight_b)  # the CPU
+    assert all(uses(w, "mosaic") for w in [*eight_b, smollm2]) and not any(uses(w, "xla") for w in eight_b)
+    monkeypatch.setattr(linear, "device_arch", lambda: ("gpu", 9))
+    monkeypatch.setattr(mg._common, "device_kind", lambda: "NVIDIA H200")
+    assert all(uses(w, "auto") for w in eight_b)
+    assert not uses(smollm2, "auto")  # not measured: cuBLAS
+    assert not uses(stack(4096, 4096, jnp.float32), "auto") and not uses(jax.ShapeDtypeStruct((4096, 4096),
+                                                                                             jnp.bfloat16), "auto")
+    monkeypatch.setattr(mg._common, "device_kind", lambda: "NVIDIA H100 80GB HBM3")  # no bf16 entries there
+    assert not any(uses(w, "auto") for w in eight_b)
+    monkeypatch.setattr(linear, "device_arch", lambda: ("gpu", 8))
+    monkeypatch.setattr(mg._common, "device_kind", lambda: "NVIDIA H200")
+    assert not any(uses(w, "auto") for w in eight_b)
+    # the layer loop: a measured shape stays stacked for the kernel, another is sliced for cuBLAS
+    monkeypatch.setattr(linear, "device_arch", lambda: ("gpu", 9))
+    monkeypatch.setitem(mg.TUNED_SHAPES, "H200", {**mg.TUNED_SHAPES["H200"], (256, 128, None): (1, 128, 1, "cluster")})
+    measured, other = jnp.zeros((2, 256, 128), jnp.bfloat16), jnp.zeros((2, 256, 192), jnp.bfloat16)
+    assert qlinear.keep_stacked(measured, "auto") and not qlinear.keep_stacked(other, "auto")
+    assert not qlinear.keep_stacked(measured, "xla") and qlinear.keep_stacked(other, "mosaic")
 
 
 def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
@@ -609,9 +672,10 @@ def test_register_kernel_lowers_for_cuda(g, lead, cfg, m, variant):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("cfg", [None, mg.MgpuConfig(wgs=1, k_tile=128, splits=4, reduce="cluster")])
-def test_bf16_kernel_lowers_for_cuda(cfg):
-    f = lambda x, w: mg.bf16_matmul_mgpu(x, w, config=cfg, interpret=False)  # noqa: E731
+@pytest.mark.parametrize("cfg,swiglu", [(None, False), (mg.MgpuConfig(wgs=1, k_tile=128, splits=4, reduce="cluster"),
+                                                            False), (None, True)])
+def test_bf16_kernel_lowers_for_cuda(cfg, swiglu):
+    f = lambda x, w: mg.bf16_matmul_mgpu(x, w, config=cfg, interpret=False, swiglu=swiglu)  # noqa: E731
     text = _lower(f, jax.ShapeDtypeStruct((5, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16))
     assert "mosaic_gpu" in text
 

@@ -235,32 +235,41 @@ def bf16_qkv_cache(x: Array, w: Array, *, backend: str, layer: Any, rope: Array,
 
 
 def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None,
-                 out_dtype: Any = None) -> Array:
+                 out_dtype: Any = None, swiglu: bool = False) -> Array:
     """x [..., K] @ W [K, N] (or a stack [L, K, N] with `layer`) -> [..., N]. On Hopper the
-    Mosaic kernel's rows do not depend on how many rows share the call (bitwise)."""
+    Mosaic kernel's rows do not depend on how many rows share the call (bitwise). `swiglu`: W
+    holds gate | up column halves and the call returns silu(gate) * up [..., N / 2] (the kernel
+    forms it from its float32 products, up to `mosaic_gpu.MAX_FUSED_M` rows; XLA from the bf16
+    products, as the unfused model does)."""
     _check_backend(backend)
     if backend == "triton":
         raise ValueError("backend='triton' has no dense kernel; use 'xla' or 'mosaic'")
     if w.ndim not in (2, 3) or (layer is None) != (w.ndim == 2):
         raise ValueError(f"w must be [K, N], or [L, K, N] with layer=; got {w.shape} and layer={layer!r}")
     k, n = w.shape[-2:]
+    if swiglu and n % 2:
+        raise ValueError(f"swiglu: W [K, N={n}] must hold gate | up halves (N even)")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     x2, lead = _flatten(x, k)
     m = x2.shape[0]
     if backend == "auto":
         backend = pick_backend("bf16", m, k, n, x.dtype)
-        if backend == "mosaic" and w.dtype != jnp.bfloat16:
+        if backend == "mosaic" and (w.dtype != jnp.bfloat16 or (swiglu and m > mg.MAX_FUSED_M)):
             backend = "xla"
     if backend in ("mosaic", "interpret"):
-        y = mg.bf16_matmul_mgpu(x2, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret")
+        y = mg.bf16_matmul_mgpu(x2, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret",
+                                swiglu=swiglu)
     else:
         wl = w if layer is None else w[layer]
         if backend == "reference":
-            y = jnp.dot(x2.astype(jnp.float32), wl.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST).astype(out_dtype)
+            y = mg.epilogue_reference(x2, wl.astype(jnp.float32), mg.Epilogue(swiglu=swiglu), out_dtype=out_dtype)
         else:
-            y = jnp.dot(x2, wl.astype(x2.dtype)).astype(out_dtype)
-    return y.reshape(*lead, n)
+            y = jnp.dot(x2, wl.astype(x2.dtype))
+            if swiglu:
+                gate, up = jnp.split(y, 2, axis=-1)
+                y = jax.nn.silu(gate) * up
+            y = y.astype(out_dtype)
+    return y.reshape(*lead, y.shape[-1])
 
 
 __all__ = ["BACKENDS", "dense_linear", "device_arch", "int4_linear", "pick_backend", "supports"]

@@ -417,9 +417,14 @@ TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # The 8B target's bf16 q|k|v (G None) with the qkv epilogue, 2026-12-01 (docs/bench/*_h200_2026-12-01g*,
     # `qkv_cache_gpu.py --parts sweep`, kernel time from a trace, M = 5): 21.0 us for the cost model's wgs 2, k_tile
     # 64, S 8 cluster; 15.2 at k_tile 256, S 2 (S 4: 20.1, S 8: 25.6; cuBLAS's GEMM alone 17.6 there).
+    # The 8B target's other bf16 linears, plain, 2026-12-02 (docs/bench/*_h200_2026-12-02a*, the same sweep, M = 1 / 5):
+    # one split at k_tile 256 against the cost model's 2 cluster splits at k_tile 128 (64 for gate_up): o 10.84 ->
+    # 9.77 / 9.78 us, gate_up (two warpgroups) 62.2 -> 55.6 / 56.3, down 29.6 -> 28.7 / 29.0 (floors 7.7, 54.0, 27.0).
     "H200": {(14336, 4096, 32): (1, 256, 2, "cluster", 2, 8), (4096, 4096, 32): (1, 256, 2, "cluster", 2, 4),
              (576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
-             (576, 576, 32): (1, 192, 1, "cluster"), (4096, 6144, None): (2, 256, 2, "cluster", 1, 4)},
+             (576, 576, 32): (1, 192, 1, "cluster"), (4096, 6144, None): (2, 256, 2, "cluster", 1, 4),
+             (4096, 4096, None): (1, 256, 1, "cluster"), (4096, 28672, None): (2, 256, 1, "cluster"),
+             (14336, 4096, None): (1, 256, 1, "cluster")},
 }
 
 
@@ -1242,9 +1247,10 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                     plgpu.copy_gmem_to_smem(
                         sz_gmem.at[(*lead, src_rows, pl.ds(k0 // c, kt // c))], sz_dst, full.at[slot])
             else:
-                for cw in range(wgs):
+                for cw in range(wgs):  # swiglu: as above, warpgroup cw the gate (0) or up (1) tile nt
+                    tile = nt + cw * half_tiles if epi.swiglu else nt * wgs + cw
                     plgpu.copy_gmem_to_smem(
-                        w_gmem.at[(*lead, pl.ds(k0, kt), pl.ds((nt * wgs + cw) * lay.ROWS, lay.ROWS))],
+                        w_gmem.at[(*lead, pl.ds(k0, kt), pl.ds(tile * lay.ROWS, lay.ROWS))],
                         w_smem.at[slot, cw], full.at[slot])
 
         def step(i, carry):
@@ -2241,19 +2247,24 @@ def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
 
 
 def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = None,
-                     config: MgpuConfig | None = None, interpret: bool | None = None) -> Array:
+                     config: MgpuConfig | None = None, interpret: bool | None = None,
+                     swiglu: bool = False) -> Array:
     """x [M, K] bf16 @ W [K, N] bf16 -> [M, N] with row-invariant results (module docstring).
-    `w` is one layer [K, N] or a stack [L, K, N] with `layer` read in place."""
+    `w` is one layer [K, N] or a stack [L, K, N] with `layer` read in place. `swiglu` (the
+    target's gate | up weight, at most MAX_FUSED_M rows): silu(gate) * up [M, N / 2] from the
+    float32 products, as the INT4 kernel's `Epilogue.swiglu` (`epilogue_reference` is the math)."""
     k, n = _check_bf16_weight(w, "bf16_matmul_mgpu")
     if (layer is None) != (w.ndim == 2):
         raise ValueError(f"w must be [K, N], or [L, K, N] with layer=; got {w.shape} and layer={layer!r}")
     m = _check_x(x, k)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    epi = Epilogue(swiglu=swiglu)
+    _check_epilogue(epi, m, k, n, layer, out_dtype, None, None)
     interp = _common.interpret_default(interpret)
-    cfg = config or default_config(k, n, None, reduce=reduce_mode(m, interp))
+    cfg = config or default_config(k, n, None, reduce=reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.KB)
-    return _call("bf16", x, (w,), layer, k=k, n=n, g=None, cfg=cfg,
-                 out_dtype=jnp.dtype(out_dtype or x.dtype), variant="wgmma",
-                 interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3)
+    return _call("bf16", x, (w,), layer, k=k, n=n, g=None, cfg=cfg, out_dtype=out_dtype, variant="wgmma",
+                 interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3, epi=epi)
 
 
 __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_CACHE_FUSED_M", "QKV_HEAD_DIM",

@@ -43,6 +43,7 @@ from qspec_jax.bench.kernel import dense_bytes, quant_bytes
 from qspec_jax.bench.prefill import SMOLLM2
 from qspec_jax.bench.timing import read_ceiling_bps
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, QuantSpecCache
+from qspec_jax.config import DENSE_MATMUL_IMPLS
 from qspec_jax.generation import GenerationConfig, autoregressive_loop
 from qspec_jax.planner import tree_bytes
 from qspec_jax.speculative import speculative_loop
@@ -157,6 +158,8 @@ def _profile(call: Any, trace_dir: Path, per: int, trials: int) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg, name = SHAPES[args.shape]
+    if args.dense_matmul is not None:
+        cfg = cfg.replace(dense_matmul_impl=args.dense_matmul)
     if args.quick:  # tiny sizes of the shape (the head layout kept)
         cfg, name = (e2e.QUICK if args.shape == "llama3-8b" else
                      cfg.replace(vocab_size=512, num_layers=2, intermediate_size=512)), f"tiny {name} (--quick)"
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if error is not None:  # a context whose caches do not fit this device: recorded, and the next one runs
             log(f"context {c}: {error}")
             results.append({"context": c, "error": error})
-    return {"config": name, "batch": args.batch,
+    return {"config": name, "batch": args.batch, "dense_matmul": cfg.dense_matmul_impl,
             "draft": dcfg.to_dict(), "gamma": args.gamma, "alpha": args.alpha, "verify_t": args.verify_t,
             "read_ceiling_bytes_per_s": read_ceiling_bps(), "rows": results}
 
@@ -353,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-t", type=int, default=None,
                    help="tokens of the verify pass (default: --gamma + 1, the speculative loop's verify width)")
     p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size, help="INT4 draft group size")
+    p.add_argument("--dense-matmul", choices=DENSE_MATMUL_IMPLS, default=None,
+                   help="the target's bf16 linears: xla (cuBLAS), mosaic (the Hopper kernel) or auto (the kernel on "
+                        "Hopper where it takes the shape); default: the model config's")
     p.add_argument("--top", type=int, default=24, help="kernels listed per program")
     options.add_output_args(p, "profile", "BENCHMARKS.md")
     p.add_argument("--quick", action="store_true",

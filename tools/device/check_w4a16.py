@@ -250,6 +250,49 @@ def _fused_ref(x, p, epi, gw, res, out_dtype):
                                                 out_dtype=out_dtype))
 
 
+def check_bf16_swiglu(results, log, shapes=(("gate_up", 4096, 28672),), ms=(1, 5, 16, 24), layers=2):
+    """The bf16 kernel's SiLU·up (the target's gate | up weight, a stack read at layer 1) at its
+    launch shape on this device (`default_config`: the tuned one where there is one), fresh
+    random inputs, a poisoned output: float32 outputs against `epilogue_reference` on the host
+    CPU (only the float32 summation order and exp differ), bit for bit against a second call, and
+    row invariance (each row of the M-row call == the row alone, bf16 outputs)."""
+    key = jax.random.PRNGKey(4242)
+    cpu = jax.devices("cpu")[0]
+    for name, k, n in shapes:
+        key, kw, kx = jax.random.split(key, 3)
+        w = (jax.random.normal(kw, (layers, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+        cfg = mg.default_config(k, n, None, epilogue=mg.Epilogue(swiglu=True))
+        with jax.default_device(cpu):
+            w1 = jax.device_put(w[1], cpu).astype(jnp.float32)
+        for m in ms:
+            x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.float32).astype(jnp.bfloat16)
+            f32 = jax.jit(lambda x, w: _bf16_swiglu(x, w, cfg, jnp.float32))
+            try:
+                y = bench.poison_then(lambda: f32(x, w), (m, n // 2), jnp.float32)
+                y2 = np.asarray(f32(x, w))
+                with jax.default_device(cpu):
+                    ref = np.asarray(mg.epilogue_reference(jax.device_put(x, cpu), w1, mg.Epilogue(swiglu=True),
+                                                           out_dtype=jnp.float32))
+                e = _rel(y, ref)
+                same = bool(np.array_equal(np.asarray(y).view(np.uint32), y2.view(np.uint32)))
+                b16 = jax.jit(lambda x, w: _bf16_swiglu(x, w, cfg, jnp.bfloat16))
+                yb = np.asarray(b16(x, w).astype(jnp.float32))
+                rows = all(np.array_equal(yb[i], np.asarray(b16(x[i:i + 1], w).astype(jnp.float32))[0])
+                           for i in {0, m - 1})
+                status = "ok" if e <= 1e-4 and same and rows else "FAIL"
+            except Exception as ex:  # noqa: BLE001
+                e, same, rows, status = float("nan"), False, False, f"ERROR {type(ex).__name__}: {str(ex)[:300]}"
+            results.append(dict(check="bf16_swiglu", shape=name, K=k, N=n, M=m, config=str(cfg), rel_f32=e,
+                                deterministic=same, rows=rows, status=status))
+            log(f"bf16 swiglu {name:9s} M={m:2d} {bench._mosaic_name(cfg):24s} rel_f32={e:.2e} deterministic "
+                f"{same} rows {rows} {status}")
+
+
+def _bf16_swiglu(x, w, cfg, out_dtype):
+    return mg.bf16_matmul_mgpu(x, w, layer=1, config=cfg, out_dtype=out_dtype, swiglu=True,
+                               interpret=DRY["interpret"])
+
+
 def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=("mma", "wgmma")):
     """The fused kernels (issue 32) on fresh random inputs, poisoned outputs:
     norm / swiglu with float32 outputs against `epilogue_reference` on the CPU (the kernel's bf16
@@ -430,7 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check-shapes", default=",".join(CHECK_SHAPES))
     ap.add_argument("--check-groups", default="32,64,128")
     ap.add_argument("--check-m", default="5,16")
-    ap.add_argument("--skip", default="", help="comma list of: correctness,rows,sass,diag,fused,fused_timing,timing")
+    ap.add_argument("--skip", default="",
+                    help="comma list of: correctness,rows,sass,diag,fused,bf16swiglu,fused_timing,timing")
     ap.add_argument("--fused-budget", type=float, default=60.0, help="seconds for the fused kernels' timing (per M)")
     ap.add_argument("--fused-time-m", default="1", help="comma list of row counts for the fused kernels' timing")
     ap.add_argument("--fused-time-cases", default="8b", help="comma list of: 8b, smollm2 (the fused timing's shapes)")
@@ -485,6 +529,8 @@ def main(argv=None) -> int:
             cases = {"8b": FUSED_CASES, "smollm2": SMOL_FUSED_CASES}
             check_fused(results, log, cases=sum((cases[c] for c in args.fused_cases.split(",")), ()),
                         ms=tuple(int(m) for m in args.fused_m.split(",")))
+    if "bf16swiglu" not in skip:
+        check_bf16_swiglu(results, log, **(dict(shapes=(("tiny", 128, 256),), ms=(3,)) if DRY["interpret"] else {}))
     if "fused_timing" not in skip and not DRY["interpret"]:
         cases = {"8b": FUSED_CASES, "smollm2": SMOL_FUSED_CASES}
         for m in (int(v) for v in args.fused_time_m.split(",")):

@@ -50,7 +50,8 @@
 #   "qkvt": the qkv epilogue at T tokens per row and on the bf16 kernel, GPU checks (32nd session)
 #   STAGES="tqkvcheck tqkvab": the target's q|k|v into the cache in the model, GPU checks and the 8B's A/B (33rd);
 #   "tqkvsweep": the bf16 qkv kernel's launch shapes; "tqkvdense": the same over AR-bf16's dense cache, checked and
-#   A/B; "tqkvsmol": SmolLM2's 64-channel heads A/B
+#   A/B; "tqkvsmol": SmolLM2's 64-channel heads A/B; "densemm": the target's bf16 linears on the Mosaic kernel A/B;
+#   "tswiglu": the target's SiLU·up in its gate_up kernel, checked, exactness with this build's defaults, A/B (34th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -604,6 +605,31 @@ for stage in ${STAGES:-probe smol 8b}; do
             --programs verify,spec_loop --verify-t 5
         done
       done;;
+    densemm)  # the target's bf16 linears through the Mosaic kernel at their tuned shapes (--dense-matmul auto) against
+      # cuBLAS (xla): the kernel checked at each 8B shape (fresh inputs), then the 8B at batch 1, 4k, alternating;
+      # last, auto with the q|k|v into AR-bf16's dense cache too (QSPEC_TARGET_QKV_CACHE=1)
+      timeout 240 python3 tools/device/check_w4a16.py --check-shapes qkv,o,gate_up,down --check-groups 32 \
+        --check-m 5 --skip rows,sass,diag,fused,fused_timing,timing --out $L/densemm_check 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/densemm_check.log | grep -E "^bf16|FAIL|rror"
+      for i in ${DM_TRIALS:-1}; do
+        for v in auto xla; do
+          prof 8b_b1_4k_dm${v}_$i --batch 1 --contexts 4096 --programs ${DM_PROGS:-ar_bf16,verify,ar_loop,spec_loop} \
+            --verify-t 5 --dense-matmul $v
+        done
+      done
+      [ -n "${DM_DENSE-1}" ] && QSPEC_TARGET_QKV_CACHE=1 prof 8b_b1_4k_dmauto_tqkv1 --batch 1 --contexts 4096 \
+        --programs ar_bf16,ar_loop --dense-matmul auto;;
+    tswiglu)  # the target's SiLU·up in its bf16 gate_up kernel (LayerFusion.swiglu; on with the dense linears on the
+      # Mosaic kernel, up to 24 rows): the kernel checked (fresh inputs), greedy QuantSpec == AR with every default
+      # of this build, then the 8B at batch 1, 4k with / without (QSPEC_W4A16_FUSE=0 also unfuses the draft: the
+      # A/B is the target's programs; the QuantSpec loop once, with)
+      timeout 200 python3 tools/device/check_w4a16.py --skip correctness,rows,sass,diag,fused,fused_timing,timing \
+        --out $L/swiglu_check 2>&1 | grep -v "^W[0-9]" | tee $L/bf16_swiglu_check.log | grep -E "swiglu|BAD|rror"
+      timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/exactness_check_defaults.log | tail -3
+      prof 8b_b1_4k_swiglu1 --batch 1 --contexts 4096 --programs ar_bf16,verify,ar_loop,spec_loop --verify-t 5
+      QSPEC_W4A16_FUSE=0 prof 8b_b1_4k_swiglu0 --batch 1 --contexts 4096 --programs ar_bf16,verify,ar_loop \
+        --verify-t 5;;
     *) echo "unknown stage $stage" >&2;;
   esac
 done
