@@ -46,6 +46,12 @@ def is_int4(w: Any) -> bool:
     return isinstance(w, (QuantizedWeight, W4A16Packed))
 
 
+# Rows up to which "auto" runs a target's bf16 linears on the Mosaic kernel (H200, 2026-12-02, the 8B at 4k, `--dense-matmul
+# auto|xla`): batch 1 (1 / 5 rows) AR-bf16 4.814 -> 4.597 ms, verify 4.973 -> 4.742; batch 8: the AR step (8 rows) 5.798
+# -> 5.593, but the verify (40 rows) 6.113 -> 6.247 (its four kernels 62-90% of their floors there): cuBLAS above this.
+DENSE_AUTO_MAX_ROWS = 24
+
+
 def dense_uses_kernel(w: Any, impl: str) -> bool:
     """Whether a stacked dense weight w [L, K, N] goes to the Mosaic GPU kernel (which reads its
     layer in place) under `dense_matmul_impl` `impl`: "mosaic" (and "interpret", its CPU twin:
@@ -53,8 +59,8 @@ def dense_uses_kernel(w: Any, impl: str) -> bool:
     Hopper for bf16 weights this device has a measured launch shape for (`mosaic_gpu.tuned_config`:
     on the H200 the 8B's q|k|v, o, gate_up and down, each faster than cuBLAS alone and the AR-bf16
     step 4.81 -> 4.69 ms in the model; docs/BENCHMARKS.md "Thirty-fourth session"); other shapes
-    keep cuBLAS. Decode-sized calls only: prefill rows go to XLA whatever this says
-    (`pallas_kernels.linear.supports`)."""
+    keep cuBLAS. The rows are the caller's (`_dense`): "auto" up to DENSE_AUTO_MAX_ROWS, XLA above;
+    prefill rows go to XLA under every choice (`pallas_kernels.linear.supports`)."""
     if getattr(w, "ndim", None) != 3 or impl == "xla":
         return False
     if impl in ("mosaic", "interpret"):
@@ -80,11 +86,15 @@ def dense_swiglu_fusable(w: Any, dense_impl: str, rows: int) -> bool:
             and w.shape[-1] % (2 * lay.ROWS) == 0)
 
 
-def keep_stacked(w: Any, dense_impl: str) -> bool:
-    """Whether the layer scan should hand this weight to `linear` stacked (StackedLayer) rather
-    than as the scan's per-layer slice: INT4 weights always (every INT4 path indexes the layer
-    itself), dense ones when they go to a kernel."""
-    return is_int4(w) or (isinstance(w, jax.Array) and dense_uses_kernel(w, dense_impl))
+def keep_stacked(w: Any, dense_impl: str, rows: int) -> bool:
+    """Whether the layer loop of a pass of `rows` = B x T rows should hand this weight to `linear`
+    stacked (StackedLayer) rather than as the loop's per-layer slice: INT4 weights always (every
+    INT4 path indexes the layer itself), dense ones when they go to a kernel ("auto": up to
+    DENSE_AUTO_MAX_ROWS rows; above, and in prefill, the layer loop slices them as for XLA)."""
+    if is_int4(w):
+        return True
+    return (isinstance(w, jax.Array) and dense_uses_kernel(w, dense_impl)
+            and (dense_impl != "auto" or rows <= DENSE_AUTO_MAX_ROWS))
 
 
 def kernel_layout_wanted(cfg: Any) -> bool:
@@ -421,8 +431,9 @@ def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *
     if layer is not None and dense_uses_kernel(w, impl):
         from pallas_kernels.linear import dense_linear, supports
 
+        rows = int(np.prod(x.shape[:-1]))  # from the pass's shape: the verify and the AR at its width alike
         backend = {"mosaic": "mosaic", "interpret": "interpret"}.get(impl, "auto")
-        if backend == "auto" or supports(backend, int(np.prod(x.shape[:-1])), *w.shape[-2:]):
+        if (rows <= DENSE_AUTO_MAX_ROWS if backend == "auto" else supports(backend, rows, *w.shape[-2:])):
             return dense_linear(x, w, layer=layer, backend=backend, out_dtype=out_dtype)
     if layer is not None:
         w = w[layer]

@@ -393,9 +393,9 @@ def _scan_layers(params: Params, x: Array, cache: Any,
     """Runs `layer_fn(layer_params, x, cache, layer_index)` over the stacked layers; `cache` is
     whatever the layers thread through the loop's carry (the cache, or a tuple holding it).
 
-    Weights a kernel reads (INT4 ones, dense ones under dense_matmul_impl "mosaic") stay stacked
-    outside the loop's slicing and reach `linear` as StackedLayer, so the kernel reads its layer
-    in place instead of a per-step copy.
+    Weights a kernel reads (INT4 ones, dense ones where `linear.keep_stacked` sends them to the
+    Mosaic kernel at this pass's rows) stay stacked outside the loop's slicing and reach `linear`
+    as StackedLayer, so the kernel reads its layer in place instead of a per-step copy.
 
     A `while_loop` over the layer index (XLA sees a known trip count, as for a scan) rather than a
     scan over `arange(L)`: the kernels then take the loop's own induction variable as their layer
@@ -404,8 +404,9 @@ def _scan_layers(params: Params, x: Array, cache: Any,
     `stack`: so do these weights (a kernel reads them whatever `dense_matmul_impl` says).
     """
     impl = params.config.dense_matmul_impl
+    rows = int(np.prod(jax.tree.leaves(x)[0].shape[:-1]))  # x [B, T, D], or a pair led by it (`_carry_in`)
     stacked = {n: w for n, w in vars(params.layers).items()
-               if keep_stacked(w, impl) or (stack_norms and n in ("attn_norm", "mlp_norm")) or n in stack}
+               if keep_stacked(w, impl, rows) or (stack_norms and n in ("attn_norm", "mlp_norm")) or n in stack}
     sliced = params.layers.replace(**{n: None for n in stacked})
 
     def body(carry):

@@ -484,8 +484,9 @@ def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
     """`qspec_jax.linear.dense_uses_kernel` under the config's default "auto": a stacked bf16 weight
     [L, K, N] goes to the Mosaic kernel on Hopper only where this device has a measured launch
     shape (`TUNED_SHAPES`: the 8B's q|k|v, o, gate_up and down on the H200), never on the CPU or
-    another device kind, never a float32 or one-layer weight; "mosaic" always, "xla" never; and the
-    layer loop keeps exactly those weights stacked (`keep_stacked`)."""
+    another device kind, never a float32 or one-layer weight; "mosaic" always, "xla" never; the
+    layer loop keeps exactly those weights stacked (`keep_stacked`) at passes of up to
+    `DENSE_AUTO_MAX_ROWS` rows; and "auto" calls the kernel only up to those rows."""
     from qspec_jax import linear as qlinear
 
     stack = lambda k, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((32, k, n), dt)  # noqa: E731
@@ -509,8 +510,21 @@ def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
     monkeypatch.setattr(linear, "device_arch", lambda: ("gpu", 9))
     monkeypatch.setitem(mg.TUNED_SHAPES, "H200", {**mg.TUNED_SHAPES["H200"], (256, 128, None): (1, 128, 1, "cluster")})
     measured, other = jnp.zeros((2, 256, 128), jnp.bfloat16), jnp.zeros((2, 256, 192), jnp.bfloat16)
-    assert qlinear.keep_stacked(measured, "auto") and not qlinear.keep_stacked(other, "auto")
-    assert not qlinear.keep_stacked(measured, "xla") and qlinear.keep_stacked(other, "mosaic")
+    limit = qlinear.DENSE_AUTO_MAX_ROWS
+    assert qlinear.keep_stacked(measured, "auto", limit) and not qlinear.keep_stacked(other, "auto", 1)
+    assert not qlinear.keep_stacked(measured, "auto", limit + 1)  # above the rows (prefill too): sliced as for XLA
+    assert not qlinear.keep_stacked(measured, "xla", 1) and qlinear.keep_stacked(other, "mosaic", 1)
+    # the rows: "auto" takes the kernel up to DENSE_AUTO_MAX_ROWS (the verify's 40 rows at batch 8 measured slower)
+    calls = []
+    monkeypatch.setattr(linear, "dense_linear", lambda x, w, **kw: calls.append((x.shape[0], kw["backend"])) or
+                        jnp.zeros((x.shape[0], w.shape[-1]), x.dtype))
+    stacked = qlinear.StackedLayer(measured, jnp.int32(1))
+    for rows in (1, limit, limit + 1):
+        y = qlinear.linear(jnp.ones((rows, 256), jnp.bfloat16), stacked, dense_impl="auto")
+        assert y.shape == (rows, 128)
+    assert calls == [(1, "auto"), (limit, "auto")]  # limit + 1 rows: XLA on the layer's slice
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(
+        jnp.ones((limit + 1, 256), jnp.bfloat16) @ measured[1], np.float32))
 
 
 def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
