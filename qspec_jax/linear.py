@@ -55,12 +55,12 @@ DENSE_AUTO_MAX_ROWS = 24
 def dense_uses_kernel(w: Any, impl: str) -> bool:
     """Whether a stacked dense weight w [L, K, N] goes to the Mosaic GPU kernel (which reads its
     layer in place) under `dense_matmul_impl` `impl`: "mosaic" (and "interpret", its CPU twin:
-    tests) always, "xla" never, "auto" on
-    Hopper for bf16 weights this device has a measured launch shape for (`mosaic_gpu.tuned_config`:
-    on the H200 the 8B's q|k|v, o, gate_up and down, each faster than cuBLAS alone and the AR-bf16
-    step 4.81 -> 4.69 ms in the model; docs/BENCHMARKS.md "Thirty-fourth session"); other shapes
-    keep cuBLAS. The rows are the caller's (`_dense`): "auto" up to DENSE_AUTO_MAX_ROWS, XLA above;
-    prefill rows go to XLA under every choice (`pallas_kernels.linear.supports`)."""
+    tests) always, "xla" never, "auto" on Hopper for bf16 weights this device has a measured
+    launch shape for (`mosaic_gpu.tuned_config`: on the H200 the 8B's q|k|v, o, gate_up and down,
+    each faster than cuBLAS alone and the AR-bf16 step 4.81 -> 4.69 ms in the model;
+    docs/BENCHMARKS.md "Thirty-fourth session"); other shapes keep cuBLAS. The rows are the
+    callers' (`keep_stacked`, `_dense`): "auto" up to DENSE_AUTO_MAX_ROWS, XLA above; prefill
+    rows go to XLA under every choice (`pallas_kernels.linear.supports`)."""
     if getattr(w, "ndim", None) != 3 or impl == "xla":
         return False
     if impl in ("mosaic", "interpret"):
@@ -413,11 +413,13 @@ def _int4_fused(x: Array, w: Any, layer: Array | None, impl: str, out_dtype: Any
 
 
 def _dense_swiglu(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any) -> Array:
+    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M
+
     rows = int(np.prod(x.shape[:-1]))
     stack = w if layer is not None else jax.ShapeDtypeStruct((1, *w.shape), w.dtype)  # the policy's [L, K, N]
     if not dense_swiglu_fusable(stack, impl, rows):
         raise ValueError(f"swiglu on a dense weight needs the Mosaic kernel (dense_matmul_impl {impl!r} taking "
-                         f"{'x'.join(map(str, w.shape))}), at most 24 rows and {FUSE_ENV} not 0 "
+                         f"{'x'.join(map(str, w.shape))}), at most {AUTO_FUSED_M} rows and {FUSE_ENV} not 0 "
                          f"(linear.dense_swiglu_fusable); got {rows} rows")
     from pallas_kernels.linear import dense_linear
 

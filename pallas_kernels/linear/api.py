@@ -3,7 +3,8 @@
     int4_linear(x, w, backend="auto")   x [..., K] @ W (INT4) -> [..., N]
     int4_qkv_cache(x, w, backend=...)   the draft's q|k|v written into the attention's inputs
     bf16_qkv_cache(x, w, backend=...)   the same for a target's bf16 q|k|v (x already normed)
-    dense_linear(x, w, backend="auto")  x [..., K] @ W (bf16 [K, N]) -> [..., N]
+    dense_linear(x, w, backend="auto")  x [..., K] @ W (bf16 [K, N]) -> [..., N] (swiglu=True: the gate | up
+                                        halves' silu(gate) * up, in the kernel's epilogue)
 
 Backends ("auto" picks by the default device):
 

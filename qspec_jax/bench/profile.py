@@ -357,8 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens of the verify pass (default: --gamma + 1, the speculative loop's verify width)")
     p.add_argument("--draft-group", type=int, default=DraftWeightsConfig.group_size, help="INT4 draft group size")
     p.add_argument("--dense-matmul", choices=DENSE_MATMUL_IMPLS, default=None,
-                   help="the target's bf16 linears: xla (cuBLAS), mosaic (the Hopper kernel) or auto (the kernel on "
-                        "Hopper where it takes the shape); default: the model config's")
+                   help="the target's bf16 linears: xla (cuBLAS), mosaic (the Hopper kernel), auto (the kernel on "
+                        "Hopper where the device has a measured launch shape, up to 24 rows) or interpret (its CPU "
+                        "twin); default: the model config's")
     p.add_argument("--top", type=int, default=24, help="kernels listed per program")
     options.add_output_args(p, "profile", "BENCHMARKS.md")
     p.add_argument("--quick", action="store_true",
