@@ -51,7 +51,9 @@
 #   STAGES="tqkvcheck tqkvab": the target's q|k|v into the cache in the model, GPU checks and the 8B's A/B (33rd);
 #   "tqkvsweep": the bf16 qkv kernel's launch shapes; "tqkvdense": the same over AR-bf16's dense cache, checked and
 #   A/B; "tqkvsmol": SmolLM2's 64-channel heads A/B; "densemm": the target's bf16 linears on the Mosaic kernel A/B;
-#   "tswiglu": the target's SiLU·up in its gate_up kernel, checked, exactness with this build's defaults, A/B (34th)
+#   "tswiglu": the target's SiLU·up in its gate_up kernel, checked, exactness with this build's defaults, A/B (34th);
+#   "dmb8": dense_matmul_impl auto against xla at the 8B's batch 8 (the 24-row limit); the bf16 kernel at 40 rows:
+#   STAGES=tqkvsweep QKVS_LINEARS=o,gate_up,down QKVS_T=40
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -630,6 +632,14 @@ for stage in ${STAGES:-probe smol 8b}; do
       prof 8b_b1_4k_swiglu1 --batch 1 --contexts 4096 --programs ar_bf16,verify,ar_loop,spec_loop --verify-t 5
       QSPEC_W4A16_FUSE=0 prof 8b_b1_4k_swiglu0 --batch 1 --contexts 4096 --programs ar_bf16,verify,ar_loop \
         --verify-t 5;;
+    dmb8)  # the 24-row limit of dense_matmul_impl "auto" at the 8B's batch 8, 4k (the AR step's 8 rows on the kernel,
+      # the verify's 40 on cuBLAS: should equal xla's), alternating DMB8_TRIALS times
+      for i in ${DMB8_TRIALS:-1 2}; do
+        for v in auto xla; do
+          LIMIT=150 prof 8b_b8_4k_dm${v}_$i --batch 8 --contexts 4096 --programs ar_bf16,verify --verify-t 5 \
+            --steps 4 --trials 2 --dense-matmul $v
+        done
+      done;;
     *) echo "unknown stage $stage" >&2;;
   esac
 done
