@@ -52,15 +52,16 @@ def is_int4(w: Any) -> bool:
 DENSE_AUTO_MAX_ROWS = 24
 
 
-def dense_uses_kernel(w: Any, impl: str) -> bool:
+def dense_uses_kernel(w: Any, impl: str, rows: int) -> bool:
     """Whether a stacked dense weight w [L, K, N] goes to the Mosaic GPU kernel (which reads its
-    layer in place) under `dense_matmul_impl` `impl`: "mosaic" (and "interpret", its CPU twin:
-    tests) always, "xla" never, "auto" on Hopper for bf16 weights this device has a measured
-    launch shape for (`mosaic_gpu.tuned_config`: on the H200 the 8B's q|k|v, o, gate_up and down,
-    each faster than cuBLAS alone and the AR-bf16 step 4.81 -> 4.69 ms in the model;
-    docs/BENCHMARKS.md "Thirty-fourth session"); other shapes keep cuBLAS. The rows are the
-    callers' (`keep_stacked`, `_dense`): "auto" up to DENSE_AUTO_MAX_ROWS, XLA above; prefill
-    rows go to XLA under every choice (`pallas_kernels.linear.supports`)."""
+    layer in place) under `dense_matmul_impl` `impl` in a pass of `rows` = B x T rows: "mosaic"
+    (and "interpret", its CPU twin: tests) always, "xla" never, "auto" on Hopper for bf16 weights
+    this device has a measured launch shape for (`mosaic_gpu.tuned_config`: on the H200 the 8B's
+    q|k|v, o, gate_up and down, each faster than cuBLAS alone and the AR-bf16 step 4.81 -> 4.69 ms
+    in the model; docs/BENCHMARKS.md "Thirty-fourth session") up to DENSE_AUTO_MAX_ROWS rows;
+    other shapes, and more rows, keep cuBLAS. From the pass's rows, never T: the verify and the AR
+    decode at its width run the same kernels. Prefill rows go to XLA under every choice (`_dense`,
+    `pallas_kernels.linear.supports`)."""
     if getattr(w, "ndim", None) != 3 or impl == "xla":
         return False
     if impl in ("mosaic", "interpret"):
@@ -69,7 +70,7 @@ def dense_uses_kernel(w: Any, impl: str) -> bool:
     from pallas_kernels.linear.mosaic_gpu import tuned_config
 
     k, n = w.shape[-2:]
-    return (w.dtype == jnp.bfloat16 and device_arch() == ("gpu", 9)
+    return (rows <= DENSE_AUTO_MAX_ROWS and w.dtype == jnp.bfloat16 and device_arch() == ("gpu", 9)
             and tuned_config(int(k), int(n), None) is not None)
 
 
@@ -82,19 +83,16 @@ def dense_swiglu_fusable(w: Any, dense_impl: str, rows: int) -> bool:
     from pallas_kernels.linear import layout as lay
     from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M
 
-    return (fusion_enabled() and not is_int4(w) and dense_uses_kernel(w, dense_impl) and rows <= AUTO_FUSED_M
+    return (fusion_enabled() and not is_int4(w) and dense_uses_kernel(w, dense_impl, rows) and rows <= AUTO_FUSED_M
             and w.shape[-1] % (2 * lay.ROWS) == 0)
 
 
 def keep_stacked(w: Any, dense_impl: str, rows: int) -> bool:
     """Whether the layer loop of a pass of `rows` = B x T rows should hand this weight to `linear`
     stacked (StackedLayer) rather than as the loop's per-layer slice: INT4 weights always (every
-    INT4 path indexes the layer itself), dense ones when they go to a kernel ("auto": up to
-    DENSE_AUTO_MAX_ROWS rows; above, and in prefill, the layer loop slices them as for XLA)."""
-    if is_int4(w):
-        return True
-    return (isinstance(w, jax.Array) and dense_uses_kernel(w, dense_impl)
-            and (dense_impl != "auto" or rows <= DENSE_AUTO_MAX_ROWS))
+    INT4 path indexes the layer itself), dense ones when they go to a kernel (`dense_uses_kernel`;
+    otherwise, in prefill too, the layer loop slices them as for XLA)."""
+    return is_int4(w) or (isinstance(w, jax.Array) and dense_uses_kernel(w, dense_impl, rows))
 
 
 def kernel_layout_wanted(cfg: Any) -> bool:
@@ -430,13 +428,12 @@ def _dense_swiglu(x: Array, w: Array, layer: Array | None, impl: str, out_dtype:
 def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *, pad_single_row: bool) -> Array:
     if impl not in DENSE_MATMUL_IMPLS:
         raise ValueError(f"dense_matmul_impl={impl!r}; expected one of {DENSE_MATMUL_IMPLS}")
-    if layer is not None and dense_uses_kernel(w, impl):
+    rows = int(np.prod(x.shape[:-1]))
+    if layer is not None and dense_uses_kernel(w, impl, rows):
         from pallas_kernels.linear import dense_linear, supports
 
-        rows = int(np.prod(x.shape[:-1]))  # from the pass's shape: the verify and the AR at its width alike
-        backend = {"mosaic": "mosaic", "interpret": "interpret"}.get(impl, "auto")
-        if (rows <= DENSE_AUTO_MAX_ROWS if backend == "auto" else supports(backend, rows, *w.shape[-2:])):
-            return dense_linear(x, w, layer=layer, backend=backend, out_dtype=out_dtype)
+        if impl == "auto" or supports(impl, rows, *w.shape[-2:]):  # explicit kernels: not at prefill rows
+            return dense_linear(x, w, layer=layer, backend=impl, out_dtype=out_dtype)
     if layer is not None:
         w = w[layer]
     return _dense_matmul(x, w, pad_single_row=pad_single_row).astype(out_dtype)

@@ -492,13 +492,14 @@ def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
     stack = lambda k, n, dt=jnp.bfloat16: jax.ShapeDtypeStruct((32, k, n), dt)  # noqa: E731
     eight_b = [stack(4096, 6144), stack(4096, 4096), stack(4096, 28672), stack(14336, 4096)]
     smollm2 = stack(576, 1536)
-    uses = qlinear.dense_uses_kernel
+    uses = lambda w, impl, rows=1: qlinear.dense_uses_kernel(w, impl, rows)  # noqa: E731
     assert not any(uses(w, "auto") for w in eight_b)  # the CPU
     assert all(uses(w, "mosaic") for w in [*eight_b, smollm2]) and not any(uses(w, "xla") for w in eight_b)
     monkeypatch.setattr(linear, "device_arch", lambda: ("gpu", 9))
     monkeypatch.setattr(mg._common, "device_kind", lambda: "NVIDIA H200")
     assert all(uses(w, "auto") for w in eight_b)
     assert not uses(smollm2, "auto")  # not measured: cuBLAS
+    assert not any(uses(w, "auto", qlinear.DENSE_AUTO_MAX_ROWS + 1) for w in eight_b)  # more rows: cuBLAS
     assert not uses(stack(4096, 4096, jnp.float32), "auto") and not uses(jax.ShapeDtypeStruct((4096, 4096),
                                                                                              jnp.bfloat16), "auto")
     monkeypatch.setattr(mg._common, "device_kind", lambda: "NVIDIA H100 80GB HBM3")  # no bf16 entries there
