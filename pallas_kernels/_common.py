@@ -66,3 +66,85 @@ def load_with_layout(ref, layout, optimized: bool = True):
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# --------------------------------------------------------------------------- Mosaic GPU inline pieces
+def mlir_modules() -> tuple:
+    """(ir, arith, llvm, memref, fragmented_array, mosaic gpu utils): the MLIR modules the inline
+    Mosaic GPU helpers build with (jax.extend.mlir has no llvm dialect)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    return ir, arith, llvm, memref, fa, mu
+
+
+def ptx(asm: str, *refs: Any, ints: tuple[int, ...] = (), shared: tuple[int, ...] = ()) -> None:
+    """Mosaic GPU: inline PTX `asm` (side effects only) with operands $0.. the addresses of `refs`
+    (64-bit global, or 32-bit shared for the positions in `shared`), then the int32 constants `ints`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
+    def fn(ctx, *mrefs):
+        del ctx
+        ir, arith, llvm, _, _, mu = mlir_modules()
+        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+        ops = [llvm.ptrtoint(i32 if k in shared else i64, mu.memref_ptr(mr)) for k, mr in enumerate(mrefs)]
+        ops += [arith.constant(i32, v) for v in ints]
+        cons = ["r" if k in shared else "l" for k in range(len(refs))] + ["r"] * len(ints)
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), ops, asm, ",".join(cons), has_side_effects=True)
+
+    fn(*refs)
+
+
+def tile_access(mp: int, store: bool):
+    """Mosaic GPU inline function over a 2-D global ref [R, C] and WGMMA-layout [64, mp] int32 arrays
+    (row, col) with a validity mask: store=True, (vals float32, row, col, ok, ref) ->
+    ref[row, col] = ref.dtype(vals) where ok; store=False, (row, col, ok, ref) -> float32 values
+    ref[row, col] where ok, else 0. Each thread its own elements (a few per thread at decode
+    sizes; plain global loads and stores, no shared memory)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    wg = plgpu.Layout.WGMMA
+    types = ((wg,) if store else ()) + (wg, wg, wg, plgpu.RefType())
+    ret = None if store else plgpu.ShapeDtypeStruct((64, mp), jnp.float32, layout=wg)
+
+    @plgpu.inline_mgpu(arg_types=types, return_type=ret)
+    def fn(ctx, *args):
+        del ctx
+        ir, arith, llvm, memref, fa, _ = mlir_modules()
+        from jax._src.lib.mlir.dialects import scf, vector
+        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
+        vals, (rows, cols, oks, ref) = (args[0], args[1:]) if store else (None, args)
+        elt = ir.MemRefType(ref.type).element_type
+        zero_i, zero_f = arith.constant(i32, 0), arith.constant(f32, 0.0)
+        regs = rows.registers.flat
+        out = []
+        for n, (rreg, creg, oreg) in enumerate(zip(regs, cols.registers.flat, oks.registers.flat)):
+            width = ir.VectorType(rreg.type).shape[0]
+            acc = llvm.mlir_undef(ir.VectorType.get((width,), f32))
+            for e in range(width):
+                get = lambda reg: vector.extract(reg, dynamic_position=[], static_position=[e])  # noqa: E731
+                ok = arith.cmpi(arith.CmpIPredicate.ne, get(oreg), zero_i)
+                if store:
+                    branch = scf.IfOp(ok)
+                    with ir.InsertionPoint(branch.then_block):
+                        idx = [arith.index_cast(index, get(rreg)), arith.index_cast(index, get(creg))]
+                        v = get(vals.registers.flat[n])
+                        memref.store(arith.truncf(elt, v) if elt != f32 else v, ref, idx)
+                        scf.yield_([])
+                    continue
+                # a load: row 0 where not ok (always in bounds), the value replaced by 0
+                row = arith.select(ok, get(rreg), zero_i)
+                v = memref.load(ref, [arith.index_cast(index, row), arith.index_cast(index, get(creg))])
+                v = arith.extf(f32, v) if elt != f32 else v
+                acc = llvm.insertelement(acc, arith.select(ok, v, zero_f), arith.constant(i32, e))
+            out.append(acc)
+        if store:
+            return None
+        regs_out = np.asarray(out, dtype=object).reshape(rows.registers.shape)
+        return fa.FragmentedArray(_registers=regs_out, _layout=rows.layout, _is_signed=None)
+
+    return fn

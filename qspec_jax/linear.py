@@ -49,6 +49,8 @@ def is_int4(w: Any) -> bool:
 # Rows up to which "auto" runs a target's bf16 linears on the Mosaic kernel (H200, 2026-12-02, the 8B at 4k, `--dense-matmul
 # auto|xla`): batch 1 (1 / 5 rows) AR-bf16 4.814 -> 4.597 ms, verify 4.973 -> 4.742; batch 8: the AR step (8 rows) 5.798
 # -> 5.593, but the verify (40 rows) 6.113 -> 6.247 (its four kernels 62-90% of their floors there): cuBLAS above this.
+# With the limit (2026-12-02, second run): AR 5.536 against 5.655, the 40-row verify cuBLAS's again (6.058 / 6.039); the
+# kernel's best shapes at 40 rows would tie the model's cuBLAS, not beat it (BENCHMARKS "Thirty-fifth session").
 DENSE_AUTO_MAX_ROWS = 24
 
 

@@ -416,6 +416,78 @@ def test_ws_pair_merge(view, window, nc, splits):
         assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(ml)).all()
 
 
+@pytest.mark.parametrize("view,window,splits", [("draft", None, 3), ("target", 60, 2)])
+def test_ws_kernel_merge_matches_the_xla_merge(view, window, splits):
+    """`ws_kernel_merge`: the last CTA of each (row, KV head) to arrive merges the pair's partials in
+    the kernel and writes the output: the checks of `_ws_variant_runs` (the error bound, a row's
+    T = 1 result equal to its row of the T = 5 call), and bit for bit what the same partials give
+    through `merge_heads` (the same pairwise tree); partials are not returned; not on the balanced
+    schedule."""
+    for cfg, o5, call in _ws_variant_runs(view, window, 19, 10, (splits,), ws_kernel_merge=True):
+        xla = call(config=dataclasses.replace(cfg, ws_kernel_merge=False, ws_pair_merge=True))
+        np.testing.assert_array_equal(np.asarray(xla), o5)
+        with pytest.raises(ValueError, match="return_partials"):
+            call(partials=True, config=cfg)
+    with pytest.raises(ValueError, match="row split"):
+        ws.kernel_merge_of(mg.MgpuConfig(ws_kernel_merge=True), flat=True)
+
+
+def test_ws_kernel_merge_counters_serve_a_layer_loop(monkeypatch):
+    """With $QSPEC_MGPU_KERNEL_MERGE=1 a pass's `kernel_inputs` carry one counter ref (uint32 per
+    (row, KV head)); a loop over layers closes over it and every call leaves it at zero, so each
+    call of the loop gives the stand-alone call's output (a counter left at NP would leave the
+    second call's output unwritten)."""
+    monkeypatch.setenv(ws.KERNEL_MERGE_ENV, "1")
+    g = 64
+    cache = build_cache(23, 2, 2, 64, g, [3 * g + 40, g + 9], rounds=3, round_t=5, max_blocks=5)
+    q, q_pos = _queries(jax.random.PRNGKey(12), cache, 3, 4, 64, jnp.float32)
+    cfg = mg.MgpuConfig(register_a=False, schedule="ws", num_splits=2)
+    alone = np.asarray(_mgpu(q, q_pos, cache, jnp.int32(0), "target", config=cfg))
+
+    @jax.jit
+    def loop(q, q_pos, cache):
+        inputs = mg.kernel_inputs(q_pos, cache, 2, "target")
+        assert "merge_counters" in inputs
+
+        def body(i, outs):
+            o = mg.quantized_decode_attention_mgpu(q, q_pos, cache, jnp.int32(0), view="target", interpret=True,
+                                                   config=cfg, inputs=inputs)
+            return outs.at[i].set(o)
+
+        outs = jax.lax.fori_loop(0, 2, body, jnp.zeros((2, *q.shape), q.dtype))
+        return outs, inputs["merge_counters"][...]
+
+    outs, counters = loop(q, q_pos, cache)
+    assert counters.shape == (2 * 2,) and counters.dtype == jnp.uint32 and not np.asarray(counters).any()
+    for o in np.asarray(outs):
+        np.testing.assert_array_equal(o, alone)
+
+
+def test_model_decode_merges_in_the_kernel_when_switched_on(monkeypatch):
+    """A jitted decode pass with $QSPEC_MGPU_KERNEL_MERGE=1 runs the row split's merge in the kernel
+    (`merge_heads` is not called: one counter ref serves the pass's layer loop) and gives the logits
+    of the XLA merge bit for bit: the draft at batch 1, the target's verify-shaped pass (T 3) at 2."""
+    from qspec_jax import model as M
+    from qspec_jax.bench import synthetic
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, dtype="bfloat16", attention_impl="mosaic")
+    params = M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    merges = []
+    real = mg.merge_heads
+    monkeypatch.setattr(mg, "merge_heads", lambda *a, **k: merges.append(1) or real(*a, **k))
+    for b, t, view in ((1, 1, "draft"), (2, 3, "target")):
+        cache = synthetic.random_quant_cache(cfg, b, 300, jax.random.PRNGKey(5), group=64, gamma_max=4)
+        toks = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t) + 3
+        out = {}
+        for env in ("0", "1"):
+            monkeypatch.setenv(ws.KERNEL_MERGE_ENV, env)
+            merges.clear()
+            out[env] = np.asarray(jax.jit(lambda tk, c: M.decode(params, tk, c, view=view)[0])(toks, cache))
+            assert bool(merges) == (env == "0"), (view, env)
+        np.testing.assert_array_equal(out["1"], out["0"])
+
+
 def _check_partial_slots(o, ml, starts, widths, rw: int, share: int, cap: int) -> None:
     """The balanced schedule's partials [B, 1, (cap + 1) NC, ...] of pairs x = rows (one KV head), each
     `widths[x]` blocks + its ring from unit `starts[x]`: a partial per consumer and slot; the slots of
@@ -1114,13 +1186,16 @@ LOWER_SCRIPT = textwrap.dedent("""
              ("wspm", "draft", 128, 128, 1, 4, None), ("wspm", "target", 64, 128, 5, 3, 100),
              ("wsflat", "draft", 128, 128, 1, 4, None), ("wsflat", "draft", 64, 128, 1, 3, 100),
              ("wsq", "target", 64, 128, 5, 3, 100), ("wsflatq", "draft", 128, 128, 1, 4, None),
-             ("wsrow", "draft", 128, 128, 1, 4, None), ("wsrow", "draft", 64, 128, 5, 3, 100)]
+             ("wsrow", "draft", 128, 128, 1, 4, None), ("wsrow", "draft", 64, 128, 5, 3, 100),
+             ("wskm", "draft", 128, 128, 1, 4, None), ("wskm", "target", 64, 128, 5, 3, 100)]
     variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2),
                 "wspm": dict(schedule="ws", ws_pair_merge=True), "wsflat": dict(schedule="ws", ws_flat=True),
                 "wsq": dict(schedule="ws", ws_prep_q_regs=True),
                 "wsflatq": dict(schedule="ws", ws_flat=True, ws_prep_q_regs=True),
                 # the draft's row split with two consumers: pipelined, `_wg_keep` (three: "ws3", its default)
-                "wsrow": dict(schedule="ws", ws_flat=False, ws_consumers=2)}
+                "wsrow": dict(schedule="ws", ws_flat=False, ws_consumers=2),
+                # the split merge in the kernel: its counter's atomic add, and no XLA merge after it
+                "wskm": dict(schedule="ws", ws_flat=False, ws_kernel_merge=True)}
     for schedule, view, d, group, t, n_rep, window in cases:
         config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,
@@ -1134,6 +1209,8 @@ LOWER_SCRIPT = textwrap.dedent("""
             lowering_platforms=("cuda",)).as_text()
         assert "custom_call @mosaic_gpu" in txt, view
         assert "lop3.b32" in txt, "the code conversion is one lop3 per output word"
+        if schedule == "wskm":
+            assert "atom.acq_rel.gpu.global.add.u32" in txt, "the in-kernel merge counts its CTAs"
         if schedule == "wsrow" and n_rep * t <= 8:  # pipelined, a dead register tile: kept (`_wg_keep`)
             assert "mov.u32 $0, 0;" in txt, "the pipelined draft's unread accumulator columns must be kept"
         print("lowered", schedule, view, d, group, t, flush=True)

@@ -140,6 +140,12 @@ class MgpuConfig:
     ws_pair_merge: bool | None = None
     # the split merge, one of MERGES (None: $QSPEC_MGPU_MERGE, else DEFAULT_MERGE); see `merge_heads`
     merge: str | None = None
+    # "ws", row split: the split merge inside the kernel (the last CTA of each (row, KV head) to finish,
+    # counted on a global counter, merges the pair's partials in `merge_heads`' pairwise tree and writes the
+    # output), so no XLA merge kernel follows the call. None: $QSPEC_MGPU_KERNEL_MERGE ("1" / "0"), else off
+    # (`mosaic_gpu_ws.kernel_merge_of`; the draft view checked on the H200, not yet timed: docs/kernel_notes.md,
+    # "Thirty-fifth session").
+    ws_kernel_merge: bool | None = None
     # "ws": the balanced schedule: persistent CTAs, each an equal share of the flattened (row, KV head,
     # block) work. Draft view (`mosaic_gpu_ws.flat_work`): shares of the rows' real lengths, so rows of
     # different lengths cost their sum; None: $QSPEC_MGPU_FLAT, else on from two rows up. Target view
@@ -827,6 +833,8 @@ def kernel_inputs(q_pos: Array, cache: Any, n_rep: int, view: str | None = None)
         pos   int32 [B, W]  the position of query column n = t * n_rep + r; padding columns BIG_POS
         ws_pairs, ws_ctas   with `view` given, where that view runs the balanced schedule by
                             default: its work split (`mosaic_gpu_ws.flat_inputs`)
+        merge_counters      with `view` given, under jit, where $QSPEC_MGPU_KERNEL_MERGE=1 has the row
+                            split merge in the kernel: its counters' ref, zero between calls
 
     q_pos: int32 [B, T]. W covers the column tiles of n_rep * T columns (a multiple of 32)."""
     b, t = q_pos.shape
@@ -840,7 +848,18 @@ def kernel_inputs(q_pos: Array, cache: Any, n_rep: int, view: str | None = None)
         from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
 
         out.update(ws.flat_inputs(cache, view))
+        # $QSPEC_MGPU_KERNEL_MERGE: one counter ref for the pass (refs in global memory exist only under jit; an
+        # eager caller's calls each make their own)
+        if ws.kernel_merge_of(None, "ws_pairs" in out) and isinstance(meta, jax.core.Tracer):
+            out["merge_counters"] = jax.new_ref(merge_counters_zeros(b, cache.k_hi.shape[2]),
+                                                memory_space=plgpu.GMEM)
     return out
+
+
+def merge_counters_zeros(batch: int, hkv: int) -> Array:
+    """The in-kernel split merge's counters at rest: uint32 [B Hkv] zeros, one per (row, KV head);
+    every call leaves them so, so one ref serves every layer of a pass (`kernel_inputs`)."""
+    return jnp.zeros((batch * hkv,), jnp.uint32)
 
 
 def _tree(xs: list, op: Any) -> Any:
@@ -851,6 +870,13 @@ def _tree(xs: list, op: Any) -> Any:
     while len(xs) > 1:
         xs = [op(xs[i], xs[i + 1]) if i + 1 < len(xs) else xs[i] for i in range(0, len(xs), 2)]
     return xs[0]
+
+
+def merge_tree(n: int) -> Any:
+    """The order in which `merge_heads` combines n partials: `_tree` over 0 .. n - 1 as nested pairs
+    (an int is a leaf), for a merge that evaluates it depth-first (the in-kernel merge of
+    `mosaic_gpu_ws`, which loads each partial where the tree reaches it)."""
+    return _tree(list(range(n)), lambda a, b: (a, b))
 
 
 def pairwise_weights(m_x: Array, m_y: Array) -> tuple[Array, Array, Array]:
@@ -938,7 +964,8 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
     st_ws = None
     if ws_schedule:
         st_ws = ws.static_config(B, hkv, D, G, R, S, C, c_max, view, window, register_a, bool(interpret),
-                                 cache.k_scale.dtype, cache.k_fp.dtype, cfg, cols=n_rep * t)
+                                 cache.k_scale.dtype, cache.k_fp.dtype, cfg, cols=n_rep * t, n_rep=n_rep, tokens=t,
+                                 out_dtype=q.dtype)
         kernel = ws.build(st_ws)
     else:
         ns, nr = default_splits(B, hkv, S, G, R, D, view, cfg)
@@ -990,6 +1017,14 @@ def quantized_decode_attention_mgpu(q: Array, q_pos: Array, cache: Any, layer: A
             pairs, ctas = ws.work_of(meta[:, 0], hkv, G, st_ws.flat_ctas, st_ws.flat_cap, st_ws.ring_w,
                                      st_ws.geo_blocks)
         args += [pairs, ctas]
+    if ws_schedule and st_ws.kernel_merge:  # the split merge in the kernel: its output, no XLA merge
+        if return_partials:
+            raise ValueError("return_partials: the in-kernel split merge (ws_kernel_merge) returns the output only")
+        counters = inputs.get("merge_counters")
+        if counters is None:  # a call of its own: fresh zeros (a caller looping over layers passes one ref per pass)
+            return jax.jit(lambda args, z: kernel(*args, jax.new_ref(z, memory_space=plgpu.GMEM))[-1])(
+                args, merge_counters_zeros(B, hkv)).reshape(b, t, hq, D)
+        return kernel(*args, counters)[-1].reshape(b, t, hq, D)
     o, ml = kernel(*args)[:2]  # ("ws" with ws_pair_merge: the consumers' exchange buffers follow)
     if return_partials:
         return o, ml

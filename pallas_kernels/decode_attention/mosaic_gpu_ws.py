@@ -42,7 +42,11 @@ how many of a tile's 8-column register tiles the softmax runs on; a column's own
 operations are the same at either width, and every reduction over a column's tokens runs over the
 whole tile (Mosaic's warpgroup column sum orders differently at another width: H200, 2026-11-29).
 
-Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_heads`.
+Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_heads`. Or, on the row split with
+`MgpuConfig.ws_kernel_merge` ($QSPEC_MGPU_KERNEL_MERGE=1), inside the kernel: each CTA's last consumer stores the CTA's
+partial, adds 1 to its (row, KV head)'s counter (a uint32 ref operand, zero between calls) and the CTA that arrives
+last merges the pair's partials in `merge_heads`' pairwise tree (`mosaic_gpu.merge_tree`), writes the output and
+resets the counter; a pass shares one counter ref across its layers (`mosaic_gpu.kernel_inputs`).
 
 Balanced schedule (draft view, by default from two rows up; `MgpuConfig.ws_flat`, $QSPEC_MGPU_FLAT=0|1; `flat_work`): a
 grid of one CTA per SM, each taking an equal share of the (row, KV head) pairs' work laid end to
@@ -79,6 +83,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.decode_attention import mosaic_gpu as mg
+from pallas_kernels import _common
 from pallas_kernels._common import num_sms
 
 Array = jax.Array
@@ -98,6 +103,14 @@ SMEM_SLACK = 8 * 1024  # alignment, barriers, Mosaic's reduction scratch: 3.6-5.
 # H200). 24 is setmaxnreg's minimum (the TMA warp needs few).
 REGS = {(2, 1): (208, 56, 40), (3, 1): (136, 48, 24), (2, 2): (176, 48, 32)}
 STREAM_DIAGS = ("stream", "stream_planes", "stream_noring")  # the `diag`s that run the TMA stream and barriers only
+# The in-kernel split merge's counter (`_WsStatic.kernel_merge`), by thread 0 of the merging warpgroup: after its
+# partial's stores (and a warpgroup barrier), a release fence and an acq_rel add of 1 at $0 (global), the old value
+# stored at $1 (shared); the last CTA's threads then fence before reading the other partials; it resets the counter.
+_ARRIVE_OLD_ASM = ("{\n.reg .pred p;\n.reg .u32 t, v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
+                   "@p fence.acq_rel.gpu;\n@p atom.acq_rel.gpu.global.add.u32 v, [$0], 1;\n@p st.shared.u32 [$1], v;\n}")
+_ACQUIRE_ASM = "fence.acq_rel.gpu;"
+_RESET_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
+              "@p st.relaxed.gpu.global.u32 [$0], 0;\n}")
 
 
 # The on-device profiler's regions (`MgpuConfig.ws_profile_dir`), recorded by one thread per warpgroup:
@@ -190,6 +203,14 @@ class _WsStatic:
     prep_pairs: bool = False
     profile_dir: str | None = None  # timing diagnostic: Perfetto traces of the named regions (PROFILE_REGIONS)
     profile_space: int = 0  # the regions each warpgroup may record (`profile_space`)
+    # The split merge in the kernel (`kernel_merge_of`; row split, with `pair_merge`): each CTA stores its partial
+    # [D, CN] (not transposed), counts itself on its pair's uint32 counter (an operand the call leaves at zero), and
+    # the last one merges the NP partials (`mosaic_gpu.merge_tree`, pairwise) into the output rows (b T + t) Hq +
+    # h n_rep + r, [B T Hq, D] in `out_dtype`. n_rep and tokens place the columns (a column's math is T's own).
+    kernel_merge: bool = False
+    n_rep: int = 0
+    tokens: int = 0
+    out_dtype: Any = None
 
 
 def qp_rows(D: int, G: int) -> int:
@@ -587,6 +608,7 @@ def _build_ws(st: _WsStatic):
     cons_regs, prep_regs, tma_regs = st.regs
     NC, NPREP = st.consumers, st.preps
     FLAT = st.flat
+    KM = st.kernel_merge
     GEO = st.geo_blocks > 0  # the target view's balanced schedule (shares and consumers by the geometry)
     S2 = S // NC  # slots per consumer (consumer w's: w, w + NC, ...)
     QB = st.seq_segs if (FLAT and seq) else (2 if FLAT else 1)  # query / position buffers
@@ -651,11 +673,14 @@ def _build_ws(st: _WsStatic):
 
     def kernel(layer_ref, meta_ref, pos_ref, q_ref, *refs, q_s, pos_s, k_s, v_s, sk_s, zk_s, sv_s, zv_s, qp_s,
                bias_s, kr_s, rq_s, red_s, ak_s, av_s, at_s, qbar, qfree, full, prepped, consumed, rfull, rconsumed,
-               pdone):
+               pdone, km_s):
         planes = refs[: 2 * n_planes]
         ks_ref, kz_ref, vs_ref, vz_ref, kfp_ref, vfp_ref, *rest = refs[2 * n_planes:]
         pairs_ref, ctas_ref = rest[:2] if FLAT else (None, None)
-        o_ref, ml_ref, *x_refs = rest[2:] if FLAT else rest
+        rest = rest[2:] if FLAT else rest
+        ctr_ref, rest = (rest[0], rest[1:]) if KM else (None, rest)  # the pairs' merge counters (uint32 [B H])
+        o_ref, ml_ref, *x_refs = rest
+        out_ref = x_refs.pop() if KM else None  # the merged output [B T Hq, D]
         kp_refs, vp_refs = planes[:n_planes], planes[n_planes:]
         p = lax.axis_index("p")
         layer = layer_ref[0]
@@ -1446,6 +1471,67 @@ def _build_ws(st: _WsStatic):
                     segment_end(ms, ls, ys, os_, b, h, qb, sg)
                 return carry_
 
+            def pair_merge_in_kernel(b, h):
+                """The CTA's partial is stored: count it on the pair's counter; the last of the pair's NP CTAs
+                to arrive merges their partials in `mosaic_gpu.merge_tree`'s order (pairwise, `combine`),
+                writes the normalized output rows and leaves the counter at zero for the next call."""
+                idx = b * st.H + h
+                if seq:  # interpret mode: the CTAs run one after another
+                    old = ctr_ref[idx].astype(jnp.int32)
+                    ctr_ref[idx] = (old + 1).astype(jnp.uint32)
+                else:
+                    plgpu.commit_smem()  # warpgroup barrier: every thread's partial stores precede the release
+                    _common.ptx(_ARRIVE_OLD_ASM, ctr_ref.at[pl.ds(idx, 1)], km_s, shared=(1,))
+                    plgpu.commit_smem()  # every thread reads what thread 0 stored
+                    old = km_s[0]
+
+                @pl.when(old == st.NP - 1)
+                def _():
+                    if not seq:
+                        _common.ptx(_ACQUIRE_ASM)  # every thread: the other CTAs' partials are visible
+
+                    def leaf(j, c):
+                        cols_ = pl.ds(c * NT, NT)
+                        return (_load_gmem(ml_ref.at[b, h, j, 0, cols_], COL),
+                                _load_gmem(ml_ref.at[b, h, j, MT // 2, cols_], COL),
+                                [_load_gmem(o_ref.at[b, h, j, pl.ds(mc * MT, MT), cols_], plgpu.Layout.WGMMA)
+                                 for mc in range(MTV)])
+
+                    def evaluate(node, c):
+                        if isinstance(node, int):
+                            return leaf(node, c)
+                        return combine(evaluate(node[0], c), evaluate(node[1], c))
+
+                    tree = mg.merge_tree(st.NP)
+                    hq, n_real = st.H * st.n_rep, st.n_rep * st.tokens
+                    for c in range(C):
+                        _, l_tot, o_tot = evaluate(tree, c)
+                        inv = bcast_col(1.0 / jnp.where(l_tot > 0, l_tot, 1.0), (MT, NT))
+                        for mc in range(MTV):
+                            store_out(o_tot[mc] * inv, b, h, c, mc, hq, n_real)
+                    if seq:
+                        ctr_ref[idx] = jnp.uint32(0)
+                    else:
+                        _common.ptx(_RESET_ASM, ctr_ref.at[pl.ds(idx, 1)])
+
+            def store_out(y, b, h, c, mc, hq, n_real):
+                """y: O^T [64 channels, NT columns] of column tile c, channel tile mc -> out rows (b T + t) Hq
+                + h n_rep + r for column n = t n_rep + r < n_real (the rest are padding columns)."""
+                if seq:
+                    for n in range(NT):
+                        gn = c * NT + n
+                        if gn >= n_real:
+                            break
+                        t, r = divmod(gn, st.n_rep)
+                        row = (b * st.tokens + t) * hq + h * st.n_rep + r
+                        out_ref[pl.ds(row, 1), pl.ds(mc * MT, MT)] = y[:, n][None].astype(out_ref.dtype)
+                    return
+                gn = _iota((MT, NT), 1) + c * NT
+                t = lax.div(gn, i32(st.n_rep))
+                rows = (b * st.tokens + t) * hq + h * st.n_rep + (gn - t * st.n_rep)
+                cols_ = _iota((MT, NT), 0) + mc * MT
+                _common.tile_access(NT, True)(y, rows, cols_, (gn < n_real).astype(i32), out_ref)
+
             def segment_end(ms, ls, ys, os_, b, h, qb, sg):
                 """This consumer's partial of the segment: its column sums, then its store (or, with the pair
                 merge, its hand-over to the CTA's last consumer, which merges and stores)."""
@@ -1459,8 +1545,11 @@ def _build_ws(st: _WsStatic):
                 def store(pi, c, part):
                     m, l, o_tiles = part
                     for mc in range(MTV):
-                        mg.store_transposed(o_ref.at[b, h, pi, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)], o_tiles[mc],
-                                            interp)
+                        if KM:  # O^T as accumulated [D, CN]: the kernel's own merge reads it back
+                            o_ref[b, h, pi, pl.ds(mc * MT, MT), pl.ds(c * NT, NT)] = o_tiles[mc]
+                        else:
+                            mg.store_transposed(o_ref.at[b, h, pi, pl.ds(c * NT, NT), pl.ds(mc * MT, MT)],
+                                                o_tiles[mc], interp)
                     ml_ref[b, h, pi, :, pl.ds(c * NT, NT)] = jnp.where(row < MT // 2, bcast_col(m, (MT, NT)),
                                                                        bcast_col(l, (MT, NT)))
 
@@ -1505,6 +1594,8 @@ def _build_ws(st: _WsStatic):
                                       for mc in range(MTV)])
                             acc = other if acc is None else combine(acc, other)
                         store(p, c, combine(acc, parts[c]))
+                    if KM:
+                        pair_merge_in_kernel(b, h)
 
             walk(seg_consume, i32(0))
 
@@ -1547,6 +1638,7 @@ def _build_ws(st: _WsStatic):
         rfull=plgpu.Barrier(num_arrivals=1, num_barriers=RSLOTS),
         rconsumed=plgpu.Barrier(num_arrivals=1, num_barriers=RSLOTS),
         pdone=plgpu.Barrier(num_arrivals=NC - 1, num_barriers=1) if st.pair_merge else None,
+        km_s=plgpu.SMEM((1,), jnp.int32) if KM and not seq else None,  # the counter's old value, for the warpgroup
     )
     live = {k: v for k, v in scratch.items() if v is not None}
 
@@ -1557,31 +1649,36 @@ def _build_ws(st: _WsStatic):
         NPP = (st.flat_cap + 1) * NC
     else:
         NPP = st.NP if st.pair_merge else st.NP * NC  # partials per (row, KV head)
-    out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, CN, D), jnp.float32),
+    # the partials: O transposed [CN, D] for `merge_heads`, or O^T [D, CN] for the kernel's own merge
+    out_type = (jax.ShapeDtypeStruct((st.B, st.H, NPP, D, CN) if KM else (st.B, st.H, NPP, CN, D), jnp.float32),
                 jax.ShapeDtypeStruct((st.B, st.H, NPP, MT, CN), jnp.float32))
     if st.pair_merge:  # consumers 0 .. NC-2 of each CTA leave their partials here for the last one
         out_type += (jax.ShapeDtypeStruct((st.B, st.H, st.NP * (NC - 1), D, CN), jnp.float32),
                      jax.ShapeDtypeStruct((st.B, st.H, st.NP * (NC - 1), MT, CN), jnp.float32))
+    if KM:  # the merged output, rows (b T + t) Hq + h n_rep + r
+        out_type += (jax.ShapeDtypeStruct((st.B * st.tokens * st.H * st.n_rep, D), st.out_dtype),)
     kw = {}
     if interp:
         params = getattr(plgpu, "InterpretGPUParams", None)  # public from jax 0.11
         if params is None:
             from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
         kw["interpret"] = params()
-    return plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(st.flat_ctas, 1, 1) if FLAT else (st.NP, st.H, st.B),
-        grid_names=("p", "h", "b"),
-        num_threads=None if seq else NC + NPREP + 1,
-        thread_name=None if seq else "wg",
-        scratch_types=live,
-        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=reg_a,
-                                             **(dict(profile_space=st.profile_space, profile_dir=st.profile_dir)
-                                                if st.profile_dir else {})),
-        kernel_name=f"quantspec_{st.view}_mgpu_ws",
-        **kw,
-    )
+    mesh_kw = dict(grid=(st.flat_ctas, 1, 1) if FLAT else (st.NP, st.H, st.B), grid_names=("p", "h", "b"),
+                   num_threads=None if seq else NC + NPREP + 1, thread_name=None if seq else "wg",
+                   kernel_name=f"quantspec_{st.view}_mgpu_ws")
+    params = plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=reg_a,
+                                  **(dict(profile_space=st.profile_space, profile_dir=st.profile_dir)
+                                     if st.profile_dir else {}))
+    if not KM:
+        return plgpu.kernel(entry, out_type=out_type, scratch_types=live, compiler_params=params, **mesh_kw, **kw)
+
+    # The counters are a ref operand (written in place, left at zero): pl.kernel over a plgpu.Mesh, as
+    # plgpu.kernel does inside (its vmap wrapper takes no refs).
+    def body(*refs):
+        pl.run_scoped(functools.partial(entry, *refs), collective_axes=mesh_kw["thread_name"] or (), **live)
+
+    return pl.kernel(body, out_type=out_type, mesh=plgpu.Mesh(**mesh_kw), compiler_params=params,
+                     interpret=kw.get("interpret", False), name=mesh_kw["kernel_name"])
 
 
 def pair_merge_default(np_: int, asked: bool | None) -> bool:
@@ -1589,6 +1686,22 @@ def pair_merge_default(np_: int, asked: bool | None) -> bool:
     PAIR_MERGE_MIN_CTAS CTAs per (row, KV head) up. NP depends on the geometry only, so every T of a
     cache makes the same choice (T-invariance)."""
     return bool(asked) if asked is not None else np_ >= PAIR_MERGE_MIN_CTAS
+
+
+KERNEL_MERGE_ENV = "QSPEC_MGPU_KERNEL_MERGE"  # "1" / "0": the split merge inside the kernel (row split)
+
+
+def kernel_merge_of(config: Any, flat: bool) -> bool:
+    """Whether a call merges its splits inside the kernel (`MgpuConfig.ws_kernel_merge`, else
+    $QSPEC_MGPU_KERNEL_MERGE, else off): the row split only (the balanced schedule's pairs span a
+    varying number of CTAs; asking for both is an error). From the config and the environment, never
+    from T: the verify and the autoregressive pass it is compared with merge the same way."""
+    asked = getattr(config, "ws_kernel_merge", None)
+    if asked is None:
+        asked = bool(env_flag(KERNEL_MERGE_ENV)) and not flat
+    if asked and flat:
+        raise ValueError("ws_kernel_merge: the in-kernel split merge runs on the row split (ws_flat=False) only")
+    return bool(asked)
 
 
 PREP_Q_REGS_ENV = "QSPEC_MGPU_PREP_QREGS"  # "1" / "0": the prep's query in registers or not (A/B runs)
@@ -1655,12 +1768,14 @@ def live_of(config: Any, cols: int | None, C: int) -> tuple[int, ...]:
 
 def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_max: int, view: str,
                   window: int | None, register_a: bool, interpret: bool, scale_dtype: Any, fp_dtype: Any,
-                  config: Any, cols: int | None = None) -> _WsStatic:
+                  config: Any, cols: int | None = None, n_rep: int = 0, tokens: int = 0,
+                  out_dtype: Any = jnp.bfloat16) -> _WsStatic:
     """The kernel's static parameters for a call with C column tiles. Stages and ring buffers are
     sized for c_max >= C, the column tiles of the widest call of this cache (T = gamma_max + 1), so
     that every T runs the same schedule (they change the ring's consumer and order). Raises if
     c_max tiles cannot fit in shared memory. `cols`: the call's query columns (n_rep T), for the
-    live columns of its last tile (`live_of`)."""
+    live columns of its last tile (`live_of`); n_rep, tokens and out_dtype: where the in-kernel
+    merge (`kernel_merge_of`) writes the output."""
     if not C <= c_max:
         raise ValueError(f"C={C} column tiles > c_max={c_max}")
     n_blocks = max(1, S_max // G)
@@ -1681,6 +1796,7 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
     # 32k, 82.4 -> 73.8 on 16k-32k; SmolLM2 batch 32 / 8k 34.5 -> 33.8). The row split of two
     # consumers keeps it (batch 1 / 128k: 49.3 pipelined, 50.6 not); its default now is three
     # unpipelined consumers (47.1, `consumers_of`).
+    kmerge = kernel_merge_of(config, flat)
     pipeline = config.ws_pipeline if config.ws_pipeline is not None else (view == "draft" and nc == 2 and not flat)
     if geo and (pipeline or npr > 1 or config.ws_prep_pairs):
         raise ValueError("ws_flat, target view: the geometric balanced schedule runs unpipelined consumers, one prep "
@@ -1732,7 +1848,10 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      window=window, register_a=register_a, interpret=interpret, diag=config.ws_diag,
                      pipeline=bool(pipeline),
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
-                     consumers=nc, preps=npr, pair_merge=not flat and pair_merge_default(np_, config.ws_pair_merge),
+                     consumers=nc, preps=npr,
+                     pair_merge=not flat and (kmerge or pair_merge_default(np_, config.ws_pair_merge)),
+                     kernel_merge=kmerge, n_rep=n_rep if kmerge else 0, tokens=tokens if kmerge else 0,
+                     out_dtype=jnp.dtype(out_dtype) if kmerge else None,
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs,
                      prep_q_regs=prep_q_regs_of(config, D, C, view, flat), live=live_of(config, cols, C),
                      prep_pairs=pairs,

@@ -186,14 +186,6 @@ def layer_tail_reference(attn: Array, x: Array, wo: Array, norm_weight: Array, w
 
 
 # ------------------------------------------------------------------------------ inline PTX pieces
-def _mlir():
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    return ir, arith, llvm, memref, fa, mu
-
-
 _ARRIVE_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
                "@p fence.acq_rel.gpu;\n@p red.release.gpu.global.add.u32 [$0], 1;\n}")
 # thread 0 of the warpgroup polls until the counter reaches $1; then every thread fences the async
@@ -213,105 +205,39 @@ _PREFETCH_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t,
 _STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
 
 
-def _ptx(asm: str, *refs: Any, ints: tuple[int, ...] = (), shared: tuple[int, ...] = ()) -> None:
-    """Inline PTX `asm` (side effects only) with operands $0.. the addresses of `refs` (64-bit global,
-    or 32-bit shared for the positions in `shared`), then the int32 constants `ints`."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
-    def fn(ctx, *mrefs):
-        del ctx
-        ir, arith, llvm, _, _, mu = _mlir()
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        ops = [llvm.ptrtoint(i32 if k in shared else i64, mu.memref_ptr(mr)) for k, mr in enumerate(mrefs)]
-        ops += [arith.constant(i32, v) for v in ints]
-        cons = ["r" if k in shared else "l" for k in range(len(refs))] + ["r"] * len(ints)
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), ops, asm, ",".join(cons), has_side_effects=True)
-
-    fn(*refs)
-
-
 def _arrive(counter: Any) -> None:
     """The calling warpgroup's stores done (a warpgroup barrier), thread 0 adds 1 to the uint32
     `counter` (one-word global ref) with release semantics at gpu scope."""
     plgpu.commit_smem()
-    _ptx(_ARRIVE_ASM, counter)
+    _common.ptx(_ARRIVE_ASM, counter)
 
 
 def _spin(counter: Any, target: int) -> None:
     """The calling warpgroup waits until the uint32 `counter` reaches `target` (thread 0 polls with
     acquire loads at gpu scope, the others wait at a warpgroup barrier), then fences the async proxy."""
-    _ptx(_SPIN_ASM, counter, ints=(target,))
+    _common.ptx(_SPIN_ASM, counter, ints=(target,))
     plgpu.commit_smem()  # warpgroup barrier: the others wait for the poller
-    _ptx(_PROXY_FENCE_ASM)
+    _common.ptx(_PROXY_FENCE_ASM)
 
 
 def _prefetch_l2(ref: Any) -> None:
     """Thread 0 of the calling warpgroup asks the L2 to fetch the contiguous global slice `ref`
     (no wait, no shared memory; a later TMA load of it then reads the L2)."""
-    _ptx(_PREFETCH_ASM, ref, ints=(int(np.prod(ref.shape)) * jnp.dtype(ref.dtype).itemsize,))
+    _common.ptx(_PREFETCH_ASM, ref, ints=(int(np.prod(ref.shape)) * jnp.dtype(ref.dtype).itemsize,))
 
 
 def _grab(counter: Any, dst: Any) -> None:
     """Thread 0 of the calling warpgroup adds 1 to the uint32 global `counter` (relaxed, gpu scope: only the
     values' uniqueness matters) and stores the old value in the one-word shared int32 `dst`; then a warpgroup
     barrier, so every thread of the warpgroup reads it."""
-    _ptx(_GRAB_ASM, counter, dst, shared=(1,))
+    _common.ptx(_GRAB_ASM, counter, dst, shared=(1,))
     plgpu.commit_smem()  # warpgroup barrier: the others read what thread 0 stored
 
 
 def _stamp(ref: Any, what: str) -> None:
     """Thread 0 of the calling warpgroup writes %globaltimer's low 32 bits (ns; `what="time"`) or its
     SM (`"sm"`) into the one-word uint32 global ref (TailConfig.timeline)."""
-    _ptx(_STAMP_ASM.format(_STAMP_READ[what]), ref)
-
-
-def _tile_access(mp: int, store: bool):
-    """inline_mgpu function over a 2-D global ref [R, C] and WGMMA-layout [64, M_pad] int32 arrays
-    (row, col) with a validity mask: store=True, (vals float32, row, col, ok, ref) ->
-    ref[row, col] = ref.dtype(vals) where ok; store=False, (row, col, ok, ref) -> float32 values
-    ref[row, col] where ok, else 0. Each thread its own elements (a few per thread at decode
-    sizes; plain global loads and stores, no shared memory)."""
-    wg = plgpu.Layout.WGMMA
-    types = ((wg,) if store else ()) + (wg, wg, wg, plgpu.RefType())
-    ret = None if store else plgpu.ShapeDtypeStruct((lay.ROWS, mp), jnp.float32, layout=wg)
-
-    @plgpu.inline_mgpu(arg_types=types, return_type=ret)
-    def fn(ctx, *args):
-        del ctx
-        ir, arith, llvm, memref, fa, _ = _mlir()
-        from jax._src.lib.mlir.dialects import scf, vector
-        index, i32, f32 = ir.IndexType.get(), ir.IntegerType.get_signless(32), ir.F32Type.get()
-        vals, (rows, cols, oks, ref) = (args[0], args[1:]) if store else (None, args)
-        elt = ir.MemRefType(ref.type).element_type
-        zero_i, zero_f = arith.constant(i32, 0), arith.constant(f32, 0.0)
-        regs = rows.registers.flat
-        out = []
-        for n, (rreg, creg, oreg) in enumerate(zip(regs, cols.registers.flat, oks.registers.flat)):
-            width = ir.VectorType(rreg.type).shape[0]
-            acc = llvm.mlir_undef(ir.VectorType.get((width,), f32))
-            for e in range(width):
-                get = lambda reg: vector.extract(reg, dynamic_position=[], static_position=[e])  # noqa: E731
-                ok = arith.cmpi(arith.CmpIPredicate.ne, get(oreg), zero_i)
-                if store:
-                    branch = scf.IfOp(ok)
-                    with ir.InsertionPoint(branch.then_block):
-                        idx = [arith.index_cast(index, get(rreg)), arith.index_cast(index, get(creg))]
-                        v = get(vals.registers.flat[n])
-                        memref.store(arith.truncf(elt, v) if elt != f32 else v, ref, idx)
-                        scf.yield_([])
-                    continue
-                # a load: row 0 where not ok (always in bounds), the value replaced by 0
-                row = arith.select(ok, get(rreg), zero_i)
-                v = memref.load(ref, [arith.index_cast(index, row), arith.index_cast(index, get(creg))])
-                v = arith.extf(f32, v) if elt != f32 else v
-                acc = llvm.insertelement(acc, arith.select(ok, v, zero_f), arith.constant(i32, e))
-            out.append(acc)
-        if store:
-            return None
-        regs_out = np.asarray(out, dtype=object).reshape(rows.registers.shape)
-        return fa.FragmentedArray(_registers=regs_out, _layout=rows.layout, _is_signed=None)
-
-    return fn
+    _common.ptx(_STAMP_ASM.format(_STAMP_READ[what]), ref)
 
 
 def _column_sums(mp: int):
@@ -325,7 +251,7 @@ def _column_sums(mp: int):
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))
     def fn(ctx, v, buf, dst):
         del ctx
-        ir, arith, _, memref, _, mu = _mlir()
+        ir, arith, _, memref, _, mu = _common.mlir_modules()
         from jax._src.lib.mlir.dialects import scf
         index = ir.IndexType.get()
         c, tid, warp, lane = mg.thread_coords()
@@ -657,13 +583,13 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         if interpret:
             ref.at[pl.ds(0, rows), pl.ds(col0, lay.ROWS)][...] = v.T[:rows].astype(ref.dtype)
         else:
-            _tile_access(mp, True)(v, batch_row, tile_row + col0, (batch_row < rows).astype(jnp.int32), ref)
+            _common.tile_access(mp, True)(v, batch_row, tile_row + col0, (batch_row < rows).astype(jnp.int32), ref)
 
     def load_rows(ref, col0):  # ref [M, C] -> [64, M_pad] float32 of columns col0.., rows >= M zero
         if interpret:
             v = ref.at[:, pl.ds(col0, lay.ROWS)][...].astype(jnp.float32).T
             return jnp.pad(v, ((0, 0), (0, mp - m)))
-        return _tile_access(mp, False)(batch_row, tile_row + col0, valid.astype(jnp.int32), ref)
+        return _common.tile_access(mp, False)(batch_row, tile_row + col0, valid.astype(jnp.int32), ref)
 
     def bf16(v):
         return v.astype(jnp.bfloat16).astype(jnp.float32)

@@ -53,7 +53,9 @@
 #   A/B; "tqkvsmol": SmolLM2's 64-channel heads A/B; "densemm": the target's bf16 linears on the Mosaic kernel A/B;
 #   "tswiglu": the target's SiLU·up in its gate_up kernel, checked, exactness with this build's defaults, A/B (34th);
 #   "dmb8": dense_matmul_impl auto against xla at the 8B's batch 8 (the 24-row limit); the bf16 kernel at 40 rows:
-#   STAGES=tqkvsweep QKVS_LINEARS=o,gate_up,down QKVS_T=40
+#   STAGES=tqkvsweep QKVS_LINEARS=o,gate_up,down QKVS_T=40   (both run in the 35th session);
+#   "cons4kab": the draft attention at 4k with three consumers against two, in the model (35th, prepared);
+#   "kmerge": the split merge inside the attention kernel, GPU checks, exactness and the A/B (35th, prepared)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -161,6 +163,38 @@ for stage in ${STAGES:-probe smol 8b}; do
     cons4k)  # the draft attention at 4k, batch 1: two pipelined consumers (the old default) against three
       QSPEC_MGPU_CONSUMERS=2 prof 8b_b1_4k_draft_cons2 --batch 1 --contexts 4096 --programs draft
       grep -E "quantspec_draft" $L/profile_8b_b1_4k_draft_cons2.log;;
+    kmerge)  # the split merge inside the attention kernel (QSPEC_MGPU_KERNEL_MERGE=1; the row split: the draft at
+      # batch 1, the target view everywhere; 35th session, built and CPU-checked): GPU checks with fresh inputs
+      # (against the jnp reference; T-invariance), exactness of the model with it (the pass's counter ref across
+      # layers and flushes), then the A/B in the model, alternating: the 8B at batch 1 / 4k (draft, verify T 3,
+      # the loop at γ 2) and SmolLM2 at batch 32 (verify T 3, the loop at γ 2)
+      timeout ${CHECK_LIMIT:-200} python3 tools/device/check_attention.py --parts check,tinv --impls mosaic-ws --quick \
+        --check-config ws_flat=0,ws_kernel_merge=1 2>&1 | grep -v "^W[0-9]" | tee $L/kmerge_check.log \
+        | grep -E "OK|FAIL|rror" | tail -8
+      for sh in llama3-8b smollm2; do
+        QSPEC_MGPU_KERNEL_MERGE=1 timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape $sh \
+          --batches 1,3 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_kmerge_$sh.log | tail -3
+      done
+      for i in ${KM_TRIALS:-1 2}; do
+        for v in 1 0; do
+          QSPEC_MGPU_KERNEL_MERGE=$v prof 8b_b1_4k_kmerge${v}_$i --batch 1 --contexts 4096 \
+            --programs draft,verify,ar_loop,spec_loop --verify-t 3 --gamma 2
+        done
+      done
+      for v in 1 0; do
+        QSPEC_MGPU_KERNEL_MERGE=$v prof smollm2_b32_8k_kmerge$v --shape smollm2 --batch 32 --contexts 8192 \
+          --programs verify,ar_loop,spec_loop --verify-t 3 --gamma 2
+      done;;
+    cons4kab)  # the draft attention at 4k, batch 1, in the model: three consumers (the FP-ring tile beside the blocks,
+      # 8.4 -> 8.0 us alone, 35th session) against the default two, alternating CONS_TRIALS times
+      for i in ${CONS_TRIALS:-1 2}; do
+        for v in 3 dflt; do
+          if [ $v = 3 ]; then export QSPEC_MGPU_CONSUMERS=3; else unset QSPEC_MGPU_CONSUMERS; fi
+          LIMIT=90 prof 8b_b1_4k_draft_c${v}_$i --batch 1 --contexts 4096 --programs draft
+          grep -hE "quantspec_draft" $L/profile_8b_b1_4k_draft_c${v}_$i.log
+        done
+      done
+      unset QSPEC_MGPU_CONSUMERS;;
     consctx)  # THREE_CONSUMERS_MIN_BLOCKS between its measured points: the draft at 8k / 16k / 32k, batch 1, with
       # the default consumer count and the other one (8k: 4 blocks per CTA, two by default; 16k / 32k: 8 / 16, three)
       for ctx in ${CONS_CTXS:-8192 16384 32768}; do
