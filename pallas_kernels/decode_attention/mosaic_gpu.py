@@ -850,7 +850,7 @@ def kernel_inputs(q_pos: Array, cache: Any, n_rep: int, view: str | None = None)
         out.update(ws.flat_inputs(cache, view))
         # $QSPEC_MGPU_KERNEL_MERGE: one counter ref for the pass (refs in global memory exist only under jit; an
         # eager caller's calls each make their own)
-        if ws.kernel_merge_of(None, "ws_pairs" in out) and isinstance(meta, jax.core.Tracer):
+        if ws.kernel_merge_of(None, ws.flat_of(None, view, b)) and isinstance(meta, jax.core.Tracer):
             out["merge_counters"] = jax.new_ref(merge_counters_zeros(b, cache.k_hi.shape[2]),
                                                 memory_space=plgpu.GMEM)
     return out

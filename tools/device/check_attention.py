@@ -173,15 +173,15 @@ def part_check(impls, quick=False, shapes_sel=None, cases=None):
                     # must equal the first's)
                     km = CHECK_CONFIG is not None and CHECK_CONFIG.ws_kernel_merge
                     for impl in impls:
-                        f = jax.jit(lambda q, p, c, impl=impl, view=view, window=window: (
-                            run_impl(impl, q, p, c, view, window),
-                            run_impl(impl, q, p, c, view, window, not (km and impl.startswith("mosaic")))))
+                        km_impl = km and impl.startswith("mosaic")
+                        f = jax.jit(lambda q, p, c, impl=impl, view=view, window=window, km_impl=km_impl: (
+                            run_impl(impl, q, p, c, view, window), run_impl(impl, q, p, c, view, window, not km_impl)))
                         try:
                             poison()
                             out, parts = f(q, q_pos, cache)
                             err = relerr(out.astype(jnp.float32), ref.astype(jnp.float32))
                             fin = all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(parts))
-                            if km and impl.startswith("mosaic"):  # the second call equal to the first
+                            if km_impl:  # the second call equal to the first
                                 fin = fin and bool((parts == out).all())
                             expect(err <= 2e-2 and fin, f"check {impl:6s} {shape} B={b} {view:6s} T={t} "
                                                          f"window={window}: relerr {err:.2e}, partials finite {fin}")
