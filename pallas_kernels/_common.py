@@ -79,6 +79,15 @@ def mlir_modules() -> tuple:
     return ir, arith, llvm, memref, fa, mu
 
 
+def thread0_asm(body: str, regs: str = "") -> str:
+    """Inline PTX for `ptx` that runs `body` on thread 0 of the calling warpgroup: a scope declaring
+    .pred p (set on thread 0, i.e. %tid.x mod 128 == 0) and .u32 t (%tid.x mod 128, free to reuse once p
+    is set), then the extra declarations `regs` (".reg .u32 v;\n"); `body`'s instructions carry `@p`
+    themselves (it may branch on `@!p` instead)."""
+    return ("{\n.reg .pred p;\n.reg .u32 t;\n" + regs + "mov.u32 t, %tid.x;\nand.b32 t, t, 127;\n"
+            "setp.eq.u32 p, t, 0;\n" + body + "}")
+
+
 def ptx(asm: str, *refs: Any, ints: tuple[int, ...] = (), shared: tuple[int, ...] = ()) -> None:
     """Mosaic GPU: inline PTX `asm` (side effects only) with operands $0.. the addresses of `refs`
     (64-bit global, or 32-bit shared for the positions in `shared`), then the int32 constants `ints`."""

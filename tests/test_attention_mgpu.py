@@ -432,6 +432,32 @@ def test_ws_kernel_merge_matches_the_xla_merge(view, window, splits):
         ws.kernel_merge_of(mg.MgpuConfig(ws_kernel_merge=True), flat=True)
 
 
+@pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="no ptxas on PATH")
+def test_thread0_inline_ptx_assembles(tmp_path):
+    """The warpgroup-thread-0 PTX blocks (`_common.thread0_asm`: the in-kernel merge's arrival and
+    reset, the layer tail's flags, spin, unit grab, L2 prefetch and stamps) assemble for sm_90a in one
+    kernel, $k bound to a 64-bit global address, a 32-bit shared address or an int as `_common.ptx` binds them."""
+    from pallas_kernels.linear import tail_mgpu as tail
+
+    blocks = [(ws._ARRIVE_OLD_ASM, "ls"), (ws._RESET_ASM, "l"), (ws._ACQUIRE_ASM, ""), (tail._ARRIVE_ASM, "l"),
+              (tail._SPIN_ASM, "li"), (tail._GRAB_ASM, "ls"), (tail._PREFETCH_ASM, "li"),
+              *[(a, "l") for a in tail._STAMP_ASM.values()]]
+    body = ["mov.u64 %rd0, 0;", "mov.u32 %r0, 0;"]
+    for asm, kinds in blocks:
+        subs = {"l": "%rd0", "s": "%r0", "i": "16"}
+        a = asm
+        for k, kind in enumerate(kinds):
+            a = a.replace(f"${k}", subs[kind])
+        assert "$" not in a, a
+        body.append(a if a.startswith("{") else "{\n" + a + "\n}")
+    src = tmp_path / "t.ptx"
+    src.write_text(".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k() {\n.reg .b64 %rd<2>;\n"
+                   ".reg .b32 %r<2>;\n" + "\n".join(body) + "\nret;\n}\n")
+    r = subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(tmp_path / "t.cubin")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_ws_kernel_merge_counters_serve_a_layer_loop(monkeypatch):
     """With $QSPEC_MGPU_KERNEL_MERGE=1 a pass's `kernel_inputs` carry one counter ref (uint32 per
     (row, KV head)); a loop over layers closes over it and every call leaves it at zero, so each

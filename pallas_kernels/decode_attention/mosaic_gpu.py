@@ -143,8 +143,9 @@ class MgpuConfig:
     # "ws", row split: the split merge inside the kernel (the last CTA of each (row, KV head) to finish,
     # counted on a global counter, merges the pair's partials in `merge_heads`' pairwise tree and writes the
     # output), so no XLA merge kernel follows the call. None: $QSPEC_MGPU_KERNEL_MERGE ("1" / "0"), else off
-    # (`mosaic_gpu_ws.kernel_merge_of`; the draft view checked on the H200, not yet timed: docs/kernel_notes.md,
-    # "Thirty-fifth session").
+    # (`mosaic_gpu_ws.kernel_merge_of`). Exact (H200); timed in the model (docs/kernel_notes.md, "Thirty-sixth
+    # session"): a tie in the 8B's draft step, ~40 us slower in its verify step, so off: the last CTA's arrival
+    # (1.9 us) and merge (3.5 us at T 1, 9.5 at T 3) cost what the XLA merge and its launch did.
     ws_kernel_merge: bool | None = None
     # "ws": the balanced schedule: persistent CTAs, each an equal share of the flattened (row, KV head,
     # block) work. Draft view (`mosaic_gpu_ws.flat_work`): shares of the rows' real lengths, so rows of

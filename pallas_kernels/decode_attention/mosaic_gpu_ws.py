@@ -46,7 +46,9 @@ Partials: one per consumer warpgroup of each CTA, merged by `mosaic_gpu.merge_he
 `MgpuConfig.ws_kernel_merge` ($QSPEC_MGPU_KERNEL_MERGE=1), inside the kernel: each CTA's last consumer stores the CTA's
 partial, adds 1 to its (row, KV head)'s counter (a uint32 ref operand, zero between calls) and the CTA that arrives
 last merges the pair's partials in `merge_heads`' pairwise tree (`mosaic_gpu.merge_tree`), writes the output and
-resets the counter; a pass shares one counter ref across its layers (`mosaic_gpu.kernel_inputs`).
+resets the counter; a pass shares one counter ref across its layers (`mosaic_gpu.kernel_inputs`). Off by default:
+on the H200 it ties the XLA merge in the 8B's draft step and loses ~40 us in its verify step (kernel_notes,
+"Thirty-sixth session").
 
 Balanced schedule (draft view, by default from two rows up; `MgpuConfig.ws_flat`, $QSPEC_MGPU_FLAT=0|1; `flat_work`): a
 grid of one CTA per SM, each taking an equal share of the (row, KV head) pairs' work laid end to
@@ -106,24 +108,24 @@ STREAM_DIAGS = ("stream", "stream_planes", "stream_noring")  # the `diag`s that 
 # The in-kernel split merge's counter (`_WsStatic.kernel_merge`), by thread 0 of the merging warpgroup: after its
 # partial's stores (and a warpgroup barrier), a release fence and an acq_rel add of 1 at $0 (global), the old value
 # stored at $1 (shared); the last CTA's threads then fence before reading the other partials; it resets the counter.
-_ARRIVE_OLD_ASM = ("{\n.reg .pred p;\n.reg .u32 t, v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
-                   "@p fence.acq_rel.gpu;\n@p atom.acq_rel.gpu.global.add.u32 v, [$0], 1;\n@p st.shared.u32 [$1], v;\n}")
+_ARRIVE_OLD_ASM = _common.thread0_asm("@p fence.acq_rel.gpu;\n@p atom.acq_rel.gpu.global.add.u32 v, [$0], 1;\n"
+                                     "@p st.shared.u32 [$1], v;\n", regs=".reg .u32 v;\n")
 _ACQUIRE_ASM = "fence.acq_rel.gpu;"
-_RESET_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
-              "@p st.relaxed.gpu.global.u32 [$0], 0;\n}")
+_RESET_ASM = _common.thread0_asm("@p st.relaxed.gpu.global.u32 [$0], 0;\n")
 
 
 # The on-device profiler's regions (`MgpuConfig.ws_profile_dir`), recorded by one thread per warpgroup:
 # c_all / p_all a consumer's / the prep's whole role (its start is the warpgroup's); consumers c_blk (a
 # quantized block, waits included), c_wait (its wait for the slot's data and prep), c_ring (an FP ring tile),
-# c_end (the partial's sums and stores); prep p_blk (a block, or two with `prep_pairs`), p_wait (its wait for
-# the slot's data). Each region costs 16 bytes of shared memory per warpgroup (`profile_space`).
-PROFILE_REGIONS = ("c_all", "c_blk", "c_wait", "c_ring", "c_end", "p_all", "p_blk", "p_wait")
+# c_end (the partial's sums and stores; with `kernel_merge` inside it c_arr, the arrival on the pair's counter,
+# and c_km, the last CTA's merge and output store); prep p_blk (a block, or two with `prep_pairs`), p_wait (its
+# wait for the slot's data). Each region costs 16 bytes of shared memory per warpgroup (`profile_space`).
+PROFILE_REGIONS = ("c_all", "c_blk", "c_wait", "c_ring", "c_end", "c_arr", "c_km", "p_all", "p_blk", "p_wait")
 
 
 def profile_space(blocks_per_cta: int, ring_tiles_per_cta: int, segments: int) -> int:
     """Regions one warpgroup of a CTA may record in a call (the prep's two per block bound them all)."""
-    return 2 * blocks_per_cta + 2 * ring_tiles_per_cta + 4 * segments + 10
+    return 2 * blocks_per_cta + 2 * ring_tiles_per_cta + 8 * segments + 10
 
 
 def red_rows(consumers: int, preps: int = 1) -> int:
@@ -1480,13 +1482,13 @@ def _build_ws(st: _WsStatic):
                     old = ctr_ref[idx].astype(jnp.int32)
                     ctr_ref[idx] = (old + 1).astype(jnp.uint32)
                 else:
-                    plgpu.commit_smem()  # warpgroup barrier: every thread's partial stores precede the release
-                    _common.ptx(_ARRIVE_OLD_ASM, ctr_ref.at[pl.ds(idx, 1)], km_s, shared=(1,))
-                    plgpu.commit_smem()  # every thread reads what thread 0 stored
-                    old = km_s[0]
+                    with scope("c_arr"):
+                        plgpu.commit_smem()  # warpgroup barrier: every thread's partial stores precede the release
+                        _common.ptx(_ARRIVE_OLD_ASM, ctr_ref.at[pl.ds(idx, 1)], km_s, shared=(1,))
+                        plgpu.commit_smem()  # every thread reads what thread 0 stored
+                        old = km_s[0]
 
-                @pl.when(old == st.NP - 1)
-                def _():
+                def last_merge():
                     if not seq:
                         _common.ptx(_ACQUIRE_ASM)  # every thread: the other CTAs' partials are visible
 
@@ -1497,7 +1499,7 @@ def _build_ws(st: _WsStatic):
                                 [_load_gmem(o_ref.at[b, h, j, pl.ds(mc * MT, MT), cols_], plgpu.Layout.WGMMA)
                                  for mc in range(MTV)])
 
-                    def evaluate(node, c):
+                    def evaluate(node, c):  # (ptxas hoists the leaves' loads ahead of the combines itself)
                         if isinstance(node, int):
                             return leaf(node, c)
                         return combine(evaluate(node[0], c), evaluate(node[1], c))
@@ -1513,6 +1515,11 @@ def _build_ws(st: _WsStatic):
                         ctr_ref[idx] = jnp.uint32(0)
                     else:
                         _common.ptx(_RESET_ASM, ctr_ref.at[pl.ds(idx, 1)])
+
+                @pl.when(old == st.NP - 1)
+                def _():
+                    with scope("c_km"):
+                        last_merge()
 
             def store_out(y, b, h, c, mc, hq, n_real):
                 """y: O^T [64 channels, NT columns] of column tile c, channel tile mc -> out rows (b T + t) Hq

@@ -186,23 +186,21 @@ def layer_tail_reference(attn: Array, x: Array, wo: Array, norm_weight: Array, w
 
 
 # ------------------------------------------------------------------------------ inline PTX pieces
-_ARRIVE_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
-               "@p fence.acq_rel.gpu;\n@p red.release.gpu.global.add.u32 [$0], 1;\n}")
+_ARRIVE_ASM = _common.thread0_asm("@p fence.acq_rel.gpu;\n@p red.release.gpu.global.add.u32 [$0], 1;\n")
 # thread 0 of the warpgroup polls until the counter reaches $1; then every thread fences the async
 # proxy (the producer's TMA reads what other CTAs' generic stores wrote)
-_SPIN_ASM = ("{\n.reg .pred p, q;\n.reg .u32 v, t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.ne.u32 q, t, 0;\n"
-             "@q bra DONE;\nSPIN:\nld.acquire.gpu.global.u32 v, [$0];\nsetp.lt.u32 p, v, $1;\n@p bra SPIN;\nDONE:\n}")
+_SPIN_ASM = _common.thread0_asm("@!p bra DONE;\nSPIN:\nld.acquire.gpu.global.u32 v, [$0];\nsetp.lt.u32 q, v, $1;\n"
+                                "@q bra SPIN;\nDONE:\n", regs=".reg .pred q;\n.reg .u32 v;\n")
 _PROXY_FENCE_ASM = "fence.proxy.async.global;"
-# thread 0 of the warpgroup stores a special register's (low) 32 bits at $0
-_STAMP_ASM = ("{{\n.reg .pred p;\n.reg .u32 t;\n.reg .u64 v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\n"
-              "setp.eq.u32 p, t, 0;\n{}\n@p st.global.u32 [$0], t;\n}}")
-# thread 0 of the warpgroup takes the next unit: atomic add of 1 at $0 (global), the old value stored at $1 (shared)
-_GRAB_ASM = ("{\n.reg .pred p;\n.reg .u32 t, v;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
-             "@p atom.relaxed.gpu.global.add.u32 v, [$0], 1;\n@p st.shared.u32 [$1], v;\n}")
-# thread 0 of the warpgroup: bulk prefetch of $1 bytes at $0 (global, 16-byte aligned) into the L2
-_PREFETCH_ASM = ("{\n.reg .pred p;\n.reg .u32 t;\nmov.u32 t, %tid.x;\nand.b32 t, t, 127;\nsetp.eq.u32 p, t, 0;\n"
-                 "@p cp.async.bulk.prefetch.L2.global [$0], $1;\n}")
+# thread 0 of the warpgroup stores a special register's (low) 32 bits at $0 (t reused once p is set)
 _STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
+_STAMP_ASM = {what: _common.thread0_asm(read + "\n@p st.global.u32 [$0], t;\n", regs=".reg .u64 v;\n")
+              for what, read in _STAMP_READ.items()}
+# thread 0 of the warpgroup takes the next unit: atomic add of 1 at $0 (global), the old value stored at $1 (shared)
+_GRAB_ASM = _common.thread0_asm("@p atom.relaxed.gpu.global.add.u32 v, [$0], 1;\n@p st.shared.u32 [$1], v;\n",
+                                regs=".reg .u32 v;\n")
+# thread 0 of the warpgroup: bulk prefetch of $1 bytes at $0 (global, 16-byte aligned) into the L2
+_PREFETCH_ASM = _common.thread0_asm("@p cp.async.bulk.prefetch.L2.global [$0], $1;\n")
 
 
 def _arrive(counter: Any) -> None:
@@ -237,7 +235,7 @@ def _grab(counter: Any, dst: Any) -> None:
 def _stamp(ref: Any, what: str) -> None:
     """Thread 0 of the calling warpgroup writes %globaltimer's low 32 bits (ns; `what="time"`) or its
     SM (`"sm"`) into the one-word uint32 global ref (TailConfig.timeline)."""
-    _common.ptx(_STAMP_ASM.format(_STAMP_READ[what]), ref)
+    _common.ptx(_STAMP_ASM[what], ref)
 
 
 def _column_sums(mp: int):

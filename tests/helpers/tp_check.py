@@ -88,6 +88,33 @@ got = generate(shard(pallas, make_mesh(2)), PROMPTS, SPEC_P).to_lists()
 assert got == want, (got, want)
 print("tp=2 with the Pallas attention and W4A16 kernels under shard_map: same tokens", flush=True)
 
+# A pass's kernel inputs may hold refs (the in-kernel split merge's counters, $QSPEC_MGPU_KERNEL_MERGE): they stay
+# outside shard_map (inside it a ref loses its memory space), and each device's kernel call makes its own.
+import jax.numpy as jnp  # noqa: E402
+import pallas_kernels  # noqa: E402
+from qspec_jax import attention as A  # noqa: E402
+from qspec_jax.bench import synthetic  # noqa: E402
+
+seen = []
+real_attention = pallas_kernels.cache_attention
+pallas_kernels.cache_attention = lambda q, *a, inputs=None, **k: (
+    seen.append({n: isinstance(v, jax.ref.Ref) for n, v in (inputs or {}).items()}) or jnp.zeros_like(q))
+qcache = synthetic.random_quant_cache(CFG_P, 2, 200, jax.random.PRNGKey(4), group=32, gamma_max=4)
+q = jnp.zeros((2, 1, CFG_P.num_heads, CFG_P.head_dim), jnp.float32)
+qpos = (qcache.q_len + qcache.fp_len)[:, None] - 1
+
+
+@jax.jit
+def attend_with_ref(q, qpos, qcache):
+    inputs = {"pos": qpos, "merge_counters": jax.new_ref(jnp.zeros((4,), jnp.uint32))}
+    return A.cache_attention(q, qpos, qcache, jnp.int32(0), "target", "pallas", None, mesh=make_mesh(2), inputs=inputs)
+
+
+attend_with_ref(q, qpos, qcache)
+pallas_kernels.cache_attention = real_attention
+assert seen and all(s == {"pos": False} for s in seen), seen
+print("tp=2: a pass's kernel-input refs stay outside shard_map", flush=True)
+
 try:
     shard(single, make_mesh(3))
 except ShardingError as e:

@@ -100,7 +100,7 @@ def summarize(trace: dict, n_wg: int, consumers: int) -> None:
     last = max(ends, key=ends.get)
     print(f"  last CTA {last} (ends at {ends[last] - t0:.1f} us):")
     for wg, regs in sorted(ctas[last].items()):
-        top = [r for r in regs if r[0] in ("c_blk", "c_ring", "c_end", "p_blk")]
+        top = [r for r in regs if r[0] in ("c_blk", "c_ring", "c_end", "c_arr", "c_km", "p_blk")]
         show = top[:4] + ([("...", 0, 0)] if len(top) > 8 else []) + top[-4:] if len(top) > 8 else top
         seq = " ".join(f"{nm}@{a - t0:.1f}+{b - a:.2f}" if nm != "..." else "..." for nm, a, b in show)
         print(f"    wg {wg}: {len(top)} regions: {seq}")

@@ -55,7 +55,8 @@
 #   "dmb8": dense_matmul_impl auto against xla at the 8B's batch 8 (the 24-row limit); the bf16 kernel at 40 rows:
 #   STAGES=tqkvsweep QKVS_LINEARS=o,gate_up,down QKVS_T=40   (both run in the 35th session);
 #   "cons4kab": the draft attention at 4k with three consumers against two, in the model (35th, prepared);
-#   "kmerge": the split merge inside the attention kernel, GPU checks, exactness and the A/B (35th, prepared)
+#   "kmerge": the split merge inside the attention kernel, GPU checks, exactness and the A/B (35th; run in the 36th)
+#   "kmtl": the in-kernel split merge's timeline at the 8B's batch 1 / 4k (36th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -168,13 +169,18 @@ for stage in ${STAGES:-probe smol 8b}; do
       # (against the jnp reference; T-invariance), exactness of the model with it (the pass's counter ref across
       # layers and flushes), then the A/B in the model, alternating: the 8B at batch 1 / 4k (draft, verify T 3,
       # the loop at γ 2) and SmolLM2 at batch 32 (verify T 3, the loop at γ 2)
-      timeout ${CHECK_LIMIT:-200} python3 tools/device/check_attention.py --parts check,tinv --impls mosaic-ws --quick \
-        --check-config ws_flat=0,ws_kernel_merge=1 2>&1 | grep -v "^W[0-9]" | tee $L/kmerge_check.log \
-        | grep -E "OK|FAIL|rror" | tail -8
-      for sh in llama3-8b smollm2; do
-        QSPEC_MGPU_KERNEL_MERGE=1 timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape $sh \
-          --batches 1,3 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_kmerge_$sh.log | tail -3
-      done
+      # (KM_PARTS: "check ab" by default; one call for each is safer inside a call's 10 minutes)
+      if [[ " ${KM_PARTS:-check ab} " == *" check "* ]]; then
+        timeout ${CHECK_LIMIT:-200} python3 tools/device/check_attention.py --parts check,tinv --impls mosaic-ws \
+          --quick --check-config ws_flat=0,ws_kernel_merge=1 2>&1 | grep -v "^W[0-9]" | tee $L/kmerge_check.log \
+          | grep -E "^  (ok|FAIL) |rror" | tail -8
+        for sh in llama3-8b smollm2; do
+          QSPEC_MGPU_KERNEL_MERGE=1 timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape $sh \
+            --batches 1,3 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_kmerge_$sh.log | tail -3
+        done
+        echo "== kmerge checks done ($(( $(date +%s) - T0 )) s)"
+      fi
+      [[ " ${KM_PARTS:-check ab} " == *" ab "* ]] || continue
       for i in ${KM_TRIALS:-1 2}; do
         for v in 1 0; do
           QSPEC_MGPU_KERNEL_MERGE=$v prof 8b_b1_4k_kmerge${v}_$i --batch 1 --contexts 4096 \
@@ -184,6 +190,15 @@ for stage in ${STAGES:-probe smol 8b}; do
       for v in 1 0; do
         QSPEC_MGPU_KERNEL_MERGE=$v prof smollm2_b32_8k_kmerge$v --shape smollm2 --batch 32 --contexts 8192 \
           --programs verify,ar_loop,spec_loop --verify-t 3 --gamma 2
+      done;;
+    kmtl)  # where the in-kernel split merge's time goes (36th session: the A/B in the model a tie in the draft,
+      # +40 us in the verify): the 8B's batch 1 / 4k timeline, the XLA merge's kernel ("0"), the kernel merge
+      # ("0+k": c_arr the arrival, c_km the last CTA's merge)
+      for vt in ${KMTL_VIEWS:-draft:1 target:3}; do
+        timeout ${KERNEL_LIMIT:-200} python3 tools/device/attention_timeline.py --shape llama3-8b --batch 1 \
+          --ctx 4096 --view ${vt%:*} --t ${vt#*:} --tokens "${KMTL_TOKENS:-0,0+k}" 2>&1 \
+          | grep -v "^W[0-9]" | tee $L/attention_timeline_kmerge_${vt%:*}.log | grep -E "^==|span|consumer \(|rror"
+        echo "== kmtl ${vt%:*} done ($(( $(date +%s) - T0 )) s)"
       done;;
     cons4kab)  # the draft attention at 4k, batch 1, in the model: three consumers (the FP-ring tile beside the blocks,
       # 8.4 -> 8.0 us alone, 35th session) against the default two, alternating CONS_TRIALS times

@@ -1,7 +1,7 @@
 """Dump and summarize what the compiler emitted for the Mosaic GPU decode-attention kernels.
 
     PYTHONPATH=. python3 tools/device/mgpu_dump.py OUT_DIR [--schedule legacy|ws] [--cases draft:1,target:5] [--flat]
-        [--batch B] [--live 0|1] [--regs C/P/T] [--diag D] [--pipeline 0|1] [--shape smollm2]
+        [--batch B] [--live 0|1] [--regs C/P/T] [--diag D] [--pipeline 0|1] [--shape smollm2] [--kernel-merge]
 
 Compiles the INT4 draft (T=1) and INT8 target (T=5) kernels (or --cases) at the Llama-3-8B shape
 with MOSAIC_GPU_DUMP_TO set, without running them, then prints per kernel: ptxas registers/spills
@@ -9,7 +9,8 @@ and the count of each SASS opcode (HGMMA present? PRMT/LOP3 per converted word? 
 BAR, MUFU). Copies the SASS of the kernels to OUT_DIR. --live 0|1 sets MgpuConfig.ws_live_cols for every
 case, --regs / --diag / --pipeline its ws_regs / ws_diag / ws_pipeline (docs/kernel_notes.md, fourteenth and
 fifteenth sessions: ptxas's C7511 with and without the live columns); --shape smollm2 the
-real model's heads (9 q, 3 KV, D 64) instead of the 8B's.
+real model's heads (9 q, 3 KV, D 64) instead of the 8B's; --kernel-merge the row split with the split merge
+in the kernel (`MgpuConfig.ws_kernel_merge`).
 """
 
 from __future__ import annotations
@@ -33,16 +34,17 @@ import jax.numpy as jnp  # noqa: E402
 def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5", consumers: int | None = None,
          preps: int | None = None, flat: bool = False, batch: int = 1, live: int | None = None,
          regs: tuple[int, int, int] | None = None, diag: str | None = None, pipeline: bool | None = None,
-         shape: str = "llama3-8b") -> int:
+         shape: str = "llama3-8b", kernel_merge: bool = False) -> int:
     from pallas_kernels.decode_attention import mosaic_gpu as mg
     from qspec_jax.bench.synthetic import attention_config, random_quant_cache
 
     hq, hkv, d = (9, 3, 64) if shape == "smollm2" else (32, 8, 128)
     cfg = attention_config(hq, hkv, d)
     cache = random_quant_cache(cfg, batch, 8192, jax.random.PRNGKey(0), layers=1)
-    conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps, ws_flat=flat or None,
+    conf = mg.MgpuConfig(schedule=schedule, ws_consumers=consumers, ws_preps=preps,
+                         ws_flat=False if kernel_merge else flat or None,
                          ws_live_cols=None if live is None else bool(live), ws_regs=regs, ws_diag=diag,
-                         ws_pipeline=pipeline)
+                         ws_pipeline=pipeline, ws_kernel_merge=kernel_merge or None)
     for case in cases.split(","):
         view, t = case.split(":")
         t = int(t)
@@ -94,7 +96,8 @@ if __name__ == "__main__":
     ap.add_argument("--diag", default=None, help="MgpuConfig.ws_diag (e.g. and_or)")
     ap.add_argument("--pipeline", type=int, choices=(0, 1), default=None, help="MgpuConfig.ws_pipeline")
     ap.add_argument("--shape", choices=("llama3-8b", "smollm2"), default="llama3-8b")
+    ap.add_argument("--kernel-merge", action="store_true", help="MgpuConfig.ws_kernel_merge (the row split)")
     a = ap.parse_args()
     sys.exit(main(a.out_dir, a.schedule, a.cases, a.consumers, a.preps, a.flat, a.batch, a.live,
                   None if a.regs is None else tuple(int(x) for x in a.regs.split("/")), a.diag,
-                  None if a.pipeline is None else bool(a.pipeline), a.shape))
+                  None if a.pipeline is None else bool(a.pipeline), a.shape, a.kernel_merge))

@@ -38,14 +38,16 @@ def config_of(token: str) -> MgpuConfig:
     balanced schedule ("flat128": on 128 CTAs); "+q" / "-q" suffixes: the prep's query in registers
     or not (`ws_prep_q_regs`), "+l" / "-l": the softmax on the live columns or whole tiles
     (`ws_live_cols`), "+p" / "-p": the software-pipelined consumers or not (`ws_pipeline`), "+b" / "-b": the
-    prep two blocks per pass or not (`ws_prep_pairs`); a
+    prep two blocks per pass or not (`ws_prep_pairs`), "+k" / "-k": the split merge in the kernel or not
+    (`ws_kernel_merge`, the row split); a
     ":stream" suffix: the kernel's TMA-only timing diagnostic (wrong results), or another `ws_diag`;
     an "@216/56/24" suffix (last): setmaxnreg per role (`ws_regs`); "~3": consumer warpgroups per CTA
     (`ws_consumers`), "%8": pipeline stages (`stages`), both before any other suffix ("0~3%6+l")."""
     token, _, regs = token.partition("@")
     split, _, diag = token.partition(":")
     extra: dict = {"ws_regs": tuple(int(x) for x in regs.split("/"))} if regs else {}
-    fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols", "p": "ws_pipeline", "b": "ws_prep_pairs"}
+    fields = {"q": "ws_prep_q_regs", "l": "ws_live_cols", "p": "ws_pipeline", "b": "ws_prep_pairs",
+              "k": "ws_kernel_merge"}
     while split[-2:-1] in ("+", "-") and split[-1:] in fields:
         extra[fields[split[-1]]] = split[-2] == "+"
         split = split[:-2]
@@ -168,6 +170,8 @@ def main(argv=None) -> int:
             nps = args.nps.split(",") if impl == "mosaic" else ["0"]
             confs = [None if impl != "mosaic" else config_of(n) for n in nps]
             for name, lengths in layouts.items():
+                # (bench_ours compiles every config, then times them alternately: say what is under way)
+                print(f"{view:6s} {name:7s}: compiling and timing {len(confs)} configs ...", flush=True)
                 rows = K.bench_ours(kind, args.shape, hq, hkv, d, args.batch, args.ctx, t, args.trials, confs, key,
                                     impl=impl, trace_dir=f"{tmp}/{view}-{name}", lengths=lengths)
                 for n, r in zip(nps, rows):
