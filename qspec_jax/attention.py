@@ -404,9 +404,6 @@ def cache_attention(q: Array, q_pos: Array, cache: DenseKVCache | QuantSpecCache
                                                   impl=_kernel_impl(impl), inputs=inputs, q_operand=q_operand)
 
         if mesh is not None and mesh.size > 1:
-            if inputs:  # refs (the in-kernel split merge's counters) cannot enter shard_map: each device's call
-                # makes its own instead
-                inputs = {k: v for k, v in inputs.items() if not isinstance(v, jax.ref.Ref)}
             return spmd.sharded_cache_attention(attend, mesh, q, q_pos, cache, layer, inputs)
         return attend(q, q_pos, cache, layer, inputs)
     if isinstance(cache, QuantSpecCache):

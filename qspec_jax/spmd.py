@@ -43,7 +43,11 @@ def shard_map(fn: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callab
 def sharded_cache_attention(attend: Callable, mesh: Mesh, q: jax.Array, q_pos: jax.Array, cache: Any,
                             layer: jax.Array, inputs: Any = None) -> jax.Array:
     """Runs `attend(q, q_pos, cache, layer, inputs)` per device on its local query and KV heads
-    (`inputs`, the kernels' per-row arrays, are replicated)."""
+    (`inputs`, the kernels' per-row arrays, are replicated; refs among them, such as the in-kernel split
+    merge's counters, stay outside: a ref loses its memory space in shard_map, and each device's call
+    makes its own)."""
+    if inputs:
+        inputs = {k: v for k, v in inputs.items() if not isinstance(v, jax.ref.Ref)}
     head = P(None, None, TP)
     specs = (head, P(), cache_specs(cache), P(), jax.tree.map(lambda _: P(), inputs))
     return shard_map(attend, mesh, in_specs=specs, out_specs=head)(q, q_pos, cache, layer, inputs)

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -432,7 +433,7 @@ def test_ws_kernel_merge_matches_the_xla_merge(view, window, splits):
         ws.kernel_merge_of(mg.MgpuConfig(ws_kernel_merge=True), flat=True)
 
 
-@pytest.mark.skipif(__import__("shutil").which("ptxas") is None, reason="no ptxas on PATH")
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on PATH")
 def test_thread0_inline_ptx_assembles(tmp_path):
     """The warpgroup-thread-0 PTX blocks (`_common.thread0_asm`: the in-kernel merge's arrival and
     reset, the layer tail's flags, spin, unit grab, L2 prefetch and stamps) assemble for sm_90a in one
@@ -442,9 +443,9 @@ def test_thread0_inline_ptx_assembles(tmp_path):
     blocks = [(ws._ARRIVE_OLD_ASM, "ls"), (ws._RESET_ASM, "l"), (ws._ACQUIRE_ASM, ""), (tail._ARRIVE_ASM, "l"),
               (tail._SPIN_ASM, "li"), (tail._GRAB_ASM, "ls"), (tail._PREFETCH_ASM, "li"),
               *[(a, "l") for a in tail._STAMP_ASM.values()]]
+    subs = {"l": "%rd0", "s": "%r0", "i": "16"}
     body = ["mov.u64 %rd0, 0;", "mov.u32 %r0, 0;"]
     for asm, kinds in blocks:
-        subs = {"l": "%rd0", "s": "%r0", "i": "16"}
         a = asm
         for k, kind in enumerate(kinds):
             a = a.replace(f"${k}", subs[kind])
