@@ -165,6 +165,63 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
+TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1": the draft layer's o -> gate_up -> down in one persistent kernel (`tail_fusable`)
+
+
+def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int) -> bool:
+    """Whether a draft layer whose norms and residual adds run inside its INT4 kernels (the caller's
+    `LayerFusion.norm` and `.residual`) runs o, the MLP norm, gate_up, SiLU·up and down as one
+    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1 (off by default:
+    in the harness it ties the three fused kernels, docs/kernel_notes.md "Twentieth session" on),
+    the Mosaic kernel (`fusable`), and shapes the kernel takes (`tail_mgpu.takes`: D a multiple of
+    128; Kq, D and F of 256; at most 24 rows). From the rows, never from T."""
+    mode = os.environ.get(TAIL_ENV, "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0 or 1")
+    if mode == "0" or not fusable(wo, int4_impl, rows, residual=True):
+        return False
+    from pallas_kernels.linear.layout import W4A16Packed
+    from pallas_kernels.linear.tail_mgpu import takes
+
+    wo, wgu, wd = (w.weight if isinstance(w, StackedLayer) else w for w in (wo, w_gate_up, w_down))
+    return (all(isinstance(w, W4A16Packed) for w in (wgu, wd)) and wgu.n == 2 * wd.k
+            and takes(wo.k, wo.n, wd.k, rows))
+
+
+def layer_tail_sync(w_down: Any, like: Any) -> Any:
+    """The sync ref (`tail_mgpu.sync_words`: grid-wide flags and counters, zeros) that every
+    `layer_tail` call of one decode pass shares, each with its layer index as the ordinal: made
+    once per pass outside the layer loop, so no call needs a launch to zero its own. Refs in global
+    memory exist only under jit: None where `like` (an array of the pass) is concrete, and each call
+    then makes its own."""
+    if not isinstance(like, jax.core.Tracer):
+        return None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.linear.tail_mgpu import sync_zeros
+
+    wd = w_down.weight if isinstance(w_down, StackedLayer) else w_down
+    return jax.new_ref(sync_zeros(wd.n, wd.k), memory_space=plgpu.GMEM)
+
+
+def layer_tail(attn: Array, x: Array, wo: Any, norm: Any, w_gate_up: Any, w_down: Any, *, int4_impl: str,
+               norm_eps: float = 1e-5, row_sums: bool = False, sync: Any = None,
+               ordinal: Any = 0) -> Array | tuple[Array, Array]:
+    """The draft layer after its attention in one kernel (`pallas_kernels.linear.int4_layer_tail`,
+    where `tail_fusable`): x1 = bf16(attn Wo) + x, out = bf16(silu(gate) up Wd) + x1 with gate | up
+    = RMSNorm(x1) Wgu. attn [..., Kq], x [..., D]; the weights StackedLayers at one layer (or one
+    layer's), `norm` the MLP norm's weight (a StackedLayer read in place). `row_sums`: (out, its rows'
+    sums of squares: the next norm's `norm_sums`). `sync` (`layer_tail_sync`) and `ordinal` (the
+    calls made on it before: the layer index in a pass) as the kernel takes them."""
+    layer = wo.layer if isinstance(wo, StackedLayer) else None
+    wo, wgu, wd = (w.weight if isinstance(w, StackedLayer) else w for w in (wo, w_gate_up, w_down))
+    from pallas_kernels.linear import int4_layer_tail
+
+    return int4_layer_tail(attn, x, wo, _norm_at(norm, layer), wgu, wd, layer=layer, norm_eps=norm_eps,
+                           backend="interpret" if int4_impl == "interpret" else "mosaic", row_sums=row_sums,
+                           sync=sync, ordinal=ordinal if sync is not None else 0)
+
+
 NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "auto" (default), "1" at every row count, "0" off (`norm_sums_fusable`)
 # Rows from which "auto" takes the norms' sums from the o / down kernels: where it measured faster (H200, SmolLM2's
 # draft step at 8k, 2026-12-01, kernels with / without): batch 32 1.636 / 1.677 ms (gate_up -31 us, q|k|v -19, o and

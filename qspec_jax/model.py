@@ -36,12 +36,15 @@ from qspec_jax.linear import (
     fusable,
     keep_stacked,
     kernel_layout_wanted,
+    layer_tail,
+    layer_tail_sync,
     linear,
     norm_sums_fusable,
     norm_sums_of,
     qkv_cache_fusable,
     qkv_into_cache,
     qkv_pass_inputs,
+    tail_fusable,
     target_qkv_cache_backend,
     to_kernel_layout,
 )
@@ -298,6 +301,9 @@ class LayerFusion:
     sums: bool = struct.field(pytree_node=False, default=False)
     # Without `norm` (the target's bf16 layers): SiLU(gate)·up inside the gate_up kernel (`linear.dense_swiglu_fusable`).
     swiglu: bool = struct.field(pytree_node=False, default=False)
+    # With `norm` and `residual`: o, the MLP norm, gate_up, SiLU·up and down in one persistent kernel
+    # (`linear.tail_fusable`, QSPEC_W4A16_TAIL=1), its grid-wide flags on one ref per pass (`linear.layer_tail_sync`).
+    tail: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def defers_residual(self) -> bool:
@@ -316,8 +322,8 @@ def _input_norm(cfg: ModelConfig, fusion: LayerFusion, x: Any, weight: Any) -> t
     return add_rms_norm(x, weight, eps=cfg.rms_norm_eps, backend=fusion.add_norm, residual=d)
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
-                      mesh: Any, fusion: LayerFusion = LayerFusion()) -> tuple[Array, Array | None, Array]:
+def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array, mesh: Any,
+                      fusion: LayerFusion = LayerFusion(), tail_sync: Any = None) -> tuple[Array, Array | None, Any]:
     """Residual adds of the attention output projection and the SwiGLU MLP.
 
     attn: [B, T, Hq*Dh]. Returns (x [B, T, D], the MLP's normed input [B, T, D], its down
@@ -327,8 +333,14 @@ def _attn_out_and_mlp(cfg: ModelConfig, lp: LayerParams, x: Array, attn: Array,
     input is not formed (None); `add_norm`, the residual add and the MLP norm in one kernel, and
     with `defers_residual` the first return value is the pair (x, down) whose sum the next
     layer's attention norm forms; `sums`, the o and down kernels also return their outputs' rows'
-    sums of squares, which the MLP norm takes, and the first return value is the pair (x, sums).
+    sums of squares, which the MLP norm takes, and the first return value is the pair (x, sums);
+    `tail`, all of it in one kernel (`linear.layer_tail`, the pass's `tail_sync` ref with the layer
+    index as its ordinal), and neither the normed input nor the down input is formed (None, None).
     """
+    if fusion.tail:
+        out = layer_tail(attn, x, lp.wo, lp.mlp_norm, lp.w_gate_up, lp.w_down, int4_impl=cfg.int4_matmul_impl,
+                         norm_eps=cfg.rms_norm_eps, row_sums=fusion.sums, sync=tail_sync, ordinal=lp.wo.layer)
+        return out, None, None
     col = _matmul(cfg, mesh)
     row = _matmul(cfg, mesh, row_parallel=True)
     sums = None
@@ -463,7 +475,9 @@ def _draft_fusion(params: Params, rows: int) -> LayerFusion:
     residual = ok(lp.wo, residual=True) and ok(lp.w_down, residual=True)
     sums = (norm and residual and norm_sums_fusable(lp.wqkv, cfg.int4_matmul_impl, rows)
             and norm_sums_fusable(lp.w_gate_up, cfg.int4_matmul_impl, rows, swiglu=True))
-    return LayerFusion(norm=norm, residual=residual, unit_norms=params.unit_norms if norm else (), sums=sums)
+    tail = norm and residual and tail_fusable(lp.wo, lp.w_gate_up, lp.w_down, cfg.int4_matmul_impl, rows)
+    return LayerFusion(norm=norm, residual=residual, unit_norms=params.unit_norms if norm else (), sums=sums,
+                       tail=tail)
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -612,9 +626,11 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     q_struct = jax.ShapeDtypeStruct((b, w, cfg.num_heads, cfg.head_dim), x.dtype)
     inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
     fusion = _layer_fusion(params, b * w)
+    tail_sync = layer_tail_sync(params.layers.w_down, x) if fusion.tail else None  # one per pass
     into_cache = _qkv_cache_plan(params, fusion, cache, view, q_struct)
     if into_cache is not None:
-        return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, *into_cache, t)
+        return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, *into_cache, t,
+                                 tail_sync)
 
     def layer(lp, x, cache, i):  # x [B, T, D], or the pair (x, down) / (x, sums): fusion.defers_residual / sums
         if fusion.norm:
@@ -627,7 +643,7 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
         cache = cache.append_layer(i, k, v)
         attn = cache_attention(q, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                mesh=params.mesh, inputs=inputs)
-        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(b, w, -1), params.mesh, fusion)[0], cache
+        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(b, w, -1), params.mesh, fusion, tail_sync)[0], cache
 
     x, cache = _scan_layers(params, _carry_in(fusion, x), cache, layer,
                             stack_norms=fusion.norm or bool(fusion.add_norm))
@@ -681,7 +697,7 @@ def _qkv_cache_plan(params: Params, fusion: LayerFusion, cache: Cache, view: str
 
 def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: Cache, view: str,
                       inputs: Any, fusion: LayerFusion, q_struct: jax.ShapeDtypeStruct,
-                      q_operand: tuple[int, ...], backend: str, t: int) -> tuple[Array, Cache]:
+                      q_operand: tuple[int, ...], backend: str, t: int, tail_sync: Any = None) -> tuple[Array, Cache]:
     """`decode`'s layer loop with each layer's q|k|v product, RoPE, query operand and ring writes
     in one kernel (`linear.qkv_into_cache`; the draft's with its attention norm inside, a target's
     after the norm's own kernel): the same function as the unfused layer (`_qkv`, `append_layer`,
@@ -709,7 +725,8 @@ def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: Cache, 
         cache = cache.with_append_buffers(k_buf, v_buf)
         attn = cache_attention(q_struct, positions, cache, i, view, cfg.attention_impl, cfg.sliding_window,
                                inputs=inputs, q_operand=q_buf)
-        return _attn_out_and_mlp(cfg, lp, x, attn.reshape(*positions.shape, -1), params.mesh, fusion)[0], (cache, q_buf)
+        return (_attn_out_and_mlp(cfg, lp, x, attn.reshape(*positions.shape, -1), params.mesh, fusion, tail_sync)[0],
+                (cache, q_buf))
 
     q_buf = jnp.zeros(q_operand, jnp.bfloat16)
     x, (cache, _) = _scan_layers(params, _carry_in(fusion, x), (cache, q_buf), layer,

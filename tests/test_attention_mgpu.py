@@ -441,7 +441,7 @@ def test_thread0_inline_ptx_assembles(tmp_path):
     from pallas_kernels.linear import tail_mgpu as tail
 
     blocks = [(ws._ARRIVE_OLD_ASM, "ls"), (ws._RESET_ASM, "l"), (ws._ACQUIRE_ASM, ""), (tail._ARRIVE_ASM, "l"),
-              (tail._SPIN_ASM, "li"), (tail._GRAB_ASM, "ls"), (tail._PREFETCH_ASM, "li"),
+              (tail._SPIN_ASM, "lli"), (tail._GRAB_ASM, "ls"), (tail._PREFETCH_ASM, "li"),
               *[(a, "l") for a in tail._STAMP_ASM.values()]]
     subs = {"l": "%rd0", "s": "%r0", "i": "16"}
     body = ["mov.u64 %rd0, 0;", "mov.u32 %r0, 0;"]

@@ -549,3 +549,61 @@ def test_target_silu_up_in_its_gate_up_kernel(monkeypatch):
     assert not M._layer_fusion(params, 6).swiglu
     with pytest.raises(ValueError, match="swiglu on a dense weight needs the Mosaic kernel"):
         qlinear.linear(jnp.zeros((1, 128), jnp.bfloat16), xla.layers.w_gate_up[0], dense_impl="xla", swiglu=True)
+
+
+# The persistent layer tail's shapes (`tail_mgpu.takes`): attention width, D and F multiples of 256.
+CFG_TAIL = CFG.replace(hidden_size=256, intermediate_size=256, num_heads=8)
+
+
+def _tail_draft():
+    params = M.init_random_params(CFG_TAIL, jax.random.PRNGKey(0), scale=0.1)
+    params = params.replace(layers=params.layers.replace(  # norms away from 1, so that they matter
+        attn_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (2, 256))).astype(jnp.bfloat16),
+        mlp_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 256))).astype(jnp.bfloat16)))
+    return M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
+
+
+def test_decode_runs_the_layer_tail_in_one_kernel_when_switched_on():
+    """QSPEC_W4A16_TAIL=1 (`linear.tail_fusable`): a draft layer's o, MLP norm, gate_up, SiLU·up and
+    down with both residuals in one persistent kernel (interpret mode): one layer against the three
+    fused kernels (the same function up to float32 summation order before each bf16 rounding), with
+    the down epilogue's row sums; then a jitted draft decode whose layer loop shares one sync ref
+    (`linear.layer_tail_sync`), the layer index as each call's ordinal (the twin's output is NaN
+    where a wait finds another count than its ordinal's), against the same decode without the tail.
+    In a child with 8 host devices (`subproc.run_in_child`)."""
+    subproc.run_in_child(__file__, "_case_tail")
+
+
+def _case_tail() -> None:
+    os.environ[qlinear.FUSE_ENV] = "1"  # a child process of its own
+    os.environ[qlinear.NORM_SUMS_ENV] = "1"
+    os.environ[qlinear.TAIL_ENV] = "1"
+    draft = _tail_draft()
+    fused = M.LayerFusion(norm=True, residual=True, sums=True)
+    assert M._draft_fusion(draft, 2) == fused.replace(tail=True)
+    assert not M._draft_fusion(draft, 25).tail  # above the norm fusion's and the kernel's 24 rows
+    lp = _layer(draft, jnp.int32(1))
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 256), jnp.float32).astype(jnp.bfloat16)
+    attn = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 256), jnp.float32).astype(jnp.bfloat16)
+    (out3, _), _, _ = M._attn_out_and_mlp(CFG_TAIL, lp, x, attn, None, fused)
+    (out, sums), h, act = M._attn_out_and_mlp(CFG_TAIL, lp, x, attn, None, fused.replace(tail=True))
+    assert h is None and act is None and out.shape == out3.shape == (2, 1, 256) and out.dtype == jnp.bfloat16
+    assert _rel(out, out3) <= 2.0 ** -8  # tests/test_tail_mgpu.py's TOL says why
+    np.testing.assert_allclose(np.asarray(sums), np.asarray(qlinear.norm_sums_of(out)), rtol=1e-5)
+    # the decode: every other INT4 linear through its reference (interpret-mode kernels are slow in a loop)
+    real_linear, real_tail, syncs = plinear.int4_linear, plinear.int4_layer_tail, []
+    plinear.int4_linear = lambda x, w, *, backend="auto", **kw: real_linear(x, w, backend="reference", **kw)
+
+    def tail(*a, sync=None, **kw):
+        syncs.append(sync)
+        return real_tail(*a, sync=sync, **kw)
+
+    plinear.int4_layer_tail = tail
+    cache = synthetic.random_quant_cache(CFG_TAIL, 2, 96, jax.random.PRNGKey(5), group=32, gamma_max=4)
+    toks = jnp.asarray([[3], [4]], jnp.int32)
+    on = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
+    assert len(syncs) == 1 and syncs[0] is not None  # the loop body traced once, handed the pass's ref
+    os.environ[qlinear.TAIL_ENV] = "0"
+    off = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
+    assert len(syncs) == 1 and np.isfinite(on).all()
+    assert _rel(on, off) < 2e-2

@@ -22,6 +22,7 @@ from qspec_jax.cli import bench as cli
 NAMES = {  # real kernel names from the H200 traces (docs/bench/profile_h200.json)
     "int4_mma_skinny_k4096_n6144_g32_s1_mosaic_gpu_kernel": ("linear", "int4 k4096 n6144 g32"),
     "bf16_wgmma_skinny_k4096_n4096_gNone_s2": ("linear", "bf16 k4096 n4096"),
+    "int4_layer_tail_kq4096_d4096_f14336_g32_c4x8x8": ("linear", "int4 layer tail kq4096 d4096 f14336 g32"),
     "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": ("linear", "cuBLAS"),
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": ("linear", "cuBLAS"),
     "quantspec_draft_mgpu_mosaic_gpu_kernel": ("attention", None),
@@ -42,6 +43,8 @@ def test_classify_names_categories_and_floors():
     assert P.classify(next(iter(NAMES)))[2] == int(4096 * 6144 * (0.5 + 4 / 32))  # codes + f16 scale/zero
     assert P.classify("bf16_wgmma_skinny_k4096_n4096_gNone_s2")[2] == 2 * 4096 * 4096
     assert P.classify("loop_convert_fusion")[2] is None
+    assert P.classify("int4_layer_tail_kq4096_d4096_f14336_g32_c4x8x8")[2] == int(  # o + gate_up + down
+        (4096 * 4096 + 4096 * 2 * 14336 + 14336 * 4096) * (0.5 + 4 / 32))
 
 
 def _trace(tmp_path: Path, events: list[dict]) -> Path:

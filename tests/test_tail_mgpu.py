@@ -5,7 +5,7 @@ bitwise row invariance, the launch-shape choice, bad inputs and CUDA lowering of
 The interpret-mode runs happen in a child process with 8 host devices (`_child`;
 `tests/helpers/subproc.run_in_child` says why: with one host device the simulation of the kernel's
 four or five warpgroups (now four or six) deadlocked on a 2-core machine, seen here). ~10-20 s per kernel call.
-The GPU kernel (its grid-wide flags, chunk semaphores, register MMA, inline loads and stores) runs
+The GPU kernel (its grid-wide flags, chunk counters, register MMA, inline loads and stores) runs
 in tools/device/check_tail.py against the same reference on the H200.
 """
 
@@ -121,6 +121,60 @@ def test_stacked_weights_at_the_layer_and_rows_alone_bit_for_bit() -> None:
     _child("check_stacked_rows")
 
 
+def check_sync_ref_serves_a_layer_loop() -> None:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, (kq, d, f), n_layers = 2, (512, 256, 512), 3
+    attn, x, ws, gw = _inputs(11, m, kq, d, f, lead=(n_layers,))
+    cfg = _cfg((2, 1, 2), 2, 1, dynamic=True)
+
+    def call(layer, **kw):
+        return tm.int4_layer_tail_mgpu(attn, x, ws[0], gw, ws[1], ws[2], layer=layer, config=cfg, interpret=True,
+                                       **kw)
+
+    @jax.jit
+    def loop():
+        sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
+
+        def body(i, outs):
+            y, sums = call(i, row_sums=True, sync=sync, ordinal=i)
+            return outs[0].at[i].set(y), outs[1].at[i].set(sums)
+
+        outs = jax.lax.fori_loop(0, n_layers, body, (jnp.zeros((n_layers, m, d), jnp.bfloat16),
+                                                     jnp.zeros((n_layers, d // 64, 8), jnp.float32)))
+        after = sync[...]
+        call(0, sync=sync, ordinal=0)  # a call that says it is the ref's first: every wait finds another count
+        return outs, after, sync[...]
+
+    (ys, sums), after, wrong = loop()
+    ys, sums, after, wrong = np.asarray(ys), np.asarray(sums), np.asarray(after), np.asarray(wrong)
+    # each call of the loop: its layer's output, bit for bit the call made alone (a fresh ref), and its rows' sums
+    np.testing.assert_array_equal(ys[1].view(np.uint16), np.asarray(call(1)).view(np.uint16))
+    for i in range(n_layers):
+        assert _rel(ys[i], _reference(attn, x, ws, gw, layer=i)) <= TOL
+        np.testing.assert_allclose(sums[i], tm.mg.chunk_row_sums(jnp.asarray(ys[i]), 8), rtol=1e-5)
+    # what the calls added: ctas (1) per flag, units + ctas per unit counter, chunks - 1 per pair's chunk counter
+    o = tm.sync_offsets(d, f)
+    units = (d // 128 * 2, f // 64 * 1, d // 128 * 2)
+    want = np.zeros(tm.sync_words(d, f), np.uint32)
+    want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n_layers
+    want[tm.SYNC_GRABS:tm.SYNC_GRABS + 3] = [n_layers * (u + 1) for u in units]
+    want[o[0]:o[0] + d // 128] = n_layers * (2 - 1)
+    want[o[2]:o[2] + d // 128] = n_layers * (2 - 1)
+    np.testing.assert_array_equal(after, want)  # the last two words: no wait found a count but its target
+    assert wrong[-2] > 0 and wrong[-1] > 0  # the producer's and the finisher's waits saw the wrong ordinal
+
+
+def test_one_sync_ref_serves_a_layer_loop() -> None:
+    """One zeroed sync ref (`sync_words`) shared by a loop of calls, the loop's index as the ordinal:
+    each call waits for its own counts ((ordinal + 1) x what a call adds; the interpret twin checks
+    that every wait finds exactly that), takes its units from the dynamic counters less the earlier
+    calls' (each CTA's output the call's alone, bit for bit), and leaves the sums a call adds; a
+    wrong ordinal shows in the twin's error words. The down epilogue's row sums (`row_sums`) are
+    out's per 64-column tile."""
+    _child("check_sync_ref_serves_a_layer_loop")
+
+
 def test_default_config_balances_units_over_the_ctas() -> None:
     """The 8B tail on 132 SMs: each linear's K chunks minimise the most k steps one CTA streams,
     units a multiple of the k groups, the ring within the shared-memory budget."""
@@ -169,6 +223,11 @@ def test_bad_inputs_name_the_problem() -> None:
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, timeline=True))
     with pytest.raises(ValueError, match="not with dynamic"):
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, dynamic=True, l2_prefetch=1))
+    with pytest.raises(ValueError, match="ordinal=2 counts the earlier calls on a shared sync ref: pass sync="):
+        call(ordinal=2)
+    with pytest.raises(ValueError, match=r"sync must be a uint32 \[19\] ref \(sync_words\(D=256, F=512\)\), got "
+                                         r"int32 \(19,\)"):
+        call(sync=jnp.zeros((19,), jnp.int32), ordinal=1)
 
 
 @pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1,
@@ -176,9 +235,10 @@ def test_bad_inputs_name_the_problem() -> None:
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True,
                                                      l2_prefetch=2))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
-    """The GPU kernel (register MMA, flags, semaphores, inline loads / stores and column sums; with
+    """The GPU kernel (register MMA, flags, chunk counters, inline loads / stores and column sums; with
     the dynamic schedule's counters and queue, the timeline's stamps and the L2 prefetch) at the 8B shape,
-    stacked weights, lowers to a Mosaic GPU custom call on the CPU."""
+    stacked weights, lowers to a Mosaic GPU custom call on the CPU; at M 1, with the down epilogue's
+    row sums and a sync ref made under jit with a traced ordinal (a layer loop's)."""
     def packed(k: int, n: int) -> lay.W4A16Packed:
         return lay.pack_fields(jnp.zeros((2, k // 2, n), jnp.uint8), jnp.ones((2, k // 32, n), jnp.float16),
                                jnp.zeros((2, k // 32, n), jnp.float16))
@@ -187,12 +247,21 @@ def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     wo, wgu, wd = packed(kq, d), packed(d, 2 * f), packed(f, d)
 
     def fn(attn, x, g, layer):
+        if cfg is None:
+            from jax.experimental.pallas import mosaic_gpu as plgpu
+
+            sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
+            return tm.int4_layer_tail_mgpu(attn, x, wo, g, wgu, wd, layer=layer, row_sums=True, sync=sync,
+                                           ordinal=layer, interpret=False)
         return tm.int4_layer_tail_mgpu(attn, x, wo, g, wgu, wd, layer=layer, config=cfg, interpret=False)
 
     args = (jnp.zeros((m, kq), jnp.bfloat16), jnp.zeros((m, d), jnp.bfloat16), jnp.ones((2, d), jnp.bfloat16),
             jnp.int32(1))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    if cfg is None:  # out and its rows' sums
+        out, sums = jax.eval_shape(fn, *args)
+        assert (out.shape, sums.shape, sums.dtype) == ((m, d), (d // 64, 8), jnp.float32)
     if cfg is not None and cfg.timeline:  # the output and the per-CTA timeline
         out, tl = jax.eval_shape(fn, *args)
         assert (out.shape, tl.shape, tl.dtype) == ((m, d), (cfg.ctas, len(tm.TIMELINE_COLUMNS)), jnp.uint32)

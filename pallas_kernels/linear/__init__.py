@@ -7,8 +7,8 @@
 * `mosaic_gpu`: the Hopper (sm_90) skinny GEMMs, INT4 and bf16, with the fused draft-layer epilogues
   (and `epilogue_reference`, their jnp oracle).
 * `tail_mgpu`: the draft layer's o -> RMSNorm -> gate_up -> SiLU·up -> down tail in one persistent Hopper kernel
-  (`int4_layer_tail_mgpu`, `layer_tail_reference`; checked on the H200, not yet faster than the three fused
-  kernels, so the model does not call it yet: docs/kernel_notes.md, "Twentieth session").
+  (`int4_layer_tail_mgpu`, `layer_tail_reference`; the model runs it behind QSPEC_W4A16_TAIL=1,
+  `qspec_jax.linear.tail_fusable`: docs/kernel_notes.md, "Twentieth session" on).
 * `triton`: the Triton W4A16 kernel for GPUs before Hopper.
 """
 
@@ -17,11 +17,12 @@ from pallas_kernels.linear.api import (
     bf16_qkv_cache,
     dense_linear,
     device_arch,
+    int4_layer_tail,
     int4_linear,
     int4_qkv_cache,
     pick_backend,
     supports,
 )
 
-__all__ = ["BACKENDS", "bf16_qkv_cache", "dense_linear", "device_arch", "int4_linear", "int4_qkv_cache",
-           "pick_backend", "supports"]
+__all__ = ["BACKENDS", "bf16_qkv_cache", "dense_linear", "device_arch", "int4_layer_tail", "int4_linear",
+           "int4_qkv_cache", "pick_backend", "supports"]

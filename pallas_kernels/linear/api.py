@@ -3,6 +3,8 @@
     int4_linear(x, w, backend="auto")   x [..., K] @ W (INT4) -> [..., N]
     int4_qkv_cache(x, w, backend=...)   the draft's q|k|v written into the attention's inputs
     bf16_qkv_cache(x, w, backend=...)   the same for a target's bf16 q|k|v (x already normed)
+    int4_layer_tail(attn, x, wo, g, wgu, wd, backend=...)   the draft layer's o -> norm -> gate_up ->
+                                        SiLU·up -> down with both residuals, one persistent kernel
     dense_linear(x, w, backend="auto")  x [..., K] @ W (bf16 [K, N]) -> [..., N] (swiglu=True: the gate | up
                                         halves' silu(gate) * up, in the kernel's epilogue)
 
@@ -42,6 +44,7 @@ from jax import lax
 
 from pallas_kernels.linear import layout as lay
 from pallas_kernels.linear import mosaic_gpu as mg
+from pallas_kernels.linear import tail_mgpu as tm
 
 Array = jax.Array
 BACKENDS = ("auto", "mosaic", "triton", "xla", "interpret", "reference")
@@ -216,6 +219,34 @@ def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, s
         g1 = norm_weight[layer] if norm_weight is not None and norm_weight.ndim == 2 else norm_weight
         return mg.qkv_cache_reference(x2, _dequantize_f32(w1), norm_weight=g1, **kw)
     return mg.int4_qkv_cache_mgpu(x2, _as_packed(w), norm_weight=norm_weight, interpret=backend == "interpret", **kw)
+
+
+def int4_layer_tail(attn: Array, x: Array, wo: Any, norm_weight: Array, w_gate_up: Any, w_down: Any, *,
+                    backend: str, layer: Any = None, norm_eps: float = 1e-5, row_sums: bool = False,
+                    sync: Any = None, ordinal: Any = 0) -> Array | tuple[Array, Array]:
+    """The draft layer's tail after the attention, x1 = bf16(attn Wo) + x, out = bf16(act Wd) + x1,
+    act = silu(gate) up of RMSNorm(x1) Wgu, in one persistent kernel (`tail_mgpu.int4_layer_tail_mgpu`
+    has the shapes, `sync` and `ordinal`). attn [..., Kq], x [..., D] bf16 (M rows in all, flattened).
+    `backend`: "mosaic" (Hopper), "interpret" (its twin in GPU interpret mode) or "reference"
+    (`tail_mgpu.layer_tail_reference` over the kernel's own bf16 weights; `sync` unused). `row_sums`:
+    also out's rows' sums of squares, float32 [D / 64, M_pad] (the next norm's `norm_sums`)."""
+    if backend not in QKV_CACHE_BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {QKV_CACHE_BACKENDS}")
+    attn2, _ = _flatten(attn, _int4_shape(wo)[0])
+    x2, lead = _flatten(x, _int4_shape(wo)[1])
+    ws = [_as_packed(w) for w in (wo, w_gate_up, w_down)]
+    if backend == "reference":
+        pick = (lambda a: a[layer]) if ws[0].lead else (lambda a: a)
+        wf = [lay.dequantize_bf16(jax.tree.map(pick, w)).astype(jnp.float32) for w in ws]
+        g = norm_weight[layer] if norm_weight.ndim == 2 else norm_weight
+        out = tm.layer_tail_reference(attn2, x2, wf[0], g, wf[1], wf[2], norm_eps=norm_eps).astype(x.dtype)
+        res = (out, mg.chunk_row_sums(out, mg.rows_for(out.shape[0])) if row_sums else None)
+    else:
+        res = tm.int4_layer_tail_mgpu(attn2, x2, ws[0], norm_weight, ws[1], ws[2], layer=layer, norm_eps=norm_eps,
+                                      row_sums=row_sums, sync=sync, ordinal=ordinal, interpret=backend == "interpret")
+        res = res if row_sums else (res, None)
+    out = res[0].reshape(*lead, -1)
+    return (out, res[1]) if row_sums else out
 
 
 def bf16_qkv_cache(x: Array, w: Array, *, backend: str, layer: Any, rope: Array, slots: Array, q_buf: Array,

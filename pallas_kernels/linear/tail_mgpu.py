@@ -16,8 +16,9 @@ waits where the data does. Measured with a stream-only probe (tools/device/w4a16
 H200): 39-43 us for o + gate_up + down against 54 us as three kernels. This kernel, measured (H200,
 docs/kernel_notes.md "Twentieth session" and "Twenty-first session"): its ring alone streams at 74-76% of the read
 ceiling; whole, with the finisher warpgroup, it takes 51.5 us per layer at M 1, the same as the three fused kernels
-(59-60 us when the consumers did the epilogues themselves); without its two grid-wide flags' waits 45.3. Not faster,
-so the model does not call it yet.
+(59-60 us when the consumers did the epilogues themselves); without its two grid-wide flags' waits 45.3. In the
+model (QSPEC_W4A16_TAIL=1, `qspec_jax.linear.tail_fusable`; H200, 2026-12-02, 8B batch 1 / 4k draft step) 47.5 us a
+layer against 45.7 for the three fused kernels' sum: not faster, so off by default (kernel_notes "Thirty-seventh").
 
 Work. Each linear's output columns are cut in row-tile pairs (128 columns; gate_up: gate tile j
 with up tile j, so the pair holds what SiLU·up needs) and its K in `chunks` equal ranges; a work
@@ -26,8 +27,8 @@ linear's deal ended. A CTA has 2 x `k_groups` consumer warpgroups (a row tile of
 k group each: the unit's steps dealt round robin, partials added in group order) and a producer
 warpgroup (TMA: per k step the two row tiles' code words and scale records and the x tile
 [M_pad, 256]). The chunks of a tile are summed in a fixed order, p[0] + p[1] + ... + p[C-1], by
-the unit of its last chunk, which waits on a global semaphore for the others' float32 partials
-(`mosaic_gpu`'s "sem" sum); the unit order makes that wait deadlock-free (a unit waits only on
+the unit of its last chunk, which waits on a global counter of the pair for the others' float32 partials
+(as `mosaic_gpu`'s "sem" sum does on a semaphore); the unit order makes that wait deadlock-free (a unit waits only on
 units of lower index, and every CTA takes its units in increasing order). So a row's bits depend
 on (K, N, chunks, k_groups) and never on M, the CTA count or the deal. With `TailConfig.dynamic`
 the units are taken from a global counter per linear instead (a CTA on a slow SM takes fewer;
@@ -37,7 +38,7 @@ finisher through a shared queue; not yet run on a GPU.
 The consumers only stream and multiply: at a unit's end each stores its float32 accumulator to a
 shared hand-off buffer (`hand_bufs` deep) and goes on to the next unit. One more warpgroup, the
 finisher, takes each unit's accumulators (k groups added in group order), stores or sums the
-chunk partials and runs the epilogues, so the partial stores, the semaphore waits and the global
+chunk partials and runs the epilogues, so the partial stores, the counters' waits and the global
 loads' latency stay off the ring's path (measured: 8 us of a layer's 59 when the consumers did
 it).
 
@@ -49,11 +50,15 @@ once (the same bits in every CTA) for the norm's r, and gate_up's owners write a
 the previous linear: a grid-wide flag per boundary, a global counter each finisher adds 1 to
 (release, gpu scope) and the producer and the finisher poll (acquire; thread 0 of the warpgroup,
 `_spin`). Every CTA must be resident at once (`ctas` <= the SMs x the CTAs
-that fit on one: two per SM hang on the H200). The counters are zero on entry (a fresh buffer
-per call).
+that fit on one: two per SM hang on the H200). The flags, the pairs' chunk counters and the dynamic
+schedule's unit counters are words of one uint32 ref (`sync_words`) that are never reset: each call adds
+the same amount to each, so call n of a ref waits for (n + 1) times it. A model's layer loop shares one
+zeroed ref per pass, its layer index as the ordinal; a call of its own makes a fresh one. The output
+takes x's place (x is read in the o phase, out written after flag 1).
 
-Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, semaphores and waits
-are then program order and a shared-memory barrier), the register MMA is replaced by its jnp
+Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, counters and waits
+are then program order and a shared-memory barrier; each wait checks that it found exactly its
+ordinal's count, and a wrong one turns the output into NaN where the GPU would hang or race), the register MMA is replaced by its jnp
 twin (`mosaic_gpu.twin_dequant` and a float32 dot), the stores and the residual loads by
 whole-slice ref updates. tools/device/check_tail.py runs the GPU kernel against the reference.
 """
@@ -119,7 +124,7 @@ class TailConfig:
     dynamic: bool = False
     # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
     # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
-    # chunk semaphores' waits; "noepi" also everything the finisher does after taking a unit's
+    # chunk counters' waits; "noepi" also everything the finisher does after taking a unit's
     # accumulators (k-group and chunk sums, epilogues); "stream" also the MMA (the ring alone)
     diag: str = ""
     # GPU only: also return a per-CTA timeline (`TIMELINE_COLUMNS`: the SM, then %globaltimer's low 32 bits in
@@ -128,6 +133,36 @@ class TailConfig:
 
     def replace(self, **kw: Any) -> "TailConfig":
         return dataclasses.replace(self, **kw)
+
+
+# ------------------------------------------------------------------------------ the sync words
+SYNC_FLAGS = 0  # word offset of the two grid-wide flags (o -> gate_up, gate_up -> down)
+SYNC_GRABS = 2  # of `TailConfig.dynamic`'s three unit counters (one per linear)
+
+
+def sync_offsets(d: int, f: int) -> tuple[int, int, int]:
+    """Word offsets in the sync ref of the three linears' chunk counters, one per row-tile pair
+    (o: D / 128 pairs, gate_up: F / 64, down: D / 128)."""
+    o = SYNC_GRABS + 3
+    return o, o + d // 128, o + d // 128 + f // 64
+
+
+def sync_words(d: int, f: int) -> int:
+    """uint32 words of the sync ref of a tail with hidden size d and MLP width f: the flags, the unit
+    counters, the chunk counters, and last two words that only the interpret twin writes (the producer's
+    and the finisher's waits that found a count other than their target: 0 when the ordinals are right).
+
+    Every call adds the same amount to each word (ctas to a flag, chunks - 1 to a pair's counter,
+    units + ctas to a unit counter: each CTA takes one unit past the end), so call n of a ref (n =
+    the calls made on it before, `ordinal`) waits for (n + 1) times that and takes unit v - n (units
+    + ctas) at counter value v. The words are never reset: one zeroed ref serves every layer of a
+    decode pass, with the layer loop's index as the ordinal, and no call needs a zero-init launch."""
+    return sync_offsets(d, f)[2] + d // 128 + 2
+
+
+def sync_zeros(d: int, f: int) -> Array:
+    """A fresh sync ref's contents (`sync_words`)."""
+    return jnp.zeros((sync_words(d, f),), jnp.uint32)
 
 
 def ring_stage_bytes(mp: int, group_size: int) -> int:
@@ -158,11 +193,14 @@ def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1) -> int:
 
 
 def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num_sms: int | None = None,
-                        ctas_per_sm: int = 1, k_groups: int = 2) -> TailConfig:
+                        ctas_per_sm: int = 1, k_groups: int | None = None) -> TailConfig:
     """The launch shape for attention width kq, hidden size d and MLP width f at M = m rows:
     `ctas_per_sm` CTAs per SM (1: always resident whatever the registers), the deepest ring that
     fits (at most MAX_STAGES, TAIL_SMEM per CTA at two per SM), and the chunks balanced over the
-    CTAs. The chunks depend on the SM count, never on M."""
+    CTAs; `k_groups` None: 2 where each linear's K is an even number of k steps, else 1. The chunks
+    depend on the SM count, never on M."""
+    if k_groups is None:
+        k_groups = 2 if all((k // KT) % 2 == 0 for k in (kq, d, f)) else 1
     sms = num_sms or _common.num_sms()
     ctas = ctas_per_sm * sms
     mp = mg.rows_for(m)
@@ -173,6 +211,11 @@ def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num
     chunks = tuple(balanced_chunks(k, pairs, ctas, k_groups)
                    for k, pairs in ((kq, d // 128), (d, f // 64), (f, d // 128)))
     return TailConfig(chunks=chunks, ctas=ctas, stages=stages - stages % k_groups, k_groups=k_groups)
+
+
+def takes(kq: int, d: int, f: int, m: int) -> bool:
+    """Whether the kernel takes attention width kq, hidden size d, MLP width f at M = m rows."""
+    return d % 128 == 0 and kq % KT == 0 and d % KT == 0 and f % KT == 0 and 1 <= m <= MAX_ROWS
 
 
 def layer_tail_reference(attn: Array, x: Array, wo: Array, norm_weight: Array, w_gate_up: Array, w_down: Array,
@@ -187,10 +230,11 @@ def layer_tail_reference(attn: Array, x: Array, wo: Array, norm_weight: Array, w
 
 # ------------------------------------------------------------------------------ inline PTX pieces
 _ARRIVE_ASM = _common.thread0_asm("@p fence.acq_rel.gpu;\n@p red.release.gpu.global.add.u32 [$0], 1;\n")
-# thread 0 of the warpgroup polls until the counter reaches $1; then every thread fences the async
-# proxy (the producer's TMA reads what other CTAs' generic stores wrote)
-_SPIN_ASM = _common.thread0_asm("@!p bra DONE;\nSPIN:\nld.acquire.gpu.global.u32 v, [$0];\nsetp.lt.u32 q, v, $1;\n"
-                                "@q bra SPIN;\nDONE:\n", regs=".reg .pred q;\n.reg .u32 v;\n")
+# thread 0 of the warpgroup polls until the counter $0 reaches (ordinal + 1) x $2, the ordinal a one-word global
+# int32 at $1 (`sync_words`: the call's target)
+_SPIN_ASM = _common.thread0_asm("@!p bra DONE;\nld.global.u32 n, [$1];\nadd.u32 n, n, 1;\nmul.lo.u32 n, n, $2;\n"
+                                "SPIN:\nld.acquire.gpu.global.u32 v, [$0];\nsetp.lt.u32 q, v, n;\n@q bra SPIN;\n"
+                                "DONE:\n", regs=".reg .pred q;\n.reg .u32 v;\n.reg .u32 n;\n")
 _PROXY_FENCE_ASM = "fence.proxy.async.global;"
 # thread 0 of the warpgroup stores a special register's (low) 32 bits at $0 (t reused once p is set)
 _STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
@@ -210,12 +254,15 @@ def _arrive(counter: Any) -> None:
     _common.ptx(_ARRIVE_ASM, counter)
 
 
-def _spin(counter: Any, target: int) -> None:
-    """The calling warpgroup waits until the uint32 `counter` reaches `target` (thread 0 polls with
-    acquire loads at gpu scope, the others wait at a warpgroup barrier), then fences the async proxy."""
-    _common.ptx(_SPIN_ASM, counter, ints=(target,))
+def _spin(counter: Any, ordinal: Any, step: int, async_proxy: bool = True) -> None:
+    """The calling warpgroup waits until the uint32 `counter` reaches (ordinal + 1) x `step` (`sync_words`;
+    `ordinal` a one-word global int32 ref): thread 0 polls with acquire loads at gpu scope, the others wait at
+    a warpgroup barrier; then, with `async_proxy` (a TMA will read what other CTAs' generic stores wrote),
+    every thread fences the async proxy."""
+    _common.ptx(_SPIN_ASM, counter, ordinal, ints=(step,))
     plgpu.commit_smem()  # warpgroup barrier: the others wait for the poller
-    _common.ptx(_PROXY_FENCE_ASM)
+    if async_proxy:
+        _common.ptx(_PROXY_FENCE_ASM)
 
 
 def _prefetch_l2(ref: Any) -> None:
@@ -300,14 +347,23 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     units = [pairs * ch for (_, _, _, _, pairs), ch in zip(lin, chunks)]
     base = [sum(units[:p]) % ctas for p in range(3)]
     per = [k // KT // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
-    sems = [None if interpret or chunks[p] == 1 else
-            pl.get_global(plgpu.SemaphoreType.REGULAR((r[f"ws{p}"].shape[1],))) for p in range(3)]
     n_cons = WGS * kg  # consumer warpgroups; then the producer, then the finisher
-    flag_target = ctas  # each CTA's finisher arrives at each flag
-    # TailConfig.diag: the chunk semaphores, the grid-wide flags' arrivals and each flag's waits
-    sync = cfg.diag in ("", "noflag", "noflag0", "noflag1")
+    # the sync words (`sync_words`): this call is call `n` of the ref, so it waits for (n + 1) x what a call adds
+    sync_ref, ordinal = r["sync"], r["ordinal"]
+    call = ordinal[0]
+    ctr0 = sync_offsets(d, f)
+    err = sync_words(d, f) - 2  # + 0 the producer's, + 1 the finisher's (each word has one writer)
+    # TailConfig.diag: the chunk counters, the grid-wide flags' arrivals and each flag's waits
+    chunk_sync = cfg.diag in ("", "noflag", "noflag0", "noflag1")
     flags = cfg.diag in ("", "noflag0", "noflag1")
     waits = (flags and cfg.diag != "noflag0", flags and cfg.diag != "noflag1")
+
+    def arrive_twin(i):  # interpret: an arrival at word i (program order: one CTA, one warpgroup writes each word)
+        sync_ref[i] = sync_ref[i] + jnp.uint32(1)
+
+    def expect(i, step, who):  # interpret: a wait at word i, whose count is then exactly its target (one CTA, in
+        target = ((call + 1) * step).astype(jnp.uint32)  # order); who 0 the producer, 1 the finisher
+        sync_ref[err + who] = sync_ref[err + who] + (sync_ref[i] != target).astype(jnp.uint32)
 
     def mark(col: str) -> None:  # TailConfig.timeline: this warpgroup's thread 0 stamps the column
         if cfg.timeline:
@@ -393,42 +449,44 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             """Wait until every CTA has finished linear p - 1 (its x for linear p written)."""
             if interpret:
                 plgpu.barrier_wait(r["phase_bar"].at[0])
+                expect(SYNC_FLAGS + p - 1, ctas, 0)
             elif waits[p - 1]:
                 before_spin()
-                _spin(r["flags"].at[pl.ds(p - 1, 1)], flag_target)
+                _spin(sync_ref.at[pl.ds(SYNC_FLAGS + p - 1, 1)], ordinal, ctas)
             mark(f"prod_flag{p - 1}")
 
-        def push(p, n, k):
-            """TailConfig.dynamic: queue entry n = linear p's next unit for this CTA (the counter's next value; in
-            interpret mode unit k, the k-th it takes), -1 once the linear's units are all taken."""
+        def push(p, n):
+            """TailConfig.dynamic: queue entry n = linear p's next unit for this CTA (the counter's next value less
+            what the ref's earlier calls took: `sync_words`), -1 once the linear's units are all taken."""
             slot = lax.rem(n, QUEUE)
 
             @pl.when(n >= QUEUE)
             def _():
                 plgpu.barrier_wait(r["uq_free"].at[slot])
 
-            if interpret:
-                uq[slot] = k
+            word = SYNC_GRABS + p
+            if interpret:  # one CTA: the counter's value in program order
+                uq[slot] = sync_ref[word].astype(jnp.int32)
+                arrive_twin(word)
             else:
-                _grab(r["flags"].at[pl.ds(2 + p, 1)], uq.at[pl.ds(slot, 1)])
-            u = uq[slot]
+                _grab(sync_ref.at[pl.ds(word, 1)], uq.at[pl.ds(slot, 1)])
+            u = uq[slot] - call * (units[p] + ctas)
             uq[slot] = jnp.where(u < units[p], u, -1)
             plgpu.barrier_arrive(r["uq_full"].at[slot])
 
         def produce(p, with_x, limit, carry):
             """TailConfig.dynamic: issue linear p's steps (weights, and x if with_x) from step carry[0] until `limit`
             steps or the linear's end, taking a unit from the counter at each unit's first step.
-            carry = (steps of p issued, queue entries written, ring steps, units taken in p, p done)."""
+            carry = (steps of p issued, queue entries written, ring steps, p done)."""
             def body(cr):
-                t, n, cnt, k, _ = cr
+                t, n, cnt, _ = cr
                 i = lax.rem(t, per[p])
-                start = (i == 0).astype(jnp.int32)
 
                 @pl.when(i == 0)
                 def _():
-                    push(p, n, k)
+                    push(p, n)
 
-                n, k = n + start, k + start
+                n = n + (i == 0).astype(jnp.int32)
                 u = uq[lax.rem(n - 1, QUEUE)]  # the current unit (this warpgroup wrote it)
                 ok = u >= 0
 
@@ -440,9 +498,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                         issue_x_at(p, lax.rem(u, chunks[p]), i, slot)
 
                 v = ok.astype(jnp.int32)
-                return t + v, n, cnt + v, k, jnp.logical_not(ok)
+                return t + v, n, cnt + v, jnp.logical_not(ok)
 
-            return lax.while_loop(lambda cr: jnp.logical_not(cr[4]) & (cr[0] < limit), body, carry)
+            return lax.while_loop(lambda cr: jnp.logical_not(cr[3]) & (cr[0] < limit), body, carry)
 
         cnt = jnp.int32(0)  # ring steps issued so far (slot cnt % stages)
         n_pushed = jnp.int32(0)  # TailConfig.dynamic: queue entries written
@@ -450,7 +508,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         for p in range(3):
             if cfg.dynamic:  # the same phases as below, units from the counter through the queue
                 n0, cnt_pre = n_pushed, cnt
-                st = produce(p, False, stages, (jnp.int32(0), n_pushed, cnt, jnp.int32(0), jnp.bool_(False)))
+                st = produce(p, False, stages, (jnp.int32(0), n_pushed, cnt, jnp.bool_(False)))
                 if p > 0:
                     pass_flag(p)
 
@@ -460,7 +518,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     return carry
 
                 lax.fori_loop(0, st[0], dyn_x, 0)
-                _, n_pushed, cnt, _, _ = produce(p, True, jnp.iinfo(jnp.int32).max, st)
+                _, n_pushed, cnt, _ = produce(p, True, jnp.iinfo(jnp.int32).max, st)
                 continue
             first, count = my_units(p)
             total = count * per[p]
@@ -594,16 +652,23 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
     def epilogue_loads(p, pair):
         """What the pair's epilogue reads that no other unit of this linear writes: issued before the
-        chunk semaphore's wait, so their latency overlaps it."""
+        chunk counter's wait, so their latency overlaps it."""
         if p == 0:  # the residual x and the norm weight of each tile's 64 columns
             cols = [tile * lay.ROWS for tile in tiles_of(p, pair)]
             gvs = [r["g"].at[g_row, pl.ds(col0, lay.ROWS)] for col0 in cols]
-            return ([load_rows(r["x"], col0) for col0 in cols],
+            return ([load_rows(r["xo"], col0) for col0 in cols],
                     [(gv[...] if interpret else _common.load_with_layout(
                         gv, plgpu.Layout.WGMMA.reduce(1), optimized=False)).astype(jnp.float32) for gv in gvs])
         if p == 2:  # x1 (written in linear 0, before the flag this warpgroup passed)
             return [load_f32(r["x1t"].at[tile]) for tile in tiles_of(p, pair)]
         return None
+
+    def tile_sums(v, dst):  # dst float32 [M_pad] = the rows' sums of v^2 over the tile's 64 columns (rows >= M: 0)
+        sq = jnp.where(valid, v * v, 0.0)
+        if interpret:
+            dst[...] = jnp.sum(sq, axis=0)
+        else:
+            _column_sums(mp)(sq, r["colsum"], dst)
 
     def epilogue(p, tots, pair, pre, rr):
         if p == 0:  # x1 = bf16(acc) + x; its tile, its rows' sums of x1^2, bf16(x1 g)
@@ -612,41 +677,47 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 col0 = tile * lay.ROWS
                 x1 = bf16(bf16(tots[t]) + xs[t])
                 store_f32(r["x1t"].at[tile], x1)
-                sq = jnp.where(valid, x1 * x1, 0.0)
-                if interpret:
-                    r["ssp"].at[tile][...] = jnp.sum(sq, axis=0)
-                else:
-                    _column_sums(mp)(sq, r["colsum"], r["ssp"].at[tile])
+                tile_sums(x1, r["ssp"].at[tile])
                 gcol = lax.broadcast_in_dim(gcols[t], (lay.ROWS, mp), (0,))
                 store_rows(r["xg"], jnp.where(valid, x1 * gcol, 0.0), col0, mp)
         elif p == 1:  # act = silu(gate rr) (up rr), rr = rsqrt(mean x1^2 + eps), into act columns 64 pair ..
             gate, up = tots[0] * rr, tots[1] * rr
             store_rows(r["act"], jnp.where(valid, gate / (1.0 + jnp.exp(-gate)) * up, 0.0), pair * lay.ROWS, mp)
-        else:  # out = bf16(acc) + x1
+        else:  # out = bf16(acc) + x1; with row sums, its tile's rows' sums of out^2 (the next layer's norm)
             for t, tile in enumerate(tiles_of(p, pair)):
-                store_rows(r["out"], bf16(tots[t]) + pre[t], tile * lay.ROWS, m)
+                out = bf16(bf16(tots[t]) + pre[t])
+                if interpret:  # a wait that found another count than its target (the GPU would hang or race): NaN
+                    out = jnp.where(sync_ref[err + 1] == 0, out, jnp.nan)
+                store_rows(r["xo"], out, tile * lay.ROWS, m)  # in place of x: every o epilogue read it before flag 0
+                if "osum" in r:
+                    tile_sums(out, r["osum"].at[tile])
 
     def finish(p, tots, pair, ch, rr):
         """The pair's unit sums: chunk < C-1 leaves them in the workspace and counts up the pair's
-        semaphore; the last chunk waits for C-1 counts and sums p[0] + ... + p[C-1] per tile."""
+        counter; the last chunk waits for C-1 counts (this call's: `sync_words`) and sums p[0] + ... +
+        p[C-1] per tile."""
         if chunks[p] == 1:
             epilogue(p, tots, pair, epilogue_loads(p, pair), rr)
             return
         ws, tiles = r[f"ws{p}"], tiles_of(p, pair)
+        word = ctr0[p] + pair
 
         @pl.when(ch < chunks[p] - 1)
         def _():
             for t, tile in enumerate(tiles):
                 store_f32(ws.at[ch, tile], tots[t])
-            if not interpret and sync:
-                plgpu.commit_smem()  # every thread's stores before the release
-                plgpu.semaphore_signal(sems[p].at[pair], memory_scope="gpu")
+            if interpret:
+                arrive_twin(word)
+            elif chunk_sync:
+                _arrive(sync_ref.at[pl.ds(word, 1)])  # after every thread's stores (a warpgroup barrier)
 
         @pl.when(ch == chunks[p] - 1)
         def _():
             pre = epilogue_loads(p, pair)
-            if not interpret and sync:
-                plgpu.semaphore_wait(sems[p].at[pair], chunks[p] - 1, memory_scope="gpu")
+            if interpret:
+                expect(word, chunks[p] - 1, 1)
+            elif chunk_sync:
+                _spin(sync_ref.at[pl.ds(word, 1)], ordinal, chunks[p] - 1, async_proxy=False)
             sums = []
             for t, tile in enumerate(tiles):
                 tot = load_f32(ws.at[0, tile])
@@ -665,8 +736,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         mark("fin_start")
         for p in range(3):
             if p == 1 and cfg.diag not in ("noepi", "stream"):  # the norm's r from every o tile's row sums
-                if not interpret and waits[0]:
-                    _spin(r["flags"].at[pl.ds(0, 1)], flag_target)
+                if interpret:
+                    expect(SYNC_FLAGS, ctas, 1)
+                elif waits[0]:
+                    _spin(sync_ref.at[pl.ds(SYNC_FLAGS, 1)], ordinal, ctas)
                 ssp = r["ssp"]
                 vec = (lambda t: ssp.at[t][...]) if interpret else (
                     lambda t: _common.load_with_layout(ssp.at[t], plgpu.Layout.WGMMA.reduce(0), optimized=False))
@@ -699,9 +772,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             mark(("fin_o", "fin_gate_up", "fin_down")[p])
             if p < 2:
                 if interpret:
+                    arrive_twin(SYNC_FLAGS + p)
                     plgpu.barrier_arrive(r["phase_bar"].at[0])
                 elif flags:
-                    _arrive(r["flags"].at[pl.ds(p, 1)])
+                    _arrive(sync_ref.at[pl.ds(SYNC_FLAGS + p, 1)])
 
 
 def _check(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, wgu: lay.W4A16Packed,
@@ -734,8 +808,9 @@ def _check(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, wgu: 
 
 def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, w_gate_up: lay.W4A16Packed,
                          w_down: lay.W4A16Packed, *, layer: Any = None, norm_eps: float = 1e-5,
+                         row_sums: bool = False, sync: Any = None, ordinal: Any = 0,
                          config: TailConfig | None = None,
-                         interpret: bool | None = None) -> Array | tuple[Array, Array]:
+                         interpret: bool | None = None) -> Array | tuple[Array, ...]:
     """out [M, D] bf16 = x1 + down(silu(gate) up), x1 = bf16(attn Wo) + x, gate | up = RMSNorm(x1) Wgu
     (module docstring; `layer_tail_reference` is the math), in one persistent kernel.
 
@@ -743,9 +818,22 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
     M in 1..MAX_ROWS; wo [Kq, D], w_gate_up [D, 2F] (gate | up halves), w_down [F, D]: INT4 in
     the Hopper layout, one layer each or stacks [L, ...] read in place at `layer` (int or traced
     int32 scalar, clamped); norm_weight bf16 [D] or a stack [L, D] (the MLP norm).
+    `row_sums`: also return out's rows' sums of squares per 64-column tile, float32 [D / 64, M_pad]
+    (`mosaic_gpu.chunk_row_sums` up to float32 rounding: the next layer's norm's `norm_sums`).
+    `sync`: the grid-wide flags' and counters' ref (uint32 [`sync_words`], zeros when made:
+    `jax.new_ref(sync_zeros(D, F), memory_space=plgpu.GMEM)` under jit) that this call shares with
+    the calls before it, `ordinal` (int or traced int32 scalar) of them; a loop over layers passes one
+    ref and its index. None: a fresh ref of zeros (one more launch; `ordinal` must be 0).
     `interpret=None` interprets unless the default backend is a GPU (then one CTA, `config.ctas`
-    ignored). With `config.timeline` (GPU only) returns (out, timeline uint32 [ctas, TIMELINE_COLUMNS])."""
+    ignored). Returns out, then the row sums (`row_sums`), then with `config.timeline` (GPU only) the
+    timeline uint32 [ctas, TIMELINE_COLUMNS]; a tuple where more than out."""
     m, kq, d, f, g = _check(attn, x, wo, norm_weight, w_gate_up, w_down, layer)
+    if sync is None and not (isinstance(ordinal, int) and ordinal == 0):
+        raise ValueError(f"ordinal={ordinal!r} counts the earlier calls on a shared sync ref: pass sync= (a fresh "
+                         "ref is call 0)")
+    if sync is not None and (tuple(sync.shape) != (sync_words(d, f),) or sync.dtype != jnp.uint32):
+        raise ValueError(f"sync must be a uint32 [{sync_words(d, f)}] ref (sync_words(D={d}, F={f})), got "
+                         f"{sync.dtype} {tuple(sync.shape)}")
     interp = _common.interpret_default(interpret)
     cfg = config or default_tail_config(kq, d, f, g, m)
     if cfg.diag not in TAIL_DIAGNOSTICS or ((cfg.diag or cfg.timeline) and interp):
@@ -772,16 +860,18 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
     view = mg.TMA_VIEWS["wide"]
     f32 = jnp.float32
     x_tf = (plgpu.TilingTransform((8, mg.SWIZZLE // 2)), plgpu.SwizzleTransform(mg.SWIZZLE))
-    inputs = {"attn": attn, "x": x, "g": g2,
-              "layer": jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)}
+    inputs = {"attn": attn, "g": g2,
+              "layer": jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+              "ordinal": jnp.asarray(ordinal, jnp.int32).reshape(1)}
     for name, w in (("wo", wo), ("wgu", w_gate_up), ("wd", w_down)):
         inputs[f"{name}_w"] = w.qw.reshape(*w.qw.shape[:-2], *view)
         inputs[f"{name}_s"] = w.sz
-    outs = {"out": jax.ShapeDtypeStruct((m, d), jnp.bfloat16),
-            "xg": jax.ShapeDtypeStruct((mp, d), jnp.bfloat16),
+    outs = {"xg": jax.ShapeDtypeStruct((mp, d), jnp.bfloat16),
             "act": jax.ShapeDtypeStruct((mp, f), jnp.bfloat16),
             "x1t": jax.ShapeDtypeStruct((d // lay.ROWS, lay.ROWS, mp), f32),
             "ssp": jax.ShapeDtypeStruct((d // lay.ROWS, mp), f32)}
+    if row_sums:
+        outs["osum"] = jax.ShapeDtypeStruct((d // lay.ROWS, mp), f32)
     for p, n_tiles in enumerate((d // lay.ROWS, 2 * f // lay.ROWS, d // lay.ROWS)):
         outs[f"ws{p}"] = jax.ShapeDtypeStruct((max(cfg.chunks[p] - 1, 1), n_tiles, lay.ROWS, mp), f32)
     if cfg.timeline:
@@ -807,9 +897,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
         scratch["phase_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
     else:  # the finisher's buffer for the column sums (`_column_sums`)
         scratch["colsum"] = plgpu.SMEM((4, mp), f32)
-    flag_names = () if interp else ("flags",)
     in_names = tuple(inputs)
-    names = (*in_names, *flag_names, *outs, *scratch)
+    names = (*in_names, "xo", "sync", *outs, *scratch)
     kernel = functools.partial(_tail_kernel, names=names, m=m, mp=mp, g=g, d=d, f=f, kq=kq, cfg=cfg,
                                interpret=interp, stacked=bool(wo.lead), g_stacked=norm_weight.ndim == 2,
                                n_layers=n_layers, eps=float(norm_eps))
@@ -818,17 +907,23 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                       kernel_name=name)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
-    def run(inputs):
-        extra = []
-        if not interp:  # the grid-wide flags (and TailConfig.dynamic's unit counters): fresh zeros, written in place
-            extra = [jax.new_ref(jnp.zeros((5 if cfg.dynamic else 2,), jnp.uint32), memory_space=plgpu.GMEM)]
-
+    def run(inputs, x, sync):
         def body(*refs):
             pl.run_scoped(functools.partial(kernel, *refs), *scratch.values(), collective_axes="wg")
 
+        # x in, out back in its place (the down epilogues store after flag 1, when every o epilogue has read x):
+        # a layer loop's carry then takes the kernel's aliased output as it is, where a separate output cost a
+        # copy per layer into the carry (H200, 2026-12-02: a 1.3-us memcpy, x being live while out was written)
+        xo = jax.new_ref(x, memory_space=plgpu.GMEM)
         res = pl.kernel(body, out_type=tuple(outs.values()), mesh=mesh, compiler_params=params,
                         interpret=_common.interpret_params() if interp else False,
-                        name=name)(*(inputs[k] for k in in_names), *extra)  # (jit re-sorts a dict's keys)
-        return (res[0], res[-1]) if cfg.timeline else res[0]
+                        name=name)(*(inputs[k] for k in in_names), xo, sync)  # (jit re-sorts a dict's keys)
+        res = {"out": xo[...], **dict(zip(outs, res))}
+        picked = tuple(res[k] for k in ("out", "osum", "tl") if k in res)
+        return picked if len(picked) > 1 else picked[0]
 
-    return jax.jit(run)(inputs)
+    if sync is not None:  # the caller's ref, written in place (refs stay out of a jit's arguments)
+        return run(inputs, x, sync)
+    # a call of its own: fresh zeros (refs in global memory exist only under jit)
+    return jax.jit(lambda inputs, x, z: run(inputs, x, jax.new_ref(z, memory_space=plgpu.GMEM)))(
+        inputs, x, sync_zeros(d, f))

@@ -53,6 +53,7 @@ PROGRAMS = ("ar_bf16", "draft", "verify", "ar_loop", "spec_loop")
 SHAPES = {"llama3-8b": (e2e.LLAMA31_8B, "Llama-3.1-8B shape"), "smollm2": (SMOLLM2, "SmolLM2-135M shape")}
 CATEGORIES = ("linear", "attention", "glue", "copy")
 _MOSAIC_LINEAR = re.compile(r"(int4|bf16)_(mma|wgmma|smem)_skinny_k(\d+)_n(\d+)_g(\w+?)_s(\d+)")
+_MOSAIC_TAIL = re.compile(r"int4_layer_tail_kq(\d+)_d(\d+)_f(\d+)_g(\d+)")  # o + gate_up + down in one kernel
 _CUBLAS = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas", re.I)
 _ATTENTION = re.compile(r"quantspec_(draft|target)_mgpu|decode_attention|dense_decode|quantized_decode|attn", re.I)
 _COPY = re.compile(r"^(memcpy|memset)|^copy[._-]|^Memcpy|^Memset", re.I)
@@ -92,6 +93,10 @@ def classify(name: str) -> tuple[str, str, int | None]:
         k, n = int(k), int(n)
         nbytes = 2 * k * n if kind == "bf16" else int(k * n * (0.5 + 4 / int(g)))
         return "linear", f"{kind} k{k} n{n}" + (f" g{g}" if kind == "int4" else ""), nbytes
+    m = _MOSAIC_TAIL.search(name)
+    if m:  # the persistent layer tail (pallas_kernels.linear.tail_mgpu): o [Kq, D], gate_up [D, 2F], down [F, D]
+        kq, d, f, g = (int(v) for v in m.groups())
+        return "linear", f"int4 layer tail kq{kq} d{d} f{f} g{g}", int((kq * d + 3 * d * f) * (0.5 + 4 / g))
     if _CUBLAS.search(name):
         return "linear", "cuBLAS", None
     if _ATTENTION.search(name):

@@ -8,8 +8,12 @@ On fresh random INT4 weights of the given shape (stacked [L, ...], read at a lay
    differ), against the model's three fused kernels (o + residual, gate_up + norm + SiLU·up,
    down + residual), and bit for bit against a second identical call (a race would differ);
 2. row invariance at M = 5: row i of the call == the row alone, bit for bit;
-3. timing (in-device loop over the L layers, whose weights defeat the L2): the tail kernel against
-   the three fused kernels, kernel time per layer and the weights' read floor.
+3. (--loop) a layer loop of 2 L calls over one sync ref (`tail_mgpu.sync_words`), the loop index as the
+   ordinal, with the down epilogue's row sums: each call's output == its layer's stand-alone call, bit for
+   bit, the sums those of the output, and the ref's words what 2 L calls add (a wrong target hangs or races);
+4. timing (in-device loop over the L layers, whose weights defeat the L2): the tail kernel (a fresh sync
+   ref per call, and with --loop one ref for the whole loop, as the model runs it) against the three fused
+   kernels, kernel time per layer and the weights' read floor.
 A kernel that hangs (a grid-wide flag whose CTAs are not all resident) is cut by the outer timeout;
 the last "..." line says which call.
 """
@@ -28,6 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from jax import lax  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
@@ -132,6 +139,76 @@ def timeline_report(fn, attn, x, layers: int, calls: int) -> None:
                   flush=True)
 
 
+def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
+    """`tail_fn(a, x, layer, **kw)` called 2 L times in a jitted loop over one sync ref, ordinal = the loop
+    index, layer = index mod L, with row sums: each output against the stand-alone call (bit for bit), the sums
+    against the output's (float32 rounding), the ref's words against what 2 L calls add."""
+    n = 2 * layers
+    m = attn.shape[0]
+
+    @jax.jit
+    def loop(attn, x):
+        sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
+
+        def body(carry):  # a while loop, as the model's layer loop: jax 0.11's fori_loop of static bounds is a scan,
+            i, ys, ss = carry  # whose carry loses a ref's memory space ("uint32<gmem>[...]" in, "uint32[...]" out)
+            y, sums = tail_fn(attn, x, lax.rem(i, layers), row_sums=True, sync=sync, ordinal=i)
+            return i + 1, ys.at[i].set(y), ss.at[i].set(sums)
+
+        _, *outs = lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), jnp.zeros((n, m, d), jnp.bfloat16),
+                                                             jnp.zeros((n, d // 64, mg.rows_for(m)), jnp.float32)))
+        return outs, sync[...]
+
+    (ys, sums), words = jax.block_until_ready(loop(attn, x))
+    ys, sums, words = np.asarray(ys), np.asarray(sums), np.asarray(words).astype(np.int64)
+    alone = [np.asarray(tail_fn(attn, x, layer)) for layer in range(layers)]
+    bad = [i for i in range(n) if not np.array_equal(ys[i].view(np.uint16), alone[i % layers].view(np.uint16))]
+    want_sums = np.stack([np.asarray(mg.chunk_row_sums(jnp.asarray(y), mg.rows_for(m))) for y in ys])
+    e_sums = float(np.max(np.abs(sums - want_sums) / np.maximum(np.abs(want_sums), 1e-30)))
+    o = tm.sync_offsets(d, f)
+    pairs = (d // 128, f // 64, d // 128)
+    want = np.zeros(tm.sync_words(d, f), np.int64)
+    want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n * cfg.ctas
+    if cfg.dynamic:
+        want[tm.SYNC_GRABS:tm.SYNC_GRABS + 3] = [n * (pr * ch + cfg.ctas) for pr, ch in zip(pairs, cfg.chunks)]
+    for p in range(3):
+        want[o[p]:o[p] + pairs[p]] = n * (cfg.chunks[p] - 1)
+    words_ok = np.array_equal(words, want)
+    ok = not bad and e_sums <= 1e-5 and words_ok
+    print(f"loop M={m}: {n} calls over one sync ref: {len(bad)} differ from the stand-alone call {bad[:4]}, row sums "
+          f"max relerr {e_sums:.1e}, ref words {'as counted' if words_ok else 'WRONG'} {'ok' if ok else 'FAIL'}",
+          flush=True)
+    return ok
+
+
+def chained_sync_us(tail_fn, attn, x, layers: int, iters: int, d: int, f: int, trials: int = 5) -> float:
+    """`chained_us`'s harness for the tail with one sync ref for the whole run (the model's layer loop: no
+    zero-init launch per call), each call's ordinal the calls before it."""
+    import statistics
+
+    def run(_):
+        sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
+
+        def body(carry):  # a while loop (loop_check says why)
+            i, acc = lax.optimization_barrier(carry)
+            for cpy in range(layers):
+                _, acc = lax.optimization_barrier((acc, acc))
+                a = (attn.astype(jnp.float32) + acc).astype(jnp.bfloat16)
+                acc = acc + jnp.sum(tail_fn(a, x, cpy, sync=sync, ordinal=i * layers + cpy).astype(
+                    jnp.float32)[:1, :1])
+            return i + 1, acc
+        return lax.while_loop(lambda c: c[0] < iters, body, (jnp.int32(0), jnp.zeros((), jnp.float32)))[1]
+
+    exe = jax.jit(run).lower(0).compile()
+    jax.block_until_ready(exe(0))
+    ts = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(0))
+        ts.append((time.perf_counter() - t0) / (iters * layers))
+    return statistics.median(ts) * 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b", choices=tuple(SHAPES))
@@ -154,6 +231,8 @@ def main() -> int:
     ap.add_argument("--dump", default="", help="directory: Mosaic GPU's ptxas report and SASS of every kernel "
                     "compiled; the ptxas lines (registers, spills) printed after the first check")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--loop", action="store_true", help="also check a layer loop over one sync ref (3. above) and "
+                    "time the tail with one ref for the whole run")
     args = ap.parse_args()
     if args.dump:  # read by Mosaic GPU when it compiles (nothing has compiled yet)
         os.makedirs(args.dump, exist_ok=True)
@@ -183,6 +262,9 @@ def main() -> int:
             x = jax.random.normal(jax.random.fold_in(kx, 1), (m, d)).astype(jnp.bfloat16)
             tail = jax.jit(lambda a, x, layer, cfg=cfg: tm.int4_layer_tail_mgpu(a, x, wo, gw, wgu, wd, layer=layer,
                                                                                config=cfg))
+
+            def tail_fn(a, x, layer, cfg=cfg, **kw):  # unjitted: a sync ref stays out of a jit's arguments
+                return tm.int4_layer_tail_mgpu(a, x, wo, gw, wgu, wd, layer=layer, config=cfg, **kw)
             three = jax.jit(lambda a, x, layer: three_kernels(a, x, wo, gw, wgu, wd, layer))
             print(f"... M={m} {cfg}", flush=True)
             if not args.skip_check:
@@ -196,6 +278,8 @@ def main() -> int:
                       f"{'ok' if ok else 'FAIL'}", flush=True)
                 if args.dump:
                     print_ptxas(args.dump)
+                if args.loop:
+                    loop_check(tail_fn, attn, x, L, cfg, d, f)
                 if m == 8:  # row invariance on 5 of the rows
                     a5, x5 = attn[:5], x[:5]
                     y5 = np.asarray(tail(a5, x5, 1)).view(np.uint16)
@@ -221,6 +305,10 @@ def main() -> int:
                 timed.append((f"tail, diag {diag}", jax.jit(
                     lambda a, x, layer, cfg=cfg.replace(diag=diag): tm.int4_layer_tail_mgpu(
                         a, x, wo, gw, wgu, wd, layer=layer, config=cfg))))
+            if args.loop and not args.no_full:
+                us = chained_sync_us(tail_fn, attn, x, L, iters, d, f)
+                print(f"time M={m} ctas/SM {cps}: {'tail, one sync ref':20s} {us:8.2f} us  {floor / us:4.0%} of the "
+                      "floor", flush=True)
             for label, fn in timed:
                 # the probe's chain: per "copy" (here a layer of the stack) one call, acc threaded through
                 us = chained_us(lambda layer, fn=fn: [lambda acc: fn((attn.astype(jnp.float32) + acc).astype(

@@ -57,6 +57,8 @@
 #   "cons4kab": the draft attention at 4k with three consumers against two, in the model (35th, prepared);
 #   "kmerge": the split merge inside the attention kernel, GPU checks, exactness and the A/B (35th; run in the 36th)
 #   "kmtl": the in-kernel split merge's timeline at the 8B's batch 1 / 4k (36th)
+#   "tailab": the persistent layer tail in the model, its sync ref per pass: GPU checks, exactness, A/B (37th);
+#   "tailhlo": what the tail's sync ref costs in the model's optimized HLO (37th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -264,6 +266,34 @@ for stage in ${STAGES:-probe smol 8b}; do
         --k-groups ${TAIL_KG:-2} --diags ${TAIL_DIAGS:-noflag,nosync,stream} ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
         | tee $L/tail_check.log | grep -E "^check|^rows|^time|^ptxas|rror"
       echo "== tail done ($(( $(date +%s) - T0 )) s)";;
+    tailab)  # the persistent layer tail in the model (37th session: QSPEC_W4A16_TAIL=1, its flags and chunk counters on
+      # one sync ref per pass, targets growing with the call's ordinal): GPU checks (check_tail.py --loop: a layer
+      # loop over one ref against the stand-alone calls, and timed so), exactness of the model with it, then the A/B
+      # in the model, alternating: the 8B at batch 1 / 4k, the draft step and the loops at γ 2 (TA_PARTS: "check ab")
+      if [[ " ${TA_PARTS:-check ab} " == *" check "* ]]; then
+        timeout ${TAIL_LIMIT:-300} python3 tools/device/check_tail.py --ms ${TAIL_MS:-1,8} --ctas-per-sm 1 --loop \
+          ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" | tee $L/tail_loop_check.log | grep -E "^check|^loop|^rows|^time|rror"
+        QSPEC_W4A16_TAIL=1 timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape llama3-8b \
+          --batches 1,3 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_tail_llama3-8b.log | tail -3
+        echo "== tailab checks done ($(( $(date +%s) - T0 )) s)"
+      fi
+      [[ " ${TA_PARTS:-check ab} " == *" ab "* ]] || continue
+      for i in ${TA_TRIALS:-1 2}; do
+        for v in 1 0; do
+          QSPEC_W4A16_TAIL=$v prof 8b_b1_4k_tail${v}_$i --batch 1 --contexts 4096 --programs ${TA_PROGS:-draft,ar_loop,spec_loop} \
+            --gamma 2
+        done
+      done;;
+    tailhlo)  # (37th) the tail in the model added a 1.3-us memcpy32_post per layer: the draft step's optimized HLO with
+      # QSPEC_W4A16_TAIL=1, every instruction that touches the sync ref (u32[SYNC_WORDS]) and every copy
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_tail --xla_dump_hlo_as_text" QSPEC_W4A16_TAIL=1 \
+        prof 8b_b1_4k_tailhlo --batch 1 --contexts 4096 --programs draft
+      f=$(ls -S $(grep -l int4_layer_tail /tmp/hlo_tail/*after_optimizations.txt) | head -1)
+      words=$(python3 -c "from pallas_kernels.linear import tail_mgpu as t; print(t.sync_words(4096, 14336))")
+      { echo "## $f"; grep -nE "u32\[$words\]|copy\(|copy-start|memcpy" $f | cut -c1-500; } > $L/hlo_tail_sync.txt
+      head -c 20000 $L/hlo_tail_sync.txt | head -60
+      rm -rf /tmp/hlo_tail
+      echo "== tailhlo done ($(( $(date +%s) - T0 )) s)";;
     ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
       CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
       echo "== ncu_lin done ($(( $(date +%s) - T0 )) s)";;
