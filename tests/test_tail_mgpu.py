@@ -136,12 +136,13 @@ def check_sync_ref_serves_a_layer_loop() -> None:
     def loop():
         sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
 
-        def body(i, outs):
+        def body(carry):  # a while loop, as the model's layer loop (jax 0.11 makes a static fori_loop a scan, whose
+            i, ys, ss = carry  # carry drops a ref's memory space: H200, 2026-12-02)
             y, sums = call(i, row_sums=True, sync=sync, ordinal=i)
-            return outs[0].at[i].set(y), outs[1].at[i].set(sums)
+            return i + 1, ys.at[i].set(y), ss.at[i].set(sums)
 
-        outs = jax.lax.fori_loop(0, n_layers, body, (jnp.zeros((n_layers, m, d), jnp.bfloat16),
-                                                     jnp.zeros((n_layers, d // 64, 8), jnp.float32)))
+        _, *outs = jax.lax.while_loop(lambda c: c[0] < n_layers, body, (
+            jnp.int32(0), jnp.zeros((n_layers, m, d), jnp.bfloat16), jnp.zeros((n_layers, d // 64, 8), jnp.float32)))
         after = sync[...]
         call(0, sync=sync, ordinal=0)  # a call that says it is the ref's first: every wait finds another count
         return outs, after, sync[...]

@@ -41,7 +41,7 @@ from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from pallas_kernels.linear import tail_mgpu as tm  # noqa: E402
 from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 from qspec_jax.bench.w4a16 import TOL_BF16  # noqa: E402
-from w4a16_persistent_probe import chained_us  # noqa: E402  (the probe's harness: same numbers, same way)
+from w4a16_persistent_probe import chained_us, median_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
 CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "dynamic", "stages")  # TailConfig fields with a comma-list option
@@ -113,7 +113,8 @@ def timeline_report(fn, attn, x, layers: int, calls: int) -> None:
                      "o": (t[:, cols["fin_o"]] - t[:, cols["fin_start"]]) / 1e3,
                      "gate_up": (t[:, cols["fin_gate_up"]] - t[:, cols["prod_flag0"]]) / 1e3,
                      "down": (t[:, cols["fin_down"]] - t[:, cols["prod_flag1"]]) / 1e3,
-                     "end": t[:, cols["fin_down"]] / 1e3,
+                     "end": t[:, cols["fin_down"]] / 1e3, "o_end": t[:, cols["fin_o"]] / 1e3,
+                     "gu_end": t[:, cols["fin_gate_up"]] / 1e3,
                      "flag0": t[:, cols["prod_flag0"]] / 1e3, "flag1": t[:, cols["prod_flag1"]] / 1e3})
 
     def rank_corr(a, b):
@@ -124,6 +125,11 @@ def timeline_report(fn, attn, x, layers: int, calls: int) -> None:
         parts = " ".join(f"{ph} {run[ph].min():.1f}/{np.median(run[ph]):.1f}/{run[ph].max():.1f}"
                          for ph in ("o", "gate_up", "down", "flag0", "flag1", "end"))
         print(f"timeline call {k}: min/median/max us: {parts}", flush=True)
+        for flag, done in (("flag0", "o_end"), ("flag1", "gu_end")):  # a flag's wait: the last arrival, then latency
+            last = run[done].max()
+            print(f"timeline call {k}: {flag}: finishers done median {np.median(run[done]):.2f} / last {last:.2f} us, "
+                  f"producers past it first {run[flag].min():.2f} / median {np.median(run[flag]):.2f} / last "
+                  f"{run[flag].max():.2f} us (first pass - last finisher {run[flag].min() - last:+.2f} us)", flush=True)
         for ph in ("gate_up", "down"):
             slow = np.argsort(run[ph])[-8:][::-1]
             print(f"timeline call {k}: slowest {ph}: CTA:SM " + " ".join(f"{c}:{run['sm'][c]}" for c in slow),
@@ -184,8 +190,6 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
 def chained_sync_us(tail_fn, attn, x, layers: int, iters: int, d: int, f: int, trials: int = 5) -> float:
     """`chained_us`'s harness for the tail with one sync ref for the whole run (the model's layer loop: no
     zero-init launch per call), each call's ordinal the calls before it."""
-    import statistics
-
     def run(_):
         sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
 
@@ -199,14 +203,7 @@ def chained_sync_us(tail_fn, attn, x, layers: int, iters: int, d: int, f: int, t
             return i + 1, acc
         return lax.while_loop(lambda c: c[0] < iters, body, (jnp.int32(0), jnp.zeros((), jnp.float32)))[1]
 
-    exe = jax.jit(run).lower(0).compile()
-    jax.block_until_ready(exe(0))
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(exe(0))
-        ts.append((time.perf_counter() - t0) / (iters * layers))
-    return statistics.median(ts) * 1e6
+    return median_us(run, iters * layers, trials)
 
 
 def main() -> int:

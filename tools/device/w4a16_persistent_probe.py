@@ -235,13 +235,19 @@ def chained_us(fns_of_copy, copies: int, iters: int, trials: int = 5) -> float:
             return acc
         return lax.fori_loop(0, iters, body, jnp.zeros((), jnp.float32))
 
+    return median_us(f, iters * copies, trials)
+
+
+def median_us(f, calls: int, trials: int = 5) -> float:
+    """Median microseconds per call of `f(0)` (a function of a dummy int that runs `calls` calls), compiled and
+    warmed first (tools/device/check_tail.py times its shared-ref loop through it too)."""
     exe = jax.jit(f).lower(0).compile()
     jax.block_until_ready(exe(0))
     ts = []
     for _ in range(trials):
         t0 = time.perf_counter()
         jax.block_until_ready(exe(0))
-        ts.append((time.perf_counter() - t0) / (iters * copies))
+        ts.append((time.perf_counter() - t0) / calls)
     return statistics.median(ts) * 1e6
 
 
