@@ -476,12 +476,13 @@ def test_ws_kernel_merge_counters_serve_a_layer_loop(monkeypatch):
         inputs = mg.kernel_inputs(q_pos, cache, 2, "target")
         assert "merge_counters" in inputs
 
-        def body(i, outs):
+        def body(carry):  # a while loop, as the model's layer loop (jax 0.11 makes a static fori_loop a scan, whose
+            i, outs = carry  # carry drops a ref's memory space)
             o = mg.quantized_decode_attention_mgpu(q, q_pos, cache, jnp.int32(0), view="target", interpret=True,
                                                    config=cfg, inputs=inputs)
-            return outs.at[i].set(o)
+            return i + 1, outs.at[i].set(o)
 
-        outs = jax.lax.fori_loop(0, 2, body, jnp.zeros((2, *q.shape), q.dtype))
+        _, outs = jax.lax.while_loop(lambda c: c[0] < 2, body, (jnp.int32(0), jnp.zeros((2, *q.shape), q.dtype)))
         return outs, inputs["merge_counters"][...]
 
     outs, counters = loop(q, q_pos, cache)
