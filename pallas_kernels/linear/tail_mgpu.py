@@ -33,9 +33,10 @@ the unit of its last chunk, which waits on a global counter of the pair for the 
 (as `mosaic_gpu`'s "sem" sum does on a semaphore); the unit order makes that wait deadlock-free (a unit waits only on
 units of lower index, and every CTA takes its units in increasing order). So a row's bits depend
 on (K, N, chunks, k_groups) and never on M, the CTA count or the deal. With `TailConfig.dynamic`
-the units are taken from a global counter per linear instead (a CTA on a slow SM takes fewer;
-still in increasing order per CTA, so still deadlock-free) and passed to the consumers and the
-finisher through a shared queue; not yet run on a GPU.
+the units of a linear with more units than CTAs (`dynamic_linears`) are taken from a global counter
+instead (a CTA on a slow SM takes fewer; still in increasing order per CTA, so still deadlock-free)
+and passed to the consumers and the finisher through a shared queue. Its first H200 run (every linear
+dynamic) was exact and slower; the rule came after it, not yet measured.
 
 The consumers only stream and multiply: at a unit's end each stores its float32 accumulator to a
 shared hand-off buffer (`hand_bufs` deep) and goes on to the next unit. One more warpgroup, the
@@ -60,9 +61,9 @@ takes x's place (x is read in the o phase, out written after flag 1).
 
 Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, counters and waits
 are then program order and a shared-memory barrier; each wait checks that it found exactly its
-ordinal's count, and a wrong one turns the output into NaN where the GPU would hang or race), the register MMA is replaced by its jnp
-twin (`mosaic_gpu.twin_dequant` and a float32 dot), the stores and the residual loads by
-whole-slice ref updates. tools/device/check_tail.py runs the GPU kernel against the reference.
+ordinal's count, and a wrong one turns the output into NaN where the GPU would hang or race), the
+register MMA is replaced by its jnp twin (`mosaic_gpu.twin_dequant` and a float32 dot), the stores
+and the residual loads by whole-slice ref updates. tools/device/check_tail.py runs the GPU kernel against the reference.
 """
 
 from __future__ import annotations
@@ -192,6 +193,20 @@ def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1) -> int:
 
     return min((ch for ch in range(1, steps + 1) if steps % ch == 0 and (steps // ch) % k_groups == 0),
                key=lambda ch: (most(ch), ch))
+
+
+def linear_units(cfg: TailConfig, kq: int, d: int, f: int) -> tuple[int, int, int]:
+    """Work units (row-tile pairs x K chunks) of o, gate_up and down."""
+    return tuple(pairs * ch for pairs, ch in zip((d // 128, f // 64, d // 128), cfg.chunks))
+
+
+def dynamic_linears(cfg: TailConfig, kq: int, d: int, f: int) -> tuple[bool, bool, bool]:
+    """Which linears take their units from a counter under `TailConfig.dynamic`: those with more units
+    than CTAs. Where no CTA has more than one (the 8B's o and down on 132 SMs) a counter deals no better
+    than the round robin, and worse: a producer takes its next unit as soon as its ring has room, so with
+    o's 4-step units in a 6-stage ring the CTAs that started first took two each and others none (the o
+    phase lasting two units; read in the code after the first GPU run was slower, 2026-12-02)."""
+    return tuple(cfg.dynamic and u > cfg.ctas for u in linear_units(cfg, kq, d, f))
 
 
 def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num_sms: int | None = None,
@@ -346,7 +361,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     lin = [(kq, r["wo_w"], r["wo_s"], r["attn"], d // 128),
            (d, r["wgu_w"], r["wgu_s"], r["xg"], f // 64),
            (f, r["wd_w"], r["wd_s"], r["act"], d // 128)]
-    units = [pairs * ch for (_, _, _, _, pairs), ch in zip(lin, chunks)]
+    units = linear_units(cfg, kq, d, f)
+    dyn = dynamic_linears(cfg, kq, d, f)
     base = [sum(units[:p]) % ctas for p in range(3)]
     per = [k // KT // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
     n_cons = WGS * kg  # consumer warpgroups; then the producer, then the finisher
@@ -398,8 +414,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
     def run_units(p, first, count, body, carry):
         """body(pair, chunk, carry) -> carry over this CTA's units of linear p, in order: the round-robin deal,
-        or (TailConfig.dynamic) the queue's entries up to its -1, carry[0] the entries read so far."""
-        if not cfg.dynamic:
+        or (`dynamic_linears`) the queue's entries up to its -1, carry[0] the entries read so far."""
+        if not dyn[p]:
             return lax.fori_loop(0, count, lambda j, cr: body(*unit_of(p, first, j * per[p])[:2], cr), carry)
 
         def step(cr):
@@ -508,7 +524,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         n_pushed = jnp.int32(0)  # TailConfig.dynamic: queue entries written
         mark("prod_start")
         for p in range(3):
-            if cfg.dynamic:  # the same phases as below, units from the counter through the queue
+            if dyn[p]:  # the same phases as below, units from the counter through the queue
                 n0, cnt_pre = n_pushed, cnt
                 st = produce(p, False, stages, (jnp.int32(0), n_pushed, cnt, jnp.bool_(False)))
                 if p > 0:
@@ -561,7 +577,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 for slot in range(stages):
                     plgpu.barrier_wait(empty.at[slot])
 
-            if cfg.dynamic:
+            if any(dyn):
                 for slot in range(QUEUE):
                     @pl.when(n_pushed > QUEUE + slot)
                     def _():
@@ -769,7 +785,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
             if cfg.diag != "stream":
                 n_read, n_units = run_units(p, first, count, unit, (n_read, n_units))
-            elif cfg.dynamic:  # the ring alone: the queue's entries still read (the producer waits for them)
+            elif dyn[p]:  # the ring alone: the queue's entries still read (the producer waits for them)
                 n_read, n_units = run_units(p, first, count, lambda pair, ch, cr: cr, (n_read, n_units))
             mark(("fin_o", "fin_gate_up", "fin_down")[p])
             if p < 2:

@@ -175,8 +175,9 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
     pairs = (d // 128, f // 64, d // 128)
     want = np.zeros(tm.sync_words(d, f), np.int64)
     want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n * cfg.ctas
-    if cfg.dynamic:
-        want[tm.SYNC_GRABS:tm.SYNC_GRABS + 3] = [n * (pr * ch + cfg.ctas) for pr, ch in zip(pairs, cfg.chunks)]
+    kq = attn.shape[1]
+    for p, (dyn, units) in enumerate(zip(tm.dynamic_linears(cfg, kq, d, f), tm.linear_units(cfg, kq, d, f))):
+        want[tm.SYNC_GRABS + p] = n * (units + cfg.ctas) if dyn else 0  # each CTA takes one unit past the end
     for p in range(3):
         want[o[p]:o[p] + pairs[p]] = n * (cfg.chunks[p] - 1)
     words_ok = np.array_equal(words, want)
