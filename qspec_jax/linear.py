@@ -165,19 +165,18 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
-TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1": the draft layer's o -> gate_up -> down in one persistent kernel (`tail_fusable`)
+TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1" / "dynamic": the draft layer's o -> gate_up -> down in one kernel (`tail_fusable`)
 
 
 def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int) -> bool:
     """Whether a draft layer whose norms and residual adds run inside its INT4 kernels (the caller's
     `LayerFusion.norm` and `.residual`) runs o, the MLP norm, gate_up, SiLU·up and down as one
-    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1 (off by default:
+    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1, or "dynamic" (its units
+    from counters, `tail_mgpu.TailConfig.dynamic`, where a linear has more than CTAs) (off by default:
     in the harness it ties the three fused kernels, docs/kernel_notes.md "Twentieth session" on),
     the Mosaic kernel (`fusable`), and shapes the kernel takes (`tail_mgpu.takes`: D a multiple of
     128; Kq, D and F of 256; at most 24 rows). From the rows, never from T."""
-    mode = os.environ.get(TAIL_ENV, "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0 or 1")
+    mode = _tail_mode()
     if mode == "0" or not fusable(wo, int4_impl, rows, residual=True):
         return False
     from pallas_kernels.linear.layout import W4A16Packed
@@ -186,6 +185,13 @@ def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int
     wo, wgu, wd = (w.weight if isinstance(w, StackedLayer) else w for w in (wo, w_gate_up, w_down))
     return (all(isinstance(w, W4A16Packed) for w in (wgu, wd)) and wgu.n == 2 * wd.k
             and takes(wo.k, wo.n, wd.k, rows))
+
+
+def _tail_mode() -> str:
+    mode = os.environ.get(TAIL_ENV, "0")
+    if mode not in ("0", "1", "dynamic"):
+        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0, 1 or dynamic")
+    return mode
 
 
 def layer_tail_sync(w_down: Any, like: Any) -> Any:
@@ -219,7 +225,7 @@ def layer_tail(attn: Array, x: Array, wo: Any, norm: Any, w_gate_up: Any, w_down
 
     return int4_layer_tail(attn, x, wo, _norm_at(norm, layer), wgu, wd, layer=layer, norm_eps=norm_eps,
                            backend="interpret" if int4_impl == "interpret" else "mosaic", row_sums=row_sums,
-                           sync=sync, ordinal=ordinal if sync is not None else 0)
+                           sync=sync, ordinal=ordinal if sync is not None else 0, dynamic=_tail_mode() == "dynamic")
 
 
 NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "auto" (default), "1" at every row count, "0" off (`norm_sums_fusable`)

@@ -569,8 +569,9 @@ def test_decode_runs_the_layer_tail_in_one_kernel_when_switched_on():
     fused kernels (the same function up to float32 summation order before each bf16 rounding), with
     the down epilogue's row sums; then a jitted draft decode whose layer loop shares one sync ref
     (`linear.layer_tail_sync`), the layer index as each call's ordinal (the twin's output is NaN
-    where a wait finds another count than its ordinal's), against the same decode without the tail.
-    In a child with 8 host devices (`subproc.run_in_child`)."""
+    where a wait finds another count than its ordinal's), against the same decode without the tail;
+    QSPEC_W4A16_TAIL=dynamic hands the kernel the dynamic deal's config, other values are refused. In a
+    child with 8 host devices (`subproc.run_in_child`)."""
     subproc.run_in_child(__file__, "_case_tail")
 
 
@@ -607,3 +608,23 @@ def _case_tail() -> None:
     off = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
     assert len(syncs) == 1 and np.isfinite(on).all()
     assert _rel(on, off) < 2e-2
+    # "dynamic": the same kernel with its units from counters (`TailConfig.dynamic`); other values refused by name
+    from pallas_kernels.linear import tail_mgpu
+
+    os.environ[qlinear.TAIL_ENV] = "dynamic"
+    assert M._draft_fusion(draft, 2).tail
+    configs, real_kernel = [], tail_mgpu.int4_layer_tail_mgpu
+
+    def kernel(*a, config=None, **kw):
+        configs.append(config)
+        return real_kernel(*a, config=config, **kw)
+
+    tail_mgpu.int4_layer_tail_mgpu = kernel
+    jax.eval_shape(lambda: M._attn_out_and_mlp(CFG_TAIL, lp, x, attn, None, fused.replace(tail=True)))
+    assert len(configs) == 1 and configs[0].dynamic
+    os.environ[qlinear.TAIL_ENV] = "yes"
+    try:
+        M._draft_fusion(draft, 2)
+        raise AssertionError("QSPEC_W4A16_TAIL=yes was accepted")
+    except ValueError as e:
+        assert "QSPEC_W4A16_TAIL='yes': expected 0, 1 or dynamic" in str(e)
