@@ -172,8 +172,9 @@ def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int
     """Whether a draft layer whose norms and residual adds run inside its INT4 kernels (the caller's
     `LayerFusion.norm` and `.residual`) runs o, the MLP norm, gate_up, SiLU·up and down as one
     persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1, or "dynamic" (its units
-    from counters, `tail_mgpu.TailConfig.dynamic`, where a linear has more than CTAs) (off by default:
-    in the harness it ties the three fused kernels, docs/kernel_notes.md "Twentieth session" on),
+    from counters, `tail_mgpu.TailConfig.dynamic`, where a linear has more than CTAs). Off by default:
+    in the 8B's draft step it ties the three fused kernels (H200, 2026-12-02: 2.511 against 2.508 ms;
+    docs/kernel_notes.md, "Thirty-seventh session"). Where on:
     the Mosaic kernel (`fusable`), and shapes the kernel takes (`tail_mgpu.takes`: D a multiple of
     128; Kq, D and F of 256; at most 24 rows). From the rows, never from T."""
     mode = _tail_mode()
@@ -188,6 +189,7 @@ def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int
 
 
 def _tail_mode() -> str:
+    """QSPEC_W4A16_TAIL's value, checked: "0" (the default), "1" or "dynamic"."""
     mode = os.environ.get(TAIL_ENV, "0")
     if mode not in ("0", "1", "dynamic"):
         raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0, 1 or dynamic")
