@@ -195,9 +195,9 @@ def test_default_config_balances_units_over_the_ctas() -> None:
         assert all(most(ch) <= most(c) for c in range(1, steps + 1) if steps % c == 0 and (steps // c) % 2 == 0)
     # the dynamic deal only where there are more units than CTAs (gate_up: 224 pairs x 4 chunks)
     dyn = cfg.replace(dynamic=True)
-    assert tm.linear_units(dyn, kq, d, f) == tuple(p * c for p, c in zip((32, 224, 32), cfg.chunks))
-    assert tm.dynamic_linears(dyn, kq, d, f) == tuple(u > 132 for u in tm.linear_units(dyn, kq, d, f))
-    assert tm.dynamic_linears(dyn, kq, d, f)[1] and not any(tm.dynamic_linears(cfg, kq, d, f))
+    assert tm.linear_units(dyn, d, f) == tuple(p * c for p, c in zip((32, 224, 32), cfg.chunks))
+    assert tm.dynamic_linears(dyn, d, f) == tuple(u > 132 for u in tm.linear_units(dyn, d, f))
+    assert tm.dynamic_linears(dyn, d, f)[1] and not any(tm.dynamic_linears(cfg, d, f))
     # two CTAs per SM: a shallower ring that two of fit on one SM
     two = tm.default_tail_config(kq, d, f, 32, 16, num_sms=132, ctas_per_sm=2)
     assert two.ctas == 264 and 2 * two.stages * tm.ring_stage_bytes(16, 32) <= 2 * tm.TAIL_SMEM

@@ -143,11 +143,18 @@ SYNC_FLAGS = 0  # word offset of the two grid-wide flags (o -> gate_up, gate_up 
 SYNC_GRABS = 2  # of `TailConfig.dynamic`'s three unit counters (one per linear)
 
 
+def linear_pairs(d: int, f: int) -> tuple[int, int, int]:
+    """Row-tile pairs of o, gate_up and down (128 output columns; gate_up's pair j is gate tile j with up
+    tile j): D / 128, F / 64, D / 128."""
+    return d // 128, f // 64, d // 128
+
+
 def sync_offsets(d: int, f: int) -> tuple[int, int, int]:
     """Word offsets in the sync ref of the three linears' chunk counters, one per row-tile pair
-    (o: D / 128 pairs, gate_up: F / 64, down: D / 128)."""
+    (`linear_pairs`)."""
+    pairs = linear_pairs(d, f)
     o = SYNC_GRABS + 3
-    return o, o + d // 128, o + d // 128 + f // 64
+    return o, o + pairs[0], o + pairs[0] + pairs[1]
 
 
 def sync_words(d: int, f: int) -> int:
@@ -160,7 +167,7 @@ def sync_words(d: int, f: int) -> int:
     the calls made on it before, `ordinal`) waits for (n + 1) times that and takes unit v - n (units
     + ctas) at counter value v. The words are never reset: one zeroed ref serves every layer of a
     decode pass, with the layer loop's index as the ordinal, and no call needs a zero-init launch."""
-    return sync_offsets(d, f)[2] + d // 128 + 2
+    return sync_offsets(d, f)[2] + linear_pairs(d, f)[2] + 2
 
 
 def sync_zeros(d: int, f: int) -> Array:
@@ -195,18 +202,18 @@ def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1) -> int:
                key=lambda ch: (most(ch), ch))
 
 
-def linear_units(cfg: TailConfig, kq: int, d: int, f: int) -> tuple[int, int, int]:
+def linear_units(cfg: TailConfig, d: int, f: int) -> tuple[int, int, int]:
     """Work units (row-tile pairs x K chunks) of o, gate_up and down."""
-    return tuple(pairs * ch for pairs, ch in zip((d // 128, f // 64, d // 128), cfg.chunks))
+    return tuple(pairs * ch for pairs, ch in zip(linear_pairs(d, f), cfg.chunks))
 
 
-def dynamic_linears(cfg: TailConfig, kq: int, d: int, f: int) -> tuple[bool, bool, bool]:
+def dynamic_linears(cfg: TailConfig, d: int, f: int) -> tuple[bool, bool, bool]:
     """Which linears take their units from a counter under `TailConfig.dynamic`: those with more units
     than CTAs. Where no CTA has more than one (the 8B's o and down on 132 SMs) a counter deals no better
     than the round robin, and worse: a producer takes its next unit as soon as its ring has room, so with
     o's 4-step units in a 6-stage ring the CTAs that started first took two each and others none (the o
     phase lasting two units; read in the code after the first GPU run was slower, 2026-12-02)."""
-    return tuple(cfg.dynamic and u > cfg.ctas for u in linear_units(cfg, kq, d, f))
+    return tuple(cfg.dynamic and u > cfg.ctas for u in linear_units(cfg, d, f))
 
 
 def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num_sms: int | None = None,
@@ -226,7 +233,7 @@ def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num
     budget = (TAIL_SMEM if ctas_per_sm > 1 else mg.SMEM_BUDGET) - hand_bytes(mp, k_groups, TailConfig.hand_bufs)
     stages = max(2, min(MAX_STAGES, budget // ring_stage_bytes(mp, group_size)))
     chunks = tuple(balanced_chunks(k, pairs, ctas, k_groups)
-                   for k, pairs in ((kq, d // 128), (d, f // 64), (f, d // 128)))
+                   for k, pairs in zip((kq, d, f), linear_pairs(d, f)))
     return TailConfig(chunks=chunks, ctas=ctas, stages=stages - stages % k_groups, k_groups=k_groups)
 
 
@@ -358,11 +365,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     x_smem, w_smem, sz_smem = r["x_smem"], r["w_smem"], r["sz_smem"]
     full, empty = r["full"], r["empty"]
     # per linear p: (K, code words, records, x source, row-tile pairs)
-    lin = [(kq, r["wo_w"], r["wo_s"], r["attn"], d // 128),
-           (d, r["wgu_w"], r["wgu_s"], r["xg"], f // 64),
-           (f, r["wd_w"], r["wd_s"], r["act"], d // 128)]
-    units = linear_units(cfg, kq, d, f)
-    dyn = dynamic_linears(cfg, kq, d, f)
+    lin = [(k, r[f"{w}_w"], r[f"{w}_s"], r[src], pairs) for k, w, src, pairs in
+           zip((kq, d, f), ("wo", "wgu", "wd"), ("attn", "xg", "act"), linear_pairs(d, f))]
+    units = linear_units(cfg, d, f)
+    dyn = dynamic_linears(cfg, d, f)
     base = [sum(units[:p]) % ctas for p in range(3)]
     per = [k // KT // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
     n_cons = WGS * kg  # consumer warpgroups; then the producer, then the finisher

@@ -84,6 +84,12 @@ def gpu_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
+def _int4_bytes(weights: int, g: int) -> int:
+    """Bytes an INT4 kernel reads for `weights` weights in groups of g: the codes and each group's
+    float16 scale / zero."""
+    return int(weights * (0.5 + 4 / g))
+
+
 def classify(name: str) -> tuple[str, str, int | None]:
     """(category, label, floor bytes or None) of a kernel name. Mosaic linears carry their shape
     in the name, so each gets its own label and byte floor; cuBLAS kernels share one label."""
@@ -91,12 +97,12 @@ def classify(name: str) -> tuple[str, str, int | None]:
     if m:
         kind, _, k, n, g, _ = m.groups()
         k, n = int(k), int(n)
-        nbytes = 2 * k * n if kind == "bf16" else int(k * n * (0.5 + 4 / int(g)))
+        nbytes = 2 * k * n if kind == "bf16" else _int4_bytes(k * n, int(g))
         return "linear", f"{kind} k{k} n{n}" + (f" g{g}" if kind == "int4" else ""), nbytes
     m = _MOSAIC_TAIL.search(name)
     if m:  # the persistent layer tail (pallas_kernels.linear.tail_mgpu): o [Kq, D], gate_up [D, 2F], down [F, D]
         kq, d, f, g = (int(v) for v in m.groups())
-        return "linear", f"int4 layer tail kq{kq} d{d} f{f} g{g}", int((kq * d + 3 * d * f) * (0.5 + 4 / g))
+        return "linear", f"int4 layer tail kq{kq} d{d} f{f} g{g}", _int4_bytes(kq * d + 3 * d * f, g)
     if _CUBLAS.search(name):
         return "linear", "cuBLAS", None
     if _ATTENTION.search(name):

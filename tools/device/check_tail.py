@@ -172,11 +172,10 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
     want_sums = np.stack([np.asarray(mg.chunk_row_sums(jnp.asarray(y), mg.rows_for(m))) for y in ys])
     e_sums = float(np.max(np.abs(sums - want_sums) / np.maximum(np.abs(want_sums), 1e-30)))
     o = tm.sync_offsets(d, f)
-    pairs = (d // 128, f // 64, d // 128)
+    pairs = tm.linear_pairs(d, f)
     want = np.zeros(tm.sync_words(d, f), np.int64)
     want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n * cfg.ctas
-    kq = attn.shape[1]
-    for p, (dyn, units) in enumerate(zip(tm.dynamic_linears(cfg, kq, d, f), tm.linear_units(cfg, kq, d, f))):
+    for p, (dyn, units) in enumerate(zip(tm.dynamic_linears(cfg, d, f), tm.linear_units(cfg, d, f))):
         want[tm.SYNC_GRABS + p] = n * (units + cfg.ctas) if dyn else 0  # each CTA takes one unit past the end
     for p in range(3):
         want[o[p]:o[p] + pairs[p]] = n * (cfg.chunks[p] - 1)
@@ -258,11 +257,10 @@ def main() -> int:
             kx = jax.random.fold_in(key, 100 * m + cps)
             attn = jax.random.normal(kx, (m, kq)).astype(jnp.bfloat16)
             x = jax.random.normal(jax.random.fold_in(kx, 1), (m, d)).astype(jnp.bfloat16)
-            tail = jax.jit(lambda a, x, layer, cfg=cfg: tm.int4_layer_tail_mgpu(a, x, wo, gw, wgu, wd, layer=layer,
-                                                                               config=cfg))
-
-            def tail_fn(a, x, layer, cfg=cfg, **kw):  # unjitted: a sync ref stays out of a jit's arguments
+            def tail_fn(a, x, layer, cfg=cfg, **kw):  # unjitted (a sync ref stays out of a jit's arguments)
                 return tm.int4_layer_tail_mgpu(a, x, wo, gw, wgu, wd, layer=layer, config=cfg, **kw)
+
+            tail = jax.jit(tail_fn)
             three = jax.jit(lambda a, x, layer: three_kernels(a, x, wo, gw, wgu, wd, layer))
             print(f"... M={m} {cfg}", flush=True)
             if not args.skip_check:

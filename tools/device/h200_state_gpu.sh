@@ -279,7 +279,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       fi
       [[ " ${TA_PARTS:-check ab} " == *" ab "* ]] || continue
       for i in ${TA_TRIALS:-1 2}; do
-        for v in 1 0; do
+        for v in ${TA_MODES:-1 0}; do  # QSPEC_W4A16_TAIL values (TA_MODES="dynamic 1 0" adds the counters' deal)
           QSPEC_W4A16_TAIL=$v prof 8b_b1_4k_tail${v}_$i --batch 1 --contexts 4096 --programs ${TA_PROGS:-draft,ar_loop,spec_loop} \
             --gamma 2
         done
