@@ -74,8 +74,9 @@ $(TEXTS): | $(BIN)/python
 
 # GPU benchmarks: rewrite docs/BENCHMARKS.md and docs/bench/ (the benchmarks write into the checkout only when
 # told: --out and --doc). `make bench` runs every part below in turn; each part is one command that fits a
-# ten-minute device call (wall times on the H200, 2026-11-24, where measured: profile ~2 min, gamma loops ~7.5 min,
-# e2e batch ~1 min per context) except bench-prefill (~17 min with the planner's longest prompt, 1.29M tokens
+# ten-minute device call (wall times on the H200 where measured: 2026-12-02, e2e 8b ~5.5 min with its PyTorch peer,
+# e2e batch ~1.3 min, profile ~2.7 min, kernel llama3-8b:1 ~1-2 min per context; 2026-11-24, gamma loops ~7.5 min)
+# except bench-prefill (~17 min with the planner's longest prompt, 1.29M tokens
 # prefilled in chunks in ~15 min; on a machine that takes calls of ten minutes, start it under setsid as
 # tools/device/issue30_gpu.sh does). The e2e parts run one at a time and keep each other's results (--keep-parts),
 # so the "End to end" section covers them all.
@@ -87,7 +88,8 @@ bench: bench-kernel bench-w4a16 bench-profile bench-e2e bench-gamma bench-prefil
 # The kernel and W4A16 benchmarks run in parts that keep each other's rows (--keep-parts): in one command each they
 # outlast a ten-minute call (H200, 2026-11-28: the kernel bench with its config sweep measured 3 of its 16
 # (shape, batch, context) cases in 8 min; the W4A16 bench ~8 min per M). The parts (no config sweep) are sized from
-# those times and not yet timed as split.
+# those times; timed as split (2026-12-02): llama3-8b:1 took 46 / 44 / 127 s at 128k / 64k / 16k with its peers
+# (a call cut at 4.5 min before 4k), i.e. ~5 min for the part; the others are not yet timed.
 bench-kernel: $(VENV)/.installed-dev
 	$(BENCH_KERNEL) --combos llama3-8b:1
 	$(BENCH_KERNEL) --combos llama3-8b:8
@@ -102,8 +104,8 @@ bench-profile: $(VENV)/.installed-dev
 	$(BIN)/qspec-bench profile --out docs/bench/profile --doc docs/BENCHMARKS.md
 
 bench-e2e: $(VENV)/.installed-dev $(CKPT)/qspec_checkpoint.json $(TEXTS)
-	$(BENCH_E2E) --parts 8b --alphas 0.9,0.75
-	$(BENCH_E2E) --parts batch --alphas 0.9
+	$(BENCH_E2E) --parts 8b --alphas 0.9,0.75 --loop-contexts 4096,131072 --loop-gamma 2 --steps 8 --trials 3
+	$(BENCH_E2E) --parts batch --alphas 0.9 --trials 3
 	$(BENCH_E2E) --parts smollm --smollm-checkpoint $(CKPT) --text-dir $(TEXTS) --smollm-gamma 2,3,4
 	$(BENCH_E2E) --parts memory --confirm-max-context
 
