@@ -165,16 +165,15 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
-TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1" / "dynamic": the draft layer's o -> gate_up -> down in one kernel (`tail_fusable`)
+TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1": the draft layer's o -> gate_up -> down in one kernel (`tail_fusable`)
 
 
 def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int) -> bool:
     """Whether a draft layer whose norms and residual adds run inside its INT4 kernels (the caller's
     `LayerFusion.norm` and `.residual`) runs o, the MLP norm, gate_up, SiLU·up and down as one
-    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1, or "dynamic" (its units
-    from counters, `tail_mgpu.TailConfig.dynamic`, where a linear has more than CTAs). Off by default:
-    in the 8B's draft step it ties the three fused kernels (H200, 2026-12-02: 2.511 against 2.508 ms;
-    docs/kernel_notes.md, "Thirty-seventh session"). Where on:
+    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1. Off by default: in the
+    8B's draft step it ties or trails the three fused kernels (H200, 2026-12-02: 2.511 against 2.508 ms, then
+    2.509-2.523 against 2.450; docs/kernel_notes.md, "Thirty-seventh session", "Thirty-eighth session"). Where on:
     the Mosaic kernel (`fusable`), and shapes the kernel takes (`tail_mgpu.takes`: D a multiple of
     128; Kq, D and F of 256; at most 24 rows). From the rows, never from T."""
     mode = _tail_mode()
@@ -189,10 +188,10 @@ def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int
 
 
 def _tail_mode() -> str:
-    """QSPEC_W4A16_TAIL's value, checked: "0" (the default), "1" or "dynamic"."""
+    """QSPEC_W4A16_TAIL's value, checked: "0" (the default) or "1"."""
     mode = os.environ.get(TAIL_ENV, "0")
-    if mode not in ("0", "1", "dynamic"):
-        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0, 1 or dynamic")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0 or 1")
     return mode
 
 
@@ -227,7 +226,7 @@ def layer_tail(attn: Array, x: Array, wo: Any, norm: Any, w_gate_up: Any, w_down
 
     return int4_layer_tail(attn, x, wo, _norm_at(norm, layer), wgu, wd, layer=layer, norm_eps=norm_eps,
                            backend="interpret" if int4_impl == "interpret" else "mosaic", row_sums=row_sums,
-                           sync=sync, ordinal=ordinal if sync is not None else 0, dynamic=_tail_mode() == "dynamic")
+                           sync=sync, ordinal=ordinal if sync is not None else 0)
 
 
 NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "auto" (default), "1" at every row count, "0" off (`norm_sums_fusable`)

@@ -302,7 +302,7 @@ class LayerFusion:
     # Without `norm` (the target's bf16 layers): SiLU(gate)·up inside the gate_up kernel (`linear.dense_swiglu_fusable`).
     swiglu: bool = struct.field(pytree_node=False, default=False)
     # With `norm` and `residual`: o, the MLP norm, gate_up, SiLU·up and down in one persistent kernel
-    # (`linear.tail_fusable`, QSPEC_W4A16_TAIL=1 or dynamic), its flags on one ref per pass (`linear.layer_tail_sync`).
+    # (`linear.tail_fusable`, QSPEC_W4A16_TAIL=1), its flags on one ref per pass (`linear.layer_tail_sync`).
     tail: bool = struct.field(pytree_node=False, default=False)
 
     @property

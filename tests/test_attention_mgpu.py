@@ -436,12 +436,12 @@ def test_ws_kernel_merge_matches_the_xla_merge(view, window, splits):
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on PATH")
 def test_thread0_inline_ptx_assembles(tmp_path):
     """The warpgroup-thread-0 PTX blocks (`_common.thread0_asm`: the in-kernel merge's arrival and
-    reset, the layer tail's flags, spin, unit grab, L2 prefetch and stamps) assemble for sm_90a in one
+    reset, the layer tail's flags, spin, L2 prefetch and stamps) assemble for sm_90a in one
     kernel, $k bound to a 64-bit global address, a 32-bit shared address or an int as `_common.ptx` binds them."""
     from pallas_kernels.linear import tail_mgpu as tail
 
     blocks = [(ws._ARRIVE_OLD_ASM, "ls"), (ws._RESET_ASM, "l"), (ws._ACQUIRE_ASM, ""), (tail._ARRIVE_ASM, "l"),
-              (tail._SPIN_ASM, "lli"), (tail._GRAB_ASM, "ls"), (tail._PREFETCH_ASM, "li"),
+              (tail._SPIN_ASM, "lli"), (tail._PREFETCH_ASM, "li"),
               *[(a, "l") for a in tail._STAMP_ASM.values()]]
     subs = {"l": "%rd0", "s": "%r0", "i": "16"}
     body = ["mov.u64 %rd0, 0;", "mov.u32 %r0, 0;"]

@@ -68,8 +68,8 @@ def _rel(y: jax.Array, ref: jax.Array) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
-def _cfg(chunks: tuple[int, int, int], stages: int, k_groups: int, dynamic: bool = False) -> tm.TailConfig:
-    return tm.TailConfig(chunks=chunks, ctas=1, stages=stages, k_groups=k_groups, dynamic=dynamic)
+def _cfg(chunks: tuple[int, int, int], stages: int, k_groups: int) -> tm.TailConfig:
+    return tm.TailConfig(chunks=chunks, ctas=1, stages=stages, k_groups=k_groups)
 
 
 def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
@@ -88,8 +88,6 @@ def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     (9, (1024, 256, 512), ((2, 1, 2), 4, 1)),
     # two k groups (steps dealt round robin, partials added in group order), the ring reused (2 stages)
     (5, (1024, 512, 512), ((2, 1, 1), 2, 2)),
-    # units through the dynamic schedule's queue: 16 units and 3 ends, more entries than the queue holds
-    (3, (512, 256, 512), ((2, 1, 2), 2, 1, True)),
 ])
 def test_tail_matches_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     _child("check_reference", m, shape, cfg)
@@ -126,7 +124,7 @@ def check_sync_ref_serves_a_layer_loop() -> None:
 
     m, (kq, d, f), n_layers = 2, (512, 256, 512), 3
     attn, x, ws, gw = _inputs(11, m, kq, d, f, lead=(n_layers,))
-    cfg = _cfg((2, 1, 2), 2, 1, dynamic=True)
+    cfg = _cfg((2, 1, 2), 2, 1)
 
     def call(layer, **kw):
         return tm.int4_layer_tail_mgpu(attn, x, ws[0], gw, ws[1], ws[2], layer=layer, config=cfg, interpret=True,
@@ -154,12 +152,10 @@ def check_sync_ref_serves_a_layer_loop() -> None:
     for i in range(n_layers):
         assert _rel(ys[i], _reference(attn, x, ws, gw, layer=i)) <= TOL
         np.testing.assert_allclose(sums[i], tm.mg.chunk_row_sums(jnp.asarray(ys[i]), 8), rtol=1e-5)
-    # what the calls added: ctas (1) per flag, units + ctas per unit counter, chunks - 1 per pair's chunk counter
+    # what the calls added: ctas (1) per flag, chunks - 1 per pair's chunk counter
     o = tm.sync_offsets(d, f)
-    units = (d // 128 * 2, f // 64 * 1, d // 128 * 2)
     want = np.zeros(tm.sync_words(d, f), np.uint32)
     want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n_layers
-    want[tm.SYNC_GRABS:tm.SYNC_GRABS + 3] = [n_layers * (u + 1) for u in units]
     want[o[0]:o[0] + d // 128] = n_layers * (2 - 1)
     want[o[2]:o[2] + d // 128] = n_layers * (2 - 1)
     np.testing.assert_array_equal(after, want)  # the last two words: no wait found a count but its target
@@ -169,9 +165,8 @@ def check_sync_ref_serves_a_layer_loop() -> None:
 def test_one_sync_ref_serves_a_layer_loop() -> None:
     """One zeroed sync ref (`sync_words`) shared by a loop of calls, the loop's index as the ordinal:
     each call waits for its own counts ((ordinal + 1) x what a call adds; the interpret twin checks
-    that every wait finds exactly that), takes its units from the dynamic counters less the earlier
-    calls' (each CTA's output the call's alone, bit for bit), and leaves the sums a call adds; a
-    wrong ordinal shows in the twin's error words. The down epilogue's row sums (`row_sums`) are
+    that every wait finds exactly that; each output the call's alone, bit for bit) and leaves the
+    sums a call adds; a wrong ordinal shows in the twin's error words. The down epilogue's row sums (`row_sums`) are
     out's per 64-column tile."""
     _child("check_sync_ref_serves_a_layer_loop")
 
@@ -193,11 +188,7 @@ def test_default_config_balances_units_over_the_ctas() -> None:
             return -(-(pairs * c) // cfg.ctas) * (steps // c)
 
         assert all(most(ch) <= most(c) for c in range(1, steps + 1) if steps % c == 0 and (steps // c) % 2 == 0)
-    # the dynamic deal only where there are more units than CTAs (gate_up: 224 pairs x 4 chunks)
-    dyn = cfg.replace(dynamic=True)
-    assert tm.linear_units(dyn, d, f) == tuple(p * c for p, c in zip((32, 224, 32), cfg.chunks))
-    assert tm.dynamic_linears(dyn, d, f) == tuple(u > 132 for u in tm.linear_units(dyn, d, f))
-    assert tm.dynamic_linears(dyn, d, f)[1] and not any(tm.dynamic_linears(cfg, d, f))
+    assert tm.linear_units(cfg, d, f) == tuple(p * c for p, c in zip((32, 224, 32), cfg.chunks))
     # two CTAs per SM: a shallower ring that two of fit on one SM
     two = tm.default_tail_config(kq, d, f, 32, 16, num_sms=132, ctas_per_sm=2)
     assert two.ctas == 264 and 2 * two.stages * tm.ring_stage_bytes(16, 32) <= 2 * tm.TAIL_SMEM
@@ -227,22 +218,21 @@ def test_bad_inputs_name_the_problem() -> None:
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, diag="stream"))
     with pytest.raises(ValueError, match="only on the GPU"):
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, timeline=True))
-    with pytest.raises(ValueError, match="not with dynamic"):
-        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, dynamic=True, l2_prefetch=1))
+    with pytest.raises(ValueError, match="l2_prefetch >= 0"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, l2_prefetch=-1))
     with pytest.raises(ValueError, match="ordinal=2 counts the earlier calls on a shared sync ref: pass sync="):
         call(ordinal=2)
-    with pytest.raises(ValueError, match=r"sync must be a uint32 \[19\] ref \(sync_words\(D=256, F=512\)\), got "
-                                         r"int32 \(19,\)"):
-        call(sync=jnp.zeros((19,), jnp.int32), ordinal=1)
+    with pytest.raises(ValueError, match=r"sync must be a uint32 \[16\] ref \(sync_words\(D=256, F=512\)\), got "
+                                         r"int32 \(16,\)"):
+        call(sync=jnp.zeros((16,), jnp.int32), ordinal=1)
 
 
-@pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1,
-                                                                   dynamic=True)),
+@pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1)),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True,
                                                      l2_prefetch=2))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, chunk counters, inline loads / stores and column sums; with
-    the dynamic schedule's counters and queue, the timeline's stamps and the L2 prefetch) at the 8B shape,
+    two CTAs per SM, the timeline's stamps and the L2 prefetch) at the 8B shape,
     stacked weights, lowers to a Mosaic GPU custom call on the CPU; at M 1, with the down epilogue's
     row sums and a sync ref made under jit with a traced ordinal (a layer loop's)."""
     def packed(k: int, n: int) -> lay.W4A16Packed:

@@ -88,6 +88,7 @@ def test_pack_keeps_the_codes_and_stores_the_kernel_pair(seed, lead, g, kc, nt):
     assert p.sz.shape == (*lead, n // 64, k // max(64, g), 64 * max(64, g) // g)
     assert p.shape == (*lead, k, n) and p.group_size == g
     assert p.nbytes == qw.packed.size + 2 * qw.scale.size * 2  # same bytes as the draft format
+    assert lay.packed_bytes(k, n, g) * int(np.prod(lead, dtype=int)) == p.nbytes  # the byte floors' count
     codes = lay.unpack_packed_codes(p)
     assert codes.dtype == jnp.uint8 and np.array_equal(np.asarray(codes), np.asarray(qw.packed))
     _, s, zc = lay.unpack_codes(p)

@@ -33,8 +33,8 @@ conversions: ~10% of a stage's instructions) for the same bits of W; the price i
 float16 scale and zero cannot be recovered from the layout: keep the QuantizedWeight where they are
 needed (the Triton kernel reads them).
 
-Public: `W4A16Packed`, `pack_fields`, `pack_quantized`, `pack_float`, `unpack_codes` (codes and the
-kernel pair), `unpack_packed_codes` (the codes as the QuantizedWeight field), `dequantize_f32` / `dequantize_bf16` (the kernel's own dequantization in jnp, before
+Public: `W4A16Packed`, `packed_bytes` (a weight's bytes: the byte floor), `pack_fields`, `pack_quantized`,
+`pack_float`, `unpack_codes` (codes and the kernel pair), `unpack_packed_codes` (the codes as the QuantizedWeight field), `dequantize_f32` / `dequantize_bf16` (the kernel's own dequantization in jnp, before
 and after its one rounding: the oracle for the layout), `kernel_scales`, `thread_elements` (the
 index map above, shared with the kernels and the tests).
 """
@@ -127,6 +127,12 @@ def check_shape(k: int, n: int, group_size: int) -> None:
         raise ValueError(f"K={k} must be a multiple of {c} (64 and the group size {group_size})")
     if n % ROWS:
         raise ValueError(f"N={n} must be a multiple of {ROWS} (the wgmma tile rows)")
+
+
+def packed_bytes(k: int, n: int, group_size: int) -> int:
+    """Bytes of one [K, N] weight in this layout (`W4A16Packed.nbytes`), what a kernel reads of it: half
+    a byte per code and a 4-byte record (s, zc) per group and row. The INT4 linears' byte floor."""
+    return k * n // 2 + 4 * (k // group_size) * n
 
 
 # ------------------------------------------------------------------------------------- packing
@@ -292,5 +298,6 @@ def dequantize_fields(packed: Array, scale: Array, zero: Array) -> Array:
 __all__ = [
     "GROUPS", "KB", "LAYOUT_VERSION", "ROWS", "THREADS", "WORDS", "W4A16Packed",
     "check_shape", "chunk_cols", "dequantize_bf16", "dequantize_f32", "dequantize_fields", "kernel_scales", "pack_codes",
-    "pack_fields", "pack_float", "pack_quantized", "thread_elements", "unpack_codes", "unpack_packed_codes",
+    "pack_fields", "pack_float", "pack_quantized", "packed_bytes", "thread_elements", "unpack_codes",
+    "unpack_packed_codes",
 ]

@@ -32,11 +32,10 @@ warpgroup (TMA: per k step the two row tiles' code words and scale records and t
 the unit of its last chunk, which waits on a global counter of the pair for the others' float32 partials
 (as `mosaic_gpu`'s "sem" sum does on a semaphore); the unit order makes that wait deadlock-free (a unit waits only on
 units of lower index, and every CTA takes its units in increasing order). So a row's bits depend
-on (K, N, chunks, k_groups) and never on M, the CTA count or the deal. With `TailConfig.dynamic`
-the units of a linear with more units than CTAs (`dynamic_linears`) are taken from a global counter
-instead (a CTA on a slow SM takes fewer; still in increasing order per CTA, so still deadlock-free)
-and passed to the consumers and the finisher through a shared queue. Its first H200 run (every linear
-dynamic) was exact and slower; the rule came after it, not yet measured.
+on (K, N, chunks, k_groups) and never on M, the CTA count or the deal. (Units taken from a global
+counter instead, so that a CTA on a slow SM takes fewer, were built and measured slower three times on
+the H200, last in the model with gate_up alone dealt so: +7 us a layer, a counter's round trip on the
+producer's path per unit; removed 2026-12-02, docs/kernel_notes.md "Thirty-eighth session".)
 
 The consumers only stream and multiply: at a unit's end each stores its float32 accumulator to a
 shared hand-off buffer (`hand_bufs` deep) and goes on to the next unit. One more warpgroup, the
@@ -53,8 +52,8 @@ once (the same bits in every CTA) for the norm's r, and gate_up's owners write a
 the previous linear: a grid-wide flag per boundary, a global counter each finisher adds 1 to
 (release, gpu scope) and the producer and the finisher poll (acquire; thread 0 of the warpgroup,
 `_spin`). Every CTA must be resident at once (`ctas` <= the SMs x the CTAs
-that fit on one: two per SM hang on the H200). The flags, the pairs' chunk counters and the dynamic
-schedule's unit counters are words of one uint32 ref (`sync_words`) that are never reset: each call adds
+that fit on one: two per SM hang on the H200). The flags and the pairs' chunk counters are words of one
+uint32 ref (`sync_words`) that are never reset: each call adds
 the same amount to each, so call n of a ref waits for (n + 1) times it. A model's layer loop shares one
 zeroed ref per pass, its layer index as the ordinal; a call of its own makes a fresh one. The output
 takes x's place (x is read in the o phase, out written after flag 1).
@@ -90,9 +89,6 @@ WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
 MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the hand-off buffers are plain [64, M_pad] tiles)
 TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
 MAX_STAGES = 8
-# `TailConfig.dynamic`'s queue entries: the units the producer may be ahead of its slowest reader (its ring's
-# steps over a unit's k steps, plus the finisher's hand_bufs), with room to spare
-QUEUE = 16
 TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream")
 N_FULL = 2 * WGS + 1  # copies landing on a stage's barrier: codes + records per row tile, the x tile
 # `TailConfig.timeline`'s columns: the CTA's SM, then the time at each mark (finisher: start, end of each linear's
@@ -120,11 +116,6 @@ class TailConfig:
     # Measured (H200, 2026-11-30) with an earlier form (8 / 16 single k steps, 4 requests each): 4-5 us slower a
     # layer; this form (2 requests a row tile and unit) is for the start-phase experiments (kernel_notes)
     l2_prefetch: int = 0
-    # units taken from a global counter per linear (thread 0 of the producer, `atom.add`) instead of dealt round
-    # robin: a CTA on a slow SM takes fewer. The producer passes each unit to the consumers and the finisher through
-    # a shared queue (QUEUE entries; -1 ends a linear). The sums' order is the chunk order either way (same bits).
-    # Interpret mode takes the units in order (one CTA) through the same queue
-    dynamic: bool = False
     # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
     # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
     # chunk counters' waits; "noepi" also everything the finisher does after taking a unit's
@@ -140,7 +131,6 @@ class TailConfig:
 
 # ------------------------------------------------------------------------------ the sync words
 SYNC_FLAGS = 0  # word offset of the two grid-wide flags (o -> gate_up, gate_up -> down)
-SYNC_GRABS = 2  # of `TailConfig.dynamic`'s three unit counters (one per linear)
 
 
 def linear_pairs(d: int, f: int) -> tuple[int, int, int]:
@@ -153,20 +143,19 @@ def sync_offsets(d: int, f: int) -> tuple[int, int, int]:
     """Word offsets in the sync ref of the three linears' chunk counters, one per row-tile pair
     (`linear_pairs`)."""
     pairs = linear_pairs(d, f)
-    o = SYNC_GRABS + 3
+    o = SYNC_FLAGS + 2
     return o, o + pairs[0], o + pairs[0] + pairs[1]
 
 
 def sync_words(d: int, f: int) -> int:
-    """uint32 words of the sync ref of a tail with hidden size d and MLP width f: the flags, the unit
-    counters, the chunk counters, and last two words that only the interpret twin writes (the producer's
-    and the finisher's waits that found a count other than their target: 0 when the ordinals are right).
+    """uint32 words of the sync ref of a tail with hidden size d and MLP width f: the flags, the chunk
+    counters, and last two words that only the interpret twin writes (the producer's and the finisher's
+    waits that found a count other than their target: 0 when the ordinals are right).
 
-    Every call adds the same amount to each word (ctas to a flag, chunks - 1 to a pair's counter,
-    units + ctas to a unit counter: each CTA takes one unit past the end), so call n of a ref (n =
-    the calls made on it before, `ordinal`) waits for (n + 1) times that and takes unit v - n (units
-    + ctas) at counter value v. The words are never reset: one zeroed ref serves every layer of a
-    decode pass, with the layer loop's index as the ordinal, and no call needs a zero-init launch."""
+    Every call adds the same amount to each word (ctas to a flag, chunks - 1 to a pair's counter), so
+    call n of a ref (n = the calls made on it before, `ordinal`) waits for (n + 1) times that. The words
+    are never reset: one zeroed ref serves every layer of a decode pass, with the layer loop's index as
+    the ordinal, and no call needs a zero-init launch."""
     return sync_offsets(d, f)[2] + linear_pairs(d, f)[2] + 2
 
 
@@ -205,15 +194,6 @@ def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1) -> int:
 def linear_units(cfg: TailConfig, d: int, f: int) -> tuple[int, int, int]:
     """Work units (row-tile pairs x K chunks) of o, gate_up and down."""
     return tuple(pairs * ch for pairs, ch in zip(linear_pairs(d, f), cfg.chunks))
-
-
-def dynamic_linears(cfg: TailConfig, d: int, f: int) -> tuple[bool, bool, bool]:
-    """Which linears take their units from a counter under `TailConfig.dynamic`: those with more units
-    than CTAs. Where no CTA has more than one (the 8B's o and down on 132 SMs) a counter deals no better
-    than the round robin, and worse: a producer takes its next unit as soon as its ring has room, so with
-    o's 4-step units in a 6-stage ring the CTAs that started first took two each and others none (the o
-    phase lasting two units; read in the code after the first GPU run was slower, 2026-12-02)."""
-    return tuple(cfg.dynamic and u > cfg.ctas for u in linear_units(cfg, d, f))
 
 
 def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num_sms: int | None = None,
@@ -264,9 +244,6 @@ _PROXY_FENCE_ASM = "fence.proxy.async.global;"
 _STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
 _STAMP_ASM = {what: _common.thread0_asm(read + "\n@p st.global.u32 [$0], t;\n", regs=".reg .u64 v;\n")
               for what, read in _STAMP_READ.items()}
-# thread 0 of the warpgroup takes the next unit: atomic add of 1 at $0 (global), the old value stored at $1 (shared)
-_GRAB_ASM = _common.thread0_asm("@p atom.relaxed.gpu.global.add.u32 v, [$0], 1;\n@p st.shared.u32 [$1], v;\n",
-                                regs=".reg .u32 v;\n")
 # thread 0 of the warpgroup: bulk prefetch of $1 bytes at $0 (global, 16-byte aligned) into the L2
 _PREFETCH_ASM = _common.thread0_asm("@p cp.async.bulk.prefetch.L2.global [$0], $1;\n")
 
@@ -293,14 +270,6 @@ def _prefetch_l2(ref: Any) -> None:
     """Thread 0 of the calling warpgroup asks the L2 to fetch the contiguous global slice `ref`
     (no wait, no shared memory; a later TMA load of it then reads the L2)."""
     _common.ptx(_PREFETCH_ASM, ref, ints=(int(np.prod(ref.shape)) * jnp.dtype(ref.dtype).itemsize,))
-
-
-def _grab(counter: Any, dst: Any) -> None:
-    """Thread 0 of the calling warpgroup adds 1 to the uint32 global `counter` (relaxed, gpu scope: only the
-    values' uniqueness matters) and stores the old value in the one-word shared int32 `dst`; then a warpgroup
-    barrier, so every thread of the warpgroup reads it."""
-    _common.ptx(_GRAB_ASM, counter, dst, shared=(1,))
-    plgpu.commit_smem()  # warpgroup barrier: the others read what thread 0 stored
 
 
 def _stamp(ref: Any, what: str) -> None:
@@ -368,7 +337,6 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     lin = [(k, r[f"{w}_w"], r[f"{w}_s"], r[src], pairs) for k, w, src, pairs in
            zip((kq, d, f), ("wo", "wgu", "wd"), ("attn", "xg", "act"), linear_pairs(d, f))]
     units = linear_units(cfg, d, f)
-    dyn = dynamic_linears(cfg, d, f)
     base = [sum(units[:p]) % ctas for p in range(3)]
     per = [k // KT // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
     n_cons = WGS * kg  # consumer warpgroups; then the producer, then the finisher
@@ -410,36 +378,15 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         return (w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, steps * KT // lay.KB))],
                 s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, steps * KT // c))])
 
-    uq = r["uq"] if cfg.dynamic else None  # TailConfig.dynamic's queue: int32 [QUEUE], -1 ends a linear
-
-    def read_entry(n):  # a consumer or the finisher: queue entry n (its producer wrote it), then release it
-        plgpu.barrier_wait(r["uq_full"].at[lax.rem(n, QUEUE)])
-        u = uq[lax.rem(n, QUEUE)]
-        plgpu.barrier_arrive(r["uq_free"].at[lax.rem(n, QUEUE)])
-        return u
-
     def run_units(p, first, count, body, carry):
-        """body(pair, chunk, carry) -> carry over this CTA's units of linear p, in order: the round-robin deal,
-        or (`dynamic_linears`) the queue's entries up to its -1, carry[0] the entries read so far."""
-        if not dyn[p]:
-            return lax.fori_loop(0, count, lambda j, cr: body(*unit_of(p, first, j * per[p])[:2], cr), carry)
-
-        def step(cr):
-            u, rest = cr
-            rest = body(u // chunks[p], lax.rem(u, chunks[p]), rest)
-            return read_entry(rest[0]), (rest[0] + 1, *rest[1:])
-
-        u0 = read_entry(carry[0])
-        _, carry = lax.while_loop(lambda cr: cr[0] >= 0, step, (u0, (carry[0] + 1, *carry[1:])))
-        return carry
+        """body(pair, chunk, carry) -> carry over this CTA's units of linear p (the round-robin deal), in order."""
+        return lax.fori_loop(0, count, lambda j, cr: body(*unit_of(p, first, j * per[p])[:2], cr), carry)
 
     # ------------------------------------------------------------------ producer
     @pl.when(wg == n_cons)
     def _producer():
-        def issue_w(p, first, t, slot):
-            issue_w_at(p, *unit_of(p, first, t), slot)
-
-        def issue_w_at(p, pair, ch, i, slot):  # step i of unit (pair, ch): both row tiles' codes and records
+        def issue_w(p, first, t, slot):  # this CTA's step t of linear p: both row tiles' codes and records
+            pair, ch, i = unit_of(p, first, t)
             for cw, row in enumerate(tiles_of(p, pair)):
                 codes, records = weight_refs(p, row, (ch * per[p] + i) * KT, 1)
                 plgpu.copy_gmem_to_smem(codes, w_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
@@ -452,10 +399,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     _prefetch_l2(ref)
             return carry
 
-        def issue_x(p, first, t, slot):
-            issue_x_at(p, *unit_of(p, first, t)[1:], slot)
-
-        def issue_x_at(p, ch, i, slot):  # step i of a unit of chunk ch: the x tile
+        def issue_x(p, first, t, slot):  # this CTA's step t of linear p: the x tile
+            _, ch, i = unit_of(p, first, t)
             x_ref = lin[p][3]
             k0 = (ch * per[p] + i) * KT
             plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, mp), pl.ds(k0, KT)], x_smem.at[slot], full.at[slot])
@@ -479,71 +424,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 _spin(sync_ref.at[pl.ds(SYNC_FLAGS + p - 1, 1)], ordinal, ctas)
             mark(f"prod_flag{p - 1}")
 
-        def push(p, n):
-            """TailConfig.dynamic: queue entry n = linear p's next unit for this CTA (the counter's next value less
-            what the ref's earlier calls took: `sync_words`), -1 once the linear's units are all taken."""
-            slot = lax.rem(n, QUEUE)
-
-            @pl.when(n >= QUEUE)
-            def _():
-                plgpu.barrier_wait(r["uq_free"].at[slot])
-
-            word = SYNC_GRABS + p
-            if interpret:  # one CTA: the counter's value in program order
-                uq[slot] = sync_ref[word].astype(jnp.int32)
-                arrive_twin(word)
-            else:
-                _grab(sync_ref.at[pl.ds(word, 1)], uq.at[pl.ds(slot, 1)])
-            u = uq[slot] - call * (units[p] + ctas)
-            uq[slot] = jnp.where(u < units[p], u, -1)
-            plgpu.barrier_arrive(r["uq_full"].at[slot])
-
-        def produce(p, with_x, limit, carry):
-            """TailConfig.dynamic: issue linear p's steps (weights, and x if with_x) from step carry[0] until `limit`
-            steps or the linear's end, taking a unit from the counter at each unit's first step.
-            carry = (steps of p issued, queue entries written, ring steps, p done)."""
-            def body(cr):
-                t, n, cnt, _ = cr
-                i = lax.rem(t, per[p])
-
-                @pl.when(i == 0)
-                def _():
-                    push(p, n)
-
-                n = n + (i == 0).astype(jnp.int32)
-                u = uq[lax.rem(n - 1, QUEUE)]  # the current unit (this warpgroup wrote it)
-                ok = u >= 0
-
-                @pl.when(ok)
-                def _():
-                    slot = reuse(cnt)
-                    issue_w_at(p, u // chunks[p], lax.rem(u, chunks[p]), i, slot)
-                    if with_x:
-                        issue_x_at(p, lax.rem(u, chunks[p]), i, slot)
-
-                v = ok.astype(jnp.int32)
-                return t + v, n, cnt + v, jnp.logical_not(ok)
-
-            return lax.while_loop(lambda cr: jnp.logical_not(cr[3]) & (cr[0] < limit), body, carry)
-
         cnt = jnp.int32(0)  # ring steps issued so far (slot cnt % stages)
-        n_pushed = jnp.int32(0)  # TailConfig.dynamic: queue entries written
         mark("prod_start")
         for p in range(3):
-            if dyn[p]:  # the same phases as below, units from the counter through the queue
-                n0, cnt_pre = n_pushed, cnt
-                st = produce(p, False, stages, (jnp.int32(0), n_pushed, cnt, jnp.bool_(False)))
-                if p > 0:
-                    pass_flag(p)
-
-                def dyn_x(t, carry, p=p, n0=n0, cnt_pre=cnt_pre):
-                    u = uq[lax.rem(n0 + t // per[p], QUEUE)]
-                    issue_x_at(p, lax.rem(u, chunks[p]), lax.rem(t, per[p]), lax.rem(cnt_pre + t, stages))
-                    return carry
-
-                lax.fori_loop(0, st[0], dyn_x, 0)
-                _, n_pushed, cnt, _ = produce(p, True, jnp.iinfo(jnp.int32).max, st)
-                continue
             first, count = my_units(p)
             total = count * per[p]
             ahead = jnp.minimum(total, stages)
@@ -583,12 +466,6 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 for slot in range(stages):
                     plgpu.barrier_wait(empty.at[slot])
 
-            if any(dyn):
-                for slot in range(QUEUE):
-                    @pl.when(n_pushed > QUEUE + slot)
-                    def _():
-                        plgpu.barrier_wait(r["uq_free"].at[slot])
-
     # ------------------------------------------------------------------ consumers
     rt, q = lax.rem(wg, WGS), wg // WGS  # row tile of each pair, k group
     hand, hand_full, hand_free = r["hand"], r["hand_full"], r["hand_free"]
@@ -609,13 +486,12 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     def _consumers():
         cnt = jnp.int32(0)  # the CTA's ring steps before this unit (group q takes steps q, q + kg, ...)
         n_units = jnp.int32(0)  # units handed to the finisher (hand buffer n_units % nbuf)
-        n_read = jnp.int32(0)  # TailConfig.dynamic: queue entries read
         for p in range(3):
             first, count = my_units(p)
 
             def unit(pair, ch, carry, p=p):
                 del pair, ch  # the producer chose the unit's tiles; the consumers take its steps in ring order
-                n_read, cnt, n_units = carry
+                cnt, n_units = carry
 
                 def step(i, acc):
                     slot = lax.rem(cnt + i * kg + q, stages)
@@ -639,9 +515,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     hand.at[hb, rt, q][...] = acc
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(hand_full.at[hb * WGS + rt])
-                return n_read, cnt + per[p], n_units + 1
+                return cnt + per[p], n_units + 1
 
-            n_read, cnt, n_units = run_units(p, first, count, unit, (n_read, cnt, n_units))
+            cnt, n_units = run_units(p, first, count, unit, (cnt, n_units))
         if interpret and cfg.diag != "stream":  # the writers see the finisher's last releases (the interpreter's check)
             for hb in range(nbuf):
                 @pl.when(n_units > hb)
@@ -753,7 +629,6 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     @pl.when(wg == n_cons + 1)
     def _finisher():
         n_units = jnp.int32(0)  # units taken from the consumers (hand buffer n_units % nbuf)
-        n_read = jnp.int32(0)  # TailConfig.dynamic: queue entries read
         rr = None
         if cfg.timeline:
             _stamp(r["tl"].at[cta, pl.ds(0, 1)], "sm")
@@ -774,7 +649,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             first, count = my_units(p)
 
             def unit(pair, ch, carry, p=p, rr=rr):
-                n_read, n_units = carry
+                n_units = carry
                 hb = lax.rem(n_units, nbuf)
                 tots = []
                 for t in range(WGS):  # k groups added in group order: p_0 + p_1
@@ -787,12 +662,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     plgpu.barrier_arrive(hand_free.at[hb * WGS + t])
                 if cfg.diag != "noepi":
                     finish(p, tots, pair, ch, rr)
-                return n_read, n_units + 1
+                return n_units + 1
 
             if cfg.diag != "stream":
-                n_read, n_units = run_units(p, first, count, unit, (n_read, n_units))
-            elif dyn[p]:  # the ring alone: the queue's entries still read (the producer waits for them)
-                n_read, n_units = run_units(p, first, count, lambda pair, ch, cr: cr, (n_read, n_units))
+                n_units = run_units(p, first, count, unit, n_units)
             mark(("fin_o", "fin_gate_up", "fin_down")[p])
             if p < 2:
                 if interpret:
@@ -865,9 +738,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                          "on the GPU (timing)")
     if cfg.k_groups not in (1, 2) or cfg.stages % cfg.k_groups or cfg.stages < 2:
         raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
-    if cfg.hand_bufs < 1 or cfg.l2_prefetch < 0 or (cfg.dynamic and cfg.l2_prefetch):
-        raise ValueError(f"{cfg}: hand_bufs must be >= 1, l2_prefetch >= 0 and not with dynamic (its units are "
-                         "not known ahead)")
+    if cfg.hand_bufs < 1 or cfg.l2_prefetch < 0:
+        raise ValueError(f"{cfg}: hand_bufs must be >= 1 and l2_prefetch >= 0")
     for p, k in enumerate((kq, d, f)):
         if (k // KT) % cfg.chunks[p] or (k // KT // cfg.chunks[p]) % cfg.k_groups:
             raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // KT} k steps "
@@ -912,11 +784,6 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                # per (buffer, row tile): every k group's accumulator stored / the finisher's read done
                "hand_full": plgpu.Barrier(num_barriers=cfg.hand_bufs * WGS, num_arrivals=cfg.k_groups),
                "hand_free": plgpu.Barrier(num_barriers=cfg.hand_bufs * WGS, num_arrivals=1)}
-    if cfg.dynamic:  # the unit queue: producer -> consumers and finisher
-        n_readers = WGS * cfg.k_groups + 1
-        scratch["uq"] = plgpu.SMEM((QUEUE,), jnp.int32)
-        scratch["uq_full"] = plgpu.Barrier(num_barriers=QUEUE, num_arrivals=1)
-        scratch["uq_free"] = plgpu.Barrier(num_barriers=QUEUE, num_arrivals=n_readers)
     if interp:
         scratch["phase_bar"] = plgpu.Barrier(num_barriers=1, num_arrivals=1)
     else:  # the finisher's buffer for the column sums (`_column_sums`)

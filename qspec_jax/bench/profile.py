@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.linear.layout import packed_bytes
 from qspec_jax import model as M
 from qspec_jax.bench import e2e, options, report
 from qspec_jax.bench.kernel import dense_bytes, quant_bytes
@@ -84,12 +85,6 @@ def gpu_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
-def _int4_bytes(weights: int, g: int) -> int:
-    """Bytes an INT4 kernel reads for `weights` weights in groups of g: the codes and each group's
-    float16 scale / zero."""
-    return int(weights * (0.5 + 4 / g))
-
-
 def classify(name: str) -> tuple[str, str, int | None]:
     """(category, label, floor bytes or None) of a kernel name. Mosaic linears carry their shape
     in the name, so each gets its own label and byte floor; cuBLAS kernels share one label."""
@@ -97,12 +92,13 @@ def classify(name: str) -> tuple[str, str, int | None]:
     if m:
         kind, _, k, n, g, _ = m.groups()
         k, n = int(k), int(n)
-        nbytes = 2 * k * n if kind == "bf16" else _int4_bytes(k * n, int(g))
+        nbytes = 2 * k * n if kind == "bf16" else packed_bytes(k, n, int(g))
         return "linear", f"{kind} k{k} n{n}" + (f" g{g}" if kind == "int4" else ""), nbytes
     m = _MOSAIC_TAIL.search(name)
     if m:  # the persistent layer tail (pallas_kernels.linear.tail_mgpu): o [Kq, D], gate_up [D, 2F], down [F, D]
         kq, d, f, g = (int(v) for v in m.groups())
-        return "linear", f"int4 layer tail kq{kq} d{d} f{f} g{g}", _int4_bytes(kq * d + 3 * d * f, g)
+        return "linear", f"int4 layer tail kq{kq} d{d} f{f} g{g}", sum(
+            packed_bytes(k, n, g) for k, n in ((kq, d), (d, 2 * f), (f, d)))
     if _CUBLAS.search(name):
         return "linear", "cuBLAS", None
     if _ATTENTION.search(name):

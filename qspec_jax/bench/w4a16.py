@@ -93,10 +93,6 @@ TOL_BF16 = 2e-2  # bf16 activations and outputs
 
 
 # ----------------------------------------------------------------------------------- data
-def _int4_bytes(k: int, n: int, g: int, sdt_bytes: int = 2) -> int:
-    return k * n // 2 + 2 * (k // g) * n * sdt_bytes
-
-
 @functools.partial(jax.jit, static_argnames=("k", "n", "g"))
 def _gen_int4(key: jax.Array, *, k: int, n: int, g: int) -> QuantizedWeight:
     """Random INT4 weight in the draft format (random codes, f16 scale > 0, zero = -7.5 scale)."""
@@ -612,7 +608,7 @@ def _run_int4(name: str, k: int, n: int, g: int, m: int, key: jax.Array, impls: 
               trials: int, calls: int, log: Callable, variants: bool) -> list[dict]:
     t0 = time.perf_counter()
     io = 2 * (m * k + m * n)
-    b4 = _int4_bytes(k, n, g) + io
+    b4 = lay.packed_bytes(k, n, g) + io  # (the Triton layout's float16 scale / zero: the same 4 bytes a group)
     c4 = 2 if quick else _copies(b4)
     u4 = max(c4, 2 if quick else 4)
     kq, kx = jax.random.split(key)

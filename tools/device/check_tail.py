@@ -44,7 +44,7 @@ from qspec_jax.bench.w4a16 import TOL_BF16  # noqa: E402
 from w4a16_persistent_probe import chained_us, median_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
-CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "dynamic", "stages")  # TailConfig fields with a comma-list option
+CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "stages", "mma_chains")  # TailConfig fields with a comma-list option
 
 
 def weights(key, kq, d, f, layers, g=32):
@@ -175,8 +175,6 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
     pairs = tm.linear_pairs(d, f)
     want = np.zeros(tm.sync_words(d, f), np.int64)
     want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n * cfg.ctas
-    for p, (dyn, units) in enumerate(zip(tm.dynamic_linears(cfg, d, f), tm.linear_units(cfg, d, f))):
-        want[tm.SYNC_GRABS + p] = n * (units + cfg.ctas) if dyn else 0  # each CTA takes one unit past the end
     for p in range(3):
         want[o[p]:o[p] + pairs[p]] = n * (cfg.chunks[p] - 1)
     words_ok = np.array_equal(words, want)
@@ -218,7 +216,7 @@ def main() -> int:
                     "would hang: more CTAs than can be resident)")
     for field in CONFIG_LISTS:
         ap.add_argument(f"--{field.replace('_', '-')}", default="", help=f"comma-separated TailConfig.{field} "
-                        "values (integers; dynamic 0 / 1), each checked and timed (default: the config's)")
+                        "values (integers), each checked and timed (default: the config's)")
     ap.add_argument("--parts", action="store_true", help="also time the three kernels' parts: o alone, gate_up + down "
                     "(the baseline of a persistent MLP-only kernel)")
     ap.add_argument("--timeline", type=int, default=0, help="calls of the kernel with TailConfig.timeline: per-CTA "
@@ -240,7 +238,7 @@ def main() -> int:
     L = args.layers
     key = jax.random.PRNGKey(int(time.time()))  # fresh inputs every run
     wo, gw, wgu, wd = weights(key, kq, d, f, L)
-    part_bytes = [int(k * n * (0.5 + 4 / 32)) for k, n in ((kq, d), (d, 2 * f), (f, d))]  # o, gate_up, down
+    part_bytes = [lay.packed_bytes(k, n, 32) for k, n in ((kq, d), (d, 2 * f), (f, d))]  # o, gate_up, down
     nbytes = sum(part_bytes)
     floor = nbytes / read_ceiling_bps() * 1e6
     print(f"shape {args.shape}: Kq {kq} D {d} F {f}, {nbytes / 1e6:.1f} MB of INT4 weights per layer, "

@@ -188,7 +188,7 @@ def time_diagnostics(results, log, cases=(("gate_up", 4096, 28672, 32), ("o", 40
     key = jax.random.PRNGKey(5)
     for name, k, n, g in cases:
         key, kw, kx = jax.random.split(key, 3)
-        nbytes = bench._int4_bytes(k, n, g) + 2 * (k + n)
+        nbytes = lay.packed_bytes(k, n, g) + 2 * (k + n)
         c = bench._copies(nbytes)
         u = max(c, 4)
         ws = tuple(lay.pack_quantized(bench._gen_int4(kk, k=k, n=n, g=g)) for kk in jax.random.split(kw, c))
@@ -370,7 +370,7 @@ def time_fused(results, log, cases=FUSED_CASES, budget_s=60.0, m=1):
             log(f"time_fused: budget spent, skipping {name}")
             break
         key, kw, kx = jax.random.split(key, 3)
-        nbytes = bench._int4_bytes(k, n, 32) + 2 * (k + n)
+        nbytes = lay.packed_bytes(k, n, 32) + 2 * (k + n)
         c = bench._copies(nbytes)
         u = max(c, 4)
         ws = tuple(lay.pack_quantized(bench._gen_int4(kk, k=k, n=n, g=32)) for kk in jax.random.split(kw, c))

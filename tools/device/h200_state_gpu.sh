@@ -59,6 +59,7 @@
 #   "kmtl": the in-kernel split merge's timeline at the 8B's batch 1 / 4k (36th)
 #   "tailab": the persistent layer tail in the model, its sync ref per pass: GPU checks, exactness, A/B (37th);
 #   "tailhlo": what the tail's sync ref costs in the model's optimized HLO (37th)
+#   "tailcons": the tail's consumers against its ring, the SASS of its loops (38th, prepared for the 39th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -279,7 +280,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       fi
       [[ " ${TA_PARTS:-check ab} " == *" ab "* ]] || continue
       for i in ${TA_TRIALS:-1 2}; do
-        for v in ${TA_MODES:-1 0}; do  # QSPEC_W4A16_TAIL values (TA_MODES="dynamic 1 0" adds the counters' deal)
+        for v in ${TA_MODES:-1 0}; do  # QSPEC_W4A16_TAIL values (38th: "dynamic 1 0" measured the counters' deal, since removed)
           QSPEC_W4A16_TAIL=$v prof 8b_b1_4k_tail${v}_$i --batch 1 --contexts 4096 --programs ${TA_PROGS:-draft,ar_loop,spec_loop} \
             --gamma 2
         done
@@ -294,6 +295,17 @@ for stage in ${STAGES:-probe smol 8b}; do
       head -c 20000 $L/hlo_tail_sync.txt | head -60
       rm -rf /tmp/hlo_tail
       echo "== tailhlo done ($(( $(date +%s) - T0 )) s)";;
+    tailcons)  # (38th, prepared) the tail's consumers against its ring (kernel_notes "Thirty-eighth session", Next 1):
+      # the kernel without its flags' waits / without the finisher's work / its ring alone, at MMA chains 2 and 4
+      # (TC_CHAINS), with the ptxas report and SASS; then the loops' instruction mix of the largest SASS dumps
+      timeout ${TAIL_LIMIT:-420} python3 tools/device/check_tail.py --ms 1 --ctas-per-sm 1 --no-three --skip-check \
+        --mma-chains ${TC_CHAINS:-2,4} --diags noflag,noepi,stream --dump $OUT/sass_tail ${TAIL_ARGS:-} 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/tail_consumers.log | grep -E "^time|^ptxas|rror"
+      for s in $(ls -S $OUT/sass_tail/*.sass 2>/dev/null | head -2); do
+        python3 tools/sass_loops.py $s --min 100 > $L/sass_loops_tail_$(basename $s .sass | cut -c1-60).log
+        head -30 $L/sass_loops_tail_$(basename $s .sass | cut -c1-60).log
+      done
+      echo "== tailcons done ($(( $(date +%s) - T0 )) s)";;
     ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
       CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
       echo "== ncu_lin done ($(( $(date +%s) - T0 )) s)";;

@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import qspec_jax  # noqa: E402,F401  (XLA flags)
+from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 from qspec_jax.bench.w4a16 import BENCH_SHAPES as SHAPES  # noqa: E402
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         g = args.group
-        nbytes = int(k * n * (0.5 + 4 / g))
+        nbytes = lay.packed_bytes(k, n, g)
         cold = max(2, min(8, -(-L2_DEFEAT // nbytes)))
         ws = weights(key, k, n, g, cold)
         for m in (int(v) for v in args.m.split(",")):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
+from pallas_kernels.linear import layout as lay
 from pallas_kernels.linear.triton import default_config, w4a16_matmul
 
 SMALL = os.environ.get("SMALL") == "1"
@@ -32,7 +33,7 @@ def bench(k, n, cfg):
     return sorted(ts)[2] / REP
 for name, (k, n) in SHAPES.items():
     d = default_config(1, k, n, G)
-    base = bench(k, n, d); wbytes = k * n // 2 + 2 * (k // G) * n * 2
+    base = bench(k, n, d); wbytes = lay.packed_bytes(k, n, G)
     print(f"{name} default {d} {base*1e6:.1f} us {wbytes/base/1e12:.2f} TB/s", flush=True)
     res.append({"shape": name, "cfg": str(d), "us": base * 1e6, "default": True})
     best = (base, d)

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         g = 32
-        nbytes = int(k * n * (0.5 + 4 / g))
+        nbytes = lay.packed_bytes(k, n, g)
         copies = max(2, min(8, -(-L2_DEFEAT // nbytes)))
         ws = weights(key, k, n, g, copies)
         w_f32 = lay.dequantize_bf16(ws[0]).astype(jnp.float32)

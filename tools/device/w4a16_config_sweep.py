@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             except ValueError:
                 ap.error(f"--shapes: {name!r} is neither a shape name ({', '.join(SHAPES)}) nor KxN")
         g = args.group
-        nbytes = int(k * n * (0.5 + 4 / g))
+        nbytes = lay.packed_bytes(k, n, g)
         copies = max(1, min(8, -(-L2_DEFEAT // nbytes)))
         ws = weights(key, k, n, g, copies)
         x = jax.random.normal(jax.random.fold_in(key, 99), (args.m, k), jnp.float32).astype(jnp.bfloat16)

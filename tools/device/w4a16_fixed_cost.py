@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import qspec_jax  # noqa: E402,F401  (XLA flags)
+from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     for n, stages, diag in runs:
         pts = []
         for k in (int(v) for v in args.k.split(",")):
-            nbytes = int(k * n * (0.5 + 4 / g))
+            nbytes = lay.packed_bytes(k, n, g)
             copies = max(2, min(16, -(-L2_DEFEAT // nbytes)))
             ws = weights(key, k, n, g, copies)
             x = jax.random.normal(jax.random.fold_in(key, k), (args.m, k), jnp.float32).astype(jnp.bfloat16)

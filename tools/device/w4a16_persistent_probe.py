@@ -268,7 +268,7 @@ def main() -> int:
     shapes = [BENCH_SHAPES[s] for s in args.shapes.split(",")]
     ctas = args.ctas_per_sm * _common.num_sms()
     key = jax.random.PRNGKey(0)
-    nbytes = sum(int(k * n * (0.5 + 4 / g)) for k, n in shapes)
+    nbytes = sum(lay.packed_bytes(k, n, g) for k, n in shapes)
     copies = max(2, -(-(240 << 20) // nbytes))
     ws = [[lay.pack_fields(jax.random.bits(jax.random.fold_in(key, 10 * cp + i), (k // 2, n), jnp.uint8),
                               jnp.full((k // g, n), 0.01, jnp.float16), jnp.zeros((k // g, n), jnp.float16))

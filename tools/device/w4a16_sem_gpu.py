@@ -38,7 +38,7 @@ def main() -> int:
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
-        nbytes = int(k * n * (0.5 + 4 / g))
+        nbytes = lay.packed_bytes(k, n, g)
         copies = max(1, min(8, -(-L2_DEFEAT // nbytes)))
         ws = weights(jax.random.PRNGKey(0), k, n, g, copies)
         for m in (int(v) for v in args.m.split(",")):

@@ -36,7 +36,7 @@ def main() -> int:
     k, g = args.k, 32
     key = jax.random.PRNGKey(0)
     for n in (int(v) for v in args.n.split(",")):
-        nbytes = int(k * n * (0.5 + 4 / g))
+        nbytes = lay.packed_bytes(k, n, g)
         copies = max(1, min(8, -(-L2_DEFEAT // nbytes)))
         ws = weights(key, k, n, g, copies)
         x = jax.random.normal(jax.random.fold_in(key, 99), (args.m, k), jnp.float32).astype(jnp.bfloat16)

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.getcwd(), "tools", "device"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 from w4a16_config_sweep import L2_DEFEAT, time_config, weights  # noqa: E402
@@ -36,7 +37,7 @@ def main() -> None:
         for tiles in (int(v) for v in args.tiles.split(",")):
             n = tiles * 64 * args.wgs
             cfg = mg.MgpuConfig(wgs=args.wgs, k_tile=256, splits=1, reduce="cluster", stages=4, tma_view="wide")
-            nbytes = k * n * (0.5 + 4 / g)
+            nbytes = lay.packed_bytes(k, n, g)
             copies = max(2, -(-L2_DEFEAT // int(nbytes)))
             ws = weights(jax.random.PRNGKey(0), k, n, g, copies)
             x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.float32).astype(jnp.bfloat16)
