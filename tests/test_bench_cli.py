@@ -536,6 +536,41 @@ def test_kernel_keep_parts_keeps_the_pairs_not_measured(tmp_path: Path, capsys: 
     assert f"--keep-parts: {path} is not a qspec-bench kernel result" in line
 
 
+def test_kernel_alone_comes_from_the_attention_kernels_own_trace_events(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """`qspec-bench kernel`'s "kernel alone" column: each of our rows takes its attention kernel's
+    own time from the trace (the Mosaic / Triton kernels' names: quantspec_* for the quantized views,
+    dense_decode for the dense kernel), not the query preparation or merge fusions around it, per
+    cache copy; the report shows it with its % of the ceiling, and nothing where a row has none."""
+    from qspec_jax.bench import kernel
+
+    trace_us = {"quantspec_draft_mgpu_ws": 30.0, "dense_decode": 50.0, "loop_add_fusion": 7.0}
+
+    def fake_time_loop(step, q, reps, trials, data=(), trace_dir=None):
+        assert trace_dir is not None  # the caller asked for the trace
+        return {"s": 1e-4, "reps": 3, "trials": trials, "spread": 0.0, "kernels": dict(trace_us)}
+
+    monkeypatch.setattr(kernel, "time_loop", fake_time_loop)
+    import jax
+
+    key = jax.random.PRNGKey(0)
+    rows = {kind: kernel.bench_ours(kind, "smollm2", 9, 3, 64, 1, 512, 1, 1, [None], key, impl=impl,
+                                    trace_dir=tmp_path)[0] for kind, impl in (("draft", "mosaic"), ("dense", "triton"))}
+    for kind, own in (("draft", "quantspec_draft_mgpu_ws"), ("dense", "dense_decode")):
+        r = rows[kind]
+        assert "error" not in r, r
+        assert r["kernel_s"] == pytest.approx(trace_us[own] / r["copies"] / 1e6)
+        assert r["gpu_s"] == pytest.approx(sum(trace_us.values()) / r["copies"] / 1e6)  # every kernel of the call
+    row = dict(shape="smollm2", batch=1, ctx=512, t=1, config="default", best=True)
+    md = kernel.markdown({"device": "NVIDIA H200", "jax": "0.11.2", "date": "d", "command": "c", "trials": 1,
+                          "copy_bw_Bps": 4e12, "rows": [
+                              {**row, "variant": "ours-mosaic-int4-draft", "s": 1e-4, "bytes": 2.175e8,
+                               "kernel_s": 5e-5},
+                              {**row, "variant": "torch-sdpa-flash-bf16", "s": 2e-4, "bytes": 4e8}]})
+    assert "| ours-mosaic-int4-draft | 1 | 0.1000 | 217.5 | 2.17 | 50% |  | 0.0500 (100%) |" in md
+    assert "| torch-sdpa-flash-bf16 | 1 | 0.2000 | 400.0 | 2.00 | 46% |  |  |" in md
+
+
 def test_w4a16_keep_parts_keeps_the_m_values_not_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`qspec-bench w4a16 --keep-parts` (`make bench-w4a16`, one M per call): records of the M values
     this run does not measure are kept from the --out file, marked with their command, and the

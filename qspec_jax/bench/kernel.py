@@ -10,6 +10,10 @@ Timing (SPEC §7): many repetitions inside one jitted `lax.fori_loop` whose carr
 attention output fed back as the next query (so nothing is hoisted); median of several trials.
 Caches hold random data. When one call's bytes fit in L2 (50 MB), each repetition runs over
 several cache copies in turn. A device-to-device copy (read + write) is measured in the same run.
+On a GPU one more run of each of our kernels goes under the profiler: "kernel alone" is the
+attention kernel's own time from that trace, without the XLA query preparation, split merge and
+launch gaps the call's time includes (what `qspec-bench profile` reports per layer in the model;
+H200, 2026-12-02: the INT4 draft call 73.5 us at 128k where the model's kernel takes 46.5).
 
 Usage: qspec-bench kernel [--out DIR] [--doc [FILE]] [--quick]   (entry: `main(argv)`); results go to
 --out (the user's cache by default), the Kernel section of docs/BENCHMARKS.md only with --doc.
@@ -23,7 +27,9 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -140,8 +146,9 @@ def bench_ours(kind: str, name: str, hq: int, hkv: int, d: int, batch: int, ctx:
             s = r["s"] / copies
             row = {"variant": _variant(kind, impl), "config": _conf_str(conf), "s": s, "bytes": nbytes,
                    "copies": copies, "reps": r["reps"], "spread_s": r["spread"] / copies}
-            if r.get("kernels"):
-                row["kernel_s"] = sum(us for k, us in r["kernels"].items() if "quantspec" in k) / copies / 1e6
+            if r.get("kernels"):  # the attention kernel's own name (the Triton / Mosaic kernels' `name`s)
+                own = "dense_decode" if kind == "dense" else "quantspec"
+                row["kernel_s"] = sum(us for k, us in r["kernels"].items() if own in k) / copies / 1e6
                 row["gpu_s"] = sum(r["kernels"].values()) / copies / 1e6
             rows.append(row)
         except Exception as e:  # a config that does not compile on this device
@@ -307,7 +314,9 @@ def markdown(result: dict) -> str:
         f"Device-to-device copy measured in the run: {result['copy_bw_Bps'] / 1e12:.2f} TB/s (read + write). Times "
         f"are medians of {result['trials']} trials of a jitted loop (the kernel's XLA query preparation and merge "
         f"included). `% ceiling` is bytes moved / time against the {ceiling / 1e12:.2f} TB/s read ceiling; `vs flash` "
-        "is torch SDPA FlashAttention (bf16, T = 1) time / this row's time at the same shape, batch and context.",
+        "is torch SDPA FlashAttention (bf16, T = 1) time / this row's time at the same shape, batch and context; "
+        "`kernel alone` (ours, GPU) is the attention kernel's own time in a profiler trace of the same loop, "
+        "without the query preparation, merge and launch gaps, and its % of the ceiling.",
     ]
     origins: dict[tuple[str, str], list[str]] = {}  # rows kept from earlier runs (--keep-parts), by run
     for r in result["rows"]:
@@ -320,18 +329,19 @@ def markdown(result: dict) -> str:
               for (cmd, date), pairs in origins.items()]
     lines += [
         "",
-        "| shape | B | context | variant | T | ms | MB moved | TB/s | % ceiling | vs flash |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | B | context | variant | T | ms | MB moved | TB/s | % ceiling | vs flash | kernel alone ms (% ceiling) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r or r.get("best") is False:
             continue
         tbs = r["bytes"] / r["s"] / 1e12
-        vf = r.get("vs_flash")
+        vf, ks = r.get("vs_flash"), r.get("kernel_s")
+        alone = f"{ks * 1e3:.4f} ({100 * r['bytes'] / ks / ceiling:.0f}%)" if ks else ""
         lines.append(f"| {r['shape']} | {r['batch']} | {_ctx(r['ctx'])} | {r['variant']} | {r['t']} | "
                      f"{r['s'] * 1e3:.4f} | {r['bytes'] / 1e6:.1f} | {tbs:.2f} | "
                      f"{100 * r['bytes'] / r['s'] / ceiling:.0f}% | "
-                     f"{'' if vf is None else f'{vf:.2f}x'} |")
+                     f"{'' if vf is None else f'{vf:.2f}x'} | {alone} |")
     errs = [r for r in result["rows"] if "error" in r]
     if errs:
         lines += ["", "Failed or skipped:", ""]
@@ -509,7 +519,13 @@ def _main(argv: list[str] | None) -> int:
             for impl, kind, t in variants:
                 kb = (impl, kind, t, shape)
                 confs = sweep[impl] if kb not in best else [best[kb]]
-                rs = bench_ours(kind, shape, hq, hkv, d, batch, ctx, t, trials, confs, key, impl=impl)
+                traces = tempfile.mkdtemp(prefix="qspec-kernel-trace-") if on_gpu else None  # "kernel alone"
+                try:
+                    rs = bench_ours(kind, shape, hq, hkv, d, batch, ctx, t, trials, confs, key, impl=impl,
+                                    trace_dir=traces)
+                finally:
+                    if traces:
+                        shutil.rmtree(traces, ignore_errors=True)
                 ok = [r for r in rs if "error" not in r]
                 if ok:
                     win = min(ok, key=lambda r: r["s"])
@@ -536,7 +552,8 @@ def _main(argv: list[str] | None) -> int:
                     log(f"  {shape} B={batch} ctx={ctx} {r['variant']:>24} T={r['t']} {r.get('config', ''):>20} "
                         f"{r['s'] * 1e3:8.4f} ms {r['bytes'] / r['s'] / 1e12:5.2f} TB/s "
                         f"{100 * r['bytes'] / r['s'] / read_ceiling_bps():4.0f}% "
-                        f"{'' if r.get('vs_flash') is None else format(r['vs_flash'], '.2f') + 'x'}")
+                        f"{'' if r.get('vs_flash') is None else format(r['vs_flash'], '.2f') + 'x'}"
+                        + (f"  kernel alone {r['kernel_s'] * 1e3:.4f} ms" if r.get("kernel_s") else ""))
             log(f"{shape} B={batch} ctx={ctx}: {time.time() - t0:.1f}s")
             write_outputs(out, result)  # after every shape: a killed run keeps what it measured
     write_outputs(out, result)
