@@ -60,6 +60,7 @@
 #   "tailab": the persistent layer tail in the model, its sync ref per pass: GPU checks, exactness, A/B (37th);
 #   "tailhlo": what the tail's sync ref costs in the model's optimized HLO (37th)
 #   "tailcons": the tail's consumers against its ring, the SASS of its loops (38th, prepared for the 39th)
+#   "bench": `make bench`'s parts by BENCH_PARTS, their sections and JSON back in $OUT/bench.tgz (38th, prepared)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -731,6 +732,37 @@ for stage in ${STAGES:-probe smol 8b}; do
             --steps 4 --trials 2 --dense-matmul $v
         done
       done;;
+    bench)  # `make bench`'s parts (the Makefile's bench-kernel, bench-w4a16, bench-profile, bench-e2e 8b / batch and
+      # bench-gamma commands; 38th session, prepared): BENCH_PARTS of kernel_b1 kernel_b8 kernel_smol w4a16_m1 w4a16_m8
+      # w4a16_m32 profile e2e_8b e2e_batch gamma, one call's worth each (2026-12-02: kernel_b1 ~5 min, e2e_8b ~5.5,
+      # e2e_batch ~1.3, profile ~2.7; 2026-11-28: w4a16 ~8 per M). They run in $OUT/bench, a copy of the checkout's
+      # docs (the JSON the parts keep each other's results in, BENCHMARKS.md, QUALITY.md), with the Makefile's own
+      # --out / --doc paths, so the sections name them as `make bench` would; $OUT/bench.tgz holds the result:
+      # `tar xzf bench.tgz -C <checkout>` writes docs/bench/... and docs/*.md back
+      repo=$(pwd) && mkdir -p $OUT/bench/docs/bench && cp docs/BENCHMARKS.md docs/QUALITY.md $OUT/bench/docs/
+      cp -r docs/bench/e2e docs/bench/profile docs/bench/kernel_bench.json docs/bench/w4a16.json $OUT/bench/docs/bench/ \
+        2>/dev/null
+      for part in ${BENCH_PARTS:-kernel_b1}; do
+        case $part in
+          kernel_b1|kernel_b8|kernel_smol)
+            combos=$([ $part = kernel_b1 ] && echo llama3-8b:1 || { [ $part = kernel_b8 ] && echo llama3-8b:8 || echo smollm2:1,smollm2:8; })
+            args="kernel --no-sweep --out docs/bench --doc docs/BENCHMARKS.md --keep-parts --combos $combos";;
+          w4a16_m*) args="w4a16 --out docs/bench/w4a16.json --doc docs/BENCHMARKS.md --keep-parts --m ${part#w4a16_m}";;
+          profile) args="profile --out docs/bench/profile --doc docs/BENCHMARKS.md";;
+          e2e_8b) args="e2e --out docs/bench/e2e --doc docs/BENCHMARKS.md --keep-parts --parts 8b --alphas 0.9,0.75
+            --loop-contexts 4096,131072 --loop-gamma 2 --steps 8 --trials 3";;
+          e2e_batch) args="e2e --out docs/bench/e2e --doc docs/BENCHMARKS.md --keep-parts --parts batch --alphas 0.9
+            --trials 3";;
+          gamma) args="gamma --parts loops --loop-alphas 0.9 --out docs/bench/gamma --doc docs/QUALITY.md";;
+          *) echo "unknown bench part $part" >&2; continue;;
+        esac
+        (cd $OUT/bench && PYTHONPATH=$repo timeout ${BENCH_LIMIT:-560} python3 -m qspec_jax.cli.bench $args 2>&1 \
+          | grep -v "^W[0-9]" > $L/bench_$part.log)
+        grep -E "wrote|rewrote|rror|Traceback" $L/bench_$part.log | cut -c1-200 | tail -4
+        echo "== bench $part done ($(( $(date +%s) - T0 )) s)"
+      done
+      find $OUT/bench -name traces -type d -prune -exec rm -rf {} +
+      tar czf $OUT/bench.tgz -C $OUT/bench docs && rm -rf $OUT/bench;;
     *) echo "unknown stage $stage" >&2;;
   esac
 done
