@@ -18,9 +18,10 @@ docs/kernel_notes.md "Twentieth session" and "Twenty-first session"): its ring a
 ceiling; whole, with the finisher warpgroup, it takes 51.5 us per layer at M 1, the same as the three fused kernels
 (59-60 us when the consumers did the epilogues themselves); without its two grid-wide flags' waits 45.3. In the
 model (QSPEC_W4A16_TAIL=1, `qspec_jax.linear.tail_fusable`; H200, 2026-12-02, 8B batch 1 / 4k draft step) 47.5 us a
-layer against 46.1 for the three fused kernels' sum, two launches fewer: the draft step ties (2.511 / 2.508 ms), so
-off by default (kernel_notes "Thirty-seventh session": each flag waits ~1 us of latency after 1.5-2.5 us of
-imbalance that is systematic by SM).
+layer against 46.1 for the three fused kernels' sum, two launches fewer: the draft step ties (2.511 / 2.508 ms) or
+trails (a second run: 2.509-2.523 / 2.450), so off by default (kernel_notes "Thirty-seventh session": each flag waits
+~1 us of latency after 1.5-2.5 us of imbalance that is systematic by SM; "Thirty-eighth session": the consumers, not
+the ring, pace it at M 1, and what would make it win).
 
 Work. Each linear's output columns are cut in row-tile pairs (128 columns; gate_up: gate tile j
 with up tile j, so the pair holds what SiLU·up needs) and its K in `chunks` equal ranges; a work
