@@ -438,6 +438,55 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
     assert "AR at width 1 (the fastest AR loop), QuantSpec at gamma_max = γ" in text
 
 
+def test_e2e_runs_part_smollms_pytorch_peer_first_and_keeps_it_with_the_part(
+        stub_e2e: dict[str, Any], cache_home: Path, tmp_path: Path, text_dir: Path, tiny_chat_checkpoint: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Part smollm (not --quick) starts its PyTorch peer before any part runs (the two frameworks share
+    the GPU's memory): SmolLM2's shape at the part's batches and prompt length, the draft's group 32;
+    its records go into the part's results (so --keep-parts keeps them with it); --torch-group 0 skips it."""
+    from qspec_jax.bench import e2e
+
+    peers: list[tuple] = []
+
+    def peer(contexts, group, out, shape="llama3-8b", batches=(1,)):
+        peers.append((tuple(contexts), group, shape, tuple(batches), list(stub_e2e["ran"])))
+        return {"group": group, "records": []}
+
+    monkeypatch.setattr(e2e, "torch_peer", peer)
+    common = ["e2e", "--parts", "smollm", "--smollm-checkpoint", str(tiny_chat_checkpoint), "--text-dir",
+              str(text_dir), "--smollm-batches", "1,4", "--smollm-context", "96", "--out", str(tmp_path / "o")]
+    assert bench.main(common) == 0
+    assert peers == [((96,), 32, "smollm2", (1, 4), [])]  # before the part ran
+    assert e2e_results(tmp_path / "o")["smollm"]["torch_decode"] == {"group": 32, "records": []}
+    assert bench.main([*common, "--torch-group", "0"]) == 0
+    assert len(peers) == 1 and "torch_decode" not in e2e_results(tmp_path / "o")["smollm"]
+
+
+def test_e2e_smollm_reports_its_pytorch_peer(tmp_path: Path) -> None:
+    """Part smollm's PyTorch CUDA-graph peer (`torch_decode --shape smollm2 --batches`, kept inside the
+    part's results): the report turns each batch's step time into decode tok/s (rows / step) beside
+    our AR-bf16 and QuantSpec rates; a batch the peer has no good record for (a failed one is left
+    out) shows a dash."""
+    from qspec_jax.bench import report
+
+    row = dict(batch=32, context=8000, gamma=2, ar_bf16_decode_tok_s=11101.0, ar_int8_decode_tok_s=12447.0,
+               spec_decode_tok_s=13280.0, decode_speedup_vs_ar_bf16=1.196, decode_speedup_vs_ar_int8=1.067,
+               ar_bf16_prefill_s=0.3, spec_prefill_s=0.3, speedup_vs_ar_bf16=1.076, acceptance_rate=0.953,
+               tokens_per_round=2.87, match_ar_int8=1.0)
+    peer = {"group": 32, "records": [
+        {"weights": "bf16", "context": 8000, "batch": 32, "ms": 3.2, "status": "ok", "torch": "2.11.0+cu130"},
+        {"weights": "int4", "context": 8000, "batch": 32, "ms": 4.0, "status": "ok", "torch": "2.11.0+cu130"},
+        {"weights": "bf16", "context": 8000, "batch": 8, "status": "failed: OutOfMemoryError"}]}
+    results = {"environment": report.environment(), "command": "c",
+               "smollm": {"gamma": [2], "ar_width": 1, "rows": [row, {**row, "batch": 8}], "torch_decode": peer}}
+    doc = tmp_path / "B.md"
+    report.write_e2e(results, tmp_path, doc)
+    text = doc.read_text()
+    assert "int4 tinygemm weights (group 32), in decode tok/s" in text
+    assert "| 32 | 1e+04 | 8e+03 | 1.11e+04 | 1.33e+04 |" in text  # 32 rows / 3.2 ms, / 4.0 ms
+    assert "| 8 | – | – | 1.11e+04 | 1.33e+04 |" in text  # no record (a failed one is left out)
+
+
 def test_e2e_batch_records_what_does_not_fit(cache_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Part batch at a context no device holds: refused by the planner's estimate before

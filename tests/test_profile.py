@@ -228,6 +228,41 @@ def test_torch_decode_peer_step_runs_on_the_cpu():
         assert T.main(["--contexts", "64", "--weights", "bf16"]) == 0
 
 
+def test_torch_decode_peer_takes_smollm2s_shape_and_a_batch(tmp_path, capsys):
+    """The PyTorch peer at B rows (part smollm's, `--shape smollm2 --batches`): every row's K / V
+    written at the position, a token per row; its literal shapes are the JAX side's configs; a
+    tinygemm group that does not divide the shape's K is refused by name; without CUDA each
+    (context, batch) is recorded as skipped."""
+    torch = pytest.importorskip("torch")
+    from qspec_jax.bench import e2e
+    from qspec_jax.bench import torch_decode as T
+    from qspec_jax.bench.prefill import SMOLLM2
+
+    for lit, cfg in ((T.SHAPES["smollm2"], SMOLLM2), (T.SHAPES["llama3-8b"], e2e.LLAMA31_8B)):
+        assert lit == dict(hidden=cfg.hidden_size, inter=cfg.intermediate_size, layers=cfg.num_layers,
+                           heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                           vocab=cfg.vocab_size, rope_theta=cfg.rope_theta, eps=cfg.rms_norm_eps)
+    shape = dict(hidden=64, inter=96, layers=2, heads=3, kv_heads=1, head_dim=16, vocab=50, rope_theta=1e4, eps=1e-5)
+    m = T.build("bf16", 7, 32, shape=shape, device="cpu", batch=3)
+    assert m["k"].shape == (2, 3, 1, 8, 16)
+    before = m["k"].clone()
+    tok = T.step_fn(m)(torch.tensor([3, 4, 5]))
+    assert tok.shape == (3,) and all(0 <= int(t) < 50 for t in tok)
+    for row in range(3):  # each row's slot 7 written, the rest untouched
+        assert not torch.equal(m["k"][:, row, :, 7], before[:, row, :, 7])
+    assert torch.equal(m["k"][:, :, :, :7], before[:, :, :, :7])
+    with pytest.raises(SystemExit):
+        T.main(["--shape", "smollm2", "--weights", "int4", "--group", "128"])
+    assert "--group 128: the smollm2 shape's linears have K = 576, 1536, 576" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        out = tmp_path / "peer.json"
+        assert T.main(["--shape", "smollm2", "--batches", "1,32", "--contexts", "64", "--group", "32",
+                       "--out", str(out)]) == 0
+        recs = json.loads(out.read_text())
+        assert [(r["weights"], r["batch"]) for r in recs] == [("bf16", 1), ("bf16", 32), ("int4", 1), ("int4", 32)]
+        assert all(r["status"].startswith("skipped") for r in recs)
+
+
 @pytest.mark.slow  # two tiny SmolLM2-layout draft programs (~30 CPU-s)
 def test_shape_and_batch_reach_the_programs(tmp_path):
     """--shape and --batch build the caches and tokens the programs run on: the SmolLM2 layout's

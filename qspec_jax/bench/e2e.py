@@ -643,15 +643,16 @@ def part_tp(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ main
-def torch_peer(contexts: Sequence[int], group: int, out: Path) -> dict[str, Any]:
-    """The PyTorch CUDA-graph decode step (`torch_decode`) at each context, bf16 and int4
+def torch_peer(contexts: Sequence[int], group: int, out: Path, shape: str = "llama3-8b",
+               batches: Sequence[int] = (1,)) -> dict[str, Any]:
+    """The PyTorch CUDA-graph decode step (`torch_decode`) at each context and batch, bf16 and int4
     tinygemm weights, in a child process started before this one touches the GPU (both
     frameworks take most of its memory). Records of a machine without torch say "skipped"."""
     import subprocess
 
-    path = out / "torch_decode.json"
+    path = out / ("torch_decode.json" if shape == "llama3-8b" else f"torch_decode_{shape}.json")
     cmd = [sys.executable, "-m", "qspec_jax.bench.torch_decode", "--contexts", ",".join(map(str, contexts)),
-           "--group", str(group), "--out", str(path)]
+           "--group", str(group), "--shape", shape, "--batches", ",".join(map(str, batches)), "--out", str(path)]
     log(f"PyTorch CUDA-graph decode peer: {' '.join(cmd[1:])}")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0 or not path.exists():
@@ -663,6 +664,9 @@ def torch_peer(contexts: Sequence[int], group: int, out: Path) -> dict[str, Any]
 
 
 PROG = "qspec-bench e2e"
+# The int4 group of part smollm's PyTorch peer: the draft's own (DraftWeightsConfig's 32), which divides SmolLM2's
+# K (576, 1536; tinygemm's 128 does not divide 576)
+SMOLLM_TORCH_GROUP = 32
 PARTS = ("8b", "batch", "smollm", "memory", "prefill", "tp")
 
 
@@ -724,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-sizes", type=ints, default="1,2", help="part tp: device counts compared")
     p.add_argument("--tp-contexts", type=ints, default="131072,262144", help="part tp: contexts")
     p.add_argument("--torch-group", type=int, default=128, choices=(0, 32, 64, 128, 256),
-                   help="part 8b: int4 group of the PyTorch (tinygemm) CUDA-graph decode peer; 0 skips the peer")
+                   help="part 8b: int4 group of the PyTorch (tinygemm) CUDA-graph decode peer; 0 skips the peers "
+                        "(part smollm's too, whose group is 32: SmolLM2's K 576 takes no larger)")
     p.add_argument("--keep-parts", action="store_true",
                    help="keep the parts an earlier run recorded in OUT/e2e.json that this run does not measure (each "
                         "with the command and date that measured it), so that the report covers them all: `make "
@@ -819,6 +824,9 @@ def _main(argv: Sequence[str] | None) -> int:
             fail(PROG, str(e))
     if "8b" in args.parts and args.torch_group and not args.quick:  # before JAX allocates the GPU's memory
         results["torch_decode"] = torch_peer(args.contexts, args.torch_group, args.out)
+    smollm_peer = None  # part smollm's: its shape at its batches and prompt length (random weights: speed only)
+    if "smollm" in args.parts and args.torch_group and not args.quick:
+        smollm_peer = torch_peer([args.smollm_context], SMOLLM_TORCH_GROUP, args.out, "smollm2", args.smollm_batches)
     prefill_peers = None
     if "prefill" in args.parts and not args.quick and jax.default_backend() == "gpu":  # before JAX allocates
         prefill_peers = prefill_torch_peers(args)
@@ -835,6 +843,8 @@ def _main(argv: Sequence[str] | None) -> int:
             continue
         try:
             results[part] = fn()
+            if part == "smollm" and smollm_peer is not None:
+                results[part]["torch_decode"] = smollm_peer
         except Exception as e:  # noqa: BLE001 - record and go on with the other parts; the exit status says so
             line = options.does_not_fit(e)
             if line is None:

@@ -198,6 +198,20 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
                 [[r["batch"], r["context"], r.get("gamma", gammas[0]), r["ar_bf16_tok_s"], r["ar_int8_tok_s"],
                   r["spec_tok_s"], r["speedup_vs_ar_bf16"], r["speedup_vs_ar_int8"], r["acceptance_rate"],
                   r["tokens_per_round"], r["match_ar_int8"]] for r in rows]))
+        peer = [r for r in sm.get("torch_decode", {}).get("records", []) if r.get("status") == "ok"]
+        if peer and rows and decode:
+            by = {(r["weights"], r["batch"]): r for r in peer}
+            parts.append(f"\nPyTorch peer, same run: one decode step of SmolLM2's shape in PyTorch "
+                         f"({peer[0].get('torch', '?')}; the 8B peer's code: fused q|k|v and gate|up, SDPA over a "
+                         f"static cache, CUDA graph; random weights) at {peer[0]['context']} cached tokens, bf16 "
+                         f"weights and int4 tinygemm weights (group {sm['torch_decode'].get('group')}), in decode "
+                         "tok/s (rows / step time) against ours:\n")
+            parts.append(table(
+                ["batch", "PyTorch bf16 tok/s", "PyTorch int4 tok/s", "our AR-bf16 decode tok/s",
+                 "our QuantSpec decode tok/s"],
+                [[r["batch"]] + [r["batch"] / (by[(w, r["batch"])]["ms"] * 1e-3) if (w, r["batch"]) in by
+                                 else float("nan") for w in ("bf16", "int4")]
+                 + [r["ar_bf16_decode_tok_s"], r["spec_decode_tok_s"]] for r in rows]))
         if len(gammas) > 1:
             key = "decode_tok_s" if decode else "tok_s"
             parts.append(f"\nQuantSpec {'decode ' if decode else ''}tok/s by γ (tokens equal to "

@@ -1,7 +1,8 @@
-"""The PyTorch peer of the end-to-end benchmark: one decode step of the Llama-3.1-8B shape in
-PyTorch, captured in a CUDA graph, with bf16 weights or int4 tinygemm weights; and (--mode
-prefill / sdpa) the prompt's side: a whole-prompt forward with bf16 weights and SDPA's causal
-flash attention, or that attention alone for one layer.
+"""The PyTorch peer of the end-to-end benchmark: one decode step of the Llama-3.1-8B shape (or
+SmolLM2-135M's, `--shape smollm2`, at `--batches` rows) in PyTorch, captured in a CUDA graph, with
+bf16 weights or int4 tinygemm weights; and (--mode prefill / sdpa) the prompt's side: a
+whole-prompt forward with bf16 weights and SDPA's causal flash attention, or that attention alone
+for one layer.
 
 What a user would write without our library (gpt-fast's structure without torch.compile): fused
 q|k|v and gate|up projections, RoPE, the new K/V copied into a static bf16 cache, SDPA (flash,
@@ -10,6 +11,7 @@ the greedy token, all replayed from one CUDA graph so launch overhead does not c
 decodes at the same position (as `e2e.decode_steps` rolls back), so the shapes are static.
 
     python -m qspec_jax.bench.torch_decode --contexts 4096,131072 --weights bf16,int4 --out FILE.json
+    python -m qspec_jax.bench.torch_decode --shape smollm2 --batches 1,32 --contexts 8000 --group 32
     python -m qspec_jax.bench.torch_decode --mode prefill --contexts 8192,131072 --out FILE.json
     python -m qspec_jax.bench.torch_decode --mode sdpa --contexts 8192,32768 --out FILE.json
 
@@ -26,9 +28,13 @@ import sys
 import time
 from typing import Any, Sequence
 
-# Llama-3.1-8B (e2e.LLAMA31_8B); kept literal so this process never imports JAX.
+# Llama-3.1-8B (e2e.LLAMA31_8B) and SmolLM2-135M (prefill.SMOLLM2); kept literal so this process never imports
+# JAX (tests/test_profile.py checks them against those configs).
 SHAPE = dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256,
              rope_theta=500000.0, eps=1e-5)
+SMOLLM2 = dict(hidden=576, inter=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152,
+               rope_theta=100000.0, eps=1e-5)
+SHAPES = {"llama3-8b": SHAPE, "smollm2": SMOLLM2}
 
 
 def torch_status() -> str | None:
@@ -61,9 +67,10 @@ def tinygemm_pack(packed_u8: Any) -> Any:
 
 
 def build(weights: str, context: int, group: int, seed: int = 0, shape: dict[str, Any] = SHAPE,
-          device: str = "cuda") -> dict[str, Any]:
-    """Random weights (never zeros) and a random static cache of `context` + 1 slots. (`device`
-    "cpu" with bf16 weights: the CPU smoke test of the step's code; tinygemm needs CUDA.)"""
+          device: str = "cuda", batch: int = 1) -> dict[str, Any]:
+    """Random weights (never zeros) and a random static cache of `context` + 1 slots for each of
+    `batch` rows. (`device` "cpu" with bf16 weights: the CPU smoke test of the step's code; tinygemm
+    needs CUDA.)"""
     import torch
 
     torch.manual_seed(seed)
@@ -83,25 +90,25 @@ def build(weights: str, context: int, group: int, seed: int = 0, shape: dict[str
         return w, torch.stack([scale, zero + 8 * scale], dim=-1).to(bf).contiguous()  # tinygemm: (s, z + 8 s)
 
     layers = [{name: linear(*kn) for name, kn in dims.items()} for _ in range(nl)]
-    cache_shape = (nl, 1, hkv, context + 1, d)
+    cache_shape = (nl, batch, hkv, context + 1, d)  # [L, B, Hkv, S, D]
     return {
         "layers": layers, "lm_head": linear(h, shape["vocab"]),
         "norms": torch.ones(nl, 2, h, device=dev, dtype=bf), "final_norm": torch.ones(h, device=dev, dtype=bf),
         "embed": torch.randn(shape["vocab"], h, device=dev, dtype=bf) * 0.02,
         "k": torch.randn(cache_shape, device=dev, dtype=bf), "v": torch.randn(cache_shape, device=dev, dtype=bf),
-        "weights": weights, "group": group, "context": context, "shape": shape, "device": dev,
+        "weights": weights, "group": group, "context": context, "shape": shape, "device": dev, "batch": batch,
     }
 
 
 def step_fn(m: dict[str, Any]):
-    """The decode step at position `context` (the cache holds positions 0..context - 1): token
-    int64[1] -> next token int64[1]. Static shapes throughout (capturable)."""
+    """The decode step at position `context` for every row (the cache holds positions 0..context - 1):
+    tokens int64[B] -> next tokens int64[B]. Static shapes throughout (capturable)."""
     import torch
     import torch.nn.functional as F
 
     s = m["shape"]
     hq, hkv, d, eps = s["heads"], s["kv_heads"], s["head_dim"], s["eps"]
-    pos = m["context"]
+    pos, b = m["context"], m["batch"]
     inv = 1.0 / (s["rope_theta"] ** (torch.arange(0, d, 2, device=m["device"], dtype=torch.float32) / d))
     ang = pos * inv
     cos, sin = torch.cos(ang).to(torch.bfloat16), torch.sin(ang).to(torch.bfloat16)
@@ -116,22 +123,22 @@ def step_fn(m: dict[str, Any]):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
-    def rope(x):  # [1, H, 1, D], rotate-half
+    def rope(x):  # [B, H, 1, D], rotate-half
         x1, x2 = x[..., : d // 2], x[..., d // 2:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def step(tok):
-        x = m["embed"][tok]  # [1, hidden]
+        x = m["embed"][tok]  # [B, hidden]
         for i, lw in enumerate(m["layers"]):
             qkv = mm(norm(x, m["norms"][i, 0]), lw["qkv"])
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = rope(q.view(1, 1, hq, d).transpose(1, 2))
-            k = rope(k.view(1, 1, hkv, d).transpose(1, 2))
+            q = rope(q.view(b, 1, hq, d).transpose(1, 2))
+            k = rope(k.view(b, 1, hkv, d).transpose(1, 2))
             m["k"][i, :, :, pos:pos + 1] = k
-            m["v"][i, :, :, pos:pos + 1] = v.view(1, 1, hkv, d).transpose(1, 2)
+            m["v"][i, :, :, pos:pos + 1] = v.view(b, 1, hkv, d).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, m["k"][i, :, :, :pos + 1], m["v"][i, :, :, :pos + 1],
                                                enable_gqa=True)
-            x = x + mm(a.transpose(1, 2).reshape(1, hq * d), lw["o"])
+            x = x + mm(a.transpose(1, 2).reshape(b, hq * d), lw["o"])
             gate, up = mm(norm(x, m["norms"][i, 1]), lw["gate_up"]).chunk(2, dim=-1)
             x = x + mm(F.silu(gate) * up, lw["down"])
         logits = mm(norm(x, m["final_norm"]), m["lm_head"])
@@ -140,13 +147,15 @@ def step_fn(m: dict[str, Any]):
     return step
 
 
-def time_step(weights: str, context: int, group: int = 128, steps: int = 32, trials: int = 5) -> dict[str, Any]:
-    """Median milliseconds per decode step, replaying a CUDA graph of `steps` chained steps."""
+def time_step(weights: str, context: int, group: int = 128, steps: int = 32, trials: int = 5, batch: int = 1,
+              shape: str = "llama3-8b") -> dict[str, Any]:
+    """Median milliseconds per decode step of `batch` rows, replaying a CUDA graph of `steps` chained
+    steps."""
     import torch
 
-    m = build(weights, context, group)
+    m = build(weights, context, group, shape=SHAPES[shape], batch=batch)
     step = step_fn(m)
-    tok = torch.zeros(1, dtype=torch.long, device="cuda")
+    tok = torch.zeros(batch, dtype=torch.long, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (cuBLAS handles, SDPA backend choice) outside the graph
@@ -170,7 +179,8 @@ def time_step(weights: str, context: int, group: int = 128, steps: int = 32, tri
         times.append(start.elapsed_time(end) / steps)
     times.sort()
     out = {"weights": weights, "context": context, "ms": times[len(times) // 2], "trials": trials,
-           "steps": steps, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+           "steps": steps, "torch": torch.__version__, "device": torch.cuda.get_device_name(), "batch": batch,
+           "shape": shape}
     if weights == "int4":
         out["group"] = group
     del graph, m
@@ -279,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--contexts", default="4096,131072", help="comma-separated contexts (default: 4096,131072)")
     p.add_argument("--weights", default="bf16,int4", help="bf16, int4 or both (decode; default: bf16,int4)")
     p.add_argument("--group", type=int, default=128, help="int4 group size, a tinygemm size (default: 128)")
+    p.add_argument("--shape", default="llama3-8b", choices=tuple(SHAPES), help="decode: the model's shape")
+    p.add_argument("--batches", default="1", help="decode: comma-separated rows per step (default: 1)")
     p.add_argument("--out", default=None, help="also write the records to this JSON file")
     args = p.parse_args(argv)
     try:
@@ -292,28 +304,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--weights: expected bf16 and/or int4, got {args.weights!r}")
     if args.group not in (32, 64, 128, 256):
         p.error(f"--group: tinygemm takes 32, 64, 128 or 256, got {args.group}")
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        p.error(f"--batches: expected comma-separated integers, got {args.batches!r}")
+    if not batches or min(batches) < 1:
+        p.error(f"--batches: expected positive integers, got {args.batches!r}")
+    sh = SHAPES[args.shape]
+    ks = (sh["hidden"], sh["inter"], sh["heads"] * sh["head_dim"])
+    if "int4" in kinds and args.mode == "decode" and any(k % args.group for k in ks):
+        p.error(f"--group {args.group}: the {args.shape} shape's linears have K = {', '.join(map(str, ks))}, "
+                "which the group must divide (e.g. --group 32 or 64 for smollm2)")
     if args.mode != "decode":
         kinds = [args.mode]
     status = torch_status()
     records = []
     for w in kinds:
         for c in contexts:
-            if status:
-                rec = {"weights": w, "context": c, "status": f"skipped: {status}"}
-            else:
-                t0 = time.perf_counter()
-                try:
-                    if w == "sdpa":
-                        rec = time_sdpa(c)
-                    elif w == "prefill":
-                        rec = time_prefill(c)
-                    else:
-                        rec = time_step(w, c, args.group)
-                    rec = {**rec, "status": "ok", "wall_s": time.perf_counter() - t0}
-                except Exception as e:  # noqa: BLE001 - e.g. out of memory at a long context: a result
-                    rec = {"weights": w, "context": c, "status": f"failed: {type(e).__name__}: {e}"[:300]}
-            print(json.dumps(rec), flush=True)
-            records.append(rec)
+            for b in (batches if args.mode == "decode" else [1]):
+                if status:
+                    rec = {"weights": w, "context": c, "batch": b, "status": f"skipped: {status}"}
+                else:
+                    t0 = time.perf_counter()
+                    try:
+                        if w == "sdpa":
+                            rec = time_sdpa(c)
+                        elif w == "prefill":
+                            rec = time_prefill(c)
+                        else:
+                            rec = time_step(w, c, args.group, batch=b, shape=args.shape)
+                        rec = {**rec, "status": "ok", "wall_s": time.perf_counter() - t0}
+                    except Exception as e:  # noqa: BLE001 - e.g. out of memory at a long context: a result
+                        rec = {"weights": w, "context": c, "batch": b,
+                               "status": f"failed: {type(e).__name__}: {e}"[:300]}
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
