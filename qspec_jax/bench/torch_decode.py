@@ -293,23 +293,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batches", default="1", help="decode: comma-separated rows per step (default: 1)")
     p.add_argument("--out", default=None, help="also write the records to this JSON file")
     args = p.parse_args(argv)
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c]
-    except ValueError:
-        p.error(f"--contexts: expected comma-separated integers, got {args.contexts!r}")
-    if not contexts or min(contexts) < 1:
-        p.error(f"--contexts: expected positive integers, got {args.contexts!r}")
+
+    def positive_ints(flag: str, text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v]
+        except ValueError:
+            p.error(f"{flag}: expected comma-separated integers, got {text!r}")
+        if not values or min(values) < 1:
+            p.error(f"{flag}: expected positive integers, got {text!r}")
+        return values
+
+    contexts = positive_ints("--contexts", args.contexts)
     kinds = [w for w in args.weights.split(",") if w]
     if not kinds or any(w not in ("bf16", "int4") for w in kinds):
         p.error(f"--weights: expected bf16 and/or int4, got {args.weights!r}")
     if args.group not in (32, 64, 128, 256):
         p.error(f"--group: tinygemm takes 32, 64, 128 or 256, got {args.group}")
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        p.error(f"--batches: expected comma-separated integers, got {args.batches!r}")
-    if not batches or min(batches) < 1:
-        p.error(f"--batches: expected positive integers, got {args.batches!r}")
+    batches = positive_ints("--batches", args.batches)
     sh = SHAPES[args.shape]
     ks = (sh["hidden"], sh["inter"], sh["heads"] * sh["head_dim"])
     if "int4" in kinds and args.mode == "decode" and any(k % args.group for k in ks):
