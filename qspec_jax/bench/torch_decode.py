@@ -23,6 +23,7 @@ or CUDA is missing (`torch_status`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -318,27 +319,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mode != "decode":
         kinds = [args.mode]
     status = torch_status()
+
+    def record(w: str, c: int, b: int) -> dict[str, Any]:
+        """One measurement's record: its numbers, or why there are none."""
+        if status:
+            return {"weights": w, "context": c, "batch": b, "status": f"skipped: {status}"}
+        t0 = time.perf_counter()
+        try:
+            if w == "sdpa":
+                rec = time_sdpa(c)
+            elif w == "prefill":
+                rec = time_prefill(c)
+            else:
+                rec = time_step(w, c, args.group, batch=b, shape=args.shape)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory at a long context: a result
+            return {"weights": w, "context": c, "batch": b, "status": f"failed: {type(e).__name__}: {e}"[:300]}
+        return {**rec, "status": "ok", "wall_s": time.perf_counter() - t0}
+
     records = []
-    for w in kinds:
-        for c in contexts:
-            for b in (batches if args.mode == "decode" else [1]):
-                if status:
-                    rec = {"weights": w, "context": c, "batch": b, "status": f"skipped: {status}"}
-                else:
-                    t0 = time.perf_counter()
-                    try:
-                        if w == "sdpa":
-                            rec = time_sdpa(c)
-                        elif w == "prefill":
-                            rec = time_prefill(c)
-                        else:
-                            rec = time_step(w, c, args.group, batch=b, shape=args.shape)
-                        rec = {**rec, "status": "ok", "wall_s": time.perf_counter() - t0}
-                    except Exception as e:  # noqa: BLE001 - e.g. out of memory at a long context: a result
-                        rec = {"weights": w, "context": c, "batch": b,
-                               "status": f"failed: {type(e).__name__}: {e}"[:300]}
-                print(json.dumps(rec), flush=True)
-                records.append(rec)
+    for w, c, b in itertools.product(kinds, contexts, batches if args.mode == "decode" else [1]):
+        records.append(record(w, c, b))
+        print(json.dumps(records[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
