@@ -229,10 +229,12 @@ def test_bad_inputs_name_the_problem() -> None:
 
 @pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1)),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True,
-                                                     l2_prefetch=2))])
+                                                     l2_prefetch=2)),
+                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, diag="stream"))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, chunk counters, inline loads / stores and column sums; with
-    two CTAs per SM, the timeline's stamps and the L2 prefetch) at the 8B shape,
+    two CTAs per SM, the timeline's stamps and the L2 prefetch; the ring-alone diagnostic with its
+    store of x back into place) at the 8B shape,
     stacked weights, lowers to a Mosaic GPU custom call on the CPU; at M 1, with the down epilogue's
     row sums and a sync ref made under jit with a traced ordinal (a layer loop's)."""
     def packed(k: int, n: int) -> lay.W4A16Packed:

@@ -21,6 +21,7 @@ the last "..." line says which call.
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import os
 import sys
@@ -39,8 +40,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 from pallas_kernels.linear import layout as lay  # noqa: E402
 from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from pallas_kernels.linear import tail_mgpu as tm  # noqa: E402
-from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
+from qspec_jax.bench.timing import read_ceiling_bps, time_loop  # noqa: E402
 from qspec_jax.bench.w4a16 import TOL_BF16  # noqa: E402
+from sass_of_ptx import sass_of_ptx  # noqa: E402
 from w4a16_persistent_probe import chained_us, median_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
@@ -84,8 +86,7 @@ def rel(y, ref):
 
 def print_ptxas(dump: str) -> None:
     """The ptxas report lines (function, registers, spills) of the kernels dumped so far."""
-    import glob
-    for path in sorted(glob.glob(os.path.join(dump, "*"))):
+    for path in sorted(glob.glob(os.path.join(dump, "*.ptxas"))):
         if os.path.isfile(path):
             with open(path, errors="replace") as fh:
                 for line in fh:
@@ -224,14 +225,20 @@ def main() -> int:
     ap.add_argument("--chunks", default="", help="o,gate_up,down K chunks instead of the default's (e.g. 4,2,4)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dump", default="", help="directory: Mosaic GPU's ptxas report and SASS of every kernel "
-                    "compiled; the ptxas lines (registers, spills) printed after the first check")
+                    "compiled; their ptxas lines (registers, spills) printed at the end")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="also each timed variant's kernels alone: a profiler trace "
+                    "of a loop of calls (the output fed back as the next input; Kq == D), GPU time per call by "
+                    "kernel name")
     ap.add_argument("--loop", action="store_true", help="also check a layer loop over one sync ref (3. above) and "
                     "time the tail with one ref for the whole run")
     args = ap.parse_args()
     if args.dump:  # read by Mosaic GPU when it compiles (nothing has compiled yet)
         os.makedirs(args.dump, exist_ok=True)
-        os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=args.dump)
+        # the PTX and ptxas' report; the SASS from the PTX at the end (the GPU machine has no nvdisasm, which
+        # MOSAIC_GPU_DUMP_SASS needs: H200, 2026-12-03)
+        os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=args.dump)
+    ptx_of = {}  # timed label -> the PTX its first compile dumped (--dump)
     kq, d, f = SHAPES[args.shape]
     if args.parts and kq != d:
         ap.error(f"--parts feeds the chained input to o and to gate_up: needs Kq == D, got {kq} and {d}")
@@ -270,8 +277,6 @@ def main() -> int:
                 ok = e_ref <= TOL_BF16 and same
                 print(f"check M={m} ctas/SM {cps}: rel_ref {e_ref:.2e} rel_three {e_three:.2e} deterministic {same} "
                       f"{'ok' if ok else 'FAIL'}", flush=True)
-                if args.dump:
-                    print_ptxas(args.dump)
                 if args.loop:
                     loop_check(tail_fn, attn, x, L, cfg, d, f)
                 if m == 8:  # row invariance on 5 of the rows
@@ -304,12 +309,30 @@ def main() -> int:
                 print(f"time M={m} ctas/SM {cps}: {'tail, one sync ref':20s} {us:8.2f} us  {floor / us:4.0%} of the "
                       "floor", flush=True)
             for label, fn in timed:
+                before = set(glob.glob(os.path.join(args.dump, "*.ptx"))) if args.dump else set()
                 # the probe's chain: per "copy" (here a layer of the stack) one call, acc threaded through
                 us = chained_us(lambda layer, fn=fn: [lambda acc: fn((attn.astype(jnp.float32) + acc).astype(
                     jnp.bfloat16), x, layer)], L, iters)
                 print(f"time M={m} ctas/SM {cps}: {label:20s} {us:8.2f} us  {floors.get(label, floor) / us:4.0%} of "
                       f"{'its' if label in floors else 'the'} floor",
                       flush=True)
+                if args.dump:
+                    new_ptx = sorted(set(glob.glob(os.path.join(args.dump, "*.ptx"))) - before, key=os.path.getmtime)
+                    if new_ptx:
+                        ptx_of[f"{len(ptx_of):02d}_m{m}_{label}"] = (new_ptx[0], cfg)
+                if args.trace and kq == d:
+                    import tempfile
+                    with tempfile.TemporaryDirectory() as tdir:
+                        got = time_loop(lambda q, _, fn=fn: fn(q, x, 1), attn, 50, 3, trace_dir=tdir)
+                    print(f"trace M={m} ctas/SM {cps}: {label:20s} " + ", ".join(
+                        f"{name[:48]} {t:.2f} us" for name, t in sorted(got["kernels"].items(), key=lambda kv: -kv[1])
+                        [:4]), flush=True)
+    if args.dump:
+        print_ptxas(args.dump)
+        for label, (ptx, cfg) in ptx_of.items():  # <dump>/<nn>_m<M>_<label>.sass: each timed variant's kernel
+            sass, _ = sass_of_ptx(ptx)
+            os.replace(sass, os.path.join(args.dump, label.replace(", ", "_").replace(" ", "_") + ".sass"))
+            print(f"sass {label}: {os.path.basename(ptx)} {cfg}", flush=True)
     return 0
 
 

@@ -20,7 +20,6 @@ import glob
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -29,6 +28,7 @@ os.environ["MOSAIC_GPU_DUMP_TO"] = DUMP
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from sass_of_ptx import sass_of_ptx  # noqa: E402
 
 
 def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target:5", consumers: int | None = None,
@@ -62,13 +62,9 @@ def main(out_dir: str, schedule: str | None = None, cases: str = "draft:1,target
     sass_files = [f for f in files if f.endswith(".sass")]
     for f in files:  # no nvdisasm next to the pip CUDA: assemble the PTX with the system toolkit
         if f.endswith(".ptx") and not any(x.startswith(f[:-4]) for x in sass_files):
-            tool = lambda name: shutil.which(name) or f"/usr/local/cuda/bin/{name}"  # noqa: E731
-            cubin = f[:-4] + ".cubin"
-            r = subprocess.run([tool("ptxas"), "-arch=sm_90a", "-v", f, "-o", cubin], capture_output=True, text=True)
-            print(f"== ptxas {os.path.basename(f)}: {r.stderr.strip()[-600:]}")
-            r = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True)
-            open(f[:-4] + ".sass", "w").write(r.stdout or r.stderr)
-            sass_files.append(f[:-4] + ".sass")
+            sass, report = sass_of_ptx(f)
+            print(f"== ptxas {os.path.basename(f)}: {report[-600:]}")
+            sass_files.append(sass)
             shutil.copy(f, os.path.join(out_dir, os.path.basename(f)))
     for f in sass_files:
         txt = open(f).read()
