@@ -60,7 +60,7 @@
 #   "tailab": the persistent layer tail in the model, its sync ref per pass: GPU checks, exactness, A/B (37th);
 #   "tailhlo": what the tail's sync ref costs in the model's optimized HLO (37th)
 #   "tailcons": the tail's consumers against its ring, the SASS of its loops (38th, prepared for the 39th)
-#   "bench": `make bench`'s parts by BENCH_PARTS, their sections and JSON back in $OUT/bench.tgz (38th, prepared)
+#   "bench": `make bench`'s parts by their Makefile targets (BENCH_PARTS), sections and JSON back in $OUT/bench.tgz (39th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -296,16 +296,18 @@ for stage in ${STAGES:-probe smol 8b}; do
       head -c 20000 $L/hlo_tail_sync.txt | head -60
       rm -rf /tmp/hlo_tail
       echo "== tailhlo done ($(( $(date +%s) - T0 )) s)";;
-    tailcons)  # (38th, prepared) the tail's consumers against its ring (kernel_notes "Thirty-eighth session", Next 1):
+    tailcons)  # (38th; run in the 39th) the tail's consumers against its ring (kernel_notes "Thirty-eighth session", Next 1):
       # the kernel without its flags' waits / without the finisher's work / its ring alone, at MMA chains 2 and 4
       # (TC_CHAINS), with the ptxas report and SASS; then the loops' instruction mix of the largest SASS dumps
       timeout ${TAIL_LIMIT:-420} python3 tools/device/check_tail.py --ms 1 --ctas-per-sm 1 --no-three --skip-check \
-        --mma-chains ${TC_CHAINS:-2,4} --diags noflag,noepi,stream --dump $OUT/sass_tail ${TAIL_ARGS:-} 2>&1 \
-        | grep -v "^W[0-9]" | tee $L/tail_consumers.log | grep -E "^time|^ptxas|rror"
-      for s in $(ls -S $OUT/sass_tail/*.sass 2>/dev/null | head -2); do
-        python3 tools/sass_loops.py $s --min 100 > $L/sass_loops_tail_$(basename $s .sass | cut -c1-60).log
-        head -30 $L/sass_loops_tail_$(basename $s .sass | cut -c1-60).log
+        --mma-chains ${TC_CHAINS:-2,4} --diags noflag,noepi,stream --dump /tmp/sass_tail --trace ${TAIL_ARGS:-} 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/tail_consumers.log | grep -E "^time|^trace|^sass|rror"
+      # the dump folder holds dozens of files (the device returns 8): the SASS and ptxas reports as one tar
+      tar czf $OUT/sass_tail.tgz --exclude="*.cubin" --exclude="*.mlir-passes.log" --exclude="*.ptx" -C /tmp sass_tail
+      for s in /tmp/sass_tail/[0-9]*.sass; do  # one per timed variant (check_tail.py names them)
+        python3 tools/sass_loops.py $s --min 100 > $L/sass_loops_tail_$(basename $s .sass).log
       done
+      head -30 $(ls $L/sass_loops_tail_* | head -1)
       echo "== tailcons done ($(( $(date +%s) - T0 )) s)";;
     ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
       CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
@@ -732,33 +734,22 @@ for stage in ${STAGES:-probe smol 8b}; do
             --steps 4 --trials 2 --dense-matmul $v
         done
       done;;
-    bench)  # `make bench`'s parts (the Makefile's bench-kernel, bench-w4a16, bench-profile, bench-e2e 8b / batch and
-      # bench-gamma commands; 38th session, prepared): BENCH_PARTS of kernel_b1 kernel_b8 kernel_smol w4a16_m1 w4a16_m8
-      # w4a16_m32 profile e2e_8b e2e_batch gamma, one call's worth each (2026-12-02: kernel_b1 ~5 min, e2e_8b ~5.5,
-      # e2e_batch ~1.3, profile ~2.7; 2026-11-28: w4a16 ~8 per M). They run in $OUT/bench, a copy of the checkout's
-      # docs (the JSON the parts keep each other's results in, BENCHMARKS.md, QUALITY.md), with the Makefile's own
-      # --out / --doc paths, so the sections name them as `make bench` would; $OUT/bench.tgz holds the result:
-      # `tar xzf bench.tgz -C <checkout>` writes docs/bench/... and docs/*.md back
-      repo=$(pwd) && mkdir -p $OUT/bench/docs/bench && cp docs/BENCHMARKS.md docs/QUALITY.md $OUT/bench/docs/
+    bench)  # `make bench`'s parts by their Makefile targets, BENCH_PARTS of kernel-8b-b1 kernel-8b-b8
+      # kernel-smollm2-b1 kernel-smollm2-b8 w4a16-m1 w4a16-m8 w4a16-m32 profile e2e-8b e2e-batch gamma (one call's
+      # worth each: the Makefile gives their times), and e2e-smollm after smolsetup (CKPT=/tmp/ckpt, TEXTS=$TX).
+      # The Makefile's own commands run in $OUT/bench, a copy of the checkout's docs (the JSON the parts keep each
+      # other's results in, BENCHMARKS.md, QUALITY.md), with `qspec-bench` a shim over this checkout and the venv
+      # assumed built (make -o), so the sections name the commands as `make bench` would; $OUT/bench.tgz holds the
+      # result: `tar xzf bench.tgz -C <checkout>` writes docs/bench/... and docs/*.md back
+      repo=$(pwd) && mkdir -p $OUT/bench/docs/bench /tmp/shim && cp docs/BENCHMARKS.md docs/QUALITY.md $OUT/bench/docs/
       cp -r docs/bench/e2e docs/bench/profile docs/bench/kernel_bench.json docs/bench/w4a16.json $OUT/bench/docs/bench/ \
         2>/dev/null
-      for part in ${BENCH_PARTS:-kernel_b1}; do
-        case $part in
-          kernel_b1|kernel_b8|kernel_smol)
-            combos=$([ $part = kernel_b1 ] && echo llama3-8b:1 || { [ $part = kernel_b8 ] && echo llama3-8b:8 || echo smollm2:1,smollm2:8; })
-            args="kernel --no-sweep --out docs/bench --doc docs/BENCHMARKS.md --keep-parts --combos $combos";;
-          w4a16_m*) args="w4a16 --out docs/bench/w4a16.json --doc docs/BENCHMARKS.md --keep-parts --m ${part#w4a16_m}";;
-          profile) args="profile --out docs/bench/profile --doc docs/BENCHMARKS.md";;
-          e2e_8b) args="e2e --out docs/bench/e2e --doc docs/BENCHMARKS.md --keep-parts --parts 8b --alphas 0.9,0.75
-            --loop-contexts 4096,131072 --loop-gamma 2 --steps 8 --trials 3";;
-          e2e_batch) args="e2e --out docs/bench/e2e --doc docs/BENCHMARKS.md --keep-parts --parts batch --alphas 0.9
-            --trials 3";;
-          gamma) args="gamma --parts loops --loop-alphas 0.9 --out docs/bench/gamma --doc docs/QUALITY.md";;
-          *) echo "unknown bench part $part" >&2; continue;;
-        esac
-        (cd $OUT/bench && PYTHONPATH=$repo timeout ${BENCH_LIMIT:-560} python3 -m qspec_jax.cli.bench $args 2>&1 \
-          | grep -v "^W[0-9]" > $L/bench_$part.log)
-        grep -E "wrote|rewrote|rror|Traceback" $L/bench_$part.log | cut -c1-200 | tail -4
+      printf '#!/bin/sh\nPYTHONPATH=%s exec python3 -m qspec_jax.cli.bench "$@"\n' "$repo" > /tmp/shim/qspec-bench
+      chmod +x /tmp/shim/qspec-bench
+      for part in ${BENCH_PARTS:-kernel-8b-b1}; do
+        (cd $OUT/bench && timeout ${BENCH_LIMIT:-560} make -f $repo/Makefile -o .venv/.installed-dev BIN=/tmp/shim \
+          ${CKPT:+CKPT=$CKPT} ${TX:+TEXTS=$TX} bench-$part 2>&1 | grep -v "^W[0-9]" > $L/bench_$part.log)
+        grep -E "wrote|rewrote|rror|Traceback|No rule|not found" $L/bench_$part.log | cut -c1-200 | tail -4
         echo "== bench $part done ($(( $(date +%s) - T0 )) s)"
       done
       find $OUT/bench -name traces -type d -prune -exec rm -rf {} +
