@@ -165,13 +165,15 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
     return device_arch() == ("gpu", 9)
 
 
-TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1": the draft layer's o -> gate_up -> down in one kernel (`tail_fusable`)
+TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1": the draft layer's o -> gate_up -> down in one kernel (`tail_fusable`); "ready":
+# the same kernel with its producer's waits per K chunk (`TailConfig.chunk_ready`)
 
 
 def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int) -> bool:
     """Whether a draft layer whose norms and residual adds run inside its INT4 kernels (the caller's
     `LayerFusion.norm` and `.residual`) runs o, the MLP norm, gate_up, SiLU·up and down as one
-    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1. Off by default: in the
+    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1 (or "ready", `tail_ready`).
+    Off by default: in the
     8B's draft step it ties or trails the three fused kernels (H200, 2026-12-02: 2.511 against 2.508 ms, then
     2.509-2.523 against 2.450; docs/kernel_notes.md, "Thirty-seventh session", "Thirty-eighth session"). Where on:
     the Mosaic kernel (`fusable`), and shapes the kernel takes (`tail_mgpu.takes`: D a multiple of
@@ -188,11 +190,18 @@ def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int
 
 
 def _tail_mode() -> str:
-    """QSPEC_W4A16_TAIL's value, checked: "0" (the default) or "1"."""
+    """QSPEC_W4A16_TAIL's value, checked: "0" (the default), "1" or "ready"."""
     mode = os.environ.get(TAIL_ENV, "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0 or 1")
+    if mode not in ("0", "1", "ready"):
+        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0, 1 or ready")
     return mode
+
+
+def tail_ready() -> bool:
+    """Whether `layer_tail`'s kernel waits per K chunk on ready counters instead of at grid-wide flags
+    (QSPEC_W4A16_TAIL=ready; `tail_mgpu.TailConfig.chunk_ready`: the same bits, another wait). Not yet
+    measured on a GPU (docs/kernel_notes.md, "Thirty-ninth session")."""
+    return _tail_mode() == "ready"
 
 
 def layer_tail_sync(w_down: Any, like: Any) -> Any:
@@ -226,7 +235,7 @@ def layer_tail(attn: Array, x: Array, wo: Any, norm: Any, w_gate_up: Any, w_down
 
     return int4_layer_tail(attn, x, wo, _norm_at(norm, layer), wgu, wd, layer=layer, norm_eps=norm_eps,
                            backend="interpret" if int4_impl == "interpret" else "mosaic", row_sums=row_sums,
-                           sync=sync, ordinal=ordinal if sync is not None else 0)
+                           sync=sync, ordinal=ordinal if sync is not None else 0, chunk_ready=tail_ready())
 
 
 NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "auto" (default), "1" at every row count, "0" off (`norm_sums_fusable`)

@@ -569,8 +569,9 @@ def test_decode_runs_the_layer_tail_in_one_kernel_when_switched_on():
     fused kernels (the same function up to float32 summation order before each bf16 rounding), with
     the down epilogue's row sums; then a jitted draft decode whose layer loop shares one sync ref
     (`linear.layer_tail_sync`), the layer index as each call's ordinal (the twin's output is NaN
-    where a wait finds another count than its ordinal's), against the same decode without the tail;
-    values other than 0 and 1 are refused by name. In a child with 8 host devices (`subproc.run_in_child`)."""
+    where a wait finds another count than its ordinal's), against the same decode without the tail, and
+    with QSPEC_W4A16_TAIL=ready (the kernel's per-chunk ready counters) bit for bit the tail's decode;
+    values other than 0, 1 and ready are refused by name. In a child with 8 host devices (`subproc.run_in_child`)."""
     subproc.run_in_child(__file__, "_case_tail")
 
 
@@ -596,13 +597,21 @@ def _case_tail() -> None:
 
     def tail(*a, sync=None, **kw):
         syncs.append(sync)
+        readys.append(kw.get("chunk_ready"))
         return real_tail(*a, sync=sync, **kw)
+
+    readys = []
 
     plinear.int4_layer_tail = tail
     cache = synthetic.random_quant_cache(CFG_TAIL, 2, 96, jax.random.PRNGKey(5), group=32, gamma_max=4)
     toks = jnp.asarray([[3], [4]], jnp.int32)
     on = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
     assert len(syncs) == 1 and syncs[0] is not None  # the loop body traced once, handed the pass's ref
+    os.environ[qlinear.TAIL_ENV] = "ready"
+    ready = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
+    assert readys == [False, True] and len(syncs) == 2
+    assert ready.dtype == on.dtype and ready.tobytes() == on.tobytes()
+    syncs.pop()
     os.environ[qlinear.TAIL_ENV] = "0"
     off = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
     assert len(syncs) == 1 and np.isfinite(on).all()
@@ -614,4 +623,4 @@ def _case_tail() -> None:
             M._draft_fusion(draft, 2)
             raise AssertionError(f"QSPEC_W4A16_TAIL={bad} was accepted")
         except ValueError as e:
-            assert f"QSPEC_W4A16_TAIL={bad!r}: expected 0 or 1" in str(e)
+            assert f"QSPEC_W4A16_TAIL={bad!r}: expected 0, 1 or ready" in str(e)

@@ -119,12 +119,12 @@ def test_stacked_weights_at_the_layer_and_rows_alone_bit_for_bit() -> None:
     _child("check_stacked_rows")
 
 
-def check_sync_ref_serves_a_layer_loop() -> None:
+def check_sync_ref_serves_a_layer_loop(ready: bool) -> None:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, (kq, d, f), n_layers = 2, (512, 256, 512), 3
     attn, x, ws, gw = _inputs(11, m, kq, d, f, lead=(n_layers,))
-    cfg = _cfg((2, 1, 2), 2, 1)
+    cfg = _cfg((2, 1, 2), 2, 1).replace(chunk_ready=ready)
 
     def call(layer, **kw):
         return tm.int4_layer_tail_mgpu(attn, x, ws[0], gw, ws[1], ws[2], layer=layer, config=cfg, interpret=True,
@@ -152,23 +152,36 @@ def check_sync_ref_serves_a_layer_loop() -> None:
     for i in range(n_layers):
         assert _rel(ys[i], _reference(attn, x, ws, gw, layer=i)) <= TOL
         np.testing.assert_allclose(sums[i], tm.mg.chunk_row_sums(jnp.asarray(ys[i]), 8), rtol=1e-5)
-    # what the calls added: ctas (1) per flag, chunks - 1 per pair's chunk counter
+    # what the calls added: ctas (1) per flag, chunks - 1 per pair's chunk counter; with ready counters flag 1
+    # has no arrivals and each K chunk of gate_up (one: 256 columns) counts its 2 o pairs, each of down's two
+    # chunks (256 act columns) its 4 gate_up pairs
     o = tm.sync_offsets(d, f)
     want = np.zeros(tm.sync_words(d, f), np.uint32)
-    want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n_layers
+    want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + (1 if ready else 2)] = n_layers
     want[o[0]:o[0] + d // 128] = n_layers * (2 - 1)
     want[o[2]:o[2] + d // 128] = n_layers * (2 - 1)
+    if ready:
+        r0 = tm.ready_offsets(d, f)
+        assert tm.ready_pairs(cfg, d, f) == (2, 4)
+        want[r0[0]] = n_layers * 2
+        want[r0[1]:r0[1] + 2] = n_layers * 4
+        # the same math as the flags' protocol, bit for bit
+        flags = tm.int4_layer_tail_mgpu(attn, x, ws[0], gw, ws[1], ws[2], layer=1,
+                                        config=cfg.replace(chunk_ready=False), interpret=True)
+        np.testing.assert_array_equal(ys[1].view(np.uint16), np.asarray(flags).view(np.uint16))
     np.testing.assert_array_equal(after, want)  # the last two words: no wait found a count but its target
     assert wrong[-2] > 0 and wrong[-1] > 0  # the producer's and the finisher's waits saw the wrong ordinal
 
 
-def test_one_sync_ref_serves_a_layer_loop() -> None:
+@pytest.mark.parametrize("ready", [False, True])
+def test_one_sync_ref_serves_a_layer_loop(ready: bool) -> None:
     """One zeroed sync ref (`sync_words`) shared by a loop of calls, the loop's index as the ordinal:
     each call waits for its own counts ((ordinal + 1) x what a call adds; the interpret twin checks
     that every wait finds exactly that; each output the call's alone, bit for bit) and leaves the
     sums a call adds; a wrong ordinal shows in the twin's error words. The down epilogue's row sums (`row_sums`) are
-    out's per 64-column tile."""
-    _child("check_sync_ref_serves_a_layer_loop")
+    out's per 64-column tile. With `TailConfig.chunk_ready` the producer's waits are per K chunk: each ready
+    counter holds its chunk's pairs, and the output is the flags' one bit for bit."""
+    _child("check_sync_ref_serves_a_layer_loop", ready)
 
 
 def test_default_config_balances_units_over_the_ctas() -> None:
@@ -222,19 +235,20 @@ def test_bad_inputs_name_the_problem() -> None:
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, l2_prefetch=-1))
     with pytest.raises(ValueError, match="ordinal=2 counts the earlier calls on a shared sync ref: pass sync="):
         call(ordinal=2)
-    with pytest.raises(ValueError, match=r"sync must be a uint32 \[16\] ref \(sync_words\(D=256, F=512\)\), got "
-                                         r"int32 \(16,\)"):
-        call(sync=jnp.zeros((16,), jnp.int32), ordinal=1)
+    with pytest.raises(ValueError, match=r"sync must be a uint32 \[19\] ref \(sync_words\(D=256, F=512\)\), got "
+                                         r"int32 \(19,\)"):
+        call(sync=jnp.zeros((19,), jnp.int32), ordinal=1)
 
 
 @pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1)),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True,
                                                      l2_prefetch=2)),
-                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, diag="stream"))])
+                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, diag="stream")),
+                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, chunk_ready=True))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, chunk counters, inline loads / stores and column sums; with
     two CTAs per SM, the timeline's stamps and the L2 prefetch; the ring-alone diagnostic with its
-    store of x back into place) at the 8B shape,
+    store of x back into place; the ready counters' per-unit waits) at the 8B shape,
     stacked weights, lowers to a Mosaic GPU custom call on the CPU; at M 1, with the down epilogue's
     row sums and a sync ref made under jit with a traced ordinal (a layer loop's)."""
     def packed(k: int, n: int) -> lay.W4A16Packed:

@@ -52,12 +52,17 @@ once (the same bits in every CTA) for the norm's r, and gate_up's owners write a
 [M_pad, F], down's x operand). A linear's x tiles can only be read once every CTA has finished
 the previous linear: a grid-wide flag per boundary, a global counter each finisher adds 1 to
 (release, gpu scope) and the producer and the finisher poll (acquire; thread 0 of the warpgroup,
-`_spin`). Every CTA must be resident at once (`ctas` <= the SMs x the CTAs
+`_spin`). With `TailConfig.chunk_ready` the producer waits per K chunk of the linear it streams instead: a
+ready counter per chunk of gate_up's and down's x, which each o / gate_up pair's epilogue counts up once its
+columns are written, so a CTA waits only for the pairs its units read (with 132 CTAs and 4 chunks, a quarter of the
+previous linear's), and flag 1 goes; the finisher still waits at flag 0 for every o tile's row sums (the norm's r,
+applied after gate_up's MMA). Every CTA must be resident at once (`ctas` <= the SMs x the CTAs
 that fit on one: two per SM hang on the H200). The flags and the pairs' chunk counters are words of one
 uint32 ref (`sync_words`) that are never reset: each call adds
 the same amount to each, so call n of a ref waits for (n + 1) times it. A model's layer loop shares one
 zeroed ref per pass, its layer index as the ordinal; a call of its own makes a fresh one. The output
-takes x's place (x is read in the o phase, out written after flag 1).
+takes x's place (x is read by the o epilogues, each before its CTA arrives at flag 0; out is written by down's
+epilogues, after their finisher has waited at flag 0).
 
 Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, counters and waits
 are then program order and a shared-memory barrier; each wait checks that it found exactly its
@@ -117,6 +122,12 @@ class TailConfig:
     # Measured (H200, 2026-11-30) with an earlier form (8 / 16 single k steps, 4 requests each): 4-5 us slower a
     # layer; this form (2 requests a row tile and unit) is for the start-phase experiments (kernel_notes)
     l2_prefetch: int = 0
+    # the producer waits for the previous linear's outputs per K chunk of the linear it streams (gate_up's x tiles
+    # of chunk c once the o pairs whose columns c holds are written; down's act tiles likewise) on the sync ref's
+    # ready counters (`sync_offsets`), instead of at the grid-wide flags; only the finisher still waits for every
+    # o tile (the norm's r, applied after gate_up's MMA). kernel_notes "Thirty-ninth session": the flags cost 7.2
+    # of a layer's 47.4 us on the H200 (2026-12-03). Off until measured
+    chunk_ready: bool = False
     # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
     # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
     # chunk counters' waits; "noepi" also everything the finisher does after taking a unit's
@@ -148,16 +159,32 @@ def sync_offsets(d: int, f: int) -> tuple[int, int, int]:
     return o, o + pairs[0], o + pairs[0] + pairs[1]
 
 
+def ready_offsets(d: int, f: int) -> tuple[int, int]:
+    """Word offsets in the sync ref of the ready counters (`TailConfig.chunk_ready`) of gate_up's and down's K
+    chunks: room for one per k step of each (D / KT and F / KT words), so the ref's size does not depend on the
+    chunks; chunk c of gate_up counts the o pairs written whose columns it holds, chunk c of down the gate_up
+    pairs."""
+    o = sync_offsets(d, f)[2] + linear_pairs(d, f)[2]
+    return o, o + d // KT
+
+
+def ready_pairs(cfg: TailConfig, d: int, f: int) -> tuple[int, int]:
+    """What one call adds to each ready counter: o pairs per K chunk of gate_up (128 columns a pair), gate_up
+    pairs per K chunk of down (64 act columns a pair)."""
+    return d // cfg.chunks[1] // 128, f // cfg.chunks[2] // 64
+
+
 def sync_words(d: int, f: int) -> int:
     """uint32 words of the sync ref of a tail with hidden size d and MLP width f: the flags, the chunk
-    counters, and last two words that only the interpret twin writes (the producer's and the finisher's
+    counters, the ready counters (`ready_offsets`), and last two words that only the interpret twin writes (the producer's and the finisher's
     waits that found a count other than their target: 0 when the ordinals are right).
 
-    Every call adds the same amount to each word (ctas to a flag, chunks - 1 to a pair's counter), so
+    Every call adds the same amount to each word (ctas to a flag, chunks - 1 to a pair's counter, the pairs
+    of its chunk to a ready counter: `ready_pairs`), so
     call n of a ref (n = the calls made on it before, `ordinal`) waits for (n + 1) times that. The words
     are never reset: one zeroed ref serves every layer of a decode pass, with the layer loop's index as
     the ordinal, and no call needs a zero-init launch."""
-    return sync_offsets(d, f)[2] + linear_pairs(d, f)[2] + 2
+    return ready_offsets(d, f)[1] + f // KT + 2
 
 
 def sync_zeros(d: int, f: int) -> Array:
@@ -350,6 +377,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     chunk_sync = cfg.diag in ("", "noflag", "noflag0", "noflag1")
     flags = cfg.diag in ("", "noflag0", "noflag1")
     waits = (flags and cfg.diag != "noflag0", flags and cfg.diag != "noflag1")
+    ready = cfg.chunk_ready  # TailConfig.chunk_ready: the producer's waits per K chunk; flag 1 unused
+    ready0, ready_step = ready_offsets(d, f), ready_pairs(cfg, d, f)
 
     def arrive_twin(i):  # interpret: an arrival at word i (program order: one CTA, one warpgroup writes each word)
         sync_ref[i] = sync_ref[i] + jnp.uint32(1)
@@ -416,14 +445,34 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             return slot
 
         def pass_flag(p, before_spin=lambda: None):
-            """Wait until every CTA has finished linear p - 1 (its x for linear p written)."""
+            """Wait until every CTA has finished linear p - 1 (its x for linear p written); with ready
+            counters (GPU) the waits are per unit instead (`wait_ready`)."""
             if interpret:
                 plgpu.barrier_wait(r["phase_bar"].at[0])
-                expect(SYNC_FLAGS + p - 1, ctas, 0)
-            elif waits[p - 1]:
+                if not ready or p == 1:  # (flag 1 has no arrivals with ready counters)
+                    expect(SYNC_FLAGS + p - 1, ctas, 0)
+                if ready:  # every chunk's count whole: program order, one CTA
+                    for ch in range(chunks[p]):
+                        expect(ready0[p - 1] + ch, ready_step[p - 1], 0)
+            elif waits[p - 1] and not ready:
                 before_spin()
                 _spin(sync_ref.at[pl.ds(SYNC_FLAGS + p - 1, 1)], ordinal, ctas)
             mark(f"prod_flag{p - 1}")
+
+        def wait_ready(p, first, t, last):
+            """TailConfig.chunk_ready (GPU): before step t's x tile, if it starts a unit whose K chunk is not
+            the last one waited for, wait until that chunk of linear p's x is written (its ready counter);
+            returns the chunk waited for last."""
+            if interpret or not ready or p == 0 or not waits[p - 1]:
+                return last
+            _, ch, i = unit_of(p, first, t)
+            need = jnp.logical_and(i == 0, ch != last)
+
+            @pl.when(need)
+            def _():
+                _spin(sync_ref.at[pl.ds(ready0[p - 1] + ch, 1)], ordinal, ready_step[p - 1])
+
+            return jnp.where(need, ch, last)
 
         cnt = jnp.int32(0)  # ring steps issued so far (slot cnt % stages)
         mark("prod_start")
@@ -448,19 +497,22 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
                 pass_flag(p, prefetch)
 
-            def pre_x(t, carry, p=p, first=first, cnt_pre=cnt_pre):
+            def pre_x(t, last, p=p, first=first, cnt_pre=cnt_pre):
+                last = wait_ready(p, first, t, last)
                 issue_x(p, first, t, lax.rem(cnt_pre + t, stages))
-                return carry
+                return last
 
-            lax.fori_loop(0, ahead, pre_x, 0)
+            last = lax.fori_loop(0, ahead, pre_x, jnp.int32(-1))
 
-            def step(t, cnt, p=p, first=first):
+            def step(t, carry, p=p, first=first):
+                cnt, last = carry
                 slot = reuse(cnt)
                 issue_w(p, first, t, slot)
+                last = wait_ready(p, first, t, last)
                 issue_x(p, first, t, slot)
-                return cnt + 1
+                return cnt + 1, last
 
-            cnt = lax.fori_loop(ahead, total, step, cnt)
+            cnt, _ = lax.fori_loop(ahead, total, step, (cnt, last))
         if interpret:  # the interpreter checks that a waiter sees every phase of the barriers it waited on
             @pl.when(cnt > stages)
             def _():
@@ -571,6 +623,14 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         else:
             _column_sums(mp)(sq, r["colsum"], dst)
 
+    def arrive_ready(p, ch):  # TailConfig.chunk_ready: linear p's pair written, a count on chunk ch of p + 1's x
+        if not ready:
+            return
+        if interpret:
+            arrive_twin(ready0[p] + ch)
+        elif flags:
+            _arrive(sync_ref.at[pl.ds(ready0[p] + ch, 1)])  # after every thread's stores (a warpgroup barrier)
+
     def epilogue(p, tots, pair, pre, rr):
         if p == 0:  # x1 = bf16(acc) + x; its tile, its rows' sums of x1^2, bf16(x1 g)
             xs, gcols = pre
@@ -581,9 +641,11 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 tile_sums(x1, r["ssp"].at[tile])
                 gcol = lax.broadcast_in_dim(gcols[t], (lay.ROWS, mp), (0,))
                 store_rows(r["xg"], jnp.where(valid, x1 * gcol, 0.0), col0, mp)
+            arrive_ready(0, pair * 128 // (d // chunks[1]))  # the pair's 128 columns of gate_up's x
         elif p == 1:  # act = silu(gate rr) (up rr), rr = rsqrt(mean x1^2 + eps), into act columns 64 pair ..
             gate, up = tots[0] * rr, tots[1] * rr
             store_rows(r["act"], jnp.where(valid, gate / (1.0 + jnp.exp(-gate)) * up, 0.0), pair * lay.ROWS, mp)
+            arrive_ready(1, pair * lay.ROWS // (f // chunks[2]))  # the pair's 64 columns of down's x
         else:  # out = bf16(acc) + x1; with row sums, its tile's rows' sums of out^2 (the next layer's norm)
             for t, tile in enumerate(tiles_of(p, pair)):
                 out = bf16(bf16(tots[t]) + pre[t])
@@ -670,9 +732,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             mark(("fin_o", "fin_gate_up", "fin_down")[p])
             if p < 2:
                 if interpret:
-                    arrive_twin(SYNC_FLAGS + p)
+                    if not ready or p == 0:
+                        arrive_twin(SYNC_FLAGS + p)
                     plgpu.barrier_arrive(r["phase_bar"].at[0])
-                elif flags:
+                elif flags and (not ready or p == 0):  # flag 1 only for the producer's wait without ready counters
                     _arrive(sync_ref.at[pl.ds(SYNC_FLAGS + p, 1)])
         if cfg.diag in ("noepi", "stream"):
             # x back into its own place (CTA 0, one tile): a kernel that never stores to xo traces as reading it
@@ -810,7 +873,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
         def body(*refs):
             pl.run_scoped(functools.partial(kernel, *refs), *scratch.values(), collective_axes="wg")
 
-        # x in, out back in its place (the down epilogues store after flag 1, when every o epilogue has read x):
+        # x in, out back in its place (the down epilogues store after their finisher's flag-0 wait, when every o
+        # epilogue has read x):
         # a layer loop's carry then takes the kernel's aliased output as it is, where a separate output cost a
         # copy per layer into the carry (H200, 2026-12-02: a 1.3-us memcpy, x being live while out was written)
         xo = jax.new_ref(x, memory_space=plgpu.GMEM)

@@ -46,7 +46,7 @@ from sass_of_ptx import sass_of_ptx  # noqa: E402
 from w4a16_persistent_probe import chained_us, median_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
-CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "stages", "mma_chains")  # TailConfig fields with a comma-list option
+CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "stages", "mma_chains", "chunk_ready")  # TailConfig fields with a comma-list option
 
 
 def weights(key, kq, d, f, layers, g=32):
@@ -175,7 +175,11 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
     o = tm.sync_offsets(d, f)
     pairs = tm.linear_pairs(d, f)
     want = np.zeros(tm.sync_words(d, f), np.int64)
-    want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + 2] = n * cfg.ctas
+    want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + (1 if cfg.chunk_ready else 2)] = n * cfg.ctas  # flag 1 unused with ready
+    if cfg.chunk_ready:  # each K chunk of gate_up / down: the previous linear's pairs whose columns it holds
+        r0, step = tm.ready_offsets(d, f), tm.ready_pairs(cfg, d, f)
+        for p in range(2):
+            want[r0[p]:r0[p] + cfg.chunks[p + 1]] = n * step[p]
     for p in range(3):
         want[o[p]:o[p] + pairs[p]] = n * (cfg.chunks[p] - 1)
     words_ok = np.array_equal(words, want)
