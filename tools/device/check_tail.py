@@ -281,6 +281,11 @@ def main() -> int:
                 ok = e_ref <= TOL_BF16 and same
                 print(f"check M={m} ctas/SM {cps}: rel_ref {e_ref:.2e} rel_three {e_three:.2e} deterministic {same} "
                       f"{'ok' if ok else 'FAIL'}", flush=True)
+                if cfg.chunk_ready:  # another wait, the same sums: bit for bit the flags' output
+                    yf = np.asarray(tail_fn(attn, x, 1, cfg=cfg.replace(chunk_ready=False)), np.float32)
+                    eq = np.array_equal(y.view(np.uint32), yf.view(np.uint32))
+                    print(f"check M={m} ctas/SM {cps}: ready counters bit for bit the flags' output {eq} "
+                          f"{'ok' if eq else 'FAIL'}", flush=True)
                 if args.loop:
                     loop_check(tail_fn, attn, x, L, cfg, d, f)
                 if m == 8:  # row invariance on 5 of the rows
