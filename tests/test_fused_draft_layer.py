@@ -592,15 +592,13 @@ def _case_tail() -> None:
     assert _rel(out, out3) <= 2.0 ** -8  # tests/test_tail_mgpu.py's TOL says why
     np.testing.assert_allclose(np.asarray(sums), np.asarray(qlinear.norm_sums_of(out)), rtol=1e-5)
     # the decode: every other INT4 linear through its reference (interpret-mode kernels are slow in a loop)
-    real_linear, real_tail, syncs = plinear.int4_linear, plinear.int4_layer_tail, []
+    real_linear, real_tail, syncs, readys = plinear.int4_linear, plinear.int4_layer_tail, [], []
     plinear.int4_linear = lambda x, w, *, backend="auto", **kw: real_linear(x, w, backend="reference", **kw)
 
     def tail(*a, sync=None, **kw):
         syncs.append(sync)
         readys.append(kw.get("chunk_ready"))
         return real_tail(*a, sync=sync, **kw)
-
-    readys = []
 
     plinear.int4_layer_tail = tail
     cache = synthetic.random_quant_cache(CFG_TAIL, 2, 96, jax.random.PRNGKey(5), group=32, gamma_max=4)

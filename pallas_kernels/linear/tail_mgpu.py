@@ -124,7 +124,7 @@ class TailConfig:
     l2_prefetch: int = 0
     # the producer waits for the previous linear's outputs per K chunk of the linear it streams (gate_up's x tiles
     # of chunk c once the o pairs whose columns c holds are written; down's act tiles likewise) on the sync ref's
-    # ready counters (`sync_offsets`), instead of at the grid-wide flags; only the finisher still waits for every
+    # ready counters (`ready_offsets`), instead of at the grid-wide flags; only the finisher still waits for every
     # o tile (the norm's r, applied after gate_up's MMA). kernel_notes "Thirty-ninth session": the flags cost 7.2
     # of a layer's 47.4 us on the H200 (2026-12-03). Off until measured
     chunk_ready: bool = False
@@ -176,8 +176,9 @@ def ready_pairs(cfg: TailConfig, d: int, f: int) -> tuple[int, int]:
 
 def sync_words(d: int, f: int) -> int:
     """uint32 words of the sync ref of a tail with hidden size d and MLP width f: the flags, the chunk
-    counters, the ready counters (`ready_offsets`), and last two words that only the interpret twin writes (the producer's and the finisher's
-    waits that found a count other than their target: 0 when the ordinals are right).
+    counters, the ready counters (`ready_offsets`), and last two words that only the interpret twin writes
+    (the producer's and the finisher's waits that found a count other than their target: 0 when the
+    ordinals are right).
 
     Every call adds the same amount to each word (ctas to a flag, chunks - 1 to a pair's counter, the pairs
     of its chunk to a ready counter: `ready_pairs`), so
@@ -641,11 +642,11 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 tile_sums(x1, r["ssp"].at[tile])
                 gcol = lax.broadcast_in_dim(gcols[t], (lay.ROWS, mp), (0,))
                 store_rows(r["xg"], jnp.where(valid, x1 * gcol, 0.0), col0, mp)
-            arrive_ready(0, pair * 128 // (d // chunks[1]))  # the pair's 128 columns of gate_up's x
+            arrive_ready(0, pair // ready_step[0])  # the pair's 128 columns are in this chunk of gate_up's x
         elif p == 1:  # act = silu(gate rr) (up rr), rr = rsqrt(mean x1^2 + eps), into act columns 64 pair ..
             gate, up = tots[0] * rr, tots[1] * rr
             store_rows(r["act"], jnp.where(valid, gate / (1.0 + jnp.exp(-gate)) * up, 0.0), pair * lay.ROWS, mp)
-            arrive_ready(1, pair * lay.ROWS // (f // chunks[2]))  # the pair's 64 columns of down's x
+            arrive_ready(1, pair // ready_step[1])  # the pair's 64 columns are in this chunk of down's x
         else:  # out = bf16(acc) + x1; with row sums, its tile's rows' sums of out^2 (the next layer's norm)
             for t, tile in enumerate(tiles_of(p, pair)):
                 out = bf16(bf16(tots[t]) + pre[t])
@@ -731,11 +732,12 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 n_units = run_units(p, first, count, unit, n_units)
             mark(("fin_o", "fin_gate_up", "fin_down")[p])
             if p < 2:
+                flag_used = not ready or p == 0  # flag 1 only for the producer's wait without ready counters
                 if interpret:
-                    if not ready or p == 0:
+                    if flag_used:
                         arrive_twin(SYNC_FLAGS + p)
                     plgpu.barrier_arrive(r["phase_bar"].at[0])
-                elif flags and (not ready or p == 0):  # flag 1 only for the producer's wait without ready counters
+                elif flags and flag_used:
                     _arrive(sync_ref.at[pl.ds(SYNC_FLAGS + p, 1)])
         if cfg.diag in ("noepi", "stream"):
             # x back into its own place (CTA 0, one tile): a kernel that never stores to xo traces as reading it

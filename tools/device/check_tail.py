@@ -25,6 +25,7 @@ import glob
 import itertools
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.getcwd())
@@ -46,7 +47,8 @@ from sass_of_ptx import sass_of_ptx  # noqa: E402
 from w4a16_persistent_probe import chained_us, median_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536)}
-CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "stages", "mma_chains", "chunk_ready")  # TailConfig fields with a comma-list option
+# TailConfig fields with a comma-list option
+CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "stages", "mma_chains", "chunk_ready")
 
 
 def weights(key, kq, d, f, layers, g=32):
@@ -330,7 +332,6 @@ def main() -> int:
                     if new_ptx:
                         ptx_of[f"{len(ptx_of):02d}_m{m}_{label}"] = (new_ptx[0], cfg)
                 if args.trace and kq == d:
-                    import tempfile
                     with tempfile.TemporaryDirectory() as tdir:
                         got = time_loop(lambda q, _, fn=fn: fn(q, x, 1), attn, 50, 3, trace_dir=tdir)
                     print(f"trace M={m} ctas/SM {cps}: {label:20s} " + ", ".join(

@@ -61,7 +61,8 @@
 #   "tailhlo": what the tail's sync ref costs in the model's optimized HLO (37th)
 #   "tailcons": the tail's consumers against its ring, the SASS of its loops (38th, prepared for the 39th)
 #   "tailready": the tail's per-chunk ready counters against its flags, checked, timed and in the model (39th)
-#   "bench": `make bench`'s parts by their Makefile targets (BENCH_PARTS), sections and JSON back in $OUT/bench.tgz (39th)
+#   "bench": `make bench`'s parts by their Makefile targets (BENCH_PARTS), sections and JSON back in
+#   $OUT/bench.tgz (39th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -297,7 +298,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       head -c 20000 $L/hlo_tail_sync.txt | head -60
       rm -rf /tmp/hlo_tail
       echo "== tailhlo done ($(( $(date +%s) - T0 )) s)";;
-    tailcons)  # (38th; run in the 39th) the tail's consumers against its ring (kernel_notes "Thirty-eighth session", Next 1):
+    tailcons)  # (38th; run in the 39th) the tail's consumers against its ring (kernel_notes "Thirty-eighth", Next 1):
       # the kernel without its flags' waits / without the finisher's work / its ring alone, at MMA chains 2 and 4
       # (TC_CHAINS), with the ptxas report and SASS; then the loops' instruction mix of the largest SASS dumps
       timeout ${TAIL_LIMIT:-420} python3 tools/device/check_tail.py --ms 1 --ctas-per-sm 1 --no-three --skip-check \
@@ -311,8 +312,9 @@ for stage in ${STAGES:-probe smol 8b}; do
       head -30 $(ls $L/sass_loops_tail_* | head -1)
       echo "== tailcons done ($(( $(date +%s) - T0 )) s)";;
     tailready)  # (39th, prepared) the tail's per-chunk ready counters (TailConfig.chunk_ready) against its flags: the
-      # GPU checks (reference, three kernels, determinism; a layer loop over one ref, bitwise), the kernel alone by a
-      # trace at hand_bufs 2 / 3 with its diagnostics, then the model's A/B (QSPEC_W4A16_TAIL ready / 1 / 0)
+      # GPU checks (reference, three kernels, determinism, bitwise against the flags; a layer loop over one ref), the
+      # kernel alone by a trace at hand_bufs 2 / 3 with its diagnostics, the model's exactness with them; the model's
+      # A/B is tailab's: STAGES="tailready tailab" TA_PARTS=ab TA_MODES="ready 1 0" TA_TRIALS=1 TA_PROGS=draft,spec_loop
       timeout ${TAIL_LIMIT:-300} python3 tools/device/check_tail.py --ms ${TAIL_MS:-1,8} --ctas-per-sm 1 --loop \
         --chunk-ready 0,1 ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" | tee $L/tail_ready_check.log \
         | grep -E "^check|^loop|^rows|^time|rror"
@@ -321,12 +323,6 @@ for stage in ${STAGES:-probe smol 8b}; do
         | tee $L/tail_ready_time.log | grep -E "^\.\.\.|^time|^trace|rror"
       QSPEC_W4A16_TAIL=ready timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape llama3-8b \
         --batches 1,3 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_tail_ready_llama3-8b.log | tail -3
-      for i in ${TA_TRIALS:-1}; do
-        for v in ${TA_MODES:-ready 1 0}; do
-          QSPEC_W4A16_TAIL=$v prof 8b_b1_4k_tail${v}_$i --batch 1 --contexts 4096 --programs ${TA_PROGS:-draft,spec_loop} \
-            --gamma 2
-        done
-      done
       echo "== tailready done ($(( $(date +%s) - T0 )) s)";;
     ncu_lin)  # Nsight Compute on the INT4 linears' default configs (tools/device/ncu_w4a16_fused.sh), M 1
       CASES="gate_up down qkv o" ML=1 NCU_OUT=$L bash tools/device/ncu_w4a16_fused.sh 2>&1 | tee $L/ncu_w4a16_summary.log
