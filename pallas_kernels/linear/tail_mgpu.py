@@ -126,7 +126,8 @@ class TailConfig:
     # of chunk c once the o pairs whose columns c holds are written; down's act tiles likewise) on the sync ref's
     # ready counters (`ready_offsets`), instead of at the grid-wide flags; only the finisher still waits for every
     # o tile (the norm's r, applied after gate_up's MMA). kernel_notes "Thirty-ninth session": the flags cost 7.2
-    # of a layer's 47.4 us on the H200 (2026-12-03). Off until measured
+    # of a layer's 47.4 us on the H200 (2026-12-03). Measured (H200, fortieth session, kernel alone, 8B, M 1): 52.06
+    # us against the flags' 47.44 (both 40.1 without the waits): slower, so off; why, in kernel_notes "Fortieth"
     chunk_ready: bool = False
     # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
     # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
