@@ -8,7 +8,8 @@
 # COMMAND runs in /tmp/bg/NAME/src (a copy of the checkout, so a later call's fresh tree does not
 # disturb it) with OUT=/tmp/bg/NAME/out; its stdout/stderr go to out/job.log. Each call waits up to
 # WAIT seconds (default 540), then copies out/ as $OUT/NAME.tgz and job.log to $OUT and prints the
-# end of job.log and FINISHED rc=N or STILL RUNNING.
+# end of job.log and FINISHED rc=N or STILL RUNNING. The machine goes back 30 s after a call ends, and the job with
+# it: call `wait` at once after a STILL RUNNING (a `wait` that finds no job says so and exits 3).
 set -uo pipefail
 mode=$1 name=$2
 dir=/tmp/bg/$name
@@ -19,6 +20,9 @@ if [ "$mode" = start ]; then
     ( $3 ) > $dir/out/job.log 2>&1; echo \$? > $dir/RC" > /dev/null 2>&1 < /dev/null &
 elif [ "$mode" != wait ]; then
   echo "bg.sh: mode must be start or wait, got '$mode'" >&2; exit 2
+elif [ ! -d "$dir" ]; then  # a fresh machine: the warm one went back (30-s idle release) and took the job with it
+  echo "bg.sh: no job '$name' on this machine ($dir missing): the machine was released since its start; start it again" >&2
+  exit 3
 fi
 end=$(( $(date +%s) + ${WAIT:-540} ))
 while [ ! -f "$dir/RC" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 3; done
