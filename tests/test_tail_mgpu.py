@@ -244,11 +244,12 @@ def test_bad_inputs_name_the_problem() -> None:
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, timeline=True,
                                                      l2_prefetch=2)),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, diag="stream")),
+                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, diag="raw")),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, chunk_ready=True))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, chunk counters, inline loads / stores and column sums; with
     two CTAs per SM, the timeline's stamps and the L2 prefetch; the ring-alone diagnostic with its
-    store of x back into place; the ready counters' per-unit waits) at the 8B shape,
+    store of x back into place; the MMA on raw codes; the ready counters' per-unit waits) at the 8B shape,
     stacked weights, lowers to a Mosaic GPU custom call on the CPU; at M 1, with the down epilogue's
     row sums and a sync ref made under jit with a traced ordinal (a layer loop's)."""
     def packed(k: int, n: int) -> lay.W4A16Packed:

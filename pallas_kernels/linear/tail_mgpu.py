@@ -95,7 +95,10 @@ WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
 MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the hand-off buffers are plain [64, M_pad] tiles)
 TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
 MAX_STAGES = 8
-TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream")
+TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream", "raw", "conv")
+# the consumers' stage diagnostic (`mosaic_gpu.mma_stage`) of the tail's "raw" / "conv" (the rest of the kernel as
+# in real use)
+_STAGE_DIAG = {"raw": "mma_raw", "conv": "convert"}
 N_FULL = 2 * WGS + 1  # copies landing on a stage's barrier: codes + records per row tile, the x tile
 # `TailConfig.timeline`'s columns: the CTA's SM, then the time at each mark (finisher: start, end of each linear's
 # units; producer: start, past each grid-wide flag)
@@ -132,7 +135,9 @@ class TailConfig:
     # timing experiments only (wrong results): "noflag" drops the grid-wide flags' waits ("noflag0" /
     # "noflag1" only the first's / the second's: o -> gate_up, gate_up -> down), "nosync" also the
     # chunk counters' waits; "noepi" also everything the finisher does after taking a unit's
-    # accumulators (k-group and chunk sums, epilogues); "stream" also the MMA (the ring alone)
+    # accumulators (k-group and chunk sums, epilogues); "stream" also the MMA (the ring alone); "raw" (the
+    # MMAs on the raw code words: no dequantization) and "conv" (dequantization without the MMAs) change only the
+    # consumers' stage (`mosaic_gpu.mma_stage`'s "mma_raw" / "convert"): what the dequantization costs the tail
     diag: str = ""
     # GPU only: also return a per-CTA timeline (`TIMELINE_COLUMNS`: the SM, then %globaltimer's low 32 bits in
     # ns at each mark) to see which CTAs arrive late at the flags and whether the same ones in every phase
@@ -376,8 +381,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     ctr0 = sync_offsets(d, f)
     err = sync_words(d, f) - 2  # + 0 the producer's, + 1 the finisher's (each word has one writer)
     # TailConfig.diag: the chunk counters, the grid-wide flags' arrivals and each flag's waits
-    chunk_sync = cfg.diag in ("", "noflag", "noflag0", "noflag1")
-    flags = cfg.diag in ("", "noflag0", "noflag1")
+    chunk_sync = cfg.diag in ("", "noflag", "noflag0", "noflag1", *_STAGE_DIAG)
+    flags = cfg.diag in ("", "noflag0", "noflag1", *_STAGE_DIAG)
     waits = (flags and cfg.diag != "noflag0", flags and cfg.diag != "noflag1")
     ready = cfg.chunk_ready  # TailConfig.chunk_ready: the producer's waits per K chunk; flag 1 unused
     ready0, ready_step = ready_offsets(d, f), ready_pairs(cfg, d, f)
@@ -528,8 +533,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
     def mma(slot, acc):
         if not interpret:
-            return mg.mma_stage(g, KT, mp, "", cfg.mma_chains)(w_smem.at[slot, rt], sz_smem.at[slot, rt],
-                                                               x_smem.at[slot], acc)
+            stage = mg.mma_stage(g, KT, mp, _STAGE_DIAG.get(cfg.diag, ""), cfg.mma_chains)
+            return stage(w_smem.at[slot, rt], sz_smem.at[slot, rt], x_smem.at[slot], acc)
         for kb in range(KT // lay.KB):  # the twin: dequantize with the register kernel's arithmetic, f32 dot
             a = mg.twin_dequant(w_smem.at[slot, rt, kb][...].reshape(lay.THREADS, lay.WORDS),
                                 sz_smem.at[slot, rt, kb // (c // lay.KB)][...], g, kb)
