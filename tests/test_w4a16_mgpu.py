@@ -302,6 +302,110 @@ def test_mma_path_replay_matches_layout(g, mp):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("g,mp", [(32, 8), (64, 8), (128, 16)])
+def test_scaled_path_replay_matches_record_weights(g, mp):
+    """`MgpuConfig.dequant="scaled"` replayed for one warpgroup and stage: the codes through `_CODES_ASM`
+    (128 + U, the MMA's A), the records through `_SCALE_F32_ASM` (float32 s and c = zc - 136 s), the
+    group's product and its sum of x (A = ones) as m16n8k16 MMAs, and at each group's last k step
+    acc = fma(s, G, fma(c, X, acc)) in float32, in the WGMMA layout: the result must be x @ W for the
+    records' exact weights (`layout.dequantize_f32`, not rounded to bf16). Bound: the float32 roundings of
+    the group terms, each within 2^-24 of the magnitudes they add (|s| 143 sum |x| and |c| sum |x|); a c
+    formed with 128 instead of 136 is off by 8 |s| sum x, far outside it."""
+    kt, n = 2 * max(64, g), 64
+    p = lay.pack_quantized(_qweight(14, (), kt, n, g))
+    want = np.asarray(lay.dequantize_f32(p), np.float64).T @ np.asarray(
+        _x(15, mp, kt).astype(jnp.float32), np.float64).T  # [64, M_pad]
+    x16 = np.asarray(_x(15, mp, kt))
+    ximg = _swizzled_x_image(x16, kt)
+    w_stage = np.asarray(p.qw)[0].reshape(-1)
+    s_stage = np.asarray(p.sz)[0].reshape(-1)
+    bf = lambda v: np.array([v & 0xFFFF, v >> 16], np.uint16).view(jnp.bfloat16).astype(np.float64)  # noqa: E731
+    f32 = lambda v: float(np.float32(v))  # noqa: E731  (one float32 rounding)
+    u2f = lambda v: float(np.array([v], np.uint32).view(np.float32)[0])  # noqa: E731
+    elements = _wgmma_elements(mp)
+    got = np.full((64, mp), np.nan)
+    bound = np.zeros((64, mp))
+    for warp in range(4):
+        run = np.zeros((32, mp // 8, 4))  # per lane: the running float32 sums c0..c3 of each n tile
+        mag = np.zeros((32, mp // 8, 4))
+        gacc, xsum, xabs = (np.zeros((32, mp // 8, 4)) for _ in range(3))  # the open group's, per n tile
+        for kb in range(kt // 64):
+            kc, nrec, word_group = mg.block_plan(g, kb)
+            for ct in range(mp // 8):
+                b_regs = np.zeros((32, 4, 2), np.int64)  # lane, k16 step j, (b0, b1)
+                for j0 in (0, 2):
+                    rows = [mg.x_fragment_offset(ct, kb, j0, lane, kt) for lane in range(32)]
+                    for lane in range(32):
+                        for q in range(4):
+                            a = rows[8 * q + lane // 4] + 4 * (lane % 4)
+                            b_regs[lane, j0 + q // 2, q % 2] = int(ximg[a:a + 4].view(np.uint32)[0])
+                for j in range(4):
+                    col = 64 * kb + 16 * j
+                    if col % g == 0:
+                        gacc[:, ct], xsum[:, ct], xabs[:, ct] = 0, 0, 0
+                    A, B, ONES = np.zeros((16, 16)), np.zeros((16, 8)), np.ones((16, 16))
+                    for lane in range(32):
+                        gg, c = lane // 4, lane % 4
+                        words = [int(v) for v in w_stage[mg.word_offset(kb, 32 * warp + lane) // 4:][:4]]
+                        regs = ptx_emu.run(mg._CODES_ASM, [0, 0, 0, 0, words[j]])
+                        for pp, (r, k) in enumerate(((gg, 2 * c), (gg + 8, 2 * c), (gg, 2 * c + 8), (gg + 8, 2 * c + 8))):
+                            A[r, k:k + 2] = bf(int(regs[pp]))
+                        B[2 * c:2 * c + 2, gg] = bf(int(b_regs[lane, j, 0]))
+                        B[2 * c + 8:2 * c + 10, gg] = bf(int(b_regs[lane, j, 1]))
+                    assert A.min() >= 128 and A.max() <= 143 and np.all(A == np.round(A))  # 128 + U exactly
+                    D, X, XA = A @ B, ONES @ B, ONES @ np.abs(B)
+                    for lane in range(32):
+                        gg, c = lane // 4, lane % 4
+                        for t, (r, cc) in enumerate(((gg, 2 * c), (gg, 2 * c + 1), (gg + 8, 2 * c), (gg + 8, 2 * c + 1))):
+                            gacc[lane, ct, t] += D[r, cc]
+                            xsum[lane, ct, t] += X[r, cc]
+                            xabs[lane, ct, t] += XA[r, cc]
+                    if (col + 16) % g:
+                        continue
+                    for lane in range(32):  # the group's last k step: its records, then the two fmas
+                        recs = [int(v) for v in s_stage[mg.record_offset(kc, 32 * warp + lane, nrec) // 4:][:nrec]]
+                        sc = [[u2f(v) for v in ptx_emu.run(mg._SCALE_F32_ASM, [0, 0, recs[2 * word_group[j] + e]])]
+                              for e in range(2)]
+                        for t in range(4):
+                            sf, cf = sc[t // 2]
+                            run[lane, ct, t] = f32(sf * gacc[lane, ct, t] + f32(cf * xsum[lane, ct, t] + run[lane, ct, t]))
+                            mag[lane, ct, t] += (abs(sf) * 143 + abs(cf)) * xabs[lane, ct, t]
+        for lane in range(32):
+            for ct in range(mp // 8):
+                for h in range(2):
+                    row, col = elements[(warp, lane, ct, h)]
+                    got[row, col: col + 2] = run[lane, ct, 2 * h: 2 * h + 2]
+                    bound[row, col: col + 2] = mag[lane, ct, 2 * h: 2 * h + 2]
+    assert not np.isnan(got).any()
+    err = np.abs(got - want)
+    assert np.all(err <= 4 * 2.0 ** -24 * bound), float(np.max(err / np.maximum(bound, 1e-30)))
+
+
+def test_scaled_path_asm_assembles(tmp_path):
+    """The "scaled" path's PTX (`_CODES_ASM`, `_SCALE_F32_ASM`, `_FMA_F32_ASM`, with `_MMA_ASM` on the ones
+    operand) assembles for sm_90a with its operands bound as the kernel's constraints bind them."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas is not on the PATH")
+    blocks = [(mg._CODES_ASM, "rrrrr"), (mg._SCALE_F32_ASM, "rrr"), (mg._FMA_F32_ASM, "ffff"),
+              (mg._MMA_ASM, "ffffrrrrrrffff")]
+    body = ["mov.b32 %r0, 0;", "mov.f32 %f0, 0f00000000;"]
+    for asm, kinds in blocks:
+        a = asm
+        for k in reversed(range(len(kinds))):  # $13 before $1
+            a = a.replace(f"${k}", "%r0" if kinds[k] == "r" else "%f0")
+        assert "$" not in a, a
+        body.append(a if a.startswith("{") else "{\n" + a + "\n}")
+    src = tmp_path / "t.ptx"
+    src.write_text(".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k() {\n.reg .b32 %r<2>;\n"
+                   ".reg .f32 %f<2>;\n" + "\n".join(body) + "\nret;\n}\n")
+    r = subprocess.run(["ptxas", "-arch=sm_90a", str(src), "-o", str(tmp_path / "t.cubin")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+
+
 # ------------------------------------------------------------------ the twin, interpret mode
 def _check_twin(seed: int, m: int, g: int, kt: int, splits: int, n: int = 64, tma_view: str = "thread") -> None:
     k = 2 * splits * max(kt, g)
@@ -686,6 +790,43 @@ def test_register_kernel_lowers_for_cuda(g, lead, cfg, m, variant):
         x, w, layer=layer if lead else None, config=cfg, variant=variant, interpret=False))
     text = _lower(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w, layer)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("g,m,cfg,norm", [
+    (32, 1, mg.MgpuConfig(wgs=1, k_tile=256, dequant="scaled"), False),
+    (128, 13, mg.MgpuConfig(wgs=2, k_tile=256, splits=2, reduce="cluster", dequant="scaled"), False),
+    (64, 1, mg.MgpuConfig(wgs=1, k_tile=256, k_groups=2, dequant="scaled"), False),
+    (32, 32, mg.MgpuConfig(wgs=2, k_tile=192, dequant="scaled"), True),  # SmolLM2's K 576: the consumer norm
+])
+def test_scaled_dequant_lowers_for_cuda(g, m, cfg, norm):
+    """`MgpuConfig.dequant="scaled"` (codes into the MMA, the scales after it) lowers for CUDA without a GPU:
+    plain, split-K in a cluster, k groups, and with the fused norm in the consumers and SiLU·up."""
+    k, n = (576, 512) if norm else (1024, 256)
+    c = max(64, g)
+    w = lay.W4A16Packed(qw=jax.ShapeDtypeStruct((n // 64, k // 64, 128, 4), jnp.uint32),
+                        sz=jax.ShapeDtypeStruct((n // 64, k // c, 64 * c // g), jnp.uint32), group_size=g)
+    kw = dict(norm_weight=jnp.ones((k,), jnp.bfloat16), swiglu=True) if norm else {}
+    f = lambda x, w: mg.int4_matmul_mgpu(x, w, config=cfg, variant="mma", interpret=False, **kw)  # noqa: E731
+    assert "mosaic_gpu" in _lower(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w)
+
+
+def test_scaled_dequant_refuses_other_paths(monkeypatch):
+    """"scaled" runs in the register "mma" kernel on the GPU only: the twin, the wgmma variant and a bad
+    $QSPEC_W4A16_DEQUANT say so by name instead of computing something else."""
+    p = lay.pack_quantized(_qweight(3, (), 256, 64, 32))
+    x = _x(4, 2, 256)
+    cfg = mg.MgpuConfig(wgs=1, k_tile=64, dequant="scaled")
+    with pytest.raises(ValueError, match="dequant='scaled' runs in the INT4 register kernel on the GPU only"):
+        mg.int4_matmul_mgpu(x, p, config=cfg, variant="smem", interpret=True)
+    with pytest.raises(ValueError, match="variant='wgmma'"):
+        _lower(lambda x, p: mg.int4_matmul_mgpu(x, p, config=cfg, variant="wgmma", interpret=False), x, p)
+    with pytest.raises(ValueError, match=r"dequant='int8'; expected one of \('bf16', 'scaled'\)"):
+        mg.int4_matmul_mgpu(x, p, config=cfg.replace(dequant="int8"), variant="smem", interpret=True)
+    monkeypatch.setenv("QSPEC_W4A16_DEQUANT", "fast")
+    with pytest.raises(ValueError, match="QSPEC_W4A16_DEQUANT='fast'"):
+        mg.default_config(256, 64, 32)
+    monkeypatch.setenv("QSPEC_W4A16_DEQUANT", "scaled")
+    assert mg.default_config(256, 64, 32).dequant == "scaled" and mg.default_config(256, 64, None).dequant == "bf16"
 
 
 @pytest.mark.parametrize("cfg,swiglu", [(None, False), (mg.MgpuConfig(wgs=1, k_tile=128, splits=4, reduce="cluster"),
