@@ -135,14 +135,6 @@ class MgpuConfig:
     # and no global sum (the split-K sums cost a kernel or a cluster barrier); changes the float32
     # summation order only (fixed per config, never dependent on M). 1: one warpgroup per row tile.
     k_groups: int = 1
-    # How the "mma" kernel applies the INT4 scales (`mma_stage`): "bf16" forms each weight in bf16 before
-    # the MMA (fma(U - 8, s, zc): a subtraction and an fma per bf16 pair, `layout.dequantize_bf16`'s
-    # weight); "scaled" multiplies the codes (128 + U) and applies s and zc per scale group to float32
-    # sums after the MMA (`layout.dequantize_f32`'s weight, no bf16 rounding of it). Why: in the 8B's
-    # draft step (H200, 2026-12-04, batch 1, 4k) the INT4 linears take 1.881 ms, 1.625 with the MMAs on
-    # the raw codes (diag "mma_raw": no dequantization at all) and 1.523 with the ring alone
-    # (docs/kernel_notes.md, forty-first session). GPU and "mma" only; QSPEC_W4A16_DEQUANT sets the default.
-    dequant: str = "bf16"
 
     def replace(self, **kw: Any) -> "MgpuConfig":
         return dataclasses.replace(self, **kw)
@@ -448,8 +440,7 @@ def tuned_config(k: int, n: int, group_size: int | None, *, device_kind: str | N
             if (red == "cluster" and reduce != "cluster") or not epilogue_allows(epilogue, wgs, splits, red):
                 return None
             return MgpuConfig(wgs=wgs, k_tile=kt, splits=splits, reduce=red, stages=stages, tma_view=_tma_view(),
-                              pdl=_pdl(), mma_chains=_mma_chains(), k_groups=kg,
-                              dequant=default_dequant() if group_size is not None else "bf16")
+                              pdl=_pdl(), mma_chains=_mma_chains(), k_groups=kg)
     return None
 
 
@@ -467,17 +458,7 @@ def _pdl() -> bool:
 
 
 MMA_CHAINS = (1, 2, 4)  # the values `MgpuConfig.mma_chains` takes (a power of two dividing KT/16 >= 4)
-DEQUANTS = ("bf16", "scaled")  # the values `MgpuConfig.dequant` takes
 K_GROUPS = (1, 2, 4)  # the values `MgpuConfig.k_groups` takes
-
-
-def default_dequant() -> str:
-    """The INT4 "mma" kernel's `MgpuConfig.dequant` in the launch shapes `default_config` gives:
-    $QSPEC_W4A16_DEQUANT (bf16 | scaled; for A/B runs), else the field's default."""
-    v = os.environ.get("QSPEC_W4A16_DEQUANT", MgpuConfig.dequant)
-    if v not in DEQUANTS:
-        raise ValueError(f"QSPEC_W4A16_DEQUANT={v!r}; expected one of {DEQUANTS}")
-    return v
 
 
 def _mma_chains() -> int:
@@ -521,7 +502,7 @@ def default_config(k: int, n: int, group_size: int | None, *, num_sms: int | Non
                     continue
                 cfg = MgpuConfig(wgs=wgs, k_tile=kt, splits=s, reduce=reduce,
                                  stages=4 if kind == "int4" else 6, tma_view=tma_view, pdl=pdl,
-                                 mma_chains=chains, dequant=default_dequant() if kind == "int4" else "bf16")
+                                 mma_chains=chains)
                 key = (round(predicted_us(k, n, group_size, cfg, sms), 1), s, -wgs, -kt)
                 if best_key is None or key < best_key:
                     best, best_key = cfg, key
@@ -546,16 +527,17 @@ def _T(ref: Any) -> Any:
 # PTX per uint32 word of 8 codes -> 4 bf16x2 A registers. Pair p is bits 4p and 16 + 4p. lop3 LUT
 # 0xEA = (a & b) | c gives the bf16 pair 0x4300 | U = 128 + U exactly; 0x4308 = 136 removes
 # 128 + 8 (exact: small integers), and one fma applies (s, z + 8 s) of the pair's row.
-# The four pairs' code extraction (bf16x2 128 + U into t0 .. t3), shared by both dequantizations below.
-_NIBBLES_ASM = """lop3.b32 t0, $4, 0x000F000F, 0x43004300, 0xEA;
+_CONVERT_ASM = """{
+.reg .b32 t<4>, m;
+mov.b32 m, 0x43084308;
+lop3.b32 t0, $4, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 t1, $4, 4;
 lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 t2, $4, 8;
 lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 t3, $4, 12;
 lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xEA;
-"""
-_CONVERT_ASM = ("{\n.reg .b32 t<4>, m;\nmov.b32 m, 0x43084308;\n" + _NIBBLES_ASM + """sub.bf16x2 t0, t0, m;
+sub.bf16x2 t0, t0, m;
 sub.bf16x2 t1, t1, m;
 sub.bf16x2 t2, t2, m;
 sub.bf16x2 t3, t3, m;
@@ -563,17 +545,7 @@ fma.rn.bf16x2 $0, t0, $5, $6;
 fma.rn.bf16x2 $1, t1, $7, $8;
 fma.rn.bf16x2 $2, t2, $5, $6;
 fma.rn.bf16x2 $3, t3, $7, $8;
-}""")
-# `MgpuConfig.dequant` "scaled": the codes alone, 128 + U exactly (the A operand; the word is $4 as in
-# _CONVERT_ASM), and per scale record the float32 pair (s, c = zc - 136 s): s x (the MMA over
-# 128 + U) + c x (the sum of x over the group) = sum x ((U - 8) s + zc), the weight of `layout.dequantize_f32`
-# (the record's s and zc are bf16, so s and 136 s are exact in float32 and c is rounded once).
-_CODES_ASM = ("{\n.reg .b32 t<4>;\n" + _NIBBLES_ASM
-              + "mov.b32 $0, t0;\nmov.b32 $1, t1;\nmov.b32 $2, t2;\nmov.b32 $3, t3;\n}")
-_SCALE_F32_ASM = ("{\n.reg .b32 z;\n.reg .f32 sf, zf;\nshl.b32 $0, $2, 16;\nand.b32 z, $2, 0xFFFF0000;\n"
-                  "mov.b32 sf, $0;\nmov.b32 zf, z;\nfma.rn.f32 zf, sf, 0fC3080000, zf;\nmov.b32 $1, zf;\n}")
-_FMA_F32_ASM = "fma.rn.f32 $0, $1, $2, $3;"
-_ONES_BF16X2 = 0x3F803F80  # (1.0, 1.0): the A operand whose MMA sums x over the k step
+}"""
 # One scale record (bf16 s | bf16 zc << 16, the layout's kernel pair) -> bf16x2 (s, s) and (zc, zc):
 # two byte permutes (layout version 1 stored float16 scale / zero: five instructions per record).
 _SCALE_ASM = "prmt.b32 $0, $2, 0, 0x1010;\nprmt.b32 $1, $2, 0, 0x3232;"
@@ -759,7 +731,7 @@ def takes_norm_sums(k: int, n: int, group_size: int | None, m: int, *, swiglu: b
 
 
 def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: bool = False, gain: bool = True,
-              sq: bool = True, dequant: str = "bf16"):
+              sq: bool = True):
     """inline_mgpu function: one pipeline stage of the register kernel with warp-level MMAs.
 
     (w_ref uint32 [KT/64, 128, 4] (or its TMA view), sz_ref uint32 [KT/C, 64 C/G], x_ref bf16 [M_pad, KT] (8 x 64
@@ -787,19 +759,7 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
     g_ref operand and no multiply, the norm without weight, `Epilogue.gain`; `sq` False: no ssq
     operand, no chains, and only acc returned: the sums come in, `Epilogue.sums`). (Two or four
     chains per tile, summed pairwise after the loop, were measured on the H200 and gained nothing:
-    docs/kernel_notes.md, twenty-seventh session.)
-
-    `dequant` (`MgpuConfig.dequant`): "bf16" as above; "scaled" multiplies the codes themselves (128 + U,
-    `_CODES_ASM`: no bf16 subtraction or fma per pair) into a float32 accumulator per scale group and column
-    tile, sums x over the group with a second MMA (A = ones), and at the group's last k step folds both into
-    the running sum with the record's float32 (s, c) (`_SCALE_F32_ASM`): acc = fma(s, G, fma(c, X, acc)) per
-    element, in this order. The chains are then the groups (`chains` unused); diagnostics other than
-    "stream" are the "bf16" path's."""
-    if dequant not in DEQUANTS or (dequant == "scaled" and diag not in ("", "stream")):
-        raise ValueError(f"dequant={dequant!r}, diag={diag!r}: dequant one of {DEQUANTS}, 'scaled' with no "
-                         "diagnostic but 'stream'")
-    scaled = dequant == "scaled"
-    chains = 1 if scaled else chains
+    docs/kernel_notes.md, twenty-seventh session.)"""
     g = group_size
     nkb = kt // lay.KB
     nct = mp // 8
@@ -848,9 +808,6 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
         c_acc = [[[cur[(ct, i)] for i in range(4)] for ct in range(nct)]]
         c_acc += [[[zero] * 4 for _ in range(nct)] for _ in range(chains - 1)]
         sink = mu.c(0, i32)  # diagnostics: values folded in so the work is not dead code
-        g_acc: dict[int, list[list[Any]]] = {}  # "scaled": scale group -> its column tiles' products
-        x_sum: dict[int, list[list[Any]]] = {}  # "scaled": scale group -> its column tiles' sums of x
-        ones = mu.c(_ONES_BF16X2, i32)
         for kb in range(nkb if diag != "stream" else 0):
             kc, nrec, word_group = block_plan(g, kb)
             words = _ld_shared(arith.addi(w_base, mu.c(word_offset(kb, 0), i32)), lay.WORDS)
@@ -888,37 +845,6 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                 for v in (*words, *recs, *(b for bb in b_frag.values() for b in bb)):
                     sink = arith.xori(sink, v)
                 continue
-            if scaled:
-                for j in range(lay.WORDS):
-                    col = kb * lay.KB + 16 * j  # the k step's first column in the stage; its scale group:
-                    gid = col // g
-                    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [words[j]], _CODES_ASM,
-                                          "=r,=r,=r,=r,r", has_side_effects=False)
-                    a = [llvm.extractvalue(i32, res, [p]) for p in range(4)]
-                    if gid not in g_acc:  # the group's products and its x sums start at zero
-                        g_acc[gid] = [[zero] * 4 for _ in range(nct)]
-                        x_sum[gid] = [[zero] * 4 for _ in range(nct)]
-                    for ct in range(nct):
-                        g_acc[gid][ct] = _mma_sync(a, b_frag[(ct, j)], g_acc[gid][ct])
-                        x_sum[gid][ct] = _mma_sync([ones] * 4, b_frag[(ct, j)], x_sum[gid][ct])
-                    if (col + 16) % g:
-                        continue
-                    # the group's last k step: records (row g, row g + 8 of the warp's 16) -> float32 (s, c)
-                    sc = []
-                    for e in range(2):
-                        res = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [recs[2 * word_group[j] + e]],
-                                              _SCALE_F32_ASM, "=r,=r,r", has_side_effects=False)
-                        sc.append([arith.bitcast(f32, llvm.extractvalue(i32, res, [v])) for v in range(2)])
-                    run = c_acc[0]
-                    for ct in range(nct):
-                        for t in range(4):  # accumulator element t: row half t // 2, column 2 (lane % 4) + t % 2
-                            sf, cf = sc[t // 2]
-                            inner = llvm.inline_asm(f32, [cf, x_sum[gid][ct][t], run[ct][t]], _FMA_F32_ASM,
-                                                    "=f,f,f,f", has_side_effects=False)
-                            run[ct][t] = llvm.inline_asm(f32, [sf, g_acc[gid][ct][t], inner], _FMA_F32_ASM,
-                                                         "=f,f,f,f", has_side_effects=False)
-                    del g_acc[gid], x_sum[gid]
-                continue
             for j in range(lay.WORDS):
                 if diag == "mma_raw":
                     a = [words[j], words[(j + 1) % 4], words[(j + 2) % 4], words[(j + 3) % 4]]
@@ -934,7 +860,10 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                     continue
                 chain = c_acc[plan[lay.WORDS * kb + j]]
                 for ct in range(nct):
-                    chain[ct] = _mma_sync(a, b_frag[(ct, j)], chain[ct])
+                    out = llvm.inline_asm(
+                        llvm.StructType.get_literal([f32] * 4), [*a, *b_frag[(ct, j)], *chain[ct]], _MMA_ASM,
+                        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False)
+                    chain[ct] = [llvm.extractvalue(f32, out, [t]) for t in range(4)]
         for extra in c_acc[1:]:  # ((c0 + c1) + c2) + ...
             for ct in range(nct):
                 c_acc[0][ct] = [arith.addf(u, v) for u, v in zip(c_acc[0][ct], extra[ct])]
@@ -948,16 +877,6 @@ def mma_stage(group_size: int, kt: int, mp: int, diag: str, chains: int, norm: b
                                  lambda ct, h, e: chain_sq[ct] if (h, e) == (0, 0) else zero)
 
     return fn
-
-
-def _mma_sync(a: list[Any], b: tuple[Any, Any], c: list[Any]) -> list[Any]:
-    """One `mma.sync.m16n8k16` (inside an inline_mgpu function): the A registers a (4 x bf16x2), the B
-    registers b (2 x bf16x2), the float32 accumulator c (4) -> d (4)."""
-    ir, _, llvm, _, _, _ = _mgpu_modules()
-    f32 = ir.F32Type.get()
-    out = llvm.inline_asm(llvm.StructType.get_literal([f32] * 4), [*a, *b, *c], _MMA_ASM,
-                          "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False)
-    return [llvm.extractvalue(f32, out, [t]) for t in range(4)]
 
 
 def wgmma_element(arr: Any, ct: int, h: int, e: int) -> Any:
@@ -1260,7 +1179,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
             n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
             k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1, k_groups: int = 1,
-            cn: bool = False, dequant: str = "bf16"):
+            cn: bool = False):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
     `epi` the fused glue (`Epilogue`; `cn`: the norm in the consumers, `norm_in_consumers`, decided by
     `_call`, which sizes the barriers and scratch for it; `norm_ahead`: `MgpuConfig.norm_ahead`; `k_groups`:
@@ -1612,11 +1531,11 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
                 ops = (w_smem.at[slot, rt], sz_smem.at[slot, rt], x_smem.at[slot])
                 if cn:  # carry: (acc, the x^2 chains), or acc where the sums come in
                     sq = not epi.sums
-                    out = mma_stage(g, kt, mp, diag, mma_chains, norm=True, gain=epi.gain, sq=sq, dequant=dequant)(
+                    out = mma_stage(g, kt, mp, diag, mma_chains, norm=True, gain=epi.gain, sq=sq)(
                         *ops, *((g_smem.at[slot],) if epi.gain else ()), *(carry if sq else (carry,)))
                     carry = out
                 else:
-                    carry = mma_stage(g, kt, mp, diag, mma_chains, dequant=dequant)(*ops, carry)
+                    carry = mma_stage(g, kt, mp, diag, mma_chains)(*ops, carry)
                 plgpu.barrier_arrive(empty.at[slot])
                 return carry
 
@@ -1864,9 +1783,6 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
     if cfg.norm_ahead < 1:
         raise ValueError(f"norm_ahead={cfg.norm_ahead}: the norm pass runs at least one step ahead (>= 1)")
-    if cfg.dequant != "bf16" and (kind != "int4" or variant != "mma" or interpret):
-        raise ValueError(f"dequant={cfg.dequant!r} runs in the INT4 register kernel on the GPU only (variant 'mma'); "
-                         f"got kind={kind!r}, variant={variant!r}, interpret={interpret}")
     if not epilogue_allows(epi, wgs, s, reduce):
         raise ValueError(f"{epi} needs the whole K sum in the kernel (splits == 1, the cluster or the 'sem' sum; "
                          f"swiglu: wgs == 2); got wgs={wgs}, splits={s}, reduce={reduce!r}")
@@ -1968,8 +1884,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
-        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn,
-        dequant=cfg.dequant)
+        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()
@@ -2039,8 +1954,6 @@ def _check_cfg(cfg: MgpuConfig, k: int, n: int, c: int) -> None:
         raise ValueError(f"diag={cfg.diag!r}; expected one of {DIAGNOSTICS}")
     if cfg.mma_chains not in MMA_CHAINS:
         raise ValueError(f"mma_chains={cfg.mma_chains}; expected one of {MMA_CHAINS}")
-    if cfg.dequant not in DEQUANTS:
-        raise ValueError(f"dequant={cfg.dequant!r}; expected one of {DEQUANTS}")
     if cfg.k_groups not in K_GROUPS or (k // (cfg.k_tile * cfg.splits)) % cfg.k_groups:
         raise ValueError(f"k_groups={cfg.k_groups}: expected one of {K_GROUPS}, dividing the "
                          f"{k // (cfg.k_tile * cfg.splits)} k steps of a split (K={k}, k_tile={cfg.k_tile}, "

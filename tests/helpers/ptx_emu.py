@@ -6,9 +6,7 @@ replays the register kernel's per-thread work against the layout's dequantizatio
 Semantics (PTX ISA): lop3 evaluates the 8-bit truth table on (a, b, c) = (0xF0, 0xCC, 0xAA);
 prmt (default mode) builds byte i of d from selector nibble i of c: bits 0-2 pick a byte of the
 8-byte value b:a (a bytes 0-3), bit 3 replicates that byte's sign bit; bf16x2 arithmetic rounds
-to nearest even once (computed exactly in float64 first: exact for the operand widths used here);
-fma.rn.f32 likewise rounds a * b + c to float32 once (its operands as the kernel's: bf16-wide s, 136 and zc,
-whose product and sum float64 holds exactly); 0fXXXXXXXX is a float32 literal's bits.
+to nearest even once (computed exactly in float64 first: exact for the operand widths used here).
 """
 
 from __future__ import annotations
@@ -17,6 +15,10 @@ import ml_dtypes
 import numpy as np
 
 _BF16 = ml_dtypes.bfloat16
+
+
+def _imm(tok: str) -> int:
+    return int(tok, 0)
 
 
 def _bf16_pair(u: int) -> tuple[float, float]:
@@ -30,20 +32,6 @@ def _pack_bf16(lo: float, hi: float) -> int:
     return int(b[0]) | (int(b[1]) << 16)
 
 
-def _f32(u: int) -> float:
-    return float(np.array([u & 0xFFFFFFFF], np.uint32).view(np.float32)[0])
-
-
-def _f32_bits(v: float) -> int:
-    return int(np.array([v], np.float64).astype(np.float32).view(np.uint32)[0])
-
-
-def _imm(tok: str) -> int:
-    if tok.startswith("0f"):  # a float32 literal's bits
-        return int(tok[2:], 16)
-    return int(tok, 0)
-
-
 def run(asm: str, args: list[int]) -> list[int]:
     """Executes `asm` with $i = args[i] for inputs; returns the values of the $ outputs, in order
     of first assignment (the asm's output operands come first, as in the kernel's constraints)."""
@@ -52,9 +40,8 @@ def run(asm: str, args: list[int]) -> list[int]:
 
     def get(tok: str):
         tok = tok.strip()
-        if tok.startswith("$"):  # an output reads back what the asm wrote to it
-            i = int(tok[1:])
-            return outs[i] if i in outs else args[i]
+        if tok.startswith("$"):
+            return args[int(tok[1:])]
         if tok in regs:
             return regs[tok]
         return _imm(tok)
@@ -95,13 +82,6 @@ def run(asm: str, args: list[int]) -> list[int]:
             put(ops[0], r)
         elif op == "shr.u32":
             put(ops[0], (int(get(ops[1])) & 0xFFFFFFFF) >> int(get(ops[2])))
-        elif op == "shl.b32":
-            put(ops[0], (int(get(ops[1])) << int(get(ops[2]))) & 0xFFFFFFFF)
-        elif op == "and.b32":
-            put(ops[0], int(get(ops[1])) & int(get(ops[2])) & 0xFFFFFFFF)
-        elif op == "fma.rn.f32":
-            a, b, c = (_f32(int(get(t))) for t in ops[1:4])
-            put(ops[0], _f32_bits(a * b + c))
         elif op == "sub.bf16x2":
             a, b = _bf16_pair(int(get(ops[1]))), _bf16_pair(int(get(ops[2])))
             put(ops[0], _pack_bf16(a[0] - b[0], a[1] - b[1]))

@@ -47,11 +47,6 @@ from qspec_jax.bench import w4a16 as bench  # noqa: E402
 from qspec_jax.bench.timing import read_ceiling_bps  # noqa: E402
 
 CHECK_SHAPES = {**bench.LLAMA31_8B_FUSED, **bench.SMOLLM2_FUSED}
-# The INT4 kernels' own weight (the tight references): rounded to bf16 before the MMA, or with
-# $QSPEC_W4A16_DEQUANT=scaled the records' float32 weight (`MgpuConfig.dequant`; the "mma" kernel only)
-SCALED = mg.default_dequant() == "scaled"
-KERNEL_WEIGHT = lay.dequantize_f32 if SCALED else lay.dequantize_bf16
-REGISTER_KERNELS = ("mma",) if SCALED else ("mma", "wgmma")
 DRY = {"interpret": False}  # --cpu-dry-run: the same script logic on the interpret-mode twins
 
 
@@ -75,11 +70,11 @@ def _rel(y, ref) -> float:
 def _ref_int4(x, qw, p):
     """(x @ W_f32, x @ W_bf16) with the weights formed on the host CPU backend (XLA:GPU may
     drop a float32 -> bf16 -> float32 rounding as excess precision) and float64 products: W_f32 =
-    U * scale + zero from the fields, W_bf16 the kernel's own weight from the layout (`KERNEL_WEIGHT`)."""
+    U * scale + zero from the fields, W_bf16 the kernel's own weight from the layout."""
     cpu = jax.devices("cpu")[0]
     pc = jax.device_put(p, cpu)
     w32 = np.asarray(jax.device_put(qw, cpu).dequantize(), np.float64)
-    w16 = np.asarray(KERNEL_WEIGHT(pc).astype(jnp.float32), np.float64)
+    w16 = np.asarray(lay.dequantize_bf16(pc).astype(jnp.float32), np.float64)
     xf = np.asarray(x.astype(jnp.float32), np.float64)
     return jnp.asarray(xf @ w32, jnp.float32), jnp.asarray(xf @ w16, jnp.float32)
 
@@ -104,7 +99,7 @@ def check_correctness(shapes, groups, ms, results, log):
             qw, p = _int4_weight(kw, k, n, g)
             cfg = mg.default_config(k, n, g)
             cfgs = [(cfg, "mma")]
-            if not DRY["interpret"] and not SCALED:
+            if not DRY["interpret"]:
                 cfgs.append((cfg, "wgmma"))
                 cfgs.append((cfg.replace(tma_view="wide"), "mma"))
                 if cfg.splits > 1:
@@ -131,9 +126,8 @@ def check_correctness(shapes, groups, ms, results, log):
                                         s=time.perf_counter() - t0))
                     log(f"int4 {name:9s} G={g:3d} M={m:2d} {bench._mosaic_name(c, kern):30s} rel_f32={e32:.2e} "
                         f"rel_bf16w={e16:.2e} {status} ({time.perf_counter() - t0:.1f} s)")
-                if cfg.splits > 1 and len(outs) == len(cfgs) > 1:  # the two reductions (first and last config)
-                    # sum the same partials in the same order
-                    same = bool(np.array_equal(outs[0].view(np.uint32), outs[-1].view(np.uint32)))
+                if len(outs) == 4:  # the two reductions sum the same partials in the same order
+                    same = bool(np.array_equal(outs[0].view(np.uint32), outs[3].view(np.uint32)))
                     results.append(dict(check="gmem==cluster", shape=name, G=g, M=m, status="ok" if same else "FAIL"))
                     log(f"     gmem == cluster bitwise: {same}")
         # bf16 kernel (no group)
@@ -251,7 +245,7 @@ def _fused_ref(x, p, epi, gw, res, out_dtype):
     cpu = jax.devices("cpu")[0]
     args = jax.device_put((x, p, gw, res), cpu)
     with jax.default_device(cpu):
-        w16 = KERNEL_WEIGHT(args[1]).astype(jnp.float32)
+        w16 = lay.dequantize_bf16(args[1]).astype(jnp.float32)
         return np.asarray(mg.epilogue_reference(args[0], w16, epi, norm_weight=args[2], residual=args[3],
                                                 out_dtype=out_dtype))
 
@@ -299,7 +293,7 @@ def _bf16_swiglu(x, w, cfg, out_dtype):
                                interpret=DRY["interpret"])
 
 
-def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=REGISTER_KERNELS):
+def check_fused(results, log, cases=FUSED_CASES, ms=(1, 16), kernels=("mma", "wgmma")):
     """The fused kernels (issue 32) on fresh random inputs, poisoned outputs:
     norm / swiglu with float32 outputs against `epilogue_reference` on the CPU (the kernel's bf16
     weight; only the float32 summation order differs: <= 1e-4) and bit for bit against a second
