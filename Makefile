@@ -91,7 +91,11 @@ bench: bench-kernel bench-w4a16 bench-profile bench-e2e bench-gamma bench-prefil
 # machine's `bench` stage runs them by name, tools/device/h200_state_gpu.sh). Timed as split on the H200: 2026-12-03,
 # llama3-8b:1 8.6 min (its four contexts with the peers); smollm2:1 2.0 / 2.6 min at 128k / 64k (a call cut before
 # 16k: the SmolLM2 parts are one batch each); 2026-12-02, e2e 8b ~5.5 min, batch ~1.3, profile ~2.7.
-BENCH_KERNEL_PARTS := bench-kernel-8b-b1 bench-kernel-8b-b8 bench-kernel-smollm2-b1 bench-kernel-smollm2-b8
+# The parts after the first run a (shape, batch) pair's contexts in two halves (long: 128k, 64k; short: 16k, 4k;
+# --keep-parts keeps by context): smollm2:1 took 2.0-2.6 min a context on the H200, four did not fit one call.
+BENCH_KERNEL_PARTS := bench-kernel-8b-b1 $(foreach p,8b-b8 smollm2-b1 smollm2-b8,bench-kernel-$(p)-long bench-kernel-$(p)-short)
+BENCH_KERNEL_LONG := --contexts 131072,65536
+BENCH_KERNEL_SHORT := --contexts 16384,4096
 BENCH_W4A16_PARTS := bench-w4a16-m1 bench-w4a16-m8 bench-w4a16-m32
 BENCH_E2E_PARTS := bench-e2e-8b bench-e2e-batch bench-e2e-smollm bench-e2e-memory
 .PHONY: $(BENCH_KERNEL_PARTS) $(BENCH_W4A16_PARTS) $(BENCH_E2E_PARTS)
@@ -99,12 +103,18 @@ BENCH_E2E_PARTS := bench-e2e-8b bench-e2e-batch bench-e2e-smollm bench-e2e-memor
 bench-kernel: $(BENCH_KERNEL_PARTS)
 bench-kernel-8b-b1: $(VENV)/.installed-dev
 	$(BENCH_KERNEL) --combos llama3-8b:1
-bench-kernel-8b-b8: $(VENV)/.installed-dev
-	$(BENCH_KERNEL) --combos llama3-8b:8
-bench-kernel-smollm2-b1: $(VENV)/.installed-dev
-	$(BENCH_KERNEL) --combos smollm2:1
-bench-kernel-smollm2-b8: $(VENV)/.installed-dev
-	$(BENCH_KERNEL) --combos smollm2:8
+bench-kernel-8b-b8-long: $(VENV)/.installed-dev
+	$(BENCH_KERNEL) --combos llama3-8b:8 $(BENCH_KERNEL_LONG)
+bench-kernel-8b-b8-short: $(VENV)/.installed-dev
+	$(BENCH_KERNEL) --combos llama3-8b:8 $(BENCH_KERNEL_SHORT)
+bench-kernel-smollm2-b1-long: $(VENV)/.installed-dev
+	$(BENCH_KERNEL) --combos smollm2:1 $(BENCH_KERNEL_LONG)
+bench-kernel-smollm2-b1-short: $(VENV)/.installed-dev
+	$(BENCH_KERNEL) --combos smollm2:1 $(BENCH_KERNEL_SHORT)
+bench-kernel-smollm2-b8-long: $(VENV)/.installed-dev
+	$(BENCH_KERNEL) --combos smollm2:8 $(BENCH_KERNEL_LONG)
+bench-kernel-smollm2-b8-short: $(VENV)/.installed-dev
+	$(BENCH_KERNEL) --combos smollm2:8 $(BENCH_KERNEL_SHORT)
 
 bench-w4a16: $(BENCH_W4A16_PARTS)
 bench-w4a16-m1: $(VENV)/.installed-dev

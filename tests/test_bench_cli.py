@@ -554,9 +554,10 @@ def test_gpu_benches_record_xla_out_of_memory(argv: list[str], json_file: str | 
 
 def test_kernel_keep_parts_keeps_the_pairs_not_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`qspec-bench kernel --keep-parts` (how `make bench-kernel` splits into ten-minute calls):
-    the rows and skip notes of the (shape, batch) pairs this run does not measure are kept from
-    the kernel_bench.json in --out, marked with the run that measured them (kept through later
-    runs), and the report names that run; a file there that is not a kernel result is refused."""
+    the rows and skip notes of the (shape, batch, context) cases this run does not measure are kept
+    from the kernel_bench.json in --out, marked with the run that measured them (kept through later
+    runs), and the report names that run, by context where this run measured the pair's other
+    contexts; a file there that is not a kernel result is refused."""
     from qspec_jax.bench import kernel
 
     row = dict(variant="ours-dense", config="default", t=1, ctx=4096, s=1e-4, bytes=4e8, best=True)
@@ -567,9 +568,10 @@ def test_kernel_keep_parts_keeps_the_pairs_not_measured(tmp_path: Path, capsys: 
            "skipped": ["llama3-8b B=1 ctx=131072: does not fit in memory",
                        "smollm2 B=8 ctx=131072: does not fit in memory"]}
     path = tmp_path / "kernel_bench.json"
-    assert kernel.kept_rows(path, [("llama3-8b", 1)]) == ([], [])  # no earlier run
+    measured = [("llama3-8b", 1, 4096), ("llama3-8b", 1, 131072)]
+    assert kernel.kept_rows(path, measured) == ([], [])  # no earlier run
     path.write_text(json.dumps(old))
-    rows, skipped = kernel.kept_rows(path, [("llama3-8b", 1)])
+    rows, skipped = kernel.kept_rows(path, measured)
     assert [(r["shape"], r["batch"]) for r in rows] == [("smollm2", 8), ("smollm2", 1)]
     assert rows[0]["kept_from"] == {"command": "qspec-bench kernel --combos x", "date": "2026-01-02 03:04:05 UTC"}
     assert rows[1]["kept_from"] == {"command": "first", "date": "d0"}
@@ -578,6 +580,14 @@ def test_kernel_keep_parts_keeps_the_pairs_not_measured(tmp_path: Path, capsys: 
     assert "Rows of smollm2 B=8 kept from an earlier run (2026-01-02 03:04:05 UTC): `qspec-bench kernel --combos x`." in md
     assert "Rows of smollm2 B=1 kept from an earlier run (d0): `first`." in md
     assert md.count("| ours-dense |") == 3 and "llama3-8b B=1 kept" not in md
+    # a part that measures one context of a pair keeps the pair's other contexts and the skip notes of those
+    rows, skipped = kernel.kept_rows(path, [("llama3-8b", 1, 131072)])
+    assert [(r["shape"], r["batch"], r["ctx"]) for r in rows] == [("llama3-8b", 1, 4096), ("smollm2", 8, 4096),
+                                                                  ("smollm2", 1, 4096)]
+    assert skipped == ["smollm2 B=8 ctx=131072: does not fit in memory"]
+    md = kernel.markdown({**old, "command": "now", "rows": [{**row, "ctx": 131072, "shape": "llama3-8b", "batch": 1},
+                                                            *rows]})
+    assert "Rows of llama3-8b B=1 ctx=4096, smollm2 B=8 kept from an earlier run (2026-01-02 03:04:05 UTC)" in md
     path.write_text("not json")
     with pytest.raises(ValueError, match="is not a qspec-bench kernel result"):
         kernel.kept_rows(path, [])

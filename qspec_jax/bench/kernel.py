@@ -319,9 +319,10 @@ def markdown(result: dict) -> str:
         "without the query preparation, merge and launch gaps, and its % of the ceiling.",
     ]
     origins: dict[tuple[str, str], list[str]] = {}  # rows kept from earlier runs (--keep-parts), by run
+    fresh = {(r["shape"], r["batch"]) for r in result["rows"] if "kept_from" not in r}
     for r in result["rows"]:
-        if "kept_from" in r:
-            pair = f"{r['shape']} B={r['batch']}"
+        if "kept_from" in r:  # "shape B=b", or "shape B=b ctx=c" where this run measured other contexts of it
+            pair = f"{r['shape']} B={r['batch']}" + (f" ctx={r['ctx']}" if (r["shape"], r["batch"]) in fresh else "")
             runs = origins.setdefault((r["kept_from"]["command"], r["kept_from"]["date"]), [])
             if pair not in runs:
                 runs.append(pair)
@@ -424,21 +425,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-ts", type=comma_list(int), default="5,9",
                     help="query tokens T of the Mosaic INT8 verify rows")
     ap.add_argument("--keep-parts", action="store_true",
-                    help="keep the rows of the (shape, batch) pairs this run does not measure from the "
-                         "kernel_bench.json already in --out (`make bench-kernel` runs one pair or two per "
-                         "ten-minute call)")
+                    help="keep the rows of the (shape, batch, context) cases this run does not measure from "
+                         "the kernel_bench.json already in --out (`make bench-kernel` runs one pair, or one "
+                         "pair's contexts in two parts, per ten-minute call)")
     return ap
 
 
-def kept_rows(path: Path, measured: list[tuple[str, int]]) -> tuple[list[dict], list[str]]:
-    """The rows (and skip notes) of an earlier kernel_bench.json at `path` whose (shape, batch) pair
-    this run does not measure, each row marked with `kept_from` (that run's command and date);
-    ([], []) without such a file. A file that is not a kernel bench result is refused by name."""
+def kept_rows(path: Path, measured: list[tuple[str, int, int]]) -> tuple[list[dict], list[str]]:
+    """The rows (and skip notes) of an earlier kernel_bench.json at `path` whose (shape, batch,
+    context) this run does not measure, each row marked with `kept_from` (that run's command and
+    date); ([], []) without such a file. A file that is not a kernel bench result is refused by name."""
     def pick(old: dict[str, Any]) -> tuple[list[dict], list[str]]:
         origin = {"command": old["command"], "date": old["date"]}
         rows = [{**r, "kept_from": r.get("kept_from", origin)} for r in old["rows"]
-                if (r["shape"], r["batch"]) not in measured]
-        skipped = [x for x in old.get("skipped", []) if not any(x.startswith(f"{sh} B={b} ") for sh, b in measured)]
+                if (r["shape"], r["batch"], r["ctx"]) not in measured]
+        skipped = [x for x in old.get("skipped", [])
+                   if not any(x.startswith(f"{sh} B={b} ctx={c}:") for sh, b, c in measured)]
         return rows, skipped
 
     return options.kept_from_earlier(path, "kernel", pick, ([], []))
@@ -482,7 +484,8 @@ def _main(argv: list[str] | None) -> int:
     combos = (list(args.combos) if args.combos else [(s_, b) for s_ in shapes for b in batches])
     if args.keep_parts:
         try:
-            result["rows"], result["skipped"] = kept_rows(Path(args.out) / "kernel_bench.json", combos)
+            result["rows"], result["skipped"] = kept_rows(Path(args.out) / "kernel_bench.json",
+                                                          [(sh, b, c) for sh, b in combos for c in contexts])
         except ValueError as e:
             fail(PROG, str(e))
     copy_n = 2 * 2**30 if on_gpu else 2**24

@@ -749,8 +749,9 @@ for stage in ${STAGES:-probe smol 8b}; do
             --steps 4 --trials 2 --dense-matmul $v
         done
       done;;
-    bench)  # `make bench`'s parts by their Makefile targets, BENCH_PARTS of kernel-8b-b1 kernel-8b-b8
-      # kernel-smollm2-b1 kernel-smollm2-b8 w4a16-m1 w4a16-m8 w4a16-m32 profile e2e-8b e2e-batch gamma (one call's
+    bench)  # `make bench`'s parts by their Makefile targets, BENCH_PARTS of kernel-8b-b1 kernel-8b-b8-long
+      # kernel-8b-b8-short kernel-smollm2-b1-long kernel-smollm2-b1-short kernel-smollm2-b8-long
+      # kernel-smollm2-b8-short w4a16-m1 w4a16-m8 w4a16-m32 profile e2e-8b e2e-batch gamma (one call's
       # worth each: the Makefile gives their times), and e2e-smollm after smolsetup (CKPT=/tmp/ckpt, TEXTS=$TX).
       # The Makefile's own commands run in $OUT/bench, a copy of the checkout's docs (the JSON the parts keep each
       # other's results in, BENCHMARKS.md, QUALITY.md), with `qspec-bench` a shim over this checkout and the venv
