@@ -70,7 +70,10 @@ T0=$(date +%s)
 L=$OUT/logs && mkdir -p $L
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $L/gpu.txt
 python3 -c 'import jax, jaxlib; print("jax", jax.__version__, jaxlib.__version__)' | tee -a $L/gpu.txt
+# the device copy's git HEAD can lag the working tree it runs (its .git is not the checkout's latest: 2026-12-04 it
+# named the session's first commit for every call); the count of files that differ from it says so
 git log --oneline -1 2>/dev/null | tee -a $L/gpu.txt
+echo "files differing from that commit: $(git status --short 2>/dev/null | wc -l)" | tee -a $L/gpu.txt
 prof() {  # tag, then qspec-bench profile arguments
   local tag=$1; shift
   timeout ${LIMIT:-200} python3 -m qspec_jax.cli.bench profile --steps 8 --trials 3 --out $OUT/p_$tag "$@" 2>&1 \
