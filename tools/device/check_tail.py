@@ -221,6 +221,8 @@ def main() -> int:
     ap.add_argument("--ms", default="1,8,16")
     ap.add_argument("--ctas-per-sm", default="1", help="comma-separated, each checked and timed")
     ap.add_argument("--k-groups", default="2", help="comma-separated TailConfig.k_groups, each checked and timed")
+    ap.add_argument("--sms", type=int, default=0, help="SMs the grid is sized for (ctas = ctas-per-sm x sms; 0: the "
+                    "device's): fewer CTAs for tiny shapes, whose flags then wait for fewer finishers")
     ap.add_argument("--diags", default="", help="comma-separated TailConfig.diag values also timed (wrong results)")
     ap.add_argument("--no-three", action="store_true", help="do not time the three fused kernels")
     ap.add_argument("--no-full", action="store_true", help="time only the diagnostics (e.g. where the full kernel "
@@ -265,7 +267,7 @@ def main() -> int:
               for q in args.k_groups.split(",") for vals in itertools.product(*lists)]
     for cps, kgs, overrides in combos:
         for m in (int(v) for v in args.ms.split(",")):
-            cfg = tm.default_tail_config(kq, d, f, 32, m, ctas_per_sm=cps, k_groups=kgs)
+            cfg = tm.default_tail_config(kq, d, f, 32, m, ctas_per_sm=cps, k_groups=kgs, num_sms=args.sms or None)
             cfg = cfg.replace(**{f: type(getattr(cfg, f))(v) for f, v in overrides.items() if v is not None})
             if args.chunks:
                 cfg = cfg.replace(chunks=tuple(int(v) for v in args.chunks.split(",")))
