@@ -650,6 +650,16 @@ def test_w4a16_keep_parts_keeps_the_m_values_not_measured(tmp_path: Path, capsys
     assert "Rows of M = 8 kept from an earlier run: `qspec-bench w4a16 --m 8`." in text
     assert "Rows of M = 32 kept from an earlier run: `qspec-bench w4a16 --m 32`." in text and "M = 1 kept" not in text
     assert len(w4a16.summary_rows([{**rec, "M": 1}, *kept])) == 3
+    # a part of one M and one model's shapes (`make bench-w4a16-m1-8b`): the other shapes at that M are kept
+    old["records"].append({**rec, "shape": "s_o", "M": 1})
+    path.write_text(json.dumps(old))
+    kept = w4a16.kept_records(path, (1,), ("o",))
+    assert [(r["shape"], r["M"]) for r in kept] == [("o", 8), ("o", 32), ("s_o", 1)]
+    assert [(r["shape"], r["M"]) for r in w4a16.kept_records(path, (1,))] == [("o", 8), ("o", 32)]
+    text = w4a16.section_text([{**rec, "M": 1}, *kept], "env")
+    assert "Rows of M = 1 (s_o); M = 8 kept from an earlier run: `qspec-bench w4a16 --m 8`." in text
+    # rows by M, then the shapes' table order, whichever run measured them
+    assert [r[0] + str(r[3]) for r in w4a16.summary_rows([*kept, {**rec, "M": 1}])] == ["o1", "s_o1", "o8", "o32"]
     path.write_text(json.dumps({"records": []}))
     with pytest.raises(ValueError, match="is not a qspec-bench w4a16 result"):
         w4a16.kept_records(path, (1,))

@@ -808,21 +808,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the Mosaic config / kernel variants (at the first M only)")
     ap.add_argument("--time-budget", type=float, default=900.0, help="seconds; later configs are skipped")
     ap.add_argument("--keep-parts", action="store_true",
-                    help="keep the records of the M values this run does not measure from the --out file already "
-                         "there (`make bench-w4a16` runs one M per ten-minute call)")
+                    help="keep the records of the (shape, M) pairs this run does not measure from the --out file "
+                         "already there (`make bench-w4a16` runs one M and one model's shapes per ten-minute call)")
     return ap
 
 
-def kept_records(path: Path, m_values: tuple[int, ...]) -> list[dict]:
-    """The records of an earlier `--out` file at `path` whose M this run does not measure (the copy
-    record and SKIPPED lines without an M are not kept), each marked with `kept_from` (that run's
-    command); [] without such a file. A file that is not a W4A16 result is refused by name."""
+def kept_records(path: Path, m_values: tuple[int, ...], shapes: tuple[str, ...] | None = None) -> list[dict]:
+    """The records of an earlier `--out` file at `path` whose (shape, M) this run does not measure
+    (`shapes` None: every shape is measured, so records are kept by M alone; the copy record and
+    SKIPPED lines without an M are not kept), each marked with `kept_from` (that run's command); []
+    without such a file. A file that is not a W4A16 result is refused by name."""
     from qspec_jax.bench import options
+
+    def measured(r: dict) -> bool:
+        return r["M"] in m_values and (shapes is None or r.get("shape") in shapes)
 
     def pick(old: dict[str, Any]) -> list[dict]:
         command = old["meta"]["command"]
         return [{**r, "kept_from": r.get("kept_from", command)} for r in old["records"]
-                if isinstance(r.get("M"), int) and r["M"] not in m_values]
+                if isinstance(r.get("M"), int) and not measured(r)]
 
     return options.kept_from_earlier(path, "w4a16", pick, [])
 
@@ -870,7 +874,7 @@ def _main(argv: list[str] | None) -> int:
         if args.out is None:
             fail(PROG, "--keep-parts needs --out (the file whose other M values are kept)")
         try:
-            kept = kept_records(args.out, tuple(args.m))
+            kept = kept_records(args.out, tuple(args.m), tuple(shapes) if shapes else None)
         except ValueError as e:
             fail(PROG, str(e))
     records = run(shapes=shapes, m_values=tuple(args.m), quick=quick, groups=tuple(args.groups),
@@ -906,7 +910,9 @@ def summary_rows(records: list[dict]) -> list[list[Any]]:
             slot[r["impl"]] = r
     rows = []
     us = lambda d, i: d[i]["ms"] * 1e3 if i in d else float("nan")  # noqa: E731
-    for (shape, g, m), d in by.items():
+    order = {name: i for i, name in enumerate([*BENCH_SHAPES, *QUICK_SHAPES])}
+    # by M, then the shapes' table order (rows kept from earlier parts interleave with this run's)
+    for (shape, g, m), d in sorted(by.items(), key=lambda kv: (kv[0][2], order.get(kv[0][0], len(order)), kv[0][1])):
         b = bf.get((shape, m), {})
         mi = d.get("mosaic_int4")
         rows.append([shape, f"{mi['K'] if mi else ''}x{mi['N'] if mi else ''}", g, m, us(b, "bf16"),
@@ -925,12 +931,18 @@ def section_text(records: list[dict[str, Any]], env_line: str) -> str:
 
     copy = next((x for x in records if x.get("impl") == "d2d_copy"), None)
     copy_txt = f" Device-to-device copy in the same run: {copy['tb_s']:.2f} TB/s;" if copy else ""
-    origins: dict[str, list[int]] = {}  # M values kept from earlier runs (--keep-parts), by command
+    # (shape, M) pairs kept from earlier runs (--keep-parts), by command; an M this run also measured is
+    # named with the shapes kept for it
+    fresh_m = {r["M"] for r in records if "kept_from" not in r and isinstance(r.get("M"), int)}
+    origins: dict[str, dict[int, list[str]]] = {}
     for r in records:
-        if "kept_from" in r and r["M"] not in origins.setdefault(r["kept_from"], []):
-            origins[r["kept_from"]].append(r["M"])
-    kept_txt = "".join(f" Rows of M = {', '.join(map(str, sorted(ms)))} kept from an earlier run: `{cmd}`."
-                       for cmd, ms in origins.items())
+        if "kept_from" in r:
+            shapes = origins.setdefault(r["kept_from"], {}).setdefault(r["M"], [])
+            if r.get("shape") not in shapes:
+                shapes.append(r.get("shape"))
+    kept_txt = "".join(
+        " Rows of " + "; ".join(f"M = {m}" + (f" ({', '.join(by_m[m])})" if m in fresh_m else "") for m in sorted(by_m))
+        + f" kept from an earlier run: `{cmd}`." for cmd, by_m in origins.items())
     headers = ["shape", "K×N", "G", "M", "cuBLAS bf16 µs", "Mosaic bf16 µs", "Mosaic INT4 µs", "Triton INT4 µs",
                "tinygemm µs", "gemlite µs", "INT4 floor µs", "Mosaic INT4 % ceiling", "INT4 vs cuBLAS",
                "INT4 vs tinygemm", "cuBLAS / Mosaic bf16"]

@@ -14,6 +14,8 @@
 #   thread / lane 0 of each warp / thread 0 of each warpgroup, and the flag's own cost without the wait
 #   (w4a16_persistent_probe.py --no-wait; nineteenth session, Next 1)
 #   STAGES="tail": the persistent layer-tail kernel checked and timed with its diagnostics (check_tail.py)
+#   STAGES="pdlab": programmatic dependent launch of the W4A16 kernels, exactness and A/B in the model (42nd;
+#   PDL_PARTS="check" then "ab" as two calls)
 #   STAGES="smoldump attrib ringfix": SmolLM2 batch 32's draft attention: its SASS, its time by consumer part and
 #   the FP ring's share of its stream (twenty-third session); STAGES="hlo": what the profile's glue fusions compute
 #   STAGES="stash", then (next call, machine warm) STAGES="smolreal smolpeers": the real SmolLM2 end to end at batch
@@ -289,6 +291,27 @@ for stage in ${STAGES:-probe smol 8b}; do
         for v in ${TA_MODES:-1 0}; do  # QSPEC_W4A16_TAIL values (38th: "dynamic 1 0" measured the counters' deal, since removed)
           QSPEC_W4A16_TAIL=$v prof 8b_b1_4k_tail${v}_$i --batch 1 --contexts 4096 --programs ${TA_PROGS:-draft,ar_loop,spec_loop} \
             --gamma 2
+        done
+      done;;
+    pdlab)  # (42nd) programmatic dependent launch of the W4A16 kernels (QSPEC_W4A16_PDL=1), never measured on the
+      # H200 (the H100's A/B of 2026-11-27 was the 8B, where each kernel fills the SMs): at SmolLM2 batch 32 the draft
+      # layer's INT4 kernels are latency-bound (9-48 CTAs each, 3.4-5.3 us for < 1 us of bytes) with most SMs idle, so
+      # the next kernel's CTAs can be resident and fetch their weights while the previous one runs. PDL_PARTS "check":
+      # exactness with it (SmolLM2 shape at batches 1 and 32, the 8B at 1 and 3); "ab": alternating A/B in the model,
+      # SmolLM2 batch 32 (rows 4k-8k) draft step and γ 2 loop, the 8B batch 1 / 4k draft step
+      if [[ " ${PDL_PARTS:-check ab} " == *" check "* ]]; then
+        for s in smollm2:1,32 llama3-8b:1,3; do
+          QSPEC_W4A16_PDL=1 timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape ${s%%:*} \
+            --batches ${s#*:} 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_pdl_${s%%:*}.log | tail -2
+        done
+        echo "== pdlab checks done ($(( $(date +%s) - T0 )) s)"
+      fi
+      [[ " ${PDL_PARTS:-check ab} " == *" ab "* ]] || continue
+      for i in ${PDL_TRIALS:-1 2}; do
+        for v in 1 0; do
+          QSPEC_W4A16_PDL=$v prof smollm2_b32_8k_pdl${v}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
+            --programs ${PDL_SMOL_PROGS:-draft,spec_loop} --gamma 2 --verify-t 3
+          QSPEC_W4A16_PDL=$v prof 8b_b1_4k_pdl${v}_$i --batch 1 --contexts 4096 --programs ${PDL_8B_PROGS:-draft}
         done
       done;;
     tailhlo)  # (37th) the tail in the model added a 1.3-us memcpy32_post per layer: the draft step's optimized HLO with
@@ -754,7 +777,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       done;;
     bench)  # `make bench`'s parts by their Makefile targets, BENCH_PARTS of kernel-8b-b1 kernel-8b-b8-long
       # kernel-8b-b8-short kernel-smollm2-b1-long kernel-smollm2-b1-short kernel-smollm2-b8-long
-      # kernel-smollm2-b8-short w4a16-m1 w4a16-m8 w4a16-m32 profile e2e-8b e2e-batch gamma (one call's
+      # kernel-smollm2-b8-short w4a16-m{1,8,32}-{8b,smollm2} profile e2e-8b e2e-batch gamma (one call's
       # worth each: the Makefile gives their times), and e2e-smollm after smolsetup (CKPT=/tmp/ckpt, TEXTS=$TX).
       # The Makefile's own commands run in $OUT/bench, a copy of the checkout's docs (the JSON the parts keep each
       # other's results in, BENCHMARKS.md, QUALITY.md), with `qspec-bench` a shim over this checkout and the venv
