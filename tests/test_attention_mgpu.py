@@ -1215,7 +1215,9 @@ LOWER_SCRIPT = textwrap.dedent("""
              ("wsflat", "draft", 128, 128, 1, 4, None), ("wsflat", "draft", 64, 128, 1, 3, 100),
              ("wsq", "target", 64, 128, 5, 3, 100), ("wsflatq", "draft", 128, 128, 1, 4, None),
              ("wsrow", "draft", 128, 128, 1, 4, None), ("wsrow", "draft", 64, 128, 5, 3, 100),
-             ("wskm", "draft", 128, 128, 1, 4, None), ("wskm", "target", 64, 128, 5, 3, 100)]
+             ("wskm", "draft", 128, 128, 1, 4, None), ("wskm", "target", 64, 128, 5, 3, 100),
+             ("wspdl", "draft", 128, 128, 1, 4, None), ("wspdl", "target", 64, 128, 5, 3, 100),
+             ("wsflatpdl", "draft", 64, 128, 1, 3, 100)]
     variants = {"ws3": dict(schedule="ws", ws_consumers=3), "ws2p": dict(schedule="ws", ws_preps=2),
                 "wspm": dict(schedule="ws", ws_pair_merge=True), "wsflat": dict(schedule="ws", ws_flat=True),
                 "wsq": dict(schedule="ws", ws_prep_q_regs=True),
@@ -1223,7 +1225,10 @@ LOWER_SCRIPT = textwrap.dedent("""
                 # the draft's row split with two consumers: pipelined, `_wg_keep` (three: "ws3", its default)
                 "wsrow": dict(schedule="ws", ws_flat=False, ws_consumers=2),
                 # the split merge in the kernel: its counter's atomic add, and no XLA merge after it
-                "wskm": dict(schedule="ws", ws_flat=False, ws_kernel_merge=True)}
+                "wskm": dict(schedule="ws", ws_flat=False, ws_kernel_merge=True),
+                # programmatic dependent launch: the row split's prefetch before the wait, and the balanced schedule
+                "wspdl": dict(schedule="ws", ws_flat=False, ws_pdl=True),
+                "wsflatpdl": dict(schedule="ws", ws_flat=True, ws_pdl=True)}
     for schedule, view, d, group, t, n_rep, window in cases:
         config = mg.MgpuConfig(**variants.get(schedule, dict(schedule=schedule)))
         cfg = ModelConfig(vocab_size=8, hidden_size=128, intermediate_size=8, num_layers=2, num_heads=2 * n_rep,
@@ -1239,6 +1244,8 @@ LOWER_SCRIPT = textwrap.dedent("""
         assert "lop3.b32" in txt, "the code conversion is one lop3 per output word"
         if schedule == "wskm":
             assert "atom.acq_rel.gpu.global.add.u32" in txt, "the in-kernel merge counts its CTAs"
+        pdl = schedule.endswith("pdl")
+        assert ("griddepcontrol.wait" in txt) == pdl and ("griddepcontrol.launch_dependents" in txt) == pdl, schedule
         if schedule == "wsrow" and n_rep * t <= 8:  # pipelined, a dead register tile: kept (`_wg_keep`)
             assert "mov.u32 $0, 0;" in txt, "the pipelined draft's unread accumulator columns must be kept"
         print("lowered", schedule, view, d, group, t, flush=True)
@@ -1267,6 +1274,21 @@ def test_register_path_lowers_for_cuda_jax011():
     r = subprocess.run([_jax011_python(), "-c", LOWER_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_pdl_is_opt_in_and_never_in_interpret_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch of the attention kernel (`MgpuConfig.ws_pdl`, $QSPEC_MGPU_PDL) is
+    off unless asked for, the config overrides the environment, and interpret mode never gets it
+    (no grid dependencies there). Its kernel is in the CUDA lowering test above."""
+    from pallas_kernels.decode_attention import mosaic_gpu_ws as ws
+
+    monkeypatch.delenv(ws.PDL_ENV, raising=False)
+    assert ws.pdl_of(None, False) is False and ws.pdl_of(mg.MgpuConfig(), False) is False
+    assert ws.pdl_of(mg.MgpuConfig(ws_pdl=True), False) is True
+    assert ws.pdl_of(mg.MgpuConfig(ws_pdl=True), True) is False
+    monkeypatch.setenv(ws.PDL_ENV, "1")
+    assert ws.pdl_of(None, False) is True and ws.pdl_of(mg.MgpuConfig(ws_pdl=False), False) is False
+    assert ws.pdl_of(None, True) is False
 
 
 def test_quant_layout_helpers_roundtrip():

@@ -171,6 +171,12 @@ class MgpuConfig:
     # "ws" timing diagnostic: a directory into which every call writes a Perfetto trace of each warpgroup's
     # named regions (Mosaic GPU's on-device profiler; `mosaic_gpu_ws.PROFILE_REGIONS`). None: off.
     ws_profile_dir: str | None = None
+    # "ws": programmatic dependent launch (`mosaic_gpu_ws.pdl_of`): the TMA warp issues the row split's
+    # first blocks before `griddepcontrol.wait` (every role waits before it reads the query, the FP ring or
+    # the positions, which the kernel before it writes) and lets the kernel after it launch early. None:
+    # $QSPEC_MGPU_PDL ("1" / "0"), else off (an A/B knob: docs/kernel_notes.md, forty-second session). Never in
+    # interpret mode.
+    ws_pdl: bool | None = None
 
 
 def merge_of(config: "MgpuConfig | None") -> str:

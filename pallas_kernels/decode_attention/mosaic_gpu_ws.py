@@ -210,6 +210,13 @@ class _WsStatic:
     # the last one merges the NP partials (`mosaic_gpu.merge_tree`, pairwise) into the output rows (b T + t) Hq +
     # h n_rep + r, [B T Hq, D] in `out_dtype`. n_rep and tokens place the columns (a column's math is T's own).
     kernel_merge: bool = False
+    # Programmatic dependent launch (`pdl_of`; GPU only): the row split's TMA warp issues its first `stages`
+    # blocks (code planes and scales, which the kernels of the same layer never write) before
+    # `griddepcontrol.wait`, every role waits before it reads what the kernel before it writes (the query, the
+    # FP ring, the positions), and the TMA warp then lets the next kernel launch (`launch_dependents`). The
+    # layer index, the rows' meta and the balanced schedule's work split are read before the wait: they are
+    # made once per pass, never by the call's immediate predecessor.
+    pdl: bool = False
     n_rep: int = 0
     tokens: int = 0
     out_dtype: Any = None
@@ -688,6 +695,15 @@ def _build_ws(st: _WsStatic):
         layer = layer_ref[0]
         i32 = jnp.int32
 
+        def dep_wait():  # (pdl) the kernel before this one has finished and its writes are visible
+            if st.pdl:
+                plgpu.griddepcontrol_wait()
+
+        def dep_wait_and_release():  # (pdl, TMA warp) then the kernel after this one may launch
+            if st.pdl:
+                plgpu.griddepcontrol_wait()
+                plgpu.griddepcontrol_launch_dependents()
+
         # This CTA's work is `nseg` segments, each the work of one (row, KV head) (every warpgroup
         # derives the same numbers). Default schedule: one segment, pair (b, h) of the grid, quantized
         # blocks [blk0, blk0 + n) and ring tiles r0, r0 + NP, ... (spread over the CTAs from the last).
@@ -832,6 +848,14 @@ def _build_ws(st: _WsStatic):
             if seq:
                 return tma_stream()
             plgpu.set_max_registers(tma_regs, action="decrease")  # warpgroup-wide (setmaxnreg)
+            if st.pdl:  # the row split's first blocks, then the grid-dependency wait (warpgroup code: a warp cannot wait)
+                if not FLAT and st.tma_warp:
+                    @plgpu.warp_map
+                    def _(warp):
+                        pl.when(warp == 0)(lambda: first_blocks(block_issuer(seg0["lbh"], seg0["blk0"]), seg0["n"]))
+                elif not FLAT:
+                    first_blocks(block_issuer(seg0["lbh"], seg0["blk0"]), seg0["n"])
+                dep_wait_and_release()
             if not st.tma_warp:
                 return tma_stream()
 
@@ -852,11 +876,12 @@ def _build_ws(st: _WsStatic):
             def seg_stream(k, sg, base, rbase, _, cnts):
                 if blocks:
                     b, h, qb = sg["b"], sg["h"], sg["qb"]
+                    prefetched = st.pdl and not FLAT  # (pdl) the row split's first blocks went out in `role_tma`
                     if FLAT and not seq:  # the query buffer of segment k - QB: read by every role
                         _when(k >= QB)(lambda: plgpu.barrier_wait(qfree.at[qb]))
                     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_buf(qb), qbar.at[qb])
                     plgpu.copy_gmem_to_smem(pos_ref.at[b], pos_buf(qb), qbar.at[qb])
-                    blocks_stream(sg, base, cnts)
+                    blocks_stream(sg, base, cnts, prefetched=prefetched)
                 if ring:
                     ring_stream(sg, rbase)
                 return _
@@ -883,9 +908,7 @@ def _build_ws(st: _WsStatic):
                 def _(m):
                     plgpu.barrier_wait(rconsumed.at[ring_item_slot(m, owner)])
 
-        def blocks_stream(sg, base, cnts):
-            lbh, blk0, n = sg["lbh"], sg["blk0"], sg["n"]
-
+        def block_issuer(lbh, blk0):
             def issue(i, slot):
                 blk = blk0 + i
                 for j, r in enumerate(kp_refs):
@@ -899,13 +922,22 @@ def _build_ws(st: _WsStatic):
                 plgpu.copy_gmem_to_smem(vs_ref.at[lbh, pl.ds(blk * G, G)], sv_s.at[slot], full.at[slot])
                 plgpu.copy_gmem_to_smem(vz_ref.at[lbh, pl.ds(blk * G, G)], zv_s.at[slot], full.at[slot])
 
+            return issue
+
+        def first_blocks(issue, n):  # the row split (base 0): the first S slots are free
+            for s in range(S):
+                @pl.when(s < n)
+                def _():
+                    issue(s, s)
+
+        def blocks_stream(sg, base, cnts, prefetched: bool = False):
+            lbh, blk0, n = sg["lbh"], sg["blk0"], sg["n"]
+            issue = block_issuer(lbh, blk0)
             if seq:
                 pl.loop(0, n)(lambda i: issue(i, base + i))
-            elif not FLAT:  # (base 0) the first S slots are free
-                for s in range(S):
-                    @pl.when(s < n)
-                    def _():
-                        issue(s, s)
+            elif not FLAT:  # (base 0) the first S slots are free: issued here or already (`first_blocks`)
+                if not prefetched:
+                    first_blocks(issue, n)
 
                 @pl.loop(S, jnp.maximum(n, S))
                 def _(i):
@@ -968,6 +1000,7 @@ def _build_ws(st: _WsStatic):
         def role_prep(r):
             """Prep warpgroup r: blocks gi = r, r + NPREP, ... of the CTA's stream (their slots are
             r's alone: NPREP | S)."""
+            dep_wait()
             with scope("p_all"):
                 prep_role(r)
 
@@ -1080,6 +1113,7 @@ def _build_ws(st: _WsStatic):
 
         # -------------------------------------------------------------------- consumers
         def role_consumer(w):
+            dep_wait()
             with scope("c_all"):
                 consumer_role(w)
 
@@ -1696,6 +1730,16 @@ def pair_merge_default(np_: int, asked: bool | None) -> bool:
 
 
 KERNEL_MERGE_ENV = "QSPEC_MGPU_KERNEL_MERGE"  # "1" / "0": the split merge inside the kernel (row split)
+PDL_ENV = "QSPEC_MGPU_PDL"  # "1" / "0": programmatic dependent launch of the attention kernel
+
+
+def pdl_of(config: Any, interpret: bool) -> bool:
+    """Whether a call launches as a programmatic dependent (`MgpuConfig.ws_pdl`, else $QSPEC_MGPU_PDL,
+    else off); never in interpret mode (no grid dependencies there). Same bits either way."""
+    asked = getattr(config, "ws_pdl", None)
+    if asked is None:
+        asked = bool(env_flag(PDL_ENV))
+    return bool(asked) and not interpret
 
 
 def kernel_merge_of(config: Any, flat: bool) -> bool:
@@ -1857,7 +1901,8 @@ def static_config(B: int, H: int, D: int, G: int, R: int, S_max: int, C: int, c_
                      static_slots=bool(config.ws_static_slots), tma_warp=config.ws_tma_warp is not False,
                      consumers=nc, preps=npr,
                      pair_merge=not flat and (kmerge or pair_merge_default(np_, config.ws_pair_merge)),
-                     kernel_merge=kmerge, n_rep=n_rep if kmerge else 0, tokens=tokens if kmerge else 0,
+                     kernel_merge=kmerge, pdl=pdl_of(config, interpret),
+                     n_rep=n_rep if kmerge else 0, tokens=tokens if kmerge else 0,
                      out_dtype=jnp.dtype(out_dtype) if kmerge else None,
                      scale_dtype=jnp.dtype(scale_dtype), fp_dtype=jnp.dtype(fp_dtype), regs=regs,
                      prep_q_regs=prep_q_regs_of(config, D, C, view, flat), live=live_of(config, cols, C),

@@ -257,7 +257,7 @@ def parse_configs(spec: str):
         for kv in item.split(","):
             k, v = kv.split("=")
             if k in ("auto_barriers", "register_a", "ws_pipeline", "ws_static_slots", "ws_tma_warp", "ws_pair_merge",
-                     "ws_kernel_merge", "ws_flat"):
+                     "ws_kernel_merge", "ws_flat", "ws_pdl"):
                 kw[k] = bool(int(v))
             elif k in ("schedule", "ws_diag"):
                 kw[k] = v

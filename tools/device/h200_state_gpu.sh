@@ -293,25 +293,36 @@ for stage in ${STAGES:-probe smol 8b}; do
             --gamma 2
         done
       done;;
-    pdlab)  # (42nd) programmatic dependent launch of the W4A16 kernels (QSPEC_W4A16_PDL=1), never measured on the
-      # H200 (the H100's A/B of 2026-11-27 was the 8B, where each kernel fills the SMs): at SmolLM2 batch 32 the draft
-      # layer's INT4 kernels are latency-bound (9-48 CTAs each, 3.4-5.3 us for < 1 us of bytes) with most SMs idle, so
-      # the next kernel's CTAs can be resident and fetch their weights while the previous one runs. PDL_PARTS "check":
-      # exactness with it (SmolLM2 shape at batches 1 and 32, the 8B at 1 and 3); "ab": alternating A/B in the model,
-      # SmolLM2 batch 32 (rows 4k-8k) draft step and γ 2 loop, the 8B batch 1 / 4k draft step
+    pdlab)  # (42nd) programmatic dependent launch (PDL), never measured on the H200: the W4A16 kernels'
+      # (QSPEC_W4A16_PDL=1; the H100's A/B of 2026-11-27 was the 8B, where each kernel fills the SMs) and the attention
+      # kernel's (QSPEC_MGPU_PDL=1: the row split's first blocks before the wait; built this session). At SmolLM2
+      # batch 32 the draft layer's INT4 kernels are latency-bound (9-48 CTAs each, 3.4-5.3 us for < 1 us of bytes)
+      # with most SMs idle, so the next kernel's CTAs can be resident and set up while the previous one runs.
+      # PDL_PARTS "check": the attention kernel with ws_pdl on fresh random inputs (row split and balanced schedule),
+      # then exactness in the model with both on (SmolLM2 shape at batches 1 and 32, the 8B at 1 and 3); "ab":
+      # alternating A/B in the model over PDL_MODES (off / the linears' / both): SmolLM2 batch 32 (rows 4k-8k) draft
+      # step and γ 2 loop, the 8B batch 1 / 4k draft step
       if [[ " ${PDL_PARTS:-check ab} " == *" check "* ]]; then
+        for c in ws_pdl=1 ws_flat=0,ws_pdl=1; do
+          timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts check --impls mosaic-ws --quick \
+            --check-config $c 2>&1 | grep -v "^W[0-9]" | tee $L/attention_check_$(echo $c | tr ',=' '__').log \
+            | grep -iE "^check|ok|fail|rror" | tail -6
+        done
         for s in smollm2:1,32 llama3-8b:1,3; do
-          QSPEC_W4A16_PDL=1 timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape ${s%%:*} \
-            --batches ${s#*:} 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_pdl_${s%%:*}.log | tail -2
+          QSPEC_W4A16_PDL=1 QSPEC_MGPU_PDL=1 timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py \
+            --shape ${s%%:*} --batches ${s#*:} 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_pdl_${s%%:*}.log | tail -2
         done
         echo "== pdlab checks done ($(( $(date +%s) - T0 )) s)"
       fi
       [[ " ${PDL_PARTS:-check ab} " == *" ab "* ]] || continue
-      for i in ${PDL_TRIALS:-1 2}; do
-        for v in 1 0; do
-          QSPEC_W4A16_PDL=$v prof smollm2_b32_8k_pdl${v}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
-            --programs ${PDL_SMOL_PROGS:-draft,spec_loop} --gamma 2 --verify-t 3
-          QSPEC_W4A16_PDL=$v prof 8b_b1_4k_pdl${v}_$i --batch 1 --contexts 4096 --programs ${PDL_8B_PROGS:-draft}
+      for i in ${PDL_TRIALS:-1}; do  # one trial of the three modes is ~7 min; a second trial is a second call
+        for m in ${PDL_MODES:-both off lin}; do
+          (  # the mode's switches in a subshell ("off": both 0)
+            export QSPEC_W4A16_PDL=$([[ $m == off ]] && echo 0 || echo 1) QSPEC_MGPU_PDL=$([[ $m == both ]] && echo 1 || echo 0)
+            prof smollm2_b32_8k_pdl_${m}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
+              --programs ${PDL_SMOL_PROGS:-draft,spec_loop} --gamma 2 --verify-t 3
+            prof 8b_b1_4k_pdl_${m}_$i --batch 1 --contexts 4096 --programs ${PDL_8B_PROGS:-draft}
+          )
         done
       done;;
     tailhlo)  # (37th) the tail in the model added a 1.3-us memcpy32_post per layer: the draft step's optimized HLO with
