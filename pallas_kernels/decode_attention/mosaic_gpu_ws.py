@@ -849,12 +849,12 @@ def _build_ws(st: _WsStatic):
                 return tma_stream()
             plgpu.set_max_registers(tma_regs, action="decrease")  # warpgroup-wide (setmaxnreg)
             if st.pdl:  # the row split's first blocks, then the grid-dependency wait (warpgroup code: a warp cannot wait)
-                if not FLAT and st.tma_warp:
-                    @plgpu.warp_map
-                    def _(warp):
-                        pl.when(warp == 0)(lambda: first_blocks(block_issuer(seg0["lbh"], seg0["blk0"]), seg0["n"]))
-                elif not FLAT:
-                    first_blocks(block_issuer(seg0["lbh"], seg0["blk0"]), seg0["n"])
+                if not FLAT:
+                    prefetch = lambda: first_blocks(block_issuer(seg0["lbh"], seg0["blk0"]), seg0["n"])  # noqa: E731
+                    if st.tma_warp:
+                        plgpu.warp_map(lambda warp: pl.when(warp == 0)(prefetch))
+                    else:
+                        prefetch()
                 dep_wait_and_release()
             if not st.tma_warp:
                 return tma_stream()

@@ -14,8 +14,8 @@
 #   thread / lane 0 of each warp / thread 0 of each warpgroup, and the flag's own cost without the wait
 #   (w4a16_persistent_probe.py --no-wait; nineteenth session, Next 1)
 #   STAGES="tail": the persistent layer-tail kernel checked and timed with its diagnostics (check_tail.py)
-#   STAGES="pdlab": programmatic dependent launch of the W4A16 kernels, exactness and A/B in the model (42nd;
-#   PDL_PARTS="check" then "ab" as two calls)
+#   STAGES="pdlab": programmatic dependent launch of the W4A16 and attention kernels, checks and A/B in the model
+#   (42nd; PDL_PARTS="check", then "ab", then "ab" with PDL_TRIALS=2, as three calls)
 #   STAGES="smoldump attrib ringfix": SmolLM2 batch 32's draft attention: its SASS, its time by consumer part and
 #   the FP ring's share of its stream (twenty-third session); STAGES="hlo": what the profile's glue fusions compute
 #   STAGES="stash", then (next call, machine warm) STAGES="smolreal smolpeers": the real SmolLM2 end to end at batch
