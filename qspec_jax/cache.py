@@ -23,6 +23,7 @@ q_len + j, in slot (fp_start + j) mod R.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
@@ -193,6 +194,24 @@ def ring_slots(group_size: int, gamma_max: int) -> int:
 def prefill_quantized_len(lengths: Array, group_size: int) -> Array:
     """Q = G * max(0, floor(P/G) - 1): how many prompt tokens prefill quantizes (SPEC §4)."""
     return group_size * jnp.maximum(0, lengths // group_size - 1)
+
+
+FLUSH_ROWS_ENV = "QSPEC_FLUSH_ROWS"
+
+
+def flush_row_buckets(batch: int) -> tuple[int, ...]:
+    """The row counts a QuantSpecCache flush is compiled for at batch B. QSPEC_FLUSH_ROWS unset or
+    "all" (the default): (B,), every flush quantizes all B rows' oldest blocks. "bucketed": powers
+    of 4 below B, then B (at B 32: 1, 4, 16, 32), so a flush quantizes at most 4x the rings it
+    needs and compiles log4(B) + 1 flushes."""
+    mode = os.environ.get(FLUSH_ROWS_ENV, "all")
+    if mode not in ("bucketed", "all"):
+        raise ValueError(f"{FLUSH_ROWS_ENV}={mode!r}: expected 'all' or 'bucketed'")
+    sizes, n = [], 1
+    while mode == "bucketed" and n < batch:
+        sizes.append(n)
+        n *= 4
+    return (*sizes, batch)
 
 
 @struct.dataclass
@@ -376,24 +395,52 @@ class QuantSpecCache:
         Afterwards G <= fp_len < 2G for every flushed row. Rows that do not flush are untouched.
         The caller sizes max_len for every token it will commit (generation does): a flush past
         max_len cannot raise inside jit, and its block would be dropped.
+
+        Which rows are quantized is `flush_row_buckets`' choice: by default all B (the rows that
+        do not flush are computed and dropped); QSPEC_FLUSH_ROWS=bucketed quantizes only the
+        flushing rows, in the smallest bucket that holds them (one 2-way cond per bucket; a row's
+        blocks are the same bits in every bucket: the quantizer is elementwise arithmetic and
+        min / max over the row's own block). In a batch of ragged rows a flush is mostly one
+        row's, so the all-rows flush is ~75 us a token of SmolLM2's batch-32 loop on the H200;
+        bucketed as one `lax.switch` it cut the loop's kernels by 49 us a token but added 130-140
+        us of wall (2026-12-04, `STAGES=flushab`): not the default until a form measures faster.
         """
         G = self.group_size
         mask = self.fp_len >= 2 * G  # [B]
-        return jax.lax.cond(jnp.any(mask), lambda c: c._flush(mask), lambda c: c, self)
+        count = jnp.sum(mask.astype(jnp.int32))
 
-    def _flush(self, mask: Array) -> "QuantSpecCache":
+        def upto(sizes: tuple[int, ...]) -> Any:
+            # The flush of up to sizes[0] rows when they hold the count, else of the next bucket.
+            n, rest = sizes[0], sizes[1:]
+            if not rest:
+                return lambda c: c._flush(mask, n)
+            return lambda c: jax.lax.cond(count <= n, lambda c: c._flush(mask, n), upto(rest), c)
+
+        return jax.lax.cond(count > 0, upto(flush_row_buckets(mask.shape[0])), lambda c: c, self)
+
+    def _flush(self, mask: Array, n: int) -> "QuantSpecCache":
+        """The flush of the rows in `mask` (bool[B]), of which there are at most n: all B rows
+        when n == B, else the first n rows of `mask` gathered (the rest padding, dropped)."""
         G, R, S = self.group_size, self.ring_size, self.max_len
-        slots = (self.fp_start[:, None] + jnp.arange(G)[None, :]) % R  # [B, G]
+        B = mask.shape[0]
+        if n == B:  # every row, the ones not in `mask` dropped
+            rows, at, valid = jnp.arange(B, dtype=jnp.int32), slice(None), mask
+            k_fp, v_fp = self.k_fp, self.v_fp
+        else:  # the rows in `mask`, then padding (row B, dropped)
+            rows = jnp.nonzero(mask, size=n, fill_value=B)[0].astype(jnp.int32)  # [n]
+            at, valid = jnp.minimum(rows, B - 1), rows < B
+            k_fp, v_fp = (jnp.take(x, at, axis=1) for x in (self.k_fp, self.v_fp))
+        slots = (self.fp_start[at][:, None] + jnp.arange(G)[None, :]) % R  # [n, G]
         take = lambda x: jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)  # noqa: E731
-        k_old, v_old = take(self.k_fp), take(self.v_fp)  # [L, B, H, G, D]
-        k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(k_old, G, self.k_scale.dtype)  # k_s: [L,B,H,1,D]
+        k_old, v_old = take(k_fp), take(v_fp)  # [L, n, H, G, D]
+        k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(k_old, G, self.k_scale.dtype)  # k_s: [L,n,H,1,D]
         v_hi, v_lo, v_s, v_z = quant.quantize_values_cache(v_old, G, self.v_scale.dtype)  # one block
-        b = jnp.arange(self.q_len.shape[0])[:, None]  # [B, 1]
-        tok = jnp.where(mask[:, None], self.q_len[:, None] + jnp.arange(G)[None, :], S)  # [B, G]; S drops
-        blk = jnp.where(mask, self.q_len // G, S // G)[:, None]  # [B, 1]
+        b = jnp.where(valid, rows, B)[:, None]  # [n, 1]; B drops
+        tok = jnp.where(valid[:, None], self.q_len[at][:, None] + jnp.arange(G)[None, :], S)  # [n, G]; S drops
+        blk = jnp.where(valid, self.q_len[at] // G, S // G)[:, None]  # [n, 1]
 
         def put(buf: Array, idx: Array, val: Array) -> Array:
-            # buf [L, B, H, N, X]; idx [B, n]; val [L, B, H, n, X] -> update laid out [B, n, L, H, X].
+            # buf [L, B, H, N, X]; idx [n, m]; val [L, n, H, m, X] -> update laid out [n, m, L, H, X].
             upd = jnp.transpose(val, (1, 3, 0, 2, 4)).astype(buf.dtype)
             return buf.at[:, b, :, idx].set(upd, mode="drop")
 
