@@ -690,8 +690,8 @@ def test_flush_of_some_rows_equals_the_flush_of_all(flushing, monkeypatch):
                                       err_msg=name)
     # The flushed rows moved on; the others are exactly as they were.
     np.testing.assert_array_equal(np.asarray(some.q_len), np.asarray(cache.q_len) + G * mask)
+    untouched = ~mask
     for name in ("k_hi", "v_scale", "k_scale"):
-        untouched = ~mask
         np.testing.assert_array_equal(np.asarray(getattr(some, name))[:, untouched],
                                       np.asarray(getattr(cache, name))[:, untouched])
     if flushing:

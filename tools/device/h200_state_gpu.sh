@@ -343,8 +343,7 @@ for stage in ${STAGES:-probe smol 8b}; do
         fi
       done
       QSPEC_FLUSH_ROWS=bucketed timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 \
-        --batches ${FLUSH_EXACT_B:-32} \
-        2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_flush_smollm2.log | tail -2
+        --batches ${FLUSH_EXACT_B:-32} 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_flush_smollm2.log | tail -2
       echo "== flushab done ($(( $(date +%s) - T0 )) s)";;
     tailhlo)  # (37th) the tail in the model added a 1.3-us memcpy32_post per layer: the draft step's optimized HLO with
       # QSPEC_W4A16_TAIL=1, every instruction that touches the sync ref (u32[SYNC_WORDS]) and every copy
