@@ -196,22 +196,30 @@ def prefill_quantized_len(lengths: Array, group_size: int) -> Array:
     return group_size * jnp.maximum(0, lengths // group_size - 1)
 
 
-FLUSH_ROWS_ENV = "QSPEC_FLUSH_ROWS"
+FLUSH_SCATTER_ENV = "QSPEC_FLUSH_SCATTER"
 
 
-def flush_row_buckets(batch: int) -> tuple[int, ...]:
-    """The row counts a QuantSpecCache flush is compiled for at batch B. QSPEC_FLUSH_ROWS unset or
-    "all" (the default): (B,), every flush quantizes all B rows' oldest blocks. "bucketed": powers
-    of 4 below B, then B (at B 32: 1, 4, 16, 32), so a flush quantizes at most 4x the rings it
-    needs and compiles log4(B) + 1 flushes."""
-    mode = os.environ.get(FLUSH_ROWS_ENV, "all")
-    if mode not in ("bucketed", "all"):
-        raise ValueError(f"{FLUSH_ROWS_ENV}={mode!r}: expected 'all' or 'bucketed'")
-    sizes, n = [], 1
-    while mode == "bucketed" and n < batch:
-        sizes.append(n)
-        n *= 4
-    return (*sizes, batch)
+def flush_scatter_form() -> str:
+    """How a QuantSpecCache flush writes its quantized blocks: QSPEC_FLUSH_SCATTER unset or "token"
+    (the default): one scatter index per token, the update transposed to the index's order; "block":
+    one window per row, [L, 1, H, G, X] at the row's block, in the quantizer's own layout (no
+    transpose; a row that does not flush is dropped whole). Both give the same bits."""
+    form = os.environ.get(FLUSH_SCATTER_ENV, "token")
+    if form not in ("token", "block"):
+        raise ValueError(f"{FLUSH_SCATTER_ENV}={form!r}: expected 'token' or 'block'")
+    return form
+
+
+def _put_blocks(buf: Array, val: Array, at: Array) -> Array:
+    """buf [L, B, H, N, X] with row b's val[:, b] ([L, H, m, X]) written at positions at[b]..at[b]+m-1
+    of axis 3: one scatter window per row, the update in val's own layout. A window that does not
+    fit (at[b] + m > N) is dropped whole (XLA scatter semantics), which is how rows opt out."""
+    rows = jnp.arange(buf.shape[1], dtype=jnp.int32)
+    idx = jnp.stack([rows, at.astype(jnp.int32)], axis=-1)  # [B, 2]: (row, first position)
+    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(0, 2, 3, 4), inserted_window_dims=(1,),
+                                            scatter_dims_to_operand_dims=(1, 3))
+    return jax.lax.scatter(buf, idx, val.astype(buf.dtype), dnums, indices_are_sorted=True,
+                           unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 @struct.dataclass
@@ -396,59 +404,46 @@ class QuantSpecCache:
         The caller sizes max_len for every token it will commit (generation does): a flush past
         max_len cannot raise inside jit, and its block would be dropped.
 
-        Which rows are quantized is `flush_row_buckets`' choice: by default all B (the rows that
-        do not flush are computed and dropped); QSPEC_FLUSH_ROWS=bucketed quantizes only the
-        flushing rows, in the smallest bucket that holds them (one 2-way cond per bucket; a row's
-        blocks are the same bits in every bucket: the quantizer is elementwise arithmetic and
-        min / max over the row's own block). In a batch of ragged rows a flush is mostly one
-        row's, so the all-rows flush is ~75 us a token of SmolLM2's batch-32 loop on the H200;
-        bucketed as one `lax.switch` it cut the loop's kernels by 49 us a token but added 130-140
-        us of wall (2026-12-04, `STAGES=flushab`): not the default until a form measures faster.
+        One 2-way cond on "any row flushes"; inside it all B rows are quantized and the rows that
+        do not flush are dropped at the write. In a batch of ragged rows a flush is mostly one
+        row's, so this costs ~75 us a token of SmolLM2's batch-32 loop on the H200; quantizing only
+        the flushing rows measured slower in wall in both forms tried (a `lax.switch` over row
+        buckets: +130 us a token of idle; a chain of 2-way conds: +1.2 ms of whole-cache copies;
+        docs/kernel_notes.md, 43rd / 44th sessions). `flush_scatter_form` picks how the blocks are
+        written.
         """
-        G = self.group_size
-        mask = self.fp_len >= 2 * G  # [B]
-        count = jnp.sum(mask.astype(jnp.int32))
+        mask = self.fp_len >= 2 * self.group_size  # [B]
+        return jax.lax.cond(jnp.any(mask), lambda c: c._flush(mask), lambda c: c, self)
 
-        def upto(sizes: tuple[int, ...]) -> Any:
-            # The flush of up to sizes[0] rows when they hold the count, else of the next bucket.
-            n, rest = sizes[0], sizes[1:]
-            if not rest:
-                return lambda c: c._flush(mask, n)
-            return lambda c: jax.lax.cond(count <= n, lambda c: c._flush(mask, n), upto(rest), c)
-
-        return jax.lax.cond(count > 0, upto(flush_row_buckets(mask.shape[0])), lambda c: c, self)
-
-    def _flush(self, mask: Array, n: int) -> "QuantSpecCache":
-        """The flush of the rows in `mask` (bool[B]), of which there are at most n: all B rows
-        when n == B, else the first n rows of `mask` gathered (the rest padding, dropped)."""
+    def _flush(self, mask: Array) -> "QuantSpecCache":
+        """The flush of the rows in `mask` (bool[B]): every row quantized, the others dropped."""
         G, R, S = self.group_size, self.ring_size, self.max_len
-        B = mask.shape[0]
-        if n == B:  # every row, the ones not in `mask` dropped
-            rows, at, valid = jnp.arange(B, dtype=jnp.int32), slice(None), mask
-            k_fp, v_fp = self.k_fp, self.v_fp
-        else:  # the rows in `mask`, then padding (row B, dropped)
-            rows = jnp.nonzero(mask, size=n, fill_value=B)[0].astype(jnp.int32)  # [n]
-            at, valid = jnp.minimum(rows, B - 1), rows < B
-            k_fp, v_fp = (jnp.take(x, at, axis=1) for x in (self.k_fp, self.v_fp))
-        slots = (self.fp_start[at][:, None] + jnp.arange(G)[None, :]) % R  # [n, G]
+        slots = (self.fp_start[:, None] + jnp.arange(G)[None, :]) % R  # [B, G]
         take = lambda x: jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)  # noqa: E731
-        k_old, v_old = take(k_fp), take(v_fp)  # [L, n, H, G, D]
-        k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(k_old, G, self.k_scale.dtype)  # k_s: [L,n,H,1,D]
+        k_old, v_old = take(self.k_fp), take(self.v_fp)  # [L, B, H, G, D]
+        k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(k_old, G, self.k_scale.dtype)  # k_s: [L,B,H,1,D]
         v_hi, v_lo, v_s, v_z = quant.quantize_values_cache(v_old, G, self.v_scale.dtype)  # one block
-        b = jnp.where(valid, rows, B)[:, None]  # [n, 1]; B drops
-        tok = jnp.where(valid[:, None], self.q_len[at][:, None] + jnp.arange(G)[None, :], S)  # [n, G]; S drops
-        blk = jnp.where(valid, self.q_len[at] // G, S // G)[:, None]  # [n, 1]
+        if flush_scatter_form() == "block":
+            start = jnp.where(mask, self.q_len, S)  # [B]: the block's first token; S drops the row
+            put_tok = lambda buf, val: _put_blocks(buf, val, start)  # noqa: E731
+            put_blk = lambda buf, val: _put_blocks(buf, val, start // G)  # noqa: E731
+        else:
+            b = jnp.arange(mask.shape[0])[:, None]  # [B, 1]
+            tok = jnp.where(mask[:, None], self.q_len[:, None] + jnp.arange(G)[None, :], S)  # [B, G]; S drops
+            blk = jnp.where(mask, self.q_len // G, S // G)[:, None]  # [B, 1]
 
-        def put(buf: Array, idx: Array, val: Array) -> Array:
-            # buf [L, B, H, N, X]; idx [n, m]; val [L, n, H, m, X] -> update laid out [n, m, L, H, X].
-            upd = jnp.transpose(val, (1, 3, 0, 2, 4)).astype(buf.dtype)
-            return buf.at[:, b, :, idx].set(upd, mode="drop")
+            def put(buf: Array, idx: Array, val: Array) -> Array:
+                # buf [L, B, H, N, X]; idx [B, m]; val [L, B, H, m, X] -> update laid out [B, m, L, H, X].
+                upd = jnp.transpose(val, (1, 3, 0, 2, 4)).astype(buf.dtype)
+                return buf.at[:, b, :, idx].set(upd, mode="drop")
 
+            put_tok = lambda buf, val: put(buf, tok, val)  # noqa: E731
+            put_blk = lambda buf, val: put(buf, blk, val)  # noqa: E731
         return self.replace(
-            k_hi=put(self.k_hi, tok, k_hi), k_lo=put(self.k_lo, tok, k_lo),
-            v_hi=put(self.v_hi, tok, v_hi), v_lo=put(self.v_lo, tok, v_lo),
-            k_scale=put(self.k_scale, blk, k_s), k_zero=put(self.k_zero, blk, k_z),
-            v_scale=put(self.v_scale, tok, v_s), v_zero=put(self.v_zero, tok, v_z),
+            k_hi=put_tok(self.k_hi, k_hi), k_lo=put_tok(self.k_lo, k_lo),
+            v_hi=put_tok(self.v_hi, v_hi), v_lo=put_tok(self.v_lo, v_lo),
+            k_scale=put_blk(self.k_scale, k_s), k_zero=put_blk(self.k_zero, k_z),
+            v_scale=put_tok(self.v_scale, v_s), v_zero=put_tok(self.v_zero, v_z),
             q_len=jnp.where(mask, self.q_len + G, self.q_len),
             fp_start=jnp.where(mask, (self.fp_start + G) % R, self.fp_start),
             fp_len=jnp.where(mask, self.fp_len - G, self.fp_len),

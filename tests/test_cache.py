@@ -641,58 +641,57 @@ def test_single_row_writes_match_the_batched_scatter():
         np.testing.assert_array_equal(np.asarray(r1.v_fp[0, 0][:, slots]), np.asarray(v[1]))
 
 
-def test_flush_row_buckets():
-    """QSPEC_FLUSH_ROWS unset or "all": only B; "bucketed": powers of 4 below B, then B; a bad
+def test_flush_scatter_form():
+    """QSPEC_FLUSH_SCATTER unset or "token": per-token scatter; "block": one window per row; a bad
     value is named."""
-    from qspec_jax.cache import flush_row_buckets
+    from qspec_jax.cache import flush_scatter_form
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("QSPEC_FLUSH_ROWS", raising=False)
-        assert flush_row_buckets(32) == (32,)
-        mp.setenv("QSPEC_FLUSH_ROWS", "all")
-        assert flush_row_buckets(32) == (32,)
-        mp.setenv("QSPEC_FLUSH_ROWS", "bucketed")
-        assert flush_row_buckets(1) == (1,)
-        assert flush_row_buckets(3) == (1, 3)
-        assert flush_row_buckets(4) == (1, 4)
-        assert flush_row_buckets(6) == (1, 4, 6)
-        assert flush_row_buckets(32) == (1, 4, 16, 32)
-        mp.setenv("QSPEC_FLUSH_ROWS", "some")
-        with pytest.raises(ValueError, match="QSPEC_FLUSH_ROWS='some'"):
-            flush_row_buckets(32)
+        mp.delenv("QSPEC_FLUSH_SCATTER", raising=False)
+        assert flush_scatter_form() == "token"
+        mp.setenv("QSPEC_FLUSH_SCATTER", "block")
+        assert flush_scatter_form() == "block"
+        mp.setenv("QSPEC_FLUSH_SCATTER", "rows")
+        with pytest.raises(ValueError, match="QSPEC_FLUSH_SCATTER='rows'"):
+            flush_scatter_form()
 
 
-@pytest.mark.parametrize("flushing", [(), (4,), (0, 5), (1, 2, 3), (0, 1, 2, 3), (0, 1, 3, 4, 5),
-                                      (0, 1, 2, 3, 4, 5)])
-def test_flush_of_some_rows_equals_the_flush_of_all(flushing, monkeypatch):
-    """QSPEC_FLUSH_ROWS=bucketed: a flush quantizes only its rows, in the smallest bucket that holds
-    them (at B 6: 1, 4, 6 rows; 2 or 3 rows run the 4-row flush with padding rows): every field
-    bit for bit what the all-rows flush gives; one 2-way cond for "any row" and one per bucket
-    but the last."""
-    B, G = 6, 8
+@pytest.mark.parametrize("flushing", [(4,), (0, 5), (1, 2, 3), (0, 1, 2, 3, 4, 5)])
+def test_block_scatter_flush_equals_the_token_scatter_flush(flushing, monkeypatch):
+    """QSPEC_FLUSH_SCATTER=block (one scatter window per row in the quantizer's layout) writes
+    every field bit for bit as the per-token scatter does, for rows at random ring offsets (the
+    oldest G slots wrapping around the ring or not) and a flushing row whose block lies past
+    max_len (dropped by both); rows that do not flush are untouched."""
+    B, G, S = 6, 8, 128
     rng = np.random.default_rng(len(flushing))
-    cache = QuantSpecCache.init(CFG, B, 128, group_size=G, gamma_max=3, scale_dtype="float32")
+    cache = QuantSpecCache.init(CFG, B, S, group_size=G, gamma_max=3, scale_dtype="float32")
     mask = np.isin(np.arange(B), flushing)
     fp_len = np.where(mask, rng.integers(2 * G, 2 * G + 3, B), rng.integers(G, 2 * G, B))
+    q_len = G * rng.integers(0, S // G, B)
+    q_len[flushing[0]] = S  # a block past max_len: dropped
     cache = cache.replace(
+        k_hi=jnp.asarray(rng.integers(0, 256, cache.k_hi.shape), jnp.uint8),
+        v_lo=jnp.asarray(rng.integers(0, 256, cache.v_lo.shape), jnp.uint8),
+        k_scale=jnp.asarray(rng.standard_normal(cache.k_scale.shape), cache.k_scale.dtype),
+        v_zero=jnp.asarray(rng.standard_normal(cache.v_zero.shape), cache.v_zero.dtype),
         k_fp=jnp.asarray(rng.standard_normal(cache.k_fp.shape), cache.k_fp.dtype),
         v_fp=jnp.asarray(rng.standard_normal(cache.v_fp.shape), cache.v_fp.dtype),
-        q_len=jnp.asarray(G * rng.integers(0, 8, B), jnp.int32), fp_len=jnp.asarray(fp_len, jnp.int32),
+        q_len=jnp.asarray(q_len, jnp.int32), fp_len=jnp.asarray(fp_len, jnp.int32),
         fp_start=jnp.asarray(rng.integers(0, cache.ring_size, B), jnp.int32))
-    monkeypatch.setenv("QSPEC_FLUSH_ROWS", "bucketed")
-    some = jax.jit(lambda c: c.flush())(cache)
-    assert str(jax.make_jaxpr(lambda c: c.flush())(cache)).count(" cond[") == 3  # any; <= 1; <= 4 (else 6)
-    monkeypatch.setenv("QSPEC_FLUSH_ROWS", "all")
-    assert str(jax.make_jaxpr(lambda c: c.flush())(cache)).count(" cond[") == 1
-    every = jax.jit(lambda c: c.flush())(cache)
+    monkeypatch.setenv("QSPEC_FLUSH_SCATTER", "block")
+    block = jax.jit(lambda c: c.flush())(cache)
+    assert " scatter[" in str(jax.make_jaxpr(lambda c: c.flush())(cache))
+    monkeypatch.setenv("QSPEC_FLUSH_SCATTER", "token")
+    token = jax.jit(lambda c: c.flush())(cache)
     for name in FIELDS:
-        np.testing.assert_array_equal(np.asarray(getattr(some, name)), np.asarray(getattr(every, name)),
+        np.testing.assert_array_equal(np.asarray(getattr(block, name)), np.asarray(getattr(token, name)),
                                       err_msg=name)
-    # The flushed rows moved on; the others are exactly as they were.
-    np.testing.assert_array_equal(np.asarray(some.q_len), np.asarray(cache.q_len) + G * mask)
-    untouched = ~mask
-    for name in ("k_hi", "v_scale", "k_scale"):
-        np.testing.assert_array_equal(np.asarray(getattr(some, name))[:, untouched],
-                                      np.asarray(getattr(cache, name))[:, untouched])
-    if flushing:
-        assert np.any(np.asarray(some.k_hi)[:, mask] != np.asarray(cache.k_hi)[:, mask])
+    np.testing.assert_array_equal(np.asarray(block.q_len), q_len + G * mask)
+    for name in ("k_hi", "v_lo", "k_scale", "v_zero"):  # untouched: other rows, and the block past S
+        before, after = np.asarray(getattr(cache, name)), np.asarray(getattr(block, name))
+        np.testing.assert_array_equal(after[:, ~mask], before[:, ~mask], err_msg=name)
+        np.testing.assert_array_equal(after[:, flushing[0]], before[:, flushing[0]], err_msg=name)
+    for r in flushing[1:]:  # the other flushing rows' blocks were written
+        q = q_len[r]
+        assert np.any(np.asarray(block.k_hi)[:, r, :, q:q + G] != np.asarray(cache.k_hi)[:, r, :, q:q + G])
+        assert np.any(np.asarray(block.k_scale)[:, r, :, q // G] != np.asarray(cache.k_scale)[:, r, :, q // G])

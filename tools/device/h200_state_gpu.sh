@@ -16,7 +16,8 @@
 #   STAGES="tail": the persistent layer-tail kernel checked and timed with its diagnostics (check_tail.py)
 #   STAGES="pdlab": programmatic dependent launch of the W4A16 and attention kernels, checks and A/B in the model
 #   (42nd; PDL_PARTS="check", then "ab", then "ab" with PDL_TRIALS=2, as three calls)
-#   STAGES="flushab": the cache flush of only its rows, A/B in the γ 2 loop at SmolLM2 batch 32 and exactness (43rd)
+#   STAGES="flushab": the cache flush written as one scatter window per row, A/B in the γ 2 loop at SmolLM2
+#   batch 32 and exactness (44th; in the 43rd it A/B'd the flush of only its rows, since removed)
 #   STAGES="smoldump attrib ringfix": SmolLM2 batch 32's draft attention: its SASS, its time by consumer part and
 #   the FP ring's share of its stream (twenty-third session); STAGES="hlo": what the profile's glue fusions compute
 #   STAGES="stash", then (next call, machine warm) STAGES="smolreal smolpeers": the real SmolLM2 end to end at batch
@@ -326,23 +327,24 @@ for stage in ${STAGES:-probe smol 8b}; do
           )
         done
       done;;
-    flushab)  # (43rd) the QuantSpec cache's flush of only its rows (QSPEC_FLUSH_ROWS=bucketed, cache.flush_row_buckets;
-      # "all", the default, quantizes all B rows): SmolLM2 batch 32 (rows 4k-8k) γ 2 loop, all / bucketed, then greedy
-      # exactness with it at SmolLM2's shape, batch 32 (ragged prompts; spec and AR flush rows in different groups)
-      # FLUSH_HLO=1: each mode's optimized HLO dumped, and what of it sits in command buffers and conditionals
-      # (the switch form's idle time, 43rd session: which part left the command buffers)
-      for m in ${FLUSH_MODES:-all bucketed}; do
+    flushab)  # (43rd; 44th) the QuantSpec cache's flush: its write as one scatter window per row
+      # (QSPEC_FLUSH_SCATTER=block, no update transposes) against the per-token scatter ("token", the default),
+      # SmolLM2 batch 32 (rows 4k-8k) γ 2 loop, then greedy exactness with it at SmolLM2's shape, batch 32
+      # (ragged prompts; spec and AR flush rows in different groups). FLUSH_HLO=1: each form's optimized HLO
+      # dumped (gzipped into the logs), and its scatters, conditionals and while loops listed
+      for m in ${FLUSH_MODES:-token block}; do
         ( [[ ${FLUSH_HLO:-0} == 1 ]] && export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_flush_$m --xla_dump_hlo_as_text"
-          QSPEC_FLUSH_ROWS=$m prof smollm2_b32_8k_flush_$m --shape smollm2 --batch 32 --contexts 8192 --ragged \
+          QSPEC_FLUSH_SCATTER=$m prof smollm2_b32_8k_flush_$m --shape smollm2 --batch 32 --contexts 8192 --ragged \
             --programs spec_loop --gamma 2 --verify-t 3 )
         if [[ ${FLUSH_HLO:-0} == 1 ]]; then
           f=$(ls -S /tmp/hlo_flush_$m/*after_optimizations.txt | head -1)
-          { echo "## $f"; grep -cE "command_buffer" $f; grep -nE "conditional\(|while\(|= .*call\(.*command_buffer" $f | cut -c1-400
+          { echo "## $f"; grep -nE "conditional\(|while\(| scatter\(|fusion.*kind=.*scatter" $f | cut -c1-400
           } > $L/hlo_flush_$m.txt
-          head -40 $L/hlo_flush_$m.txt; rm -rf /tmp/hlo_flush_$m
+          head -40 $L/hlo_flush_$m.txt; gzip -c $f > $L/hlo_flush_$m.after_optimizations.txt.gz  # whole, for its fusions
+          rm -rf /tmp/hlo_flush_$m
         fi
       done
-      QSPEC_FLUSH_ROWS=bucketed timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 \
+      QSPEC_FLUSH_SCATTER=block timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 \
         --batches ${FLUSH_EXACT_B:-32} 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_flush_smollm2.log | tail -2
       echo "== flushab done ($(( $(date +%s) - T0 )) s)";;
     tailhlo)  # (37th) the tail in the model added a 1.3-us memcpy32_post per layer: the draft step's optimized HLO with
