@@ -201,9 +201,10 @@ FLUSH_SCATTER_ENV = "QSPEC_FLUSH_SCATTER"
 
 def flush_scatter_form() -> str:
     """How a QuantSpecCache flush writes its quantized blocks: QSPEC_FLUSH_SCATTER unset or "token"
-    (the default): one scatter index per token, the update transposed to the index's order; "block":
-    one window per row, [L, 1, H, G, X] at the row's block, in the quantizer's own layout (no
-    transpose; a row that does not flush is dropped whole). Both give the same bits."""
+    (the default): one scatter index per token, the update transposed to [B x G, L, H, X] (runs of X
+    bytes); "block": one window per row, [L, 1, H, G, X] at the row's block, the update in the
+    quantizer's own layout (XLA's scatter normalization may still move the row axis first, a copy
+    in runs of G x X; a row that does not flush is dropped whole). Both give the same bits."""
     form = os.environ.get(FLUSH_SCATTER_ENV, "token")
     if form not in ("token", "block"):
         raise ValueError(f"{FLUSH_SCATTER_ENV}={form!r}: expected 'token' or 'block'")

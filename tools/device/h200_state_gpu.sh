@@ -328,7 +328,7 @@ for stage in ${STAGES:-probe smol 8b}; do
         done
       done;;
     flushab)  # (43rd; 44th) the QuantSpec cache's flush: its write as one scatter window per row
-      # (QSPEC_FLUSH_SCATTER=block, no update transposes) against the per-token scatter ("token", the default),
+      # (QSPEC_FLUSH_SCATTER=block, no per-token update transposes) against the per-token scatter ("token", the default),
       # SmolLM2 batch 32 (rows 4k-8k) γ 2 loop, then greedy exactness with it at SmolLM2's shape, batch 32
       # (ragged prompts; spec and AR flush rows in different groups). FLUSH_HLO=1: each form's optimized HLO
       # dumped (gzipped into the logs), and its scatters, conditionals and while loops listed
