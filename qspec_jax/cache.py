@@ -196,30 +196,29 @@ def prefill_quantized_len(lengths: Array, group_size: int) -> Array:
     return group_size * jnp.maximum(0, lengths // group_size - 1)
 
 
-FLUSH_SCATTER_ENV = "QSPEC_FLUSH_SCATTER"
+FLUSH_ENV = "QSPEC_FLUSH"
 
 
-def flush_scatter_form() -> str:
-    """How a QuantSpecCache flush writes its quantized blocks: QSPEC_FLUSH_SCATTER unset or "token"
-    (the default): one scatter index per token, the update transposed to [B x G, L, H, X] (runs of X
-    bytes); "block": one window per row, [L, 1, H, G, X] at the row's block, the update in the
-    quantizer's own layout (XLA's scatter normalization may still move the row axis first, a copy
-    in runs of G x X; a row that does not flush is dropped whole). Both give the same bits."""
-    form = os.environ.get(FLUSH_SCATTER_ENV, "token")
-    if form not in ("token", "block"):
-        raise ValueError(f"{FLUSH_SCATTER_ENV}={form!r}: expected 'token' or 'block'")
+def flush_form() -> str:
+    """How a QuantSpecCache flushes (QSPEC_FLUSH): unset or "all" (the default): one 2-way cond on
+    "any row flushes", inside it all rows' oldest G ring tokens quantized and the rows that do not
+    flush dropped at the write; "rows": a while loop over the flushing rows, one row's
+    [L, Hkv, G, D] quantized and written per trip (no trip when no row flushes), for batches of
+    ragged rows. Both give the same bits."""
+    form = os.environ.get(FLUSH_ENV, "all")
+    if form not in ("all", "rows"):
+        raise ValueError(f"{FLUSH_ENV}={form!r}: expected 'all' or 'rows'")
     return form
 
 
-def _put_blocks(buf: Array, val: Array, at: Array) -> Array:
-    """buf [L, B, H, N, X] with row b's val[:, b] ([L, H, m, X]) written at positions at[b]..at[b]+m-1
-    of axis 3: one scatter window per row, the update in val's own layout. A window that does not
-    fit (at[b] + m > N) is dropped whole (XLA scatter semantics), which is how rows opt out."""
-    rows = jnp.arange(buf.shape[1], dtype=jnp.int32)
-    idx = jnp.stack([rows, at.astype(jnp.int32)], axis=-1)  # [B, 2]: (row, first position)
-    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(0, 2, 3, 4), inserted_window_dims=(1,),
+def _put_block(buf: Array, val: Array, row: Array, at: Array) -> Array:
+    """buf [L, B, H, N, X] with val [L, 1, H, m, X] written at row `row`, positions at..at+m-1 of
+    axis 3: one scatter window, dropped whole if it does not fit (at + m > N; XLA scatter
+    semantics, as the all-rows flush drops a block past max_len)."""
+    idx = jnp.stack([row, at]).astype(jnp.int32)[None]  # [1, 2]: (row, first position)
+    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2, 3, 4, 5), inserted_window_dims=(),
                                             scatter_dims_to_operand_dims=(1, 3))
-    return jax.lax.scatter(buf, idx, val.astype(buf.dtype), dnums, indices_are_sorted=True,
+    return jax.lax.scatter(buf, idx, val[None].astype(buf.dtype), dnums, indices_are_sorted=True,
                            unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
@@ -403,52 +402,81 @@ class QuantSpecCache:
 
         Afterwards G <= fp_len < 2G for every flushed row. Rows that do not flush are untouched.
         The caller sizes max_len for every token it will commit (generation does): a flush past
-        max_len cannot raise inside jit, and its block would be dropped.
+        max_len cannot raise inside jit, and its block is dropped.
 
-        One 2-way cond on "any row flushes"; inside it all B rows are quantized and the rows that
-        do not flush are dropped at the write. In a batch of ragged rows a flush is mostly one
-        row's, so this costs ~75 us a token of SmolLM2's batch-32 loop on the H200; quantizing only
-        the flushing rows measured slower in wall in both forms tried (a `lax.switch` over row
-        buckets: +130 us a token of idle; a chain of 2-way conds: +1.2 ms of whole-cache copies;
-        docs/kernel_notes.md, 43rd / 44th sessions). `flush_scatter_form` picks how the blocks are
-        written.
+        `flush_form` picks how: the all-rows flush under one cond (default), or the row loop (a
+        while loop, one flushing row per trip). On the H200 at SmolLM2's batch 32: with ragged rows
+        (a flush mostly one row's) the all-rows flush costs ~75 us a token of kernels and the row
+        loop ~10 plus ~6 of its loop checks' syncs (profile: 2.320 against 2.379 ms a token); the
+        real model's prompts of equal length flush in near lock-step, where the row loop's trips add
+        up (QuantSpec decoding 12,949 against 13,249 tok/s); at batch 8 the all-rows flush is ahead
+        (1.353 / 1.368 ms). A cond choosing between the two at run time cost ~1.3 ms a token of
+        cache-sized copies, like quantizing only the flushing rows under conds (a chain of 2-way
+        conds +1.2 ms; a `lax.switch` over row buckets +130 us of idle); docs/kernel_notes.md,
+        43rd-45th sessions.
         """
         mask = self.fp_len >= 2 * self.group_size  # [B]
-        return jax.lax.cond(jnp.any(mask), lambda c: c._flush(mask), lambda c: c, self)
+        if flush_form() == "rows":
+            return self._flush_rows(mask)
+        return jax.lax.cond(jnp.any(mask), lambda c: c._flush_all(mask), lambda c: c, self)
 
-    def _flush(self, mask: Array) -> "QuantSpecCache":
-        """The flush of the rows in `mask` (bool[B]): every row quantized, the others dropped."""
-        G, R, S = self.group_size, self.ring_size, self.max_len
-        slots = (self.fp_start[:, None] + jnp.arange(G)[None, :]) % R  # [B, G]
-        take = lambda x: jnp.take_along_axis(x, slots[None, :, None, :, None], axis=3)  # noqa: E731
-        k_old, v_old = take(self.k_fp), take(self.v_fp)  # [L, B, H, G, D]
-        k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(k_old, G, self.k_scale.dtype)  # k_s: [L,B,H,1,D]
+    def _oldest_quantized(self, slots: Array, row: Array | None = None) -> dict[str, Array]:
+        """The ring tokens at `slots` (int32[n, G]) quantized as one block per row: the 8 quantized
+        fields, each [L, n, H, ., .]; the ring's rows 0..n-1, or only `row` (n = 1)."""
+        G = self.group_size
+        ring = lambda x: x if row is None else jax.lax.dynamic_slice_in_dim(x, row, 1, axis=1)  # noqa: E731
+        take = lambda x: jnp.take_along_axis(ring(x), slots[None, :, None, :, None], axis=3)  # noqa: E731
+        k_old, v_old = take(self.k_fp), take(self.v_fp)  # [L, n, H, G, D]
+        k_hi, k_lo, k_s, k_z = quant.quantize_keys_cache(k_old, G, self.k_scale.dtype)  # k_s: [L,n,H,1,D]
         v_hi, v_lo, v_s, v_z = quant.quantize_values_cache(v_old, G, self.v_scale.dtype)  # one block
-        if flush_scatter_form() == "block":
-            start = jnp.where(mask, self.q_len, S)  # [B]: the block's first token; S drops the row
-            put_tok = lambda buf, val: _put_blocks(buf, val, start)  # noqa: E731
-            put_blk = lambda buf, val: _put_blocks(buf, val, start // G)  # noqa: E731
-        else:
-            b = jnp.arange(mask.shape[0])[:, None]  # [B, 1]
-            tok = jnp.where(mask[:, None], self.q_len[:, None] + jnp.arange(G)[None, :], S)  # [B, G]; S drops
-            blk = jnp.where(mask, self.q_len // G, S // G)[:, None]  # [B, 1]
+        return dict(k_hi=k_hi, k_lo=k_lo, v_hi=v_hi, v_lo=v_lo, k_scale=k_s, k_zero=k_z, v_scale=v_s, v_zero=v_z)
 
-            def put(buf: Array, idx: Array, val: Array) -> Array:
-                # buf [L, B, H, N, X]; idx [B, m]; val [L, B, H, m, X] -> update laid out [B, m, L, H, X].
-                upd = jnp.transpose(val, (1, 3, 0, 2, 4)).astype(buf.dtype)
-                return buf.at[:, b, :, idx].set(upd, mode="drop")
+    def _oldest_slots(self) -> Array:
+        """int32[B, G]: each row's oldest G ring slots (wrapping around the ring)."""
+        return (self.fp_start[:, None] + jnp.arange(self.group_size)[None, :]) % self.ring_size
 
-            put_tok = lambda buf, val: put(buf, tok, val)  # noqa: E731
-            put_blk = lambda buf, val: put(buf, blk, val)  # noqa: E731
+    def _flushed(self, mask: Array, **planes: Array) -> "QuantSpecCache":
+        """The cache with `planes` written and the rows in `mask` (bool[B]) advanced by one block."""
+        G = self.group_size
         return self.replace(
-            k_hi=put_tok(self.k_hi, k_hi), k_lo=put_tok(self.k_lo, k_lo),
-            v_hi=put_tok(self.v_hi, v_hi), v_lo=put_tok(self.v_lo, v_lo),
-            k_scale=put_blk(self.k_scale, k_s), k_zero=put_blk(self.k_zero, k_z),
-            v_scale=put_tok(self.v_scale, v_s), v_zero=put_tok(self.v_zero, v_z),
+            **planes,
             q_len=jnp.where(mask, self.q_len + G, self.q_len),
-            fp_start=jnp.where(mask, (self.fp_start + G) % R, self.fp_start),
+            fp_start=jnp.where(mask, (self.fp_start + G) % self.ring_size, self.fp_start),
             fp_len=jnp.where(mask, self.fp_len - G, self.fp_len),
         )
+
+    def _flush_all(self, mask: Array) -> "QuantSpecCache":
+        """The flush of the rows in `mask` (bool[B]): every row quantized, the others dropped."""
+        G, S = self.group_size, self.max_len
+        new = self._oldest_quantized(self._oldest_slots())
+        b = jnp.arange(mask.shape[0])[:, None]  # [B, 1]
+        tok = jnp.where(mask[:, None], self.q_len[:, None] + jnp.arange(G)[None, :], S)  # [B, G]; S drops
+        blk = jnp.where(mask, self.q_len // G, S // G)[:, None]  # [B, 1]
+
+        def put(name: str) -> Array:
+            # buf [L, B, H, N, X]; idx [B, m]; val [L, B, H, m, X] -> update laid out [B, m, L, H, X].
+            buf, idx = getattr(self, name), blk if name in ("k_scale", "k_zero") else tok
+            upd = jnp.transpose(new[name], (1, 3, 0, 2, 4)).astype(buf.dtype)
+            return buf.at[:, b, :, idx].set(upd, mode="drop")
+
+        return self._flushed(mask, **{name: put(name) for name in new})
+
+    def _flush_rows(self, mask: Array) -> "QuantSpecCache":
+        """The flush of the rows in `mask` (bool[B]) as a while loop, one row per trip: the row's
+        oldest G ring tokens ([L, 1, H, G, D]) quantized and written as one window per field."""
+        G, slots = self.group_size, self._oldest_slots()
+
+        def trip(carry: tuple["QuantSpecCache", Array]) -> tuple["QuantSpecCache", Array]:
+            cache, todo = carry
+            b = jnp.argmax(todo).astype(jnp.int32)  # the first row still to flush
+            new = cache._oldest_quantized(jax.lax.dynamic_slice_in_dim(slots, b, 1), row=b)
+            q = self.q_len[b]
+            planes = {name: _put_block(getattr(cache, name), val, b, q // G if name in ("k_scale", "k_zero") else q)
+                      for name, val in new.items()}
+            return cache.replace(**planes), todo.at[b].set(False)
+
+        cache, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), trip, (self, mask))
+        return cache._flushed(mask)
 
     # ------------------------------------------------------------------------------- reads
     def dequantized_layer(self, layer: Array | int, view: str = "target") -> tuple[Array, Array]:

@@ -641,34 +641,35 @@ def test_single_row_writes_match_the_batched_scatter():
         np.testing.assert_array_equal(np.asarray(r1.v_fp[0, 0][:, slots]), np.asarray(v[1]))
 
 
-def test_flush_scatter_form():
-    """QSPEC_FLUSH_SCATTER unset or "token": per-token scatter; "block": one window per row; a bad
-    value is named."""
-    from qspec_jax.cache import flush_scatter_form
+def test_flush_form():
+    """QSPEC_FLUSH unset or "all": every row quantized under one cond; "rows": a while loop over
+    the flushing rows; a bad value is named."""
+    from qspec_jax.cache import flush_form
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("QSPEC_FLUSH_SCATTER", raising=False)
-        assert flush_scatter_form() == "token"
-        mp.setenv("QSPEC_FLUSH_SCATTER", "block")
-        assert flush_scatter_form() == "block"
-        mp.setenv("QSPEC_FLUSH_SCATTER", "rows")
-        with pytest.raises(ValueError, match="QSPEC_FLUSH_SCATTER='rows'"):
-            flush_scatter_form()
+        mp.delenv("QSPEC_FLUSH", raising=False)
+        assert flush_form() == "all"
+        mp.setenv("QSPEC_FLUSH", "rows")
+        assert flush_form() == "rows"
+        mp.setenv("QSPEC_FLUSH", "auto")
+        with pytest.raises(ValueError, match="QSPEC_FLUSH='auto'"):
+            flush_form()
 
 
-@pytest.mark.parametrize("flushing", [(4,), (0, 5), (1, 2, 3), (0, 1, 2, 3, 4, 5)])
-def test_block_scatter_flush_equals_the_token_scatter_flush(flushing, monkeypatch):
-    """QSPEC_FLUSH_SCATTER=block (one scatter window per row in the quantizer's layout) writes
-    every field bit for bit as the per-token scatter does, for rows at random ring offsets (the
-    oldest G slots wrapping around the ring or not) and a flushing row whose block lies past
-    max_len (dropped by both); rows that do not flush are untouched."""
+@pytest.mark.parametrize("flushing", [(), (4,), (0, 5), (1, 2, 3), (0, 1, 2, 3, 4, 5)])
+def test_row_loop_flush_equals_the_all_rows_flush(flushing, monkeypatch):
+    """QSPEC_FLUSH=rows (a while loop quantizing one flushing row per trip) writes every field bit
+    for bit as the all-rows flush does, for rows at random ring offsets (the oldest G slots
+    wrapping around the ring or not), a flushing row whose block lies past max_len (dropped by
+    both) and no flushing row at all; rows that do not flush are untouched."""
     B, G, S = 6, 8, 128
     rng = np.random.default_rng(len(flushing))
     cache = QuantSpecCache.init(CFG, B, S, group_size=G, gamma_max=3, scale_dtype="float32")
     mask = np.isin(np.arange(B), flushing)
     fp_len = np.where(mask, rng.integers(2 * G, 2 * G + 3, B), rng.integers(G, 2 * G, B))
     q_len = G * rng.integers(0, S // G, B)
-    q_len[flushing[0]] = S  # a block past max_len: dropped
+    if flushing:
+        q_len[flushing[0]] = S  # a block past max_len: dropped
     cache = cache.replace(
         k_hi=jnp.asarray(rng.integers(0, 256, cache.k_hi.shape), jnp.uint8),
         v_lo=jnp.asarray(rng.integers(0, 256, cache.v_lo.shape), jnp.uint8),
@@ -678,22 +679,24 @@ def test_block_scatter_flush_equals_the_token_scatter_flush(flushing, monkeypatc
         v_fp=jnp.asarray(rng.standard_normal(cache.v_fp.shape), cache.v_fp.dtype),
         q_len=jnp.asarray(q_len, jnp.int32), fp_len=jnp.asarray(fp_len, jnp.int32),
         fp_start=jnp.asarray(rng.integers(0, cache.ring_size, B), jnp.int32))
-    windows = lambda: str(jax.make_jaxpr(lambda c: c.flush())(cache)).count("inserted_window_dims=(1,)")  # noqa: E731
-    monkeypatch.setenv("QSPEC_FLUSH_SCATTER", "block")
-    block = jax.jit(lambda c: c.flush())(cache)
-    assert windows() == 8  # each plane, scale and zero written as one window per row
-    monkeypatch.setenv("QSPEC_FLUSH_SCATTER", "token")
-    token = jax.jit(lambda c: c.flush())(cache)
-    assert windows() == 0
+    jaxpr = lambda: str(jax.make_jaxpr(lambda c: c.flush())(cache))  # noqa: E731
+    monkeypatch.setenv("QSPEC_FLUSH", "rows")
+    rows = jax.jit(lambda c: c.flush())(cache)
+    assert "while[" in jaxpr() and "cond[" not in jaxpr()
+    monkeypatch.setenv("QSPEC_FLUSH", "all")
+    every = jax.jit(lambda c: c.flush())(cache)
+    assert "while[" not in jaxpr() and "cond[" in jaxpr()
     for name in FIELDS:
-        np.testing.assert_array_equal(np.asarray(getattr(block, name)), np.asarray(getattr(token, name)),
+        np.testing.assert_array_equal(np.asarray(getattr(rows, name)), np.asarray(getattr(every, name)),
                                       err_msg=name)
-    np.testing.assert_array_equal(np.asarray(block.q_len), q_len + G * mask)
+    np.testing.assert_array_equal(np.asarray(rows.q_len), q_len + G * mask)
+    np.testing.assert_array_equal(np.asarray(rows.fp_len), fp_len - G * mask)
     for name in ("k_hi", "v_lo", "k_scale", "v_zero"):  # untouched: other rows, and the block past S
-        before, after = np.asarray(getattr(cache, name)), np.asarray(getattr(block, name))
+        before, after = np.asarray(getattr(cache, name)), np.asarray(getattr(rows, name))
         np.testing.assert_array_equal(after[:, ~mask], before[:, ~mask], err_msg=name)
-        np.testing.assert_array_equal(after[:, flushing[0]], before[:, flushing[0]], err_msg=name)
+        if flushing:
+            np.testing.assert_array_equal(after[:, flushing[0]], before[:, flushing[0]], err_msg=name)
     for r in flushing[1:]:  # the other flushing rows' blocks were written
         q = q_len[r]
-        assert np.any(np.asarray(block.k_hi)[:, r, :, q:q + G] != np.asarray(cache.k_hi)[:, r, :, q:q + G])
-        assert np.any(np.asarray(block.k_scale)[:, r, :, q // G] != np.asarray(cache.k_scale)[:, r, :, q // G])
+        assert np.any(np.asarray(rows.k_hi)[:, r, :, q:q + G] != np.asarray(cache.k_hi)[:, r, :, q:q + G])
+        assert np.any(np.asarray(rows.k_scale)[:, r, :, q // G] != np.asarray(cache.k_scale)[:, r, :, q // G])

@@ -75,11 +75,11 @@ def test_int8_spec_equals_ar_bitwise(model, prompts, ar_ref, gamma, batch, bitwi
     assert res.acceptance_rate < 1.0  # rejections happened: rollback and the correction path ran
 
 
-def test_int8_spec_with_the_block_scatter_flush_equals_ar(model, prompts, ar_ref, bitwise_logits, monkeypatch):
-    """QSPEC_FLUSH_SCATTER=block (the flush writes one window per row): the speculative loop's
-    output equals AR's with the per-token scatter, tokens and logits. (gamma 3: no other test
+def test_int8_spec_with_the_row_loop_flush_equals_ar(model, prompts, ar_ref, bitwise_logits, monkeypatch):
+    """QSPEC_FLUSH=rows (the flush as a while loop over the flushing rows): the speculative loop's
+    output equals AR's with the all-rows flush, tokens and logits. (gamma 3: no other test
     compiles it, so the loop is traced with the switch set.)"""
-    monkeypatch.setenv("QSPEC_FLUSH_SCATTER", "block")
+    monkeypatch.setenv("QSPEC_FLUSH", "rows")
     spec = SpecConfig(gamma=3, max_new_tokens=NEW, group_size=G, draft_group=32, return_logits=True)
     res = generate(model, prompts, spec)
     assert res.to_lists() == ar_ref["int8", 3].to_lists()

@@ -16,8 +16,8 @@
 #   STAGES="tail": the persistent layer-tail kernel checked and timed with its diagnostics (check_tail.py)
 #   STAGES="pdlab": programmatic dependent launch of the W4A16 and attention kernels, checks and A/B in the model
 #   (42nd; PDL_PARTS="check", then "ab", then "ab" with PDL_TRIALS=2, as three calls)
-#   STAGES="flushab": the cache flush written as one scatter window per row, A/B in the γ 2 loop at SmolLM2
-#   batch 32 and exactness (44th; in the 43rd it A/B'd the flush of only its rows, since removed)
+#   STAGES="flushab": the cache flush as a while loop over its rows (QSPEC_FLUSH=rows), A/B in the γ 2 loop at
+#   SmolLM2 batch 32 and exactness (45th; 44th: a scatter form, 43rd: row gathers under conds, both removed)
 #   STAGES="smoldump attrib ringfix": SmolLM2 batch 32's draft attention: its SASS, its time by consumer part and
 #   the FP ring's share of its stream (twenty-third session); STAGES="hlo": what the profile's glue fusions compute
 #   STAGES="stash", then (next call, machine warm) STAGES="smolreal smolpeers": the real SmolLM2 end to end at batch
@@ -327,24 +327,25 @@ for stage in ${STAGES:-probe smol 8b}; do
           )
         done
       done;;
-    flushab)  # (43rd; 44th) the QuantSpec cache's flush: its write as one scatter window per row
-      # (QSPEC_FLUSH_SCATTER=block, no per-token update transposes) against the per-token scatter ("token", the default),
-      # SmolLM2 batch 32 (rows 4k-8k) γ 2 loop, then greedy exactness with it at SmolLM2's shape, batch 32
-      # (ragged prompts; spec and AR flush rows in different groups). FLUSH_HLO=1: each form's optimized HLO
-      # dumped (gzipped into the logs), and its scatters, conditionals and while loops listed
-      for m in ${FLUSH_MODES:-token block}; do
+    flushab)  # (43rd; 44th; 45th) the QuantSpec cache's flush: QSPEC_FLUSH=rows (a while loop quantizing one
+      # flushing row per trip) against "all" (the default: every row under one cond; the 44th's "block" scatter
+      # form gained nothing and is gone), SmolLM2 batch 32 (rows 4k-8k) γ 2 loop, then greedy exactness with it at
+      # SmolLM2's shape, batch 32 (ragged prompts; spec and AR flush rows in different groups). FLUSH_HLO=1: each
+      # form's optimized HLO dumped (gzipped into the logs), and its scatters, conditionals and while loops listed
+      for m in ${FLUSH_MODES:-all rows}; do
         ( [[ ${FLUSH_HLO:-0} == 1 ]] && export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_flush_$m --xla_dump_hlo_as_text"
-          QSPEC_FLUSH_SCATTER=$m prof smollm2_b32_8k_flush_$m --shape smollm2 --batch 32 --contexts 8192 --ragged \
-            --programs spec_loop --gamma 2 --verify-t 3 )
+          QSPEC_FLUSH=${m%%:*} prof smollm2_b${FLUSH_B:-32}_8k_flush_${m/:/_} --shape smollm2 --batch ${FLUSH_B:-32} \
+            $([[ $m == *:uniform ]] && echo --contexts 8440 || echo --contexts 8192 --ragged) --programs spec_loop \
+            --gamma 2 --verify-t 3 )  # "<form>:uniform": every row at 8440 (fp_len 248), all flushing in the same step
         if [[ ${FLUSH_HLO:-0} == 1 ]]; then
           f=$(ls -S /tmp/hlo_flush_$m/*after_optimizations.txt | head -1)
-          { echo "## $f"; grep -nE "conditional\(|while\(| scatter\(|fusion.*kind=.*scatter" $f | cut -c1-400
+          { echo "## $f"; grep -nE "conditional\(|while\(| scatter\(|fusion.*kind=.*scatter| copy\(" $f | cut -c1-400
           } > $L/hlo_flush_$m.txt
           head -40 $L/hlo_flush_$m.txt; gzip -c $f > $L/hlo_flush_$m.after_optimizations.txt.gz  # whole, for its fusions
           rm -rf /tmp/hlo_flush_$m
         fi
       done
-      QSPEC_FLUSH_SCATTER=block timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 \
+      QSPEC_FLUSH=${FLUSH_EXACT_MODE:-rows} timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 \
         --batches ${FLUSH_EXACT_B:-32} 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_flush_smollm2.log | tail -2
       echo "== flushab done ($(( $(date +%s) - T0 )) s)";;
     tailhlo)  # (37th) the tail in the model added a 1.3-us memcpy32_post per layer: the draft step's optimized HLO with
