@@ -329,7 +329,8 @@ for stage in ${STAGES:-probe smol 8b}; do
       done;;
     flushab)  # (43rd; 44th; 45th) the QuantSpec cache's flush: QSPEC_FLUSH=rows (a while loop quantizing one
       # flushing row per trip) against "all" (the default: every row under one cond; the 44th's "block" scatter
-      # form gained nothing and is gone), SmolLM2 batch 32 (rows 4k-8k) γ 2 loop, then greedy exactness with it at
+      # form gained nothing and is gone), SmolLM2 batch FLUSH_B (32) γ 2 loop, rows 4k-8k ("<form>:uniform": every
+      # row at 8,440 tokens, all flushing in one step), then greedy exactness with FLUSH_EXACT_MODE (rows) at
       # SmolLM2's shape, batch 32 (ragged prompts; spec and AR flush rows in different groups). FLUSH_HLO=1: each
       # form's optimized HLO dumped (gzipped into the logs), and its scatters, conditionals and while loops listed
       for m in ${FLUSH_MODES:-all rows}; do
