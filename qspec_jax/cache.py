@@ -41,6 +41,7 @@ DEFAULT_GROUP_SIZE = 128
 DEFAULT_GAMMA_MAX = 7  # verify width 8: fills the attention kernels' 32-row tile at n_rep 4 (docs/QUALITY.md, Exactness)
 RING_ALIGN = 32  # ring slots are a multiple of this so kernels can tile the ring
 UNBOUNDED = 2**30  # "no limit" for tokens_until_flush
+BLOCK_FIELDS = ("k_scale", "k_zero")  # the quantized fields indexed by G-token block; the others by token
 
 
 def _dtype(name_or_dtype: Any) -> Any:
@@ -344,7 +345,7 @@ class QuantSpecCache:
             v_hi, v_lo, v_s, v_z = quant.quantize_values_cache(vb, G, self.v_scale.dtype)
             for name, val in dict(k_hi=k_hi, k_lo=k_lo, v_hi=v_hi, v_lo=v_lo, k_scale=k_s, k_zero=k_z,
                                   v_scale=v_s, v_zero=v_z).items():
-                at = start // G if name in ("k_scale", "k_zero") else start  # per block / per token
+                at = start // G if name in BLOCK_FIELDS else start
                 new[name] = jax.lax.dynamic_update_slice(getattr(self, name), val[None], (layer, 0, 0, at, 0))
         src = (prefill_quantized_len(lengths, G)[:, None] + jnp.arange(self.ring_size)[None, :]
                - start)  # [B, R]: index into the chunk of the position each ring slot holds
@@ -455,7 +456,7 @@ class QuantSpecCache:
 
         def put(name: str) -> Array:
             # buf [L, B, H, N, X]; idx [B, m]; val [L, B, H, m, X] -> update laid out [B, m, L, H, X].
-            buf, idx = getattr(self, name), blk if name in ("k_scale", "k_zero") else tok
+            buf, idx = getattr(self, name), blk if name in BLOCK_FIELDS else tok
             upd = jnp.transpose(new[name], (1, 3, 0, 2, 4)).astype(buf.dtype)
             return buf.at[:, b, :, idx].set(upd, mode="drop")
 
@@ -471,7 +472,7 @@ class QuantSpecCache:
             b = jnp.argmax(todo).astype(jnp.int32)  # the first row still to flush
             new = cache._oldest_quantized(jax.lax.dynamic_slice_in_dim(slots, b, 1), row=b)
             q = self.q_len[b]
-            planes = {name: _put_block(getattr(cache, name), val, b, q // G if name in ("k_scale", "k_zero") else q)
+            planes = {name: _put_block(getattr(cache, name), val, b, q // G if name in BLOCK_FIELDS else q)
                       for name, val in new.items()}
             return cache.replace(**planes), todo.at[b].set(False)
 
