@@ -74,8 +74,8 @@ $(TEXTS): | $(BIN)/python
 
 # GPU benchmarks: rewrite docs/BENCHMARKS.md and docs/bench/ (the benchmarks write into the checkout only when
 # told: --out and --doc). `make bench` runs every part below in turn; each part is one command that fits a
-# ten-minute device call (wall times on the H200 where measured: 2026-12-02, e2e 8b ~5.5 min with its PyTorch peer,
-# e2e batch ~1.3 min, profile ~2.7 min, kernel llama3-8b:1 ~1-2 min per context; 2026-11-24, gamma loops ~7.5 min)
+# ten-minute device call (wall times on the H200 where measured: 2026-12-04, e2e 8b 6.6 min with its PyTorch peer,
+# e2e batch 1.7 min, profile 3.2 min, kernel llama3-8b:1 ~1-2 min per context; 2026-11-24, gamma loops ~7.5 min)
 # except bench-prefill (~17 min with the planner's longest prompt, 1.29M tokens
 # prefilled in chunks in ~15 min; on a machine that takes calls of ten minutes, start it under setsid as
 # tools/device/issue30_gpu.sh does). The e2e parts run one at a time and keep each other's results (--keep-parts),

@@ -67,6 +67,7 @@
 #   "tailready": the tail's per-chunk ready counters against its flags, checked, timed and in the model (39th)
 #   "bench": `make bench`'s parts by their Makefile targets (BENCH_PARTS), sections and JSON back in
 #   $OUT/bench.tgz (39th)
+#   "tqkvar": the AR-bf16 baseline at SmolLM2 batch 32 with / without the target's q|k|v into its dense cache (46th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -767,6 +768,15 @@ for stage in ${STAGES:-probe smol 8b}; do
         for v in 1 0; do
           QSPEC_TARGET_QKV_CACHE=$v prof 8b_b1_4k_dense_tqkv${v}_$i --batch 1 --contexts 4096 \
             --programs ${TQD_PROGS:-ar_bf16,ar_loop}
+        done
+      done;;
+    tqkvar)  # (46th) the AR-bf16 baseline at SmolLM2 batch 32 (32 rows: the target's q|k|v into the dense cache is
+      # allowed up to 32 rows at head dim 64, "auto" leaves it off there): is the baseline issue 31's ratio divides by
+      # the fastest AR-bf16 this build has? QSPEC_TARGET_QKV_CACHE=1 against auto, alternating TQA_TRIALS times
+      for i in ${TQA_TRIALS:-1 2}; do
+        for v in 1 auto; do
+          LIMIT=${TQA_LIMIT:-150} QSPEC_TARGET_QKV_CACHE=$v prof smollm2_b32_8k_ar_tqkv${v}_$i --shape smollm2 \
+            --batch 32 --contexts 8192 --ragged --programs ${TQA_PROGS:-ar_bf16,ar_loop}
         done
       done;;
     tqkvsmol)  # SmolLM2's 64-channel heads (QSPEC_TARGET_QKV_CACHE=1 against auto, which leaves them alone): the
