@@ -68,6 +68,7 @@
 #   "bench": `make bench`'s parts by their Makefile targets (BENCH_PARTS), sections and JSON back in
 #   $OUT/bench.tgz (39th)
 #   "tqkvar": the AR-bf16 baseline at SmolLM2 batch 32 with / without the target's q|k|v into its dense cache (46th)
+#   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -778,6 +779,18 @@ for stage in ${STAGES:-probe smol 8b}; do
           LIMIT=${TQA_LIMIT:-150} QSPEC_TARGET_QKV_CACHE=$v prof smollm2_b32_8k_ar_tqkv${v}_$i --shape smollm2 \
             --batch 32 --contexts 8192 --ragged --programs ${TQA_PROGS:-ar_bf16,ar_loop}
         done
+      done;;
+    overlap)  # (46th, prepared) can XLA run two independent kernel chains of one loop body at once? Four small INT4
+      # linears (a half-batch's) beside a memory-bound reduction (half a draft call's bytes), inside a fori_loop:
+      # default command buffers, concurrent regions, the reduction on a second stream (compute_on), both, none
+      for setting in "default:" "concurrent:--xla_gpu_graph_enable_concurrent_region=true" \
+          "stream:--xla_gpu_experimental_stream_annotation=true" \
+          "both:--xla_gpu_graph_enable_concurrent_region=true --xla_gpu_experimental_stream_annotation=true" \
+          "nocmdbuf:--xla_gpu_enable_command_buffer="; do
+        name=${setting%%:*}; flags=${setting#*:}; ann=""; case $name in stream|both) ann=--annotate;; esac
+        echo "-- $name" | tee -a $L/overlap_probe.log
+        XLA_FLAGS="$flags" timeout 120 python3 tools/device/overlap_probe.py $ann 2>&1 | grep -v "^W[0-9]" \
+          | tee -a $L/overlap_probe.log | grep -E "^  |^==|FAIL"
       done;;
     tqkvsmol)  # SmolLM2's 64-channel heads (QSPEC_TARGET_QKV_CACHE=1 against auto, which leaves them alone): the
       # verify (T 5) and the QuantSpec loop at batch 1 and 4 (5 / 20 rows), 8k
