@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.getcwd())
 
@@ -39,6 +37,7 @@ from jax import lax  # noqa: E402
 import qspec_jax  # noqa: E402,F401  (XLA flags)
 from pallas_kernels.linear import int4_linear  # noqa: E402
 from pallas_kernels.linear import layout as lay  # noqa: E402
+from qspec_jax.bench.e2e import median_seconds  # noqa: E402
 
 K = N = 576  # SmolLM2's o projection: the small, latency-bound kernel of its draft layer
 GROUP = 32
@@ -90,14 +89,9 @@ def build(mode: str, ws: list, backend: str, iters: int, annotate: bool):
 
 
 def timed(fn, x, a, trials: int) -> tuple[float, tuple]:
-    out = fn(x, a)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, a))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), out
+    """(median seconds of a call after a warm-up call, the warm-up's result)."""
+    out = jax.block_until_ready(fn(x, a))
+    return median_seconds(lambda: fn(x, a), trials), out
 
 
 def main(argv=None) -> int:
