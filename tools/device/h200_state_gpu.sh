@@ -782,8 +782,11 @@ for stage in ${STAGES:-probe smol 8b}; do
       done;;
     overlap)  # (46th, prepared) can XLA run two independent kernel chains of one loop body at once? Four small INT4
       # linears (a half-batch's) beside a memory-bound reduction (half a draft call's bytes), inside a fori_loop:
-      # default command buffers, concurrent regions, the reduction on a second stream (compute_on), both, none
-      for setting in "default:" "concurrent:--xla_gpu_graph_enable_concurrent_region=true" \
+      # default command buffers, a command buffer as a dependency graph (scheduling mode CONCURRENT; LHS), concurrent
+      # regions, the reduction on a second stream (compute_on), both of the last two, no command buffers
+      for setting in "default:" "dag:--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" \
+          "lhs:--xla_gpu_command_buffer_scheduling_mode=LHS" \
+          "regions:--xla_gpu_graph_enable_concurrent_region=true" \
           "stream:--xla_gpu_experimental_stream_annotation=true" \
           "both:--xla_gpu_graph_enable_concurrent_region=true --xla_gpu_experimental_stream_annotation=true" \
           "nocmdbuf:--xla_gpu_enable_command_buffer="; do

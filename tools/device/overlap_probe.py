@@ -14,6 +14,7 @@ overlap = (t_L + t_M - t_both) / min(t_L, t_M) (0: serial, 1: fully hidden). Run
 read when the backend starts), e.g.
 
     PYTHONPATH=. python3 tools/device/overlap_probe.py                      # default command buffers
+    XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT PYTHONPATH=. python3 tools/device/overlap_probe.py
     XLA_FLAGS=--xla_gpu_graph_enable_concurrent_region=true PYTHONPATH=. python3 tools/device/overlap_probe.py
     XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true PYTHONPATH=. python3 tools/device/overlap_probe.py \\
         --annotate                                                          # chain M on `compute_on('gpu_stream:1')`
