@@ -45,6 +45,7 @@ GROUP = 32
 
 
 def weights(key: jax.Array, copies: int) -> list:
+    """`copies` random INT4 K x N weights in the Hopper kernel's layout (distinct, as a layer's four are)."""
     out = []
     for c in range(copies):
         kc = jax.random.fold_in(key, c)
