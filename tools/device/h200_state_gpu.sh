@@ -97,6 +97,15 @@ ab() {  # tag, programs, tuned_table_run options: SmolLM2 batch AB_BATCH (32), r
   grep -E "\[linear\]|\[attention\]|glue  " $L/profile_smollm2_b${AB_BATCH:-32}_$tag.log | head -7
   rm -rf $OUT/p_$tag/traces
 }
+tqkv_ab() {  # tag, trials, the off value of QSPEC_TARGET_QKV_CACHE, then qspec-bench profile arguments: on / off
+  # alternating per trial, tags <tag><value>_<trial>
+  local tag=$1 trials=$2 off=$3 i v; shift 3
+  for i in $trials; do
+    for v in 1 $off; do
+      QSPEC_TARGET_QKV_CACHE=$v prof ${tag}${v}_$i "$@"
+    done
+  done
+}
 smoltime() {  # tag, contexts, MgpuConfig variants: SmolLM2 batch 32 attention kernels alone (trace), draft rows shown
   timeout ${KERNEL_LIMIT:-200} python3 tools/device/check_attention.py --parts time --impls mosaic --time-shape smollm2 \
     --contexts $2 --batches 32 --no-torch --time-ts ${TIME_TS:-5} --trace-dir $OUT/tr --time-impls mosaic --mgpu-configs "$3" 2>&1 \
@@ -765,21 +774,12 @@ for stage in ${STAGES:-probe smol 8b}; do
       # leaves dense caches alone until this is timed): the GPU check, then the AR-bf16 step and loop at 8B batch 1, 4k
       timeout 200 python3 tools/device/qkv_cache_gpu.py --parts model --target-t 1 --dense --model-batches 1,4 \
         --shapes 8b 2>&1 | grep -v "^W[0-9]" | tee $L/target_qkv_dense_check.log | grep -E "OK|FAIL|rror"
-      for i in ${TQ_TRIALS:-1 2}; do
-        for v in 1 0; do
-          QSPEC_TARGET_QKV_CACHE=$v prof 8b_b1_4k_dense_tqkv${v}_$i --batch 1 --contexts 4096 \
-            --programs ${TQD_PROGS:-ar_bf16,ar_loop}
-        done
-      done;;
+      tqkv_ab 8b_b1_4k_dense_tqkv "${TQ_TRIALS:-1 2}" 0 --batch 1 --contexts 4096 --programs ${TQD_PROGS:-ar_bf16,ar_loop};;
     tqkvar)  # (46th) the AR-bf16 baseline at SmolLM2 batch 32 (32 rows: the target's q|k|v into the dense cache is
       # allowed up to 32 rows at head dim 64, "auto" leaves it off there): is the baseline issue 31's ratio divides by
       # the fastest AR-bf16 this build has? QSPEC_TARGET_QKV_CACHE=1 against auto, alternating TQA_TRIALS times
-      for i in ${TQA_TRIALS:-1 2}; do
-        for v in 1 auto; do
-          LIMIT=${TQA_LIMIT:-150} QSPEC_TARGET_QKV_CACHE=$v prof smollm2_b32_8k_ar_tqkv${v}_$i --shape smollm2 \
-            --batch 32 --contexts 8192 --ragged --programs ${TQA_PROGS:-ar_bf16,ar_loop}
-        done
-      done;;
+      LIMIT=${TQA_LIMIT:-150} tqkv_ab smollm2_b32_8k_ar_tqkv "${TQA_TRIALS:-1 2}" auto --shape smollm2 --batch 32 \
+        --contexts 8192 --ragged --programs ${TQA_PROGS:-ar_bf16,ar_loop};;
     overlap)  # (46th, prepared) can XLA run two independent kernel chains of one loop body at once? Four small INT4
       # linears (a half-batch's) beside a memory-bound reduction (half a draft call's bytes), inside a fori_loop:
       # default command buffers, a command buffer as a dependency graph (scheduling mode CONCURRENT; LHS), concurrent

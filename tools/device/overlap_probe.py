@@ -30,6 +30,7 @@ import os
 import sys
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -37,23 +38,11 @@ from jax import lax  # noqa: E402
 
 import qspec_jax  # noqa: E402,F401  (XLA flags)
 from pallas_kernels.linear import int4_linear  # noqa: E402
-from pallas_kernels.linear import layout as lay  # noqa: E402
 from qspec_jax.bench.e2e import median_seconds  # noqa: E402
+from w4a16_config_sweep import weights  # noqa: E402
 
 K = N = 576  # SmolLM2's o projection: the small, latency-bound kernel of its draft layer
 GROUP = 32
-
-
-def weights(key: jax.Array, copies: int) -> list:
-    """`copies` random INT4 K x N weights in the Hopper kernel's layout (distinct, as a layer's four are)."""
-    out = []
-    for c in range(copies):
-        kc = jax.random.fold_in(key, c)
-        packed = jax.random.bits(kc, (K // 2, N), jnp.uint8)
-        scale = jax.random.uniform(jax.random.fold_in(kc, 1), (K // GROUP, N), jnp.float32, 0.005, 0.02)
-        zero = jax.random.uniform(jax.random.fold_in(kc, 2), (K // GROUP, N), jnp.float32, -0.1, 0.0)
-        out.append(lay.pack_fields(packed, scale.astype(jnp.float16), zero.astype(jnp.float16)))
-    return out
 
 
 def chain_l(x: jax.Array, ws: list, backend: str) -> jax.Array:
@@ -109,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto", help="int4_linear backend (xla on the CPU: a smoke test)")
     args = ap.parse_args(argv)
     key = jax.random.PRNGKey(0)
-    ws = weights(key, args.small)
+    ws = weights(key, K, N, GROUP, args.small)  # distinct weights, as a layer's four are
     x = jax.random.normal(jax.random.fold_in(key, 7), (args.rows, K), jnp.float32).astype(jnp.bfloat16) * 0.1
     r = max(1, int(args.mbytes * 1e6 / (4096 * 2)))
     a = jax.random.normal(jax.random.fold_in(key, 8), (r, 4096), jnp.float32).astype(jnp.bfloat16)
