@@ -894,6 +894,36 @@ def test_split_count_env_override(monkeypatch):
         np_()
 
 
+def test_flat_cta_count_env_override(monkeypatch):
+    """$QSPEC_MGPU_FLAT_CTAS sets the balanced schedule's CTA count where a config does not name one
+    (how a benchmark leaves SMs free beside the attention in the model): the pass's work split
+    (`flat_inputs`) and the kernel's static numbers both take it, so a call under it gives the bits
+    of a config asking for that count; a config's count wins; unset, one CTA per SM; a bad value is
+    named."""
+    g = 64
+    cache = build_cache(23, 1, 2, 64, g, [8 * g + 40, 2 * g + 3, g + 9, 30], rounds=3, round_t=5, max_blocks=9)
+    split = functools.partial(ws.flat_split, 4, 1, 128, g, cache.ring_size, 9 * g, "draft", jnp.float16,
+                              jnp.bfloat16)
+    monkeypatch.delenv(ws.FLAT_CTAS_ENV, raising=False)
+    assert split()["flat_ctas"] == ws.num_sms() and ws.flat_inputs(cache, "draft")["ws_ctas"].shape[0] == ws.num_sms()
+    monkeypatch.setenv(ws.FLAT_CTAS_ENV, "3")
+    assert split()["flat_ctas"] == 3 and split(5)["flat_ctas"] == 5
+    assert ws.flat_inputs(cache, "draft")["ws_ctas"].shape == (3, 4)
+    q, q_pos = _queries(jax.random.PRNGKey(11), cache, 1, 4, 64, jnp.float32)
+
+    def call(cfg):  # a fresh trace (the environment is read when the call is traced)
+        return np.asarray(jax.jit(lambda q, p, c: mg.quantized_decode_attention_mgpu(
+            q, p, c, jnp.int32(0), view="draft", interpret=True, config=cfg))(q, q_pos, cache))
+
+    by_env = call(mg.MgpuConfig(register_a=False, schedule="ws", ws_flat=True))
+    monkeypatch.delenv(ws.FLAT_CTAS_ENV)
+    np.testing.assert_array_equal(by_env, call(mg.MgpuConfig(register_a=False, schedule="ws", ws_flat=True,
+                                                             ws_flat_ctas=3)))
+    monkeypatch.setenv(ws.FLAT_CTAS_ENV, "0")
+    with pytest.raises(ValueError, match="QSPEC_MGPU_FLAT_CTAS='0'"):
+        split()
+
+
 def test_ws_register_budget():
     """setmaxnreg can only redistribute the registers a CTA launched with: the defaults use at most
     the pool (2 consumers: 4 x 128; 3: 5 x 96), and a budget over it is refused (it would hang)."""

@@ -281,17 +281,32 @@ PAIR_MERGE_MIN_CTAS = 8
 SPLITS_ENV = "QSPEC_MGPU_SPLITS"  # CTAs per (row, KV head) for every call without config.num_splits (A/B runs)
 
 
-def env_splits() -> int | None:
-    """$QSPEC_MGPU_SPLITS as a split count (None when unset): how a benchmark forces NP in the model,
-    e.g. more CTAs than `default_ctas` picks so that rows of different lengths fill the SMs."""
+def _env_count(name: str, what: str) -> int | None:
+    """The positive integer in $`name` (None when unset or empty); another value is named."""
     import os
 
-    v = os.environ.get(SPLITS_ENV)
+    v = os.environ.get(name)
     if not v:
         return None
     if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"${SPLITS_ENV}={v!r}: expected a split count >= 1")
+        raise ValueError(f"${name}={v!r}: expected {what} >= 1")
     return int(v)
+
+
+def env_splits() -> int | None:
+    """$QSPEC_MGPU_SPLITS as a split count (None when unset): how a benchmark forces NP in the model,
+    e.g. more CTAs than `default_ctas` picks so that rows of different lengths fill the SMs."""
+    return _env_count(SPLITS_ENV, "a split count")
+
+
+FLAT_CTAS_ENV = "QSPEC_MGPU_FLAT_CTAS"  # the balanced schedule's CTA count where a config does not say (A/B runs)
+
+
+def env_flat_ctas() -> int | None:
+    """$QSPEC_MGPU_FLAT_CTAS as the balanced schedule's CTA count (None when unset): how a benchmark
+    leaves SMs free beside the attention in the model (e.g. for another sub-batch's linears to run
+    concurrently), where no config reaches the call."""
+    return _env_count(FLAT_CTAS_ENV, "a CTA count")
 
 
 def default_ctas(batch: int, hkv: int, n_blocks: int, view: str) -> int:
@@ -422,10 +437,12 @@ def ring_weight(view: str, D: int, G: int, R: int, scale_dtype: Any, fp_dtype: A
 
 def flat_split(B: int, H: int, D: int, G: int, R: int, S_max: int, view: str, scale_dtype: Any, fp_dtype: Any,
                ctas: int | None = None) -> dict[str, int]:
-    """The balanced schedule's static numbers for a cache geometry: its CTA count (one per SM by
-    default), `flat_cap`, the ring's weight and (target view: shares of the geometry) every pair's
-    width in blocks, S_max // G, else 0 (`_WsStatic` fields, `work_of`'s arguments)."""
-    ctas = ctas or num_sms()
+    """The balanced schedule's static numbers for a cache geometry: its CTA count (`ctas`, else
+    $QSPEC_MGPU_FLAT_CTAS, else one per SM), `flat_cap`, the ring's weight and (target view: shares of
+    the geometry) every pair's width in blocks, S_max // G, else 0 (`_WsStatic` fields, `work_of`'s
+    arguments). The pass's work split (`flat_inputs`) and the kernel's static numbers both come from
+    here, so they agree on the count."""
+    ctas = ctas or env_flat_ctas() or num_sms()
     return dict(flat_ctas=ctas, flat_cap=flat_cap(B, H, ctas),
                 ring_w=ring_weight(view, D, G, R, scale_dtype, fp_dtype),
                 geo_blocks=max(1, S_max // G) if view == "target" else 0)

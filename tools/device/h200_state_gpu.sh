@@ -69,6 +69,8 @@
 #   $OUT/bench.tgz (39th)
 #   "tqkvar": the AR-bf16 baseline at SmolLM2 batch 32 with / without the target's q|k|v into its dense cache (46th)
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
+#   "halves": SmolLM2 batch 32 decoded as two half-batches with caches of their own, in one program, against the
+#   whole batch: draft and AR-bf16 steps and loops, per XLA setting and draft-attention CTA count (halves_probe.py, 47th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -794,6 +796,23 @@ for stage in ${STAGES:-probe smol 8b}; do
         echo "-- $name" | tee -a $L/overlap_probe.log
         XLA_FLAGS="$flags" timeout 120 python3 tools/device/overlap_probe.py $ann 2>&1 | grep -v "^W[0-9]" \
           | tee -a $L/overlap_probe.log | grep -E "^  |^==|FAIL"
+      done;;
+    halves)  # (47th, prepared) the step programs and loops of SmolLM2 batch 32 (rows 4k-8k) as two half-batches in one
+      # program against the whole batch, under HALVES_SETTINGS (name:XLA_FLAGS, as "overlap") and, for each, the
+      # draft attention's CTA counts HALVES_CTAS (0: one per SM; fewer leave SMs free for the other half's linears)
+      # (dagwhile: the loops as graph nodes too, so that the "pair" / "loops" programs' layer loops can overlap; the
+      # "layers" program, both halves in one loop body, needs only dag)
+      for setting in ${HALVES_SETTINGS:-default: dag:--xla_gpu_command_buffer_scheduling_mode=CONCURRENT \
+          dagwhile:--xla_gpu_command_buffer_scheduling_mode=CONCURRENT,--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL}; do
+        flags=${setting#*:}; flags=${flags//,--/ --}
+        name=${setting%%:*}
+        for ctas in ${HALVES_CTAS:-0}; do
+          echo "-- $name, draft attention CTAs $ctas" | tee -a $L/halves_probe.log
+          [ $ctas = 0 ] && ctas=""
+          XLA_FLAGS="$flags" QSPEC_MGPU_FLAT_CTAS=$ctas timeout ${HALVES_LIMIT:-240} python3 tools/device/halves_probe.py \
+            ${HALVES_ARGS:---loops ar,spec} 2>&1 | grep -v "^W[0-9]" | tee -a $L/halves_probe.log | grep -E "^  |^==|rror"
+          echo "== halves $name $ctas done ($(( $(date +%s) - T0 )) s)"
+        done
       done;;
     tqkvsmol)  # SmolLM2's 64-channel heads (QSPEC_TARGET_QKV_CACHE=1 against auto, which leaves them alone): the
       # verify (T 5) and the QuantSpec loop at batch 1 and 4 (5 / 20 rows), 8k
