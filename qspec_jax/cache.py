@@ -518,6 +518,85 @@ class QuantSpecCache:
         return parts
 
 
+# ------------------------------------------------------------------------------- sub-batches
+@struct.dataclass
+class SubBatchCache:
+    """A batch held as sub-batches, each in a cache of its own: rows [0, B_0) in parts[0], the next
+    B_1 rows in parts[1], and so on; the parts are of one kind and geometry.
+
+    The rows of a batch are independent sequences. `model.decode` runs the parts' layers
+    interleaved in one layer loop (`model.decode_sub_batches`), so the loop body holds chains of
+    kernels that touch disjoint buffers, which a GPU runtime may run at the same time (one
+    sub-batch's memory-bound attention beside another's latency-bound linears); one cache would
+    order them by its buffers. Each part computes what a batch of its rows computes alone, bit for
+    bit. This class speaks the cache protocol the generation loops use (lengths, rollback, flush),
+    on whole-batch arrays [B] that it splits and joins by rows; the model's writes and reads go to
+    the parts."""
+
+    parts: tuple[Any, ...]
+
+    @classmethod
+    def init(cls, make: Any, batch: int, sub_batches: int) -> "SubBatchCache":
+        """`sub_batches` caches of batch / sub_batches rows each, `make(rows)` building one."""
+        if sub_batches < 1 or batch % sub_batches:
+            raise ValueError(f"sub_batches={sub_batches}: must be >= 1 and divide the batch of {batch} rows")
+        return cls(parts=tuple(make(batch // sub_batches) for _ in range(sub_batches)))
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """Rows of each part (static)."""
+        return tuple(int(p.total_lengths().shape[0]) for p in self.parts)
+
+    def split(self, x: Array) -> tuple[Array, ...]:
+        """x [B, ...] as the parts' rows: ([B_0, ...], [B_1, ...], ...)."""
+        bounds = np.cumsum((0,) + self.rows)
+        return tuple(x[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+
+    @property
+    def max_len(self) -> int:
+        return self.parts[0].max_len
+
+    def _joined(self, name: str, *args: Any) -> Array:
+        return jnp.concatenate([getattr(p, name)(*args) for p in self.parts])
+
+    def total_lengths(self) -> Array:
+        return self._joined("total_lengths")
+
+    def next_positions(self, t: int) -> Array:
+        return self._joined("next_positions", t)
+
+    def tokens_until_flush(self) -> Array:
+        return self._joined("tokens_until_flush")
+
+    def _each(self, name: str, rows: Array | None = None, *args: Any) -> "SubBatchCache":
+        """Each part's `name(its rows of `rows`, *args)` (or `name(*args)` without rows)."""
+        if rows is None:
+            return self.replace(parts=tuple(getattr(p, name)(*args) for p in self.parts))
+        return self.replace(parts=tuple(getattr(p, name)(r, *args) for p, r in zip(self.parts, self.split(rows))))
+
+    def rollback(self, lengths: Array) -> "SubBatchCache":
+        return self._each("rollback", lengths)
+
+    def finish_prefill(self, lengths: Array) -> "SubBatchCache":
+        return self._each("finish_prefill", lengths)
+
+    def advance(self, t: int | Array) -> "SubBatchCache":
+        """Commits t tokens of every row (t an int, or int32[B] per row)."""
+        if jnp.ndim(t):
+            return self._each("advance", t)
+        return self._each("advance", None, t)
+
+    def flush(self) -> "SubBatchCache":
+        return self._each("flush")
+
+    def nbytes_by_component(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self.parts:
+            for k, v in p.nbytes_by_component().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+
 def cache_bytes(kind: str, cfg: ModelConfig, batch: int, max_len: int, **kwargs: Any) -> dict[str, int]:
     """Bytes by component of a cache of `kind` ("bf16" dense or "int8" hierarchical), without
     allocating it. Used by benchmarks and by the max-context planner."""

@@ -29,7 +29,7 @@ from qspec_jax.attention import (
     prefill_impl,
     query_operand_shape,
 )
-from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
+from qspec_jax.cache import DenseKVCache, QuantSpecCache, SubBatchCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
 from qspec_jax.linear import (
     StackedLayer,
@@ -53,7 +53,7 @@ from qspec_jax.norm import add_norm_backend, add_rms_norm
 from qspec_jax.weight_quant import QuantizedWeight
 
 Array = jax.Array
-Cache = DenseKVCache | QuantSpecCache
+Cache = DenseKVCache | QuantSpecCache | SubBatchCache
 # A linear weight (qspec_jax.linear): a dense [Din, Dout] array or an INT4 weight (QuantizedWeight,
 # or the Hopper kernel's W4A16Packed); inside the layer scan, a StackedLayer.
 Weight = Any
@@ -502,6 +502,10 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
     """
     if tokens.ndim != 2:
         raise ValueError(f"prefill: tokens must be int32[B, T] (one row per prompt), got shape {tokens.shape}")
+    if isinstance(cache, SubBatchCache):  # each part's rows prefilled as a batch of their own, one after another
+        outs = [prefill(params, tk, n, part, all_logits=all_logits, chunk=chunk, progress=progress)
+                for tk, n, part in zip(cache.split(tokens), cache.split(lengths), cache.parts)]
+        return jnp.concatenate([o[0] for o in outs]), cache.replace(parts=tuple(o[1] for o in outs))
     b, t = tokens.shape
     if chunk is not None:
         group = cache.group_size if isinstance(cache, QuantSpecCache) else 1
@@ -612,7 +616,15 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     with width = gamma_max + 1 therefore computes, bit for bit, what the speculative verify
     pass computes for the same position (docs/QUALITY.md, "Fidelity" and "Exactness": at any
     width, tested at 3 and 8 on the CPU).
+
+    Over a SubBatchCache the parts' rows run as sub-batches in one layer loop
+    (`decode_sub_batches`): each part's logits are those of a batch of its rows alone.
     """
+    if isinstance(cache, SubBatchCache):  # the parts' layers interleaved in one loop; logits [B, T, V] joined
+        if tokens.ndim != 2:
+            raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
+        logits, parts = decode_sub_batches(params, cache.split(tokens), cache.parts, view=view, width=width)
+        return jnp.concatenate(logits), cache.replace(parts=parts)
     p = _decode_pass(params, tokens, cache, view, width)
     x, carry = _scan_layers(params, p.x, p.carry, p.layer, stack_norms=p.stack_norms, stack=p.stack)
     return p.finish(x, carry)

