@@ -8,7 +8,7 @@ one half's attention could run beside the other half's small linears, if XLA run
 programs, SmolLM2's shape with random weights, `--batch` rows of `--context`/2 .. `--context` tokens:
 
   whole   n steps over all rows (the program `qspec-bench profile` times)
-  half    n steps over the first half's rows alone (its own cache)
+  half    n steps over one half's rows alone (its own cache; the halves take alternate rows, so their lengths match)
   layers  one loop of n trips, each one `decode_sub_batches` pass over both halves (each layer of the two halves in
           one loop body: the form XLA's command buffers can overlap without while loops as graph nodes)
   pair    one loop of n trips, each a step of each half (two independent layer loops in one body)
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     draft = jax.block_until_ready(M.for_device(make_draft_params(params, DraftWeightsConfig(method="clip"))))
     params = jax.block_until_ready(M.for_device(params))
     lengths = e2e.batch_lengths(B, c)
-    halves = {"whole": lengths, "a": lengths[:h], "b": lengths[h:]}
+    halves = {"whole": lengths, "a": lengths[0::2], "b": lengths[1::2]}  # alternate rows: halves of like lengths
     print(f"device {jax.devices()[0].device_kind}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"QSPEC_MGPU_FLAT_CTAS={os.environ.get('QSPEC_MGPU_FLAT_CTAS', '')!r}; SmolLM2 shape{' (quick)' * args.quick}, "
           f"batch {B} (halves of {h}), rows {lengths.min()}..{lengths.max()}", flush=True)
