@@ -568,26 +568,24 @@ class SubBatchCache:
     def tokens_until_flush(self) -> Array:
         return self._joined("tokens_until_flush")
 
-    def _each(self, name: str, rows: Array | None = None, *args: Any) -> "SubBatchCache":
-        """Each part's `name(its rows of `rows`, *args)` (or `name(*args)` without rows)."""
-        if rows is None:
-            return self.replace(parts=tuple(getattr(p, name)(*args) for p in self.parts))
-        return self.replace(parts=tuple(getattr(p, name)(r, *args) for p, r in zip(self.parts, self.split(rows))))
+    def _by_rows(self, name: str, rows: Array) -> "SubBatchCache":
+        """Each part's `name(its rows of rows [B])`."""
+        return self.replace(parts=tuple(getattr(p, name)(r) for p, r in zip(self.parts, self.split(rows))))
 
     def rollback(self, lengths: Array) -> "SubBatchCache":
-        return self._each("rollback", lengths)
+        return self._by_rows("rollback", lengths)
 
     def finish_prefill(self, lengths: Array) -> "SubBatchCache":
-        return self._each("finish_prefill", lengths)
+        return self._by_rows("finish_prefill", lengths)
 
     def advance(self, t: int | Array) -> "SubBatchCache":
         """Commits t tokens of every row (t an int, or int32[B] per row)."""
         if jnp.ndim(t):
-            return self._each("advance", t)
-        return self._each("advance", None, t)
+            return self._by_rows("advance", t)
+        return self.replace(parts=tuple(p.advance(t) for p in self.parts))
 
     def flush(self) -> "SubBatchCache":
-        return self._each("flush")
+        return self.replace(parts=tuple(p.flush() for p in self.parts))
 
     def nbytes_by_component(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -620,9 +620,9 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     Over a SubBatchCache the parts' rows run as sub-batches in one layer loop
     (`decode_sub_batches`): each part's logits are those of a batch of its rows alone.
     """
+    if tokens.ndim != 2:
+        raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
     if isinstance(cache, SubBatchCache):  # the parts' layers interleaved in one loop; logits [B, T, V] joined
-        if tokens.ndim != 2:
-            raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
         logits, parts = decode_sub_batches(params, cache.split(tokens), cache.parts, view=view, width=width)
         return jnp.concatenate(logits), cache.replace(parts=parts)
     p = _decode_pass(params, tokens, cache, view, width)
@@ -645,7 +645,7 @@ def decode_sub_batches(params: Params, tokens: tuple[Array, ...], caches: tuple[
         raise ValueError(f"decode_sub_batches: {len(tokens)} token arrays for {len(caches)} caches "
                          "(expected one per sub-batch, at least one)")
     shapes = {tuple(t.shape) for t in tokens}
-    if len(shapes) != 1:
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ValueError(f"decode_sub_batches: the sub-batches' tokens must have one shape [B_k, T], got "
                          f"{sorted(shapes)} (the layer loop picks the linears' kernels by the rows of a sub-batch)")
     passes = [_decode_pass(params, t, c, view, width) for t, c in zip(tokens, caches)]
@@ -678,9 +678,7 @@ class _DecodePass:
 
 
 def _decode_pass(params: Params, tokens: Array, cache: Cache, view: str, width: int | None) -> _DecodePass:
-    """`decode`'s pass up to its layer loop (arguments as `decode`'s)."""
-    if tokens.ndim != 2:
-        raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
+    """`decode`'s pass up to its layer loop (arguments as `decode`'s; tokens checked there)."""
     cfg = params.config
     t = tokens.shape[1]
     if width is not None and width != t:

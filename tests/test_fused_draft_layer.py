@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -626,16 +625,6 @@ def _case_tail() -> None:
             assert f"QSPEC_W4A16_TAIL={bad!r}: expected 0, 1 or ready" in str(e)
 
 
-def _whiles(jaxpr) -> int:
-    """`while` equations in a jaxpr, nested ones counted (the layer loops of a decode)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "while"
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _whiles(sub)
-    return n
-
-
 def _assert_sub_batches_equal_alone(params, toks, caches, view, width=None):
     """`decode_sub_batches` over the sub-batches against `decode` of each alone: logits and every
     cache leaf bit for bit, and one layer loop for all of them (the loop a single decode has)."""
@@ -647,7 +636,8 @@ def _assert_sub_batches_equal_alone(params, toks, caches, view, width=None):
         np.testing.assert_array_equal(np.asarray(logits[k]), np.asarray(alone), err_msg=f"sub-batch {k}")
         for a, b in zip(jax.tree.leaves(out[k]), jax.tree.leaves(alone_cache)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"sub-batch {k}")
-    assert _whiles(jax.make_jaxpr(split)(toks, caches).jaxpr) == _whiles(jax.make_jaxpr(one)(toks[0], caches[0]).jaxpr)
+    whiles = lambda jaxpr: str(jaxpr).count("while[")  # noqa: E731  (nested loops included)
+    assert whiles(jax.make_jaxpr(split)(toks, caches)) == whiles(jax.make_jaxpr(one)(toks[0], caches[0])) >= 1
 
 
 def test_sub_batches_decode_each_as_alone_in_one_layer_loop(monkeypatch):
