@@ -109,12 +109,17 @@ def check_stacked_rows() -> None:
     assert np.array_equal(np.asarray(run(attn, x, jnp.int32(7))), y2)  # clamped to L - 1
     row = np.asarray(run(attn[1:], x[1:], jnp.int32(1)))  # the last row alone (M 1)
     assert np.array_equal(y1[1].view(np.uint16), row[0].view(np.uint16))
+    # TailConfig.cluster changes only the GPU grid's phase ends: interpret mode (one CTA) computes the same bits
+    yc = tm.int4_layer_tail_mgpu(attn, x, ws[0], gw, ws[1], ws[2], layer=1, config=cfg.replace(cluster=True),
+                                 interpret=True)
+    assert np.array_equal(np.asarray(yc).view(np.uint16), y1.view(np.uint16))
 
 
 def test_stacked_weights_at_the_layer_and_rows_alone_bit_for_bit() -> None:
     """Stacks [L, ...] (weights and norm) at a traced layer give the layer's own result, bit for bit
     (the same kernel on the same data), the layer index is clamped like the linear kernels', and
-    row i of an M-row call == the row computed alone (issue 11: a row's bits never depend on M).
+    row i of an M-row call == the row computed alone (issue 11: a row's bits never depend on M); the
+    cluster form's interpret run is the same kernel (its phase ends are GPU-only).
     One test for both: each interpret-mode kernel call costs ~10-20 s on a 2-core CPU."""
     _child("check_stacked_rows")
 
@@ -231,6 +236,14 @@ def test_bad_inputs_name_the_problem() -> None:
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, diag="stream"))
     with pytest.raises(ValueError, match="only on the GPU"):
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, timeline=True))
+    with pytest.raises(ValueError, match=r"a cluster holds 1..16 CTAs \(ctas\)"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=17, stages=2, k_groups=1, cluster=True), interpret=False)
+    with pytest.raises(ValueError, match="no chunk_ready"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=8, stages=2, k_groups=1, cluster=True, chunk_ready=True),
+             interpret=False)
+    with pytest.raises(ValueError, match="no diag noflag0 / noflag1"):
+        call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=8, stages=2, k_groups=1, cluster=True, diag="noflag1"),
+             interpret=False)
     with pytest.raises(ValueError, match="l2_prefetch >= 0"):
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, l2_prefetch=-1))
     with pytest.raises(ValueError, match="ordinal=2 counts the earlier calls on a shared sync ref: pass sync="):
@@ -245,11 +258,15 @@ def test_bad_inputs_name_the_problem() -> None:
                                                      l2_prefetch=2)),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, diag="stream")),
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, diag="raw")),
-                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, chunk_ready=True))])
+                                   (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, chunk_ready=True)),
+                                   (1, tm.TailConfig(chunks=(1, 1, 1), ctas=132, stages=6)),
+                                   (8, tm.TailConfig(chunks=(1, 1, 1), ctas=16, stages=6, cluster=True)),
+                                   (1, tm.TailConfig(chunks=(2, 2, 2), ctas=8, stages=6, cluster=True))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, chunk counters, inline loads / stores and column sums; with
     two CTAs per SM, the timeline's stamps and the L2 prefetch; the ring-alone diagnostic with its
-    store of x back into place; the MMA on raw codes; the ready counters' per-unit waits) at the 8B shape,
+    store of x back into place; the MMA on raw codes; the ready counters' per-unit waits; one cluster
+    whose phase ends are the cluster barrier, with and without chunk counters) at the 8B shape,
     stacked weights, lowers to a Mosaic GPU custom call on the CPU; at M 1, with the down epilogue's
     row sums and a sync ref made under jit with a traced ordinal (a layer loop's)."""
     def packed(k: int, n: int) -> lay.W4A16Packed:
@@ -272,6 +289,13 @@ def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
             jnp.int32(1))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    cluster = cfg is not None and cfg.cluster  # its phase ends: every thread arrives (the finisher releasing), waits
+    assert ("barrier.cluster.arrive.release.aligned" in text) == cluster
+    assert ("barrier.cluster.arrive.relaxed.aligned" in text) == cluster
+    assert ("barrier.cluster.wait.acquire.aligned" in text) == cluster
+    if cfg is not None and cfg.chunks == (1, 1, 1):  # no chunk counters: only grid-wide flags count / poll in gmem
+        assert ("red.release.gpu.global.add" in text) == (not cluster)
+        assert ("ld.acquire.gpu.global" in text) == (not cluster)
     if cfg is None:  # out and its rows' sums
         out, sums = jax.eval_shape(fn, *args)
         assert (out.shape, sums.shape, sums.dtype) == ((m, d), (d // 64, 8), jnp.float32)

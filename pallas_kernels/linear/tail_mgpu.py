@@ -64,6 +64,14 @@ zeroed ref per pass, its layer index as the ordinal; a call of its own makes a f
 takes x's place (x is read by the o epilogues, each before its CTA arrives at flag 0; out is written by down's
 epilogues, after their finisher has waited at flag 0).
 
+One cluster (`TailConfig.cluster`, off by default; prepared 2026-12-05, not yet run on a GPU): for layers whose
+weights a few SMs stream in a few microseconds (SmolLM2's ~2 MB), the grid is one thread-block cluster of up to 16
+CTAs and its two phase ends are the hardware cluster barrier (`barrier.cluster` arrive / wait, every thread of the
+cluster once per phase end: the finisher arrives with release semantics after its stores, the producer and the
+consumers relaxed) instead of the flags, whose global-memory round trips and wait for the slowest of 132 CTAs
+cost 7.8-10 us of a SmolLM2 layer's 13-17 (kernel_notes, "Forty-second session"). The chunk counters stay as they
+are, and so do the bits: they depend on the chunks and k groups as above, not on how the grid is launched.
+
 Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, counters and waits
 are then program order and a shared-memory barrier; each wait checks that it found exactly its
 ordinal's count, and a wrong one turns the output into NaN where the GPU would hang or race), the
@@ -95,6 +103,7 @@ WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
 MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the hand-off buffers are plain [64, M_pad] tiles)
 TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
 MAX_STAGES = 8
+MAX_CLUSTER_CTAS = 16  # CTAs of `TailConfig.cluster`'s one cluster (sm_90's largest, non-portable above 8)
 TAIL_DIAGNOSTICS = ("", "noflag", "noflag0", "noflag1", "nosync", "noepi", "stream", "raw", "conv")
 # the consumers' stage diagnostic (`mosaic_gpu.mma_stage`) of the tail's "raw" / "conv" (the rest of the kernel as
 # in real use)
@@ -142,6 +151,14 @@ class TailConfig:
     # GPU only: also return a per-CTA timeline (`TIMELINE_COLUMNS`: the SM, then %globaltimer's low 32 bits in
     # ns at each mark) to see which CTAs arrive late at the flags and whether the same ones in every phase
     timeline: bool = False
+    # The grid as one thread-block cluster of `ctas` CTAs (at most MAX_CLUSTER_CTAS; above 8 the launch needs the
+    # device's non-portable cluster sizes), whose two phase ends are the hardware cluster barrier instead of the
+    # grid-wide flags: every thread of every CTA arrives once per phase end (the finisher with release semantics
+    # after its stores, the others relaxed) and waits (acquire) before it goes on. For layers small enough that a
+    # cluster's SMs stream them (SmolLM2's: ~2 MB), where the flags cost more than the work (kernel_notes
+    # "Forty-second session": 7.8-10 us of a 13-17 us layer) and a cluster barrier is a few hundred cycles.
+    # GPU only (interpret mode runs one CTA: the flags' program-order twin, the same math); the chunk counters stay.
+    cluster: bool = False
 
     def replace(self, **kw: Any) -> "TailConfig":
         return dataclasses.replace(self, **kw)
@@ -275,6 +292,11 @@ _SPIN_ASM = _common.thread0_asm("@!p bra DONE;\nld.global.u32 n, [$1];\nadd.u32 
                                 "SPIN:\nld.acquire.gpu.global.u32 v, [$0];\nsetp.lt.u32 q, v, n;\n@q bra SPIN;\n"
                                 "DONE:\n", regs=".reg .pred q;\n.reg .u32 v;\n.reg .u32 n;\n")
 _PROXY_FENCE_ASM = "fence.proxy.async.global;"
+# `TailConfig.cluster`'s phase end, by every thread of the CTA (warp-uniform: .aligned): arrive (release where the
+# thread's own global stores must be seen by the cluster's other CTAs), then wait (acquire)
+_CLUSTER_ARRIVE_ASM = {True: "barrier.cluster.arrive.release.aligned;",
+                       False: "barrier.cluster.arrive.relaxed.aligned;"}
+_CLUSTER_WAIT_ASM = "barrier.cluster.wait.acquire.aligned;"
 # thread 0 of the warpgroup stores a special register's (low) 32 bits at $0 (t reused once p is set)
 _STAMP_READ = {"time": "mov.u64 v, %globaltimer;\ncvt.u32.u64 t, v;", "sm": "mov.u32 t, %smid;"}
 _STAMP_ASM = {what: _common.thread0_asm(read + "\n@p st.global.u32 [$0], t;\n", regs=".reg .u64 v;\n")
@@ -297,6 +319,18 @@ def _spin(counter: Any, ordinal: Any, step: int, async_proxy: bool = True) -> No
     every thread fences the async proxy."""
     _common.ptx(_SPIN_ASM, counter, ordinal, ints=(step,))
     plgpu.commit_smem()  # warpgroup barrier: the others wait for the poller
+    if async_proxy:
+        _common.ptx(_PROXY_FENCE_ASM)
+
+
+def _cluster_phase(release: bool, async_proxy: bool = False) -> None:
+    """`TailConfig.cluster`'s phase end for the calling warpgroup: each thread arrives at the cluster
+    barrier (`release`: its global stores before it are then visible to the threads of the cluster that
+    pass the wait) and waits until every thread of every CTA of the cluster has arrived; then, with
+    `async_proxy` (a TMA will read what other CTAs' generic stores wrote), every thread fences the async
+    proxy. Every thread of the cluster must pass each phase end once, in the same order."""
+    _common.ptx(_CLUSTER_ARRIVE_ASM[release])
+    _common.ptx(_CLUSTER_WAIT_ASM)
     if async_proxy:
         _common.ptx(_PROXY_FENCE_ASM)
 
@@ -385,6 +419,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     flags = cfg.diag in ("", "noflag0", "noflag1", *_STAGE_DIAG)
     waits = (flags and cfg.diag != "noflag0", flags and cfg.diag != "noflag1")
     ready = cfg.chunk_ready  # TailConfig.chunk_ready: the producer's waits per K chunk; flag 1 unused
+    # TailConfig.cluster (GPU): the phase ends are the cluster barrier, which every warpgroup passes once each
+    # (`_cluster_phase`) in place of the flags' arrivals and waits; none under the diagnostics that drop the flags
+    cl_sync = cfg.cluster and not interpret and flags
     ready0, ready_step = ready_offsets(d, f), ready_pairs(cfg, d, f)
 
     def arrive_twin(i):  # interpret: an arrival at word i (program order: one CTA, one warpgroup writes each word)
@@ -461,6 +498,10 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 if ready:  # every chunk's count whole: program order, one CTA
                     for ch in range(chunks[p]):
                         expect(ready0[p - 1] + ch, ready_step[p - 1], 0)
+            elif cfg.cluster:
+                if cl_sync:  # the producer publishes nothing: a relaxed arrival; its TMA reads what others wrote
+                    before_spin()
+                    _cluster_phase(False, async_proxy=True)
             elif waits[p - 1] and not ready:
                 before_spin()
                 _spin(sync_ref.at[pl.ds(SYNC_FLAGS + p - 1, 1)], ordinal, ctas)
@@ -578,6 +619,8 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 return cnt + per[p], n_units + 1
 
             cnt, n_units = run_units(p, first, count, unit, (cnt, n_units))
+            if cl_sync and p < 2:  # every unit of linear p handed off: nothing the finisher still needs from here
+                _cluster_phase(False)
         if interpret and cfg.diag != "stream":  # the writers see the finisher's last releases (the interpreter's check)
             for hb in range(nbuf):
                 @pl.when(n_units > hb)
@@ -707,7 +750,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
             if p == 1 and cfg.diag not in ("noepi", "stream"):  # the norm's r from every o tile's row sums
                 if interpret:
                     expect(SYNC_FLAGS, ctas, 1)
-                elif waits[0]:
+                elif waits[0] and not cfg.cluster:  # (the cluster's phase end was passed after linear 0)
                     _spin(sync_ref.at[pl.ds(SYNC_FLAGS, 1)], ordinal, ctas)
                 ssp = r["ssp"]
                 vec = (lambda t: ssp.at[t][...]) if interpret else (
@@ -743,6 +786,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                     if flag_used:
                         arrive_twin(SYNC_FLAGS + p)
                     plgpu.barrier_arrive(r["phase_bar"].at[0])
+                elif cfg.cluster:
+                    if cl_sync:  # each thread's stores of linear p's outputs, released to the cluster
+                        _cluster_phase(True)
                 elif flags and flag_used:
                     _arrive(sync_ref.at[pl.ds(SYNC_FLAGS + p, 1)])
         if cfg.diag in ("noepi", "stream"):
@@ -819,6 +865,10 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
         raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
     if cfg.hand_bufs < 1 or cfg.l2_prefetch < 0:
         raise ValueError(f"{cfg}: hand_bufs must be >= 1 and l2_prefetch >= 0")
+    if cfg.cluster and (not 1 <= cfg.ctas <= MAX_CLUSTER_CTAS or cfg.chunk_ready
+                        or cfg.diag in ("noflag0", "noflag1")):
+        raise ValueError(f"{cfg}: a cluster holds 1..{MAX_CLUSTER_CTAS} CTAs (ctas), and its phase ends are passed "
+                         "by every thread: no chunk_ready, no diag noflag0 / noflag1 (noflag drops both)")
     for p, k in enumerate((kq, d, f)):
         if (k // KT) % cfg.chunks[p] or (k // KT // cfg.chunks[p]) % cfg.k_groups:
             raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // KT} k steps "
@@ -873,8 +923,11 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                                interpret=interp, stacked=bool(wo.lead), g_stacked=norm_weight.ndim == 2,
                                n_layers=n_layers, eps=float(norm_eps))
     name = f"int4_layer_tail_kq{kq}_d{d}_f{f}_g{g}_c{'x'.join(map(str, cfg.chunks))}"
-    mesh = plgpu.Mesh(num_threads=WGS * cfg.k_groups + 2, thread_name="wg", grid=(cfg.ctas,), grid_names=("c",),
-                      kernel_name=name)
+    grid = dict(grid=(cfg.ctas,), grid_names=("c",))
+    if cfg.cluster and not interp:  # one cluster: "c" is the CTA's rank in it
+        grid = dict(grid=(1,), grid_names=("cg",), cluster=(cfg.ctas,), cluster_names=("c",))
+        name += f"_cl{cfg.ctas}"
+    mesh = plgpu.Mesh(num_threads=WGS * cfg.k_groups + 2, thread_name="wg", kernel_name=name, **grid)
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
     def run(inputs, x, sync):

@@ -181,7 +181,8 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
     o = tm.sync_offsets(d, f)
     pairs = tm.linear_pairs(d, f)
     want = np.zeros(tm.sync_words(d, f), np.int64)
-    want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + (1 if cfg.chunk_ready else 2)] = n * cfg.ctas  # flag 1 unused with ready
+    if not cfg.cluster:  # (a cluster's phase ends are its barrier: the flags stay 0)
+        want[tm.SYNC_FLAGS:tm.SYNC_FLAGS + (1 if cfg.chunk_ready else 2)] = n * cfg.ctas  # flag 1 unused with ready
     if cfg.chunk_ready:  # each K chunk of gate_up / down: the previous linear's pairs whose columns it holds
         r0, step = tm.ready_offsets(d, f), tm.ready_pairs(cfg, d, f)
         for p in range(2):
@@ -223,6 +224,9 @@ def main() -> int:
     ap.add_argument("--k-groups", default="2", help="comma-separated TailConfig.k_groups, each checked and timed")
     ap.add_argument("--sms", type=int, default=0, help="SMs the grid is sized for (ctas = ctas-per-sm x sms; 0: the "
                     "device's): fewer CTAs for tiny shapes, whose flags then wait for fewer finishers")
+    ap.add_argument("--cluster", default="0", help="comma-separated 0 / 1, each checked and timed: 1 launches the grid "
+                    "as one thread-block cluster (TailConfig.cluster: --sms CTAs, at most "
+                    f"{tm.MAX_CLUSTER_CTAS}) whose phase ends are the cluster barrier instead of the grid-wide flags")
     ap.add_argument("--diags", default="", help="comma-separated TailConfig.diag values also timed (wrong results)")
     ap.add_argument("--no-three", action="store_true", help="do not time the three fused kernels")
     ap.add_argument("--no-full", action="store_true", help="time only the diagnostics (e.g. where the full kernel "
@@ -263,14 +267,18 @@ def main() -> int:
     print(f"shape {args.shape}: Kq {kq} D {d} F {f}, {nbytes / 1e6:.1f} MB of INT4 weights per layer, "
           f"floor {floor:.2f} us; {jax.devices()[0].device_kind}", flush=True)
     lists = [[int(v) for v in getattr(args, f).split(",")] if getattr(args, f) else [None] for f in CONFIG_LISTS]
-    combos = [(int(c), int(q), dict(zip(CONFIG_LISTS, vals))) for c in args.ctas_per_sm.split(",")
-              for q in args.k_groups.split(",") for vals in itertools.product(*lists)]
+    clusters = [bool(int(v)) for v in args.cluster.split(",")]
+    if any(clusters) and not 1 <= args.sms <= tm.MAX_CLUSTER_CTAS:
+        ap.error(f"--cluster 1 needs --sms 1..{tm.MAX_CLUSTER_CTAS} (the cluster's CTAs), got {args.sms}")
+    combos = [(int(c), int(q), dict(zip(CONFIG_LISTS, vals), cluster=cl)) for c in args.ctas_per_sm.split(",")
+              for q in args.k_groups.split(",") for vals in itertools.product(*lists) for cl in clusters]
     for cps, kgs, overrides in combos:
         for m in (int(v) for v in args.ms.split(",")):
             cfg = tm.default_tail_config(kq, d, f, 32, m, ctas_per_sm=cps, k_groups=kgs, num_sms=args.sms or None)
             cfg = cfg.replace(**{f: type(getattr(cfg, f))(v) for f, v in overrides.items() if v is not None})
             if args.chunks:
                 cfg = cfg.replace(chunks=tuple(int(v) for v in args.chunks.split(",")))
+            tag = ", cluster" if cfg.cluster else ""
             kx = jax.random.fold_in(key, 100 * m + cps)
             attn = jax.random.normal(kx, (m, kq)).astype(jnp.bfloat16)
             x = jax.random.normal(jax.random.fold_in(kx, 1), (m, d)).astype(jnp.bfloat16)
@@ -287,8 +295,8 @@ def main() -> int:
                 e_ref, e_three = rel(y, ref), rel(y, np.asarray(three(attn, x, 1), np.float32))
                 same = np.array_equal(y.view(np.uint32), y2.view(np.uint32))
                 ok = e_ref <= TOL_BF16 and same
-                print(f"check M={m} ctas/SM {cps}: rel_ref {e_ref:.2e} rel_three {e_three:.2e} deterministic {same} "
-                      f"{'ok' if ok else 'FAIL'}", flush=True)
+                print(f"check M={m} ctas/SM {cps}{tag}: rel_ref {e_ref:.2e} rel_three {e_three:.2e} "
+                      f"deterministic {same} {'ok' if ok else 'FAIL'}", flush=True)
                 if cfg.chunk_ready:  # another wait, the same sums: bit for bit the flags' output
                     yf = np.asarray(tail_fn(attn, x, 1, cfg=cfg.replace(chunk_ready=False)), np.float32)
                     eq = np.array_equal(y.view(np.uint32), yf.view(np.uint32))
@@ -306,8 +314,10 @@ def main() -> int:
                 timeline_report(jax.jit(lambda a, x, layer, cfg=cfg: tm.int4_layer_tail_mgpu(
                     a, x, wo, gw, wgu, wd, layer=layer, config=cfg.replace(timeline=True))), attn, x, L, args.timeline)
             iters = max(4, int(20e-3 / (nbytes / 3e12) / L))
-            timed = (([] if args.no_full else [("tail kernel", tail)])
-                     + ([] if args.no_three else [("three fused kernels", three)]))
+            # the three kernels once per shape and M: with the non-cluster combination where --cluster has both
+            three_here = not args.no_three and (not cfg.cluster or all(clusters))
+            timed = (([] if args.no_full else [(f"tail kernel{tag}", tail)])
+                     + ([("three fused kernels", three)] if three_here else []))
             floors = {}  # label -> its own bytes' floor where not the whole layer's
             if args.parts:
                 timed.append(("o kernel alone", jax.jit(
@@ -318,13 +328,13 @@ def main() -> int:
                 floors = {label: b / read_ceiling_bps() * 1e6 for label, b in
                           (("o kernel alone", part_bytes[0]), ("gate_up + down", part_bytes[1] + part_bytes[2]))}
             for diag in filter(None, args.diags.split(",")):
-                timed.append((f"tail, diag {diag}", jax.jit(
+                timed.append((f"tail, diag {diag}{tag}", jax.jit(
                     lambda a, x, layer, cfg=cfg.replace(diag=diag): tm.int4_layer_tail_mgpu(
                         a, x, wo, gw, wgu, wd, layer=layer, config=cfg))))
             if args.loop and not args.no_full:
                 us = chained_sync_us(tail_fn, attn, x, L, iters, d, f)
-                print(f"time M={m} ctas/SM {cps}: {'tail, one sync ref':20s} {us:8.2f} us  {floor / us:4.0%} of the "
-                      "floor", flush=True)
+                print(f"time M={m} ctas/SM {cps}: {'tail, one sync ref' + tag:20s} {us:8.2f} us  {floor / us:4.0%} "
+                      "of the floor", flush=True)
             for label, fn in timed:
                 before = set(glob.glob(os.path.join(args.dump, "*.ptx"))) if args.dump else set()
                 # the probe's chain: per "copy" (here a layer of the stack) one call, acc threaded through

@@ -71,6 +71,8 @@
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
 #   "halves": SmolLM2 batch 32 decoded as two half-batches with caches of their own, in one program, against the
 #   whole batch: draft and AR-bf16 steps and loops, per XLA setting and draft-attention CTA count (halves_probe.py, 47th)
+#   "tailcl": the layer tail at SmolLM2's (padded) layer as one thread-block cluster whose phase ends are the cluster
+#   barrier, against its grid-wide flags at the same CTA count and the three fused kernels (check_tail.py, 48th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -812,6 +814,24 @@ for stage in ${STAGES:-probe smol 8b}; do
           XLA_FLAGS="$flags" QSPEC_MGPU_FLAT_CTAS=$ctas timeout ${HALVES_LIMIT:-240} python3 tools/device/halves_probe.py \
             ${HALVES_ARGS:---loops ar,spec} 2>&1 | grep -v "^W[0-9]" | tee -a $L/halves_probe.log | grep -E "^  |^==|rror"
           echo "== halves $name $ctas done ($(( $(date +%s) - T0 )) s)"
+        done
+      done;;
+    tailcl)  # (48th, prepared) the layer tail as one cluster (TailConfig.cluster: the cluster barrier at its two phase
+      # ends, where the grid-wide flags cost 7.8-10 us of SmolLM2's 13-17-us layer, 42nd session) at SmolLM2's layer
+      # padded to the tail's tiles (smollm2-pad), per cluster size TAILCL_SMS and K chunking TAILCL_CHUNKS ("default":
+      # balanced over the CTAs; "1,1,1": whole-K units, no chunk counters, fewer units a CTA than the 42nd's 72 CTAs
+      # where the work itself slowed, 6.7 -> 9.2 us at M 24): checked on fresh inputs (against the reference,
+      # deterministic, rows alone, a layer loop over one sync ref), then timed with and without the cluster at that
+      # CTA count, each without its phase ends (diag noflag: the work's own time), against the three fused kernels,
+      # and each alone from a profiler trace
+      for s in ${TAILCL_SMS:-16 8}; do
+        for ch in ${TAILCL_CHUNKS:-default 1,1,1}; do
+          chunks=$([ $ch = default ] || echo --chunks $ch)
+          timeout ${TAIL_LIMIT:-240} python3 tools/device/check_tail.py --shape smollm2-pad --layers 32 \
+            --ms ${TAIL_MS:-1,24} --ctas-per-sm 1 --k-groups 1 --sms $s $chunks --cluster 0,1 \
+            --diags ${TAIL_DIAGS:-noflag} --loop --trace ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
+            | tee $L/tail_cluster_sms${s}_ch${ch//,/}.log | grep -E "^check|^loop|^rows|^time|^trace|rror"
+          echo "== tailcl $s $ch rc=${PIPESTATUS[0]} (124: timed out) ($(( $(date +%s) - T0 )) s)"
         done
       done;;
     tqkvsmol)  # SmolLM2's 64-channel heads (QSPEC_TARGET_QKV_CACHE=1 against auto, which leaves them alone): the
