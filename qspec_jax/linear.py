@@ -176,7 +176,7 @@ def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int
     Off by default: in the 8B's draft step it ties or trails the three fused kernels (H200, 2026-12-02: 2.511 against 2.508 ms, then
     2.509-2.523 against 2.450; docs/kernel_notes.md, "Thirty-seventh session", "Thirty-eighth session"). Where on:
     the Mosaic kernel (`fusable`), and shapes the kernel takes (`tail_mgpu.takes`: D a multiple of
-    128; Kq, D and F of 256; at most 24 rows). From the rows, never from T."""
+    128; Kq, D and F of 256; at most `tail_mgpu.MAX_ROWS` rows). From the rows, never from T."""
     mode = _tail_mode()
     if mode == "0" or not fusable(wo, int4_impl, rows, residual=True):
         return False

@@ -88,6 +88,8 @@ def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     (9, (1024, 256, 512), ((2, 1, 2), 4, 1)),
     # two k groups (steps dealt round robin, partials added in group order), the ring reused (2 stages)
     (5, (1024, 512, 512), ((2, 1, 1), 2, 2)),
+    # 32 rows (SmolLM2's batch 32; on the GPU the hand-off buffers are swizzled above 24)
+    (32, (512, 256, 512), ((1, 1, 2), 2, 1)),
 ])
 def test_tail_matches_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     _child("check_reference", m, shape, cfg)
@@ -220,6 +222,8 @@ def test_bad_inputs_name_the_problem() -> None:
         call(attn=attn.astype(jnp.float32))
     with pytest.raises(ValueError, match="same M"):
         call(x=x[:1])
+    with pytest.raises(ValueError, match=r"the same M in 1\.\.32 rows; got 33 and 33"):
+        call(attn=jnp.zeros((33, 512), jnp.bfloat16), x=jnp.zeros((33, 256), jnp.bfloat16))
     with pytest.raises(ValueError, match=r"w_gate_up must be \[D, 2F\]"):
         call(w_gate_up=ws[2])
     with pytest.raises(TypeError, match="w_down must be a W4A16Packed"):
@@ -261,12 +265,14 @@ def test_bad_inputs_name_the_problem() -> None:
                                    (1, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=6, chunk_ready=True)),
                                    (1, tm.TailConfig(chunks=(1, 1, 1), ctas=132, stages=6)),
                                    (8, tm.TailConfig(chunks=(1, 1, 1), ctas=16, stages=6, cluster=True)),
-                                   (1, tm.TailConfig(chunks=(2, 2, 2), ctas=8, stages=6, cluster=True))])
+                                   (1, tm.TailConfig(chunks=(2, 2, 2), ctas=8, stages=6, cluster=True)),
+                                   (32, tm.TailConfig(chunks=(4, 4, 4), ctas=132, stages=2, k_groups=2))])
 def test_gpu_kernel_lowers_for_cuda(m: int, cfg: tm.TailConfig | None) -> None:
     """The GPU kernel (register MMA, flags, chunk counters, inline loads / stores and column sums; with
     two CTAs per SM, the timeline's stamps and the L2 prefetch; the ring-alone diagnostic with its
     store of x back into place; the MMA on raw codes; the ready counters' per-unit waits; one cluster
-    whose phase ends are the cluster barrier, with and without chunk counters) at the 8B shape,
+    whose phase ends are the cluster barrier, with and without chunk counters; 32 rows, whose hand-off
+    buffers are swizzled) at the 8B shape,
     stacked weights, lowers to a Mosaic GPU custom call on the CPU; at M 1, with the down epilogue's
     row sums and a sync ref made under jit with a traced ordinal (a layer loop's)."""
     def packed(k: int, n: int) -> lay.W4A16Packed:

@@ -100,7 +100,10 @@ Array = jax.Array
 
 KT = 256  # k columns per pipeline step (four 64-column k blocks)
 WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
-MAX_ROWS = mg.PLAIN_EXCHANGE_MP  # rows M per call (the hand-off buffers are plain [64, M_pad] tiles)
+# rows M per call: the hand-off buffers' [64, M_pad] float32 tiles go through shared memory untransformed up to 24
+# rows and in swizzled tiles above (`mosaic_gpu.exchange_transforms`, the linear kernels' wide exchange); 32 is
+# SmolLM2's batch 32 (lowered for CUDA at 32 rows, jax 0.10.2 and 0.11.2; not yet run on a GPU above 24)
+MAX_ROWS = 32
 TAIL_SMEM = 110 * 1024  # ring bytes per CTA: two CTAs of up to this fit on one SM (227 KB)
 MAX_STAGES = 8
 MAX_CLUSTER_CTAS = 16  # CTAs of `TailConfig.cluster`'s one cluster (sm_90's largest, non-portable above 8)
@@ -635,6 +638,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     def load_f32(ref):  # a [64, M_pad] float32 tile in the accumulator's layout (global or shared memory)
         return ref[...] if interpret else mg.load_wgmma(ref, optimized=False)
 
+    def load_hand(ref):  # a consumer's accumulator from its hand-off buffer (swizzled above PLAIN_EXCHANGE_MP rows)
+        return ref[...] if interpret else mg.load_wgmma(ref, optimized=mp > mg.PLAIN_EXCHANGE_MP)
+
     def store_f32(ref, v):
         ref[...] = v if interpret else plgpu.layout_cast(v, plgpu.Layout.WGMMA)
 
@@ -768,9 +774,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
                 for t in range(WGS):  # k groups added in group order: p_0 + p_1
                     plgpu.barrier_wait(hand_full.at[hb * WGS + t])
                     if cfg.diag != "noepi":
-                        tot = load_f32(hand.at[hb, t, 0])
+                        tot = load_hand(hand.at[hb, t, 0])
                         for qq in range(1, kg):
-                            tot = tot + load_f32(hand.at[hb, t, qq])
+                            tot = tot + load_hand(hand.at[hb, t, qq])
                         tots.append(tot)
                     plgpu.barrier_arrive(hand_free.at[hb * WGS + t])
                 if cfg.diag != "noepi":
@@ -907,7 +913,8 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
                "w_smem": plgpu.SMEM((st, WGS, KT // lay.KB, *view), jnp.uint32),
                "sz_smem": plgpu.SMEM((st, WGS, KT // c, lay.ROWS * c // g), jnp.uint32),
                # [buffer, row tile, k group]: a unit's accumulators, consumers -> finisher
-               "hand": plgpu.SMEM((cfg.hand_bufs, WGS, cfg.k_groups, lay.ROWS, mp), f32),
+               "hand": plgpu.SMEM((cfg.hand_bufs, WGS, cfg.k_groups, lay.ROWS, mp), f32,
+                                  transforms=() if interp else mg.exchange_transforms(mp)),
                "full": plgpu.Barrier(num_barriers=st, num_arrivals=N_FULL),
                "empty": plgpu.Barrier(num_barriers=st, num_arrivals=WGS),
                # per (buffer, row tile): every k group's accumulator stored / the finisher's read done

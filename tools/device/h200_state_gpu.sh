@@ -818,7 +818,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       done;;
     tailcl)  # (48th, prepared) the layer tail as one cluster (TailConfig.cluster: the cluster barrier at its two phase
       # ends, where the grid-wide flags cost 7.8-10 us of SmolLM2's 13-17-us layer, 42nd session) at SmolLM2's layer
-      # padded to the tail's tiles (smollm2-pad; M 1, 16 (a half of batch 32) and 24 rows), per cluster size
+      # padded to the tail's tiles (smollm2-pad; M 1, 16 (a half of batch 32), 24 and 32 rows), per cluster size
       # TAILCL_SMS and K chunking TAILCL_CHUNKS ("default": balanced over the CTAs; "1,1,1": whole-K units, no chunk
       # counters, fewer units a CTA than the 42nd's 72 CTAs where the work itself slowed, 6.7 -> 9.2 us at M 24):
       # checked on fresh inputs (against the reference,
@@ -828,8 +828,8 @@ for stage in ${STAGES:-probe smol 8b}; do
       for s in ${TAILCL_SMS:-16 8}; do
         for ch in ${TAILCL_CHUNKS:-default 1,1,1}; do
           chunks=$([ $ch = default ] || echo --chunks $ch)
-          timeout ${TAIL_LIMIT:-240} python3 tools/device/check_tail.py --shape smollm2-pad --layers 32 \
-            --ms ${TAIL_MS:-1,16,24} --ctas-per-sm 1 --k-groups 1 --sms $s $chunks --cluster 0,1 \
+          timeout ${TAIL_LIMIT:-280} python3 tools/device/check_tail.py --shape smollm2-pad --layers 32 \
+            --ms ${TAIL_MS:-1,16,24,32} --ctas-per-sm 1 --k-groups 1 --sms $s $chunks --cluster 0,1 \
             --diags ${TAIL_DIAGS:-noflag} --loop --trace ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
             | tee $L/tail_cluster_sms${s}_ch${ch//,/}.log | grep -E "^check|^loop|^rows|^time|^trace|rror"
           echo "== tailcl $s $ch rc=${PIPESTATUS[0]} (124: timed out) ($(( $(date +%s) - T0 )) s)"
