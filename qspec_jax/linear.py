@@ -166,17 +166,21 @@ def fusable(w: Any, int4_impl: str, rows: int, *, norm: bool = False, swiglu: bo
 
 
 TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1": the draft layer's o -> gate_up -> down in one kernel (`tail_fusable`); "ready":
-# the same kernel with its producer's waits per K chunk (`TailConfig.chunk_ready`)
+# the same kernel with its producer's waits per K chunk (`TailConfig.chunk_ready`); "cluster": the kernel as one
+# thread-block cluster of TAIL_CLUSTER_CTAS CTAs whose phase ends are the cluster barrier (`TailConfig.cluster`)
+TAIL_CLUSTER_CTAS = 16
 
 
 def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int) -> bool:
     """Whether a draft layer whose norms and residual adds run inside its INT4 kernels (the caller's
     `LayerFusion.norm` and `.residual`) runs o, the MLP norm, gate_up, SiLU·up and down as one
-    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1 (or "ready", `tail_ready`).
+    persistent kernel (`layer_tail`) at `rows` = B x T rows: QSPEC_W4A16_TAIL=1 (or "ready", `tail_ready`,
+    or "cluster", `tail_cluster`).
     Off by default: in the 8B's draft step it ties or trails the three fused kernels (H200, 2026-12-02: 2.511 against 2.508 ms, then
     2.509-2.523 against 2.450; docs/kernel_notes.md, "Thirty-seventh session", "Thirty-eighth session"). Where on:
     the Mosaic kernel (`fusable`), and shapes the kernel takes (`tail_mgpu.takes`: D a multiple of
-    128; Kq, D and F of 256; at most `tail_mgpu.MAX_ROWS` rows). From the rows, never from T."""
+    64; Kq, D and F of one k tile, 256 or SmolLM2's 192; at most `tail_mgpu.MAX_ROWS` rows). From the
+    rows, never from T."""
     mode = _tail_mode()
     if mode == "0" or not fusable(wo, int4_impl, rows, residual=True):
         return False
@@ -185,14 +189,14 @@ def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int
 
     wo, wgu, wd = (w.weight if isinstance(w, StackedLayer) else w for w in (wo, w_gate_up, w_down))
     return (all(isinstance(w, W4A16Packed) for w in (wgu, wd)) and wgu.n == 2 * wd.k
-            and takes(wo.k, wo.n, wd.k, rows))
+            and takes(wo.k, wo.n, wd.k, rows, wd.group_size))
 
 
 def _tail_mode() -> str:
-    """QSPEC_W4A16_TAIL's value, checked: "0" (the default), "1" or "ready"."""
+    """QSPEC_W4A16_TAIL's value, checked: "0" (the default), "1", "ready" or "cluster"."""
     mode = os.environ.get(TAIL_ENV, "0")
-    if mode not in ("0", "1", "ready"):
-        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0, 1 or ready")
+    if mode not in ("0", "1", "ready", "cluster"):
+        raise ValueError(f"{TAIL_ENV}={mode!r}: expected 0, 1, ready or cluster")
     return mode
 
 
@@ -201,6 +205,14 @@ def tail_ready() -> bool:
     (QSPEC_W4A16_TAIL=ready; `tail_mgpu.TailConfig.chunk_ready`: the same bits, another wait). Not yet
     measured on a GPU (docs/kernel_notes.md, "Thirty-ninth session")."""
     return _tail_mode() == "ready"
+
+
+def tail_cluster() -> int:
+    """CTAs of `layer_tail`'s kernel launched as one thread-block cluster, its phase ends the cluster
+    barrier (QSPEC_W4A16_TAIL=cluster: TAIL_CLUSTER_CTAS; `tail_mgpu.TailConfig.cluster`), else 0 (the
+    grid of one CTA per SM and its grid-wide flags). For layers a few SMs stream (SmolLM2's); not yet
+    measured on a GPU (docs/kernel_notes.md, "Forty-eighth session")."""
+    return TAIL_CLUSTER_CTAS if _tail_mode() == "cluster" else 0
 
 
 def layer_tail_sync(w_down: Any, like: Any) -> Any:
@@ -234,7 +246,8 @@ def layer_tail(attn: Array, x: Array, wo: Any, norm: Any, w_gate_up: Any, w_down
 
     return int4_layer_tail(attn, x, wo, _norm_at(norm, layer), wgu, wd, layer=layer, norm_eps=norm_eps,
                            backend="interpret" if int4_impl == "interpret" else "mosaic", row_sums=row_sums,
-                           sync=sync, ordinal=ordinal if sync is not None else 0, chunk_ready=tail_ready())
+                           sync=sync, ordinal=ordinal if sync is not None else 0, chunk_ready=tail_ready(),
+                           cluster=tail_cluster())
 
 
 NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "auto" (default), "1" at every row count, "0" off (`norm_sums_fusable`)

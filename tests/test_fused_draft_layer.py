@@ -552,15 +552,18 @@ def test_target_silu_up_in_its_gate_up_kernel(monkeypatch):
         qlinear.linear(jnp.zeros((1, 128), jnp.bfloat16), xla.layers.w_gate_up[0], dense_impl="xla", swiglu=True)
 
 
-# The persistent layer tail's shapes (`tail_mgpu.takes`): attention width, D and F multiples of 256.
+# The persistent layer tail's shapes (`tail_mgpu.takes`): attention width, D and F multiples of a k tile (256 here;
+# CFG_TAIL_192: SmolLM2's 192-column k steps and an odd number of 64-column tiles, 576 = 3 x 192 in small).
 CFG_TAIL = CFG.replace(hidden_size=256, intermediate_size=256, num_heads=8)
+CFG_TAIL_192 = CFG.replace(hidden_size=192, intermediate_size=384, num_heads=6)
 
 
-def _tail_draft():
-    params = M.init_random_params(CFG_TAIL, jax.random.PRNGKey(0), scale=0.1)
+def _tail_draft(cfg: ModelConfig = CFG_TAIL):
+    params = M.init_random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    d = cfg.hidden_size
     params = params.replace(layers=params.layers.replace(  # norms away from 1, so that they matter
-        attn_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (2, 256))).astype(jnp.bfloat16),
-        mlp_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, 256))).astype(jnp.bfloat16)))
+        attn_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (2, d))).astype(jnp.bfloat16),
+        mlp_norm=(1 + 0.3 * jax.random.normal(jax.random.PRNGKey(2), (2, d))).astype(jnp.bfloat16)))
     return M.for_device(make_draft_params(params, DraftWeightsConfig(group_size=64, method="clip")))
 
 
@@ -572,7 +575,10 @@ def test_decode_runs_the_layer_tail_in_one_kernel_when_switched_on():
     (`linear.layer_tail_sync`), the layer index as each call's ordinal (the twin's output is NaN
     where a wait finds another count than its ordinal's), against the same decode without the tail, and
     with QSPEC_W4A16_TAIL=ready (the kernel's per-chunk ready counters) bit for bit the tail's decode;
-    values other than 0, 1 and ready are refused by name. In a child with 8 host devices (`subproc.run_in_child`)."""
+    QSPEC_W4A16_TAIL=cluster hands the kernel its cluster (its chunks balanced over 16 CTAs: another float32
+    order, so compared with the unfused decode); SmolLM2-like tiles (192-column k steps, an odd number of row
+    tiles) are taken; values other than 0, 1, ready and cluster are refused by name. In a child with 8 host
+    devices (`subproc.run_in_child`)."""
     subproc.run_in_child(__file__, "_case_tail")
 
 
@@ -583,7 +589,7 @@ def _case_tail() -> None:
     draft = _tail_draft()
     fused = M.LayerFusion(norm=True, residual=True, sums=True)
     assert M._draft_fusion(draft, 2) == fused.replace(tail=True)
-    assert not M._draft_fusion(draft, 25).tail  # above the norm fusion's and the kernel's 24 rows
+    assert not M._draft_fusion(draft, 25).tail  # above the norm fusion's 24 rows
     lp = _layer(draft, jnp.int32(1))
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 256), jnp.float32).astype(jnp.bfloat16)
     attn = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 256), jnp.float32).astype(jnp.bfloat16)
@@ -592,13 +598,23 @@ def _case_tail() -> None:
     assert h is None and act is None and out.shape == out3.shape == (2, 1, 256) and out.dtype == jnp.bfloat16
     assert _rel(out, out3) <= 2.0 ** -8  # tests/test_tail_mgpu.py's TOL says why
     np.testing.assert_allclose(np.asarray(sums), np.asarray(qlinear.norm_sums_of(out)), rtol=1e-5)
+    # SmolLM2-like tiles (192-column k steps, an odd number of row tiles): one layer, the tail against the three
+    draft192 = _tail_draft(CFG_TAIL_192)
+    assert M._draft_fusion(draft192, 2).tail
+    lp192 = _layer(draft192, jnp.int32(1))
+    x192 = jax.random.normal(jax.random.PRNGKey(6), (2, 1, 192), jnp.float32).astype(jnp.bfloat16)
+    a192 = jax.random.normal(jax.random.PRNGKey(7), (2, 1, 192), jnp.float32).astype(jnp.bfloat16)
+    (out3, _), _, _ = M._attn_out_and_mlp(CFG_TAIL_192, lp192, x192, a192, None, fused)
+    (out, _), _, _ = M._attn_out_and_mlp(CFG_TAIL_192, lp192, x192, a192, None, fused.replace(tail=True))
+    assert out.shape == (2, 1, 192) and _rel(out, out3) <= 2.0 ** -8
     # the decode: every other INT4 linear through its reference (interpret-mode kernels are slow in a loop)
-    real_linear, real_tail, syncs, readys = plinear.int4_linear, plinear.int4_layer_tail, [], []
+    real_linear, real_tail, syncs, readys, clusters = plinear.int4_linear, plinear.int4_layer_tail, [], [], []
     plinear.int4_linear = lambda x, w, *, backend="auto", **kw: real_linear(x, w, backend="reference", **kw)
 
     def tail(*a, sync=None, **kw):
         syncs.append(sync)
         readys.append(kw.get("chunk_ready"))
+        clusters.append(kw.get("cluster"))
         return real_tail(*a, sync=sync, **kw)
 
     plinear.int4_layer_tail = tail
@@ -610,11 +626,14 @@ def _case_tail() -> None:
     ready = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
     assert readys == [False, True] and len(syncs) == 2
     assert ready.dtype == on.dtype and ready.tobytes() == on.tobytes()
-    syncs.pop()
+    os.environ[qlinear.TAIL_ENV] = "cluster"
+    clustered = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
+    assert clusters == [0, 0, qlinear.TAIL_CLUSTER_CTAS] and len(syncs) == 3
+    syncs[1:] = []
     os.environ[qlinear.TAIL_ENV] = "0"
     off = np.asarray(jax.jit(lambda c: M.decode(draft, toks, c, view="draft")[0])(cache))
-    assert len(syncs) == 1 and np.isfinite(on).all()
-    assert _rel(on, off) < 2e-2
+    assert len(syncs) == 1 and np.isfinite(on).all() and np.isfinite(clustered).all()
+    assert _rel(on, off) < 2e-2 and _rel(clustered, off) < 2e-2
     # other values refused by name (the dynamic deal's "dynamic" went with it, 2026-12-02)
     for bad in ("yes", "dynamic"):
         os.environ[qlinear.TAIL_ENV] = bad
@@ -622,7 +641,7 @@ def _case_tail() -> None:
             M._draft_fusion(draft, 2)
             raise AssertionError(f"QSPEC_W4A16_TAIL={bad} was accepted")
         except ValueError as e:
-            assert f"QSPEC_W4A16_TAIL={bad!r}: expected 0, 1 or ready" in str(e)
+            assert f"QSPEC_W4A16_TAIL={bad!r}: expected 0, 1, ready or cluster" in str(e)
 
 
 def _assert_sub_batches_equal_alone(params, toks, caches, view, width=None):

@@ -68,8 +68,8 @@ def _rel(y: jax.Array, ref: jax.Array) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
-def _cfg(chunks: tuple[int, int, int], stages: int, k_groups: int) -> tm.TailConfig:
-    return tm.TailConfig(chunks=chunks, ctas=1, stages=stages, k_groups=k_groups)
+def _cfg(chunks: tuple[int, int, int], stages: int, k_groups: int, k_tile: int = tm.KT) -> tm.TailConfig:
+    return tm.TailConfig(chunks=chunks, ctas=1, stages=stages, k_groups=k_groups, k_tile=k_tile)
 
 
 def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
@@ -90,6 +90,8 @@ def check_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     (5, (1024, 512, 512), ((2, 1, 1), 2, 2)),
     # 32 rows (SmolLM2's batch 32; on the GPU the hand-off buffers are swizzled above 24)
     (32, (512, 256, 512), ((1, 1, 2), 2, 1)),
+    # SmolLM2's tiles in small: k steps of 192 columns, D / 64 odd (o's and down's last pair its last tile twice)
+    (3, (384, 192, 384), ((2, 1, 2), 2, 1, 192)),
 ])
 def test_tail_matches_reference(m: int, shape: tuple[int, int, int], cfg: tuple) -> None:
     _child("check_reference", m, shape, cfg)
@@ -252,9 +254,39 @@ def test_bad_inputs_name_the_problem() -> None:
         call(config=tm.TailConfig(chunks=(1, 1, 1), ctas=1, stages=2, k_groups=1, l2_prefetch=-1))
     with pytest.raises(ValueError, match="ordinal=2 counts the earlier calls on a shared sync ref: pass sync="):
         call(ordinal=2)
-    with pytest.raises(ValueError, match=r"sync must be a uint32 \[19\] ref \(sync_words\(D=256, F=512\)\), got "
-                                         r"int32 \(19,\)"):
-        call(sync=jnp.zeros((19,), jnp.int32), ordinal=1)
+    with pytest.raises(ValueError, match=r"sync must be a uint32 \[28\] ref \(sync_words\(D=256, F=512\)\), got "
+                                         r"int32 \(28,\)"):
+        call(sync=jnp.zeros((28,), jnp.int32), ordinal=1)
+
+
+def test_smollm2_tiles_are_taken_with_192_column_k_steps() -> None:
+    """SmolLM2's layer (Kq = D = 576, F = 1536, group 32): no 256-column k tile divides 576, 192 does
+    (`k_tile_for`), D / 64 = 9 row tiles make 5 pairs of o and down (the last its last tile twice), and
+    the GPU kernel lowers for CUDA at 32 rows as one cluster of 16 CTAs; a K no k tile divides, or a D
+    that is not a multiple of 64, is refused by name."""
+    kq, d, f = 576, 576, 1536
+    assert tm.k_tile_for(kq, d, f, 32) == 192 and tm.k_tile_for(4096, 4096, 14336, 32) == 256
+    assert tm.k_tile_for(kq, d, f, 256) is None  # records of 256 columns: no k tile of 576 holds whole ones
+    assert tm.takes(kq, d, f, 32) and not tm.takes(kq, d, f, 33) and not tm.takes(kq, 544, f, 1)
+    assert tm.linear_pairs(d, f) == (5, 24, 5)
+    assert [int(t) for t in tm.pair_tiles(0, 4, d, f)] == [8, 8] and tm.pair_tiles(2, 3, d, f) == [6, 7]
+    cfg = tm.default_tail_config(kq, d, f, 32, 32, num_sms=16).replace(cluster=True)
+    assert cfg.k_tile == 192 and cfg.ctas == 16
+
+    def packed(k: int, n: int) -> lay.W4A16Packed:
+        return lay.pack_fields(jnp.zeros((2, k // 2, n), jnp.uint8), jnp.ones((2, k // 32, n), jnp.float16),
+                               jnp.zeros((2, k // 32, n), jnp.float16))
+
+    wo, wgu, wd = packed(kq, d), packed(d, 2 * f), packed(f, d)
+    args = (jnp.zeros((32, kq), jnp.bfloat16), jnp.zeros((32, d), jnp.bfloat16), jnp.ones((2, d), jnp.bfloat16),
+            jnp.int32(1))
+    text = jax.jit(lambda a, x, g, layer: tm.int4_layer_tail_mgpu(a, x, wo, g, wgu, wd, layer=layer, config=cfg,
+                                                                  interpret=False)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "barrier.cluster.wait.acquire.aligned" in text
+    with pytest.raises(ValueError, match=r"k_tile=256: must be a multiple of 64 \(group 32\) dividing Kq=576"):
+        tm.int4_layer_tail_mgpu(*args[:2], wo, args[2], wgu, wd, layer=1, config=cfg.replace(k_tile=256),
+                                interpret=False)
 
 
 @pytest.mark.parametrize("m,cfg", [(1, None), (16, tm.TailConfig(chunks=(4, 2, 7), ctas=264, stages=4, k_groups=1)),

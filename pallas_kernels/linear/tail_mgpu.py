@@ -24,12 +24,13 @@ trails (a second run: 2.509-2.523 / 2.450), so off by default (kernel_notes "Thi
 the ring, pace it at M 1, and what would make it win).
 
 Work. Each linear's output columns are cut in row-tile pairs (128 columns; gate_up: gate tile j
-with up tile j, so the pair holds what SiLU·up needs) and its K in `chunks` equal ranges; a work
-unit is (pair, chunk), units dealt round robin over the CTAs, continuing where the previous
-linear's deal ended. A CTA has 2 x `k_groups` consumer warpgroups (a row tile of the pair and a
-k group each: the unit's steps dealt round robin, partials added in group order) and a producer
-warpgroup (TMA: per k step the two row tiles' code words and scale records and the x tile
-[M_pad, 256]). The chunks of a tile are summed in a fixed order, p[0] + p[1] + ... + p[C-1], by
+with up tile j, so the pair holds what SiLU·up needs; where D / 64 is odd, o's and down's last pair
+is the last tile twice) and its K in `chunks` equal ranges; a work unit is (pair, chunk), units
+dealt round robin over the CTAs, continuing where the previous linear's deal ended. A CTA has
+2 x `k_groups` consumer warpgroups (a row tile of the pair and a k group each: the unit's steps
+dealt round robin, partials added in group order) and a producer warpgroup (TMA: per k step the two
+row tiles' code words and scale records and the x tile [M_pad, k_tile]: 256 columns, or 192 where
+K needs it). The chunks of a tile are summed in a fixed order, p[0] + p[1] + ... + p[C-1], by
 the unit of its last chunk, which waits on a global counter of the pair for the others' float32 partials
 (as `mosaic_gpu`'s "sem" sum does on a semaphore); the unit order makes that wait deadlock-free (a unit waits only on
 units of lower index, and every CTA takes its units in increasing order). So a row's bits depend
@@ -98,7 +99,8 @@ from pallas_kernels.linear import mosaic_gpu as mg
 
 Array = jax.Array
 
-KT = 256  # k columns per pipeline step (four 64-column k blocks)
+KT = 256  # k columns per pipeline step by default (four 64-column k blocks; `TailConfig.k_tile`)
+K_TILES = (256, 192, 128, 64)  # the k tiles `k_tile_for` tries, widest first (192: SmolLM2's 576 = 3 x 192)
 WGS = 2  # consumer warpgroups per CTA: the two row tiles of a pair
 # rows M per call: the hand-off buffers' [64, M_pad] float32 tiles go through shared memory untransformed up to 24
 # rows and in swizzled tiles above (`mosaic_gpu.exchange_transforms`, the linear kernels' wide exchange); 32 is
@@ -124,6 +126,9 @@ class TailConfig:
 
     chunks: tuple[int, int, int]
     ctas: int = 132  # the persistent grid (every CTA resident); interpret mode runs 1
+    # k columns per pipeline step: a multiple of 64 and of the weights' record width (`layout.chunk_cols`) that
+    # divides Kq, D and F (`k_tile_for`: 256 where it can, 192 for SmolLM2's 576); sets the units' k steps
+    k_tile: int = KT
     stages: int = 4  # ring depth (a multiple of k_groups: each k group owns the slots of its residue)
     mma_chains: int = 2  # `MgpuConfig.mma_chains` of the register MMA stage
     # consumer warpgroups per row tile (`MgpuConfig.k_groups`): a unit's k steps dealt round robin,
@@ -173,8 +178,19 @@ SYNC_FLAGS = 0  # word offset of the two grid-wide flags (o -> gate_up, gate_up 
 
 def linear_pairs(d: int, f: int) -> tuple[int, int, int]:
     """Row-tile pairs of o, gate_up and down (128 output columns; gate_up's pair j is gate tile j with up
-    tile j): D / 128, F / 64, D / 128."""
-    return d // 128, f // 64, d // 128
+    tile j): ceil(D / 128), F / 64, ceil(D / 128). Where D / 64 is odd (SmolLM2's 576: 9 tiles) the last
+    pair of o and down is its last tile twice (`pair_tiles`): both consumers compute it, the finisher
+    stores the same bits twice."""
+    return -(-d // 128), f // 64, -(-d // 128)
+
+
+def pair_tiles(p: int, pair: Any, d: int, f: int) -> list[Any]:
+    """The row tiles (64 output columns each) of linear p's pair: gate_up's gate tile j and up tile j,
+    else tiles 2 pair and 2 pair + 1 (the last one twice where D / 64 is odd, `linear_pairs`)."""
+    if p == 1:
+        return [pair + t * (f // 64) for t in range(WGS)]
+    return [pair * WGS + t if t == 0 or d % 128 == 0 else jnp.minimum(pair * WGS + t, d // 64 - 1)
+            for t in range(WGS)]
 
 
 def sync_offsets(d: int, f: int) -> tuple[int, int, int]:
@@ -187,11 +203,11 @@ def sync_offsets(d: int, f: int) -> tuple[int, int, int]:
 
 def ready_offsets(d: int, f: int) -> tuple[int, int]:
     """Word offsets in the sync ref of the ready counters (`TailConfig.chunk_ready`) of gate_up's and down's K
-    chunks: room for one per k step of each (D / KT and F / KT words), so the ref's size does not depend on the
-    chunks; chunk c of gate_up counts the o pairs written whose columns it holds, chunk c of down the gate_up
-    pairs."""
+    chunks: room for one per k step of each at the narrowest k tile (D / 64 and F / 64 words), so the ref's size
+    depends on neither the chunks nor the k tile; chunk c of gate_up counts the o pairs written whose columns it
+    holds, chunk c of down the gate_up pairs."""
     o = sync_offsets(d, f)[2] + linear_pairs(d, f)[2]
-    return o, o + d // KT
+    return o, o + d // lay.KB
 
 
 def ready_pairs(cfg: TailConfig, d: int, f: int) -> tuple[int, int]:
@@ -211,7 +227,7 @@ def sync_words(d: int, f: int) -> int:
     call n of a ref (n = the calls made on it before, `ordinal`) waits for (n + 1) times that. The words
     are never reset: one zeroed ref serves every layer of a decode pass, with the layer loop's index as
     the ordinal, and no call needs a zero-init launch."""
-    return ready_offsets(d, f)[1] + f // KT + 2
+    return ready_offsets(d, f)[1] + f // lay.KB + 2
 
 
 def sync_zeros(d: int, f: int) -> Array:
@@ -219,9 +235,10 @@ def sync_zeros(d: int, f: int) -> Array:
     return jnp.zeros((sync_words(d, f),), jnp.uint32)
 
 
-def ring_stage_bytes(mp: int, group_size: int) -> int:
-    """Shared-memory bytes of one ring stage: two row tiles' code words and records, the x tile."""
-    return WGS * (KT * lay.ROWS // 2 + lay.ROWS * (KT // group_size) * 4) + mp * KT * 2
+def ring_stage_bytes(mp: int, group_size: int, kt: int = KT) -> int:
+    """Shared-memory bytes of one ring stage of `kt` k columns: two row tiles' code words and records, the x
+    tile."""
+    return WGS * (kt * lay.ROWS // 2 + lay.ROWS * (kt // group_size) * 4) + mp * kt * 2
 
 
 def hand_bytes(mp: int, k_groups: int, bufs: int) -> int:
@@ -230,14 +247,14 @@ def hand_bytes(mp: int, k_groups: int, bufs: int) -> int:
     return bufs * WGS * k_groups * lay.ROWS * mp * 4
 
 
-def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1) -> int:
-    """K chunks per pair of a linear with `pairs` row-tile pairs and K = k: among the divisors of
-    its k steps that leave each unit a multiple of `k_groups` steps, the one that minimises the
-    most steps one CTA streams (units dealt round robin), the fewest chunks among equals (each
+def balanced_chunks(k: int, pairs: int, ctas: int, k_groups: int = 1, kt: int = KT) -> int:
+    """K chunks per pair of a linear with `pairs` row-tile pairs and K = k in steps of `kt`: among the
+    divisors of its k steps that leave each unit a multiple of `k_groups` steps, the one that minimises
+    the most steps one CTA streams (units dealt round robin), the fewest chunks among equals (each
     chunk above one costs a float32 partial round trip)."""
-    steps = k // KT
+    steps = k // kt
     if steps % k_groups:
-        raise ValueError(f"K={k}: its {steps} k steps of {KT} must be a multiple of k_groups={k_groups}")
+        raise ValueError(f"K={k}: its {steps} k steps of {kt} must be a multiple of k_groups={k_groups}")
 
     def most(ch: int) -> int:
         return -(-(pairs * ch) // ctas) * (steps // ch)
@@ -251,30 +268,41 @@ def linear_units(cfg: TailConfig, d: int, f: int) -> tuple[int, int, int]:
     return tuple(pairs * ch for pairs, ch in zip(linear_pairs(d, f), cfg.chunks))
 
 
+def k_tile_for(kq: int, d: int, f: int, group_size: int) -> int | None:
+    """The widest of K_TILES that divides Kq, D and F and is a multiple of the weights' record width
+    (`layout.chunk_cols`), or None."""
+    c = lay.chunk_cols(group_size)
+    return next((kt for kt in K_TILES if kt % c == 0 and all(k % kt == 0 for k in (kq, d, f))), None)
+
+
 def default_tail_config(kq: int, d: int, f: int, group_size: int, m: int, *, num_sms: int | None = None,
                         ctas_per_sm: int = 1, k_groups: int | None = None) -> TailConfig:
     """The launch shape for attention width kq, hidden size d and MLP width f at M = m rows:
-    `ctas_per_sm` CTAs per SM (1: always resident whatever the registers), the deepest ring that
-    fits (at most MAX_STAGES, TAIL_SMEM per CTA at two per SM), and the chunks balanced over the
-    CTAs; `k_groups` None: 2 where each linear's K is an even number of k steps, else 1. The chunks
-    depend on the SM count, never on M."""
+    `ctas_per_sm` CTAs per SM (1: always resident whatever the registers), the widest k tile
+    (`k_tile_for`), the deepest ring that fits (at most MAX_STAGES, TAIL_SMEM per CTA at two per SM),
+    and the chunks balanced over the CTAs; `k_groups` None: 2 where each linear's K is an even number
+    of k steps, else 1. The chunks depend on the SM count, never on M."""
+    kt = k_tile_for(kq, d, f, group_size)
+    if kt is None:
+        raise ValueError(f"Kq={kq}, D={d}, F={f}: no k tile of {K_TILES} divides all three (group {group_size})")
     if k_groups is None:
-        k_groups = 2 if all((k // KT) % 2 == 0 for k in (kq, d, f)) else 1
+        k_groups = 2 if all((k // kt) % 2 == 0 for k in (kq, d, f)) else 1
     sms = num_sms or _common.num_sms()
     ctas = ctas_per_sm * sms
     mp = mg.rows_for(m)
     # the ring and the hand-off buffers within the pipeline budget (8B, M 1: 6 stages; filling the CTA's
     # shared memory with 8 measured ~2 us slower, 53.4 against 51.5 us on the H200, 2026-11-30)
     budget = (TAIL_SMEM if ctas_per_sm > 1 else mg.SMEM_BUDGET) - hand_bytes(mp, k_groups, TailConfig.hand_bufs)
-    stages = max(2, min(MAX_STAGES, budget // ring_stage_bytes(mp, group_size)))
-    chunks = tuple(balanced_chunks(k, pairs, ctas, k_groups)
+    stages = max(2, min(MAX_STAGES, budget // ring_stage_bytes(mp, group_size, kt)))
+    chunks = tuple(balanced_chunks(k, pairs, ctas, k_groups, kt)
                    for k, pairs in zip((kq, d, f), linear_pairs(d, f)))
-    return TailConfig(chunks=chunks, ctas=ctas, stages=stages - stages % k_groups, k_groups=k_groups)
+    return TailConfig(chunks=chunks, ctas=ctas, stages=stages - stages % k_groups, k_groups=k_groups, k_tile=kt)
 
 
-def takes(kq: int, d: int, f: int, m: int) -> bool:
-    """Whether the kernel takes attention width kq, hidden size d, MLP width f at M = m rows."""
-    return d % 128 == 0 and kq % KT == 0 and d % KT == 0 and f % KT == 0 and 1 <= m <= MAX_ROWS
+def takes(kq: int, d: int, f: int, m: int, group_size: int = 32) -> bool:
+    """Whether the kernel takes attention width kq, hidden size d, MLP width f at M = m rows with weights
+    of `group_size`: D a multiple of 64, a k tile for all three K (`k_tile_for`), 1..MAX_ROWS rows."""
+    return d % lay.KB == 0 and k_tile_for(kq, d, f, group_size) is not None and 1 <= m <= MAX_ROWS
 
 
 def layer_tail_reference(attn: Array, x: Array, wo: Array, norm_weight: Array, w_gate_up: Array, w_down: Array,
@@ -397,7 +425,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     hand each unit's accumulator to the finisher through shared memory and go on; then the
     producer; then the finisher (k-group and chunk sums, epilogues, the flags' arrivals)."""
     r = dict(zip(names, refs))
-    ctas, stages, chunks, kg = cfg.ctas, cfg.stages, cfg.chunks, cfg.k_groups
+    ctas, stages, chunks, kg, kt = cfg.ctas, cfg.stages, cfg.chunks, cfg.k_groups, cfg.k_tile
     c = lay.chunk_cols(g)
     cta, wg = lax.axis_index("c"), lax.axis_index("wg")
     layer_idx = jnp.clip(r["layer"][0], 0, n_layers - 1)
@@ -410,7 +438,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
            zip((kq, d, f), ("wo", "wgu", "wd"), ("attn", "xg", "act"), linear_pairs(d, f))]
     units = linear_units(cfg, d, f)
     base = [sum(units[:p]) % ctas for p in range(3)]
-    per = [k // KT // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
+    per = [k // kt // ch for (k, *_), ch in zip(lin, chunks)]  # k steps per unit
     n_cons = WGS * kg  # consumer warpgroups; then the producer, then the finisher
     # the sync words (`sync_words`): this call is call `n` of the ref, so it waits for (n + 1) x what a call adds
     sync_ref, ordinal = r["sync"], r["ordinal"]
@@ -447,13 +475,13 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         u = first + j * ctas
         return u // chunks[p], lax.rem(u, chunks[p]), i
 
-    def tiles_of(p, pair):  # the pair's two row tiles (gate_up: gate j, up j)
-        return [pair + t * (f // 64) if p == 1 else pair * WGS + t for t in range(WGS)]
+    def tiles_of(p, pair):  # the pair's two row tiles (gate_up: gate j, up j; an odd D's last tile twice)
+        return pair_tiles(p, pair, d, f)
 
-    def weight_refs(p, row, k0, steps):  # row tile `row`'s code words and records of k columns k0 .. + steps KT
+    def weight_refs(p, row, k0, steps):  # row tile `row`'s code words and records of k columns k0 .. + steps kt
         _, w_ref, s_ref, _, _ = lin[p]
-        return (w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, steps * KT // lay.KB))],
-                s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, steps * KT // c))])
+        return (w_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // lay.KB, steps * kt // lay.KB))],
+                s_ref.at[(*lead, pl.ds(row, 1), pl.ds(k0 // c, steps * kt // c))])
 
     def run_units(p, first, count, body, carry):
         """body(pair, chunk, carry) -> carry over this CTA's units of linear p (the round-robin deal), in order."""
@@ -465,22 +493,22 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
         def issue_w(p, first, t, slot):  # this CTA's step t of linear p: both row tiles' codes and records
             pair, ch, i = unit_of(p, first, t)
             for cw, row in enumerate(tiles_of(p, pair)):
-                codes, records = weight_refs(p, row, (ch * per[p] + i) * KT, 1)
+                codes, records = weight_refs(p, row, (ch * per[p] + i) * kt, 1)
                 plgpu.copy_gmem_to_smem(codes, w_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
                 plgpu.copy_gmem_to_smem(records, sz_smem.at[slot, pl.ds(cw, 1)], full.at[slot])
 
         def prefetch_unit(j, carry, p, first):  # TailConfig.l2_prefetch: unit j's weights into the L2
             pair, ch, _ = unit_of(p, first, j * per[p])
             for row in tiles_of(p, pair):
-                for ref in weight_refs(p, row, ch * per[p] * KT, per[p]):
+                for ref in weight_refs(p, row, ch * per[p] * kt, per[p]):
                     _prefetch_l2(ref)
             return carry
 
         def issue_x(p, first, t, slot):  # this CTA's step t of linear p: the x tile
             _, ch, i = unit_of(p, first, t)
             x_ref = lin[p][3]
-            k0 = (ch * per[p] + i) * KT
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, mp), pl.ds(k0, KT)], x_smem.at[slot], full.at[slot])
+            k0 = (ch * per[p] + i) * kt
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], full.at[slot])
 
         def reuse(cnt):
             slot = lax.rem(cnt, stages)
@@ -577,9 +605,9 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
 
     def mma(slot, acc):
         if not interpret:
-            stage = mg.mma_stage(g, KT, mp, _STAGE_DIAG.get(cfg.diag, ""), cfg.mma_chains)
+            stage = mg.mma_stage(g, kt, mp, _STAGE_DIAG.get(cfg.diag, ""), cfg.mma_chains)
             return stage(w_smem.at[slot, rt], sz_smem.at[slot, rt], x_smem.at[slot], acc)
-        for kb in range(KT // lay.KB):  # the twin: dequantize with the register kernel's arithmetic, f32 dot
+        for kb in range(kt // lay.KB):  # the twin: dequantize with the register kernel's arithmetic, f32 dot
             a = mg.twin_dequant(w_smem.at[slot, rt, kb][...].reshape(lay.THREADS, lay.WORDS),
                                 sz_smem.at[slot, rt, kb // (c // lay.KB)][...], g, kb)
             xk = x_smem.at[slot, :, pl.ds(kb * lay.KB, lay.KB)][...]
@@ -820,8 +848,9 @@ def _check(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight: Array, wgu: 
     if wgu.k != d or f2 % 128 or wd.k != f2 // 2 or wd.n != d:
         raise ValueError(f"shapes: wo [Kq, D] = [{kq}, {d}], w_gate_up must be [D, 2F] and w_down [F, D]; got "
                          f"[{wgu.k}, {wgu.n}] and [{wd.k}, {wd.n}]")
-    if d % 128 or kq % KT or d % KT or (f2 // 2) % KT:
-        raise ValueError(f"Kq={kq}, D={d}, F={f2 // 2}: D must be a multiple of 128 and Kq, D, F of {KT}")
+    if d % lay.KB or k_tile_for(kq, d, f2 // 2, wo.group_size) is None:
+        raise ValueError(f"Kq={kq}, D={d}, F={f2 // 2}: D must be a multiple of {lay.KB} and Kq, D, F of one k tile "
+                         f"of {K_TILES} (a multiple of the group's record width {lay.chunk_cols(wo.group_size)})")
     for name, a, cols in (("attn", attn, kq), ("x", x, d)):
         if a.ndim != 2 or a.shape[1] != cols or a.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16 [M, {cols}], got {a.dtype} {a.shape}")
@@ -871,13 +900,19 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
         raise ValueError(f"{cfg}: k_groups must be 1 or 2 and stages (>= 2) a multiple of it")
     if cfg.hand_bufs < 1 or cfg.l2_prefetch < 0:
         raise ValueError(f"{cfg}: hand_bufs must be >= 1 and l2_prefetch >= 0")
+    kt = cfg.k_tile
+    if kt % lay.chunk_cols(g) or any(k % kt for k in (kq, d, f)):
+        raise ValueError(f"k_tile={kt}: must be a multiple of {lay.chunk_cols(g)} (group {g}) dividing Kq={kq}, D={d} "
+                         f"and F={f}")
+    if cfg.chunk_ready and d % 128:
+        raise ValueError(f"chunk_ready: D={d} must be a multiple of 128 (the ready counters count whole o pairs)")
     if cfg.cluster and (not 1 <= cfg.ctas <= MAX_CLUSTER_CTAS or cfg.chunk_ready
                         or cfg.diag in ("noflag0", "noflag1")):
         raise ValueError(f"{cfg}: a cluster holds 1..{MAX_CLUSTER_CTAS} CTAs (ctas), and its phase ends are passed "
                          "by every thread: no chunk_ready, no diag noflag0 / noflag1 (noflag drops both)")
     for p, k in enumerate((kq, d, f)):
-        if (k // KT) % cfg.chunks[p] or (k // KT // cfg.chunks[p]) % cfg.k_groups:
-            raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // KT} k steps "
+        if (k // kt) % cfg.chunks[p] or (k // kt // cfg.chunks[p]) % cfg.k_groups:
+            raise ValueError(f"chunks={cfg.chunks}: chunk count {p} must divide the linear's {k // kt} k steps "
                              f"into units of a multiple of k_groups={cfg.k_groups} steps")
     if interp:
         cfg = cfg.replace(ctas=1)
@@ -909,9 +944,9 @@ def int4_layer_tail_mgpu(attn: Array, x: Array, wo: lay.W4A16Packed, norm_weight
         outs["tl"] = jax.ShapeDtypeStruct((cfg.ctas, len(TIMELINE_COLUMNS)), jnp.uint32)
     c = lay.chunk_cols(g)
     st = cfg.stages
-    scratch = {"x_smem": plgpu.SMEM((st, mp, KT), jnp.bfloat16, transforms=x_tf),
-               "w_smem": plgpu.SMEM((st, WGS, KT // lay.KB, *view), jnp.uint32),
-               "sz_smem": plgpu.SMEM((st, WGS, KT // c, lay.ROWS * c // g), jnp.uint32),
+    scratch = {"x_smem": plgpu.SMEM((st, mp, kt), jnp.bfloat16, transforms=x_tf),
+               "w_smem": plgpu.SMEM((st, WGS, kt // lay.KB, *view), jnp.uint32),
+               "sz_smem": plgpu.SMEM((st, WGS, kt // c, lay.ROWS * c // g), jnp.uint32),
                # [buffer, row tile, k group]: a unit's accumulators, consumers -> finisher
                "hand": plgpu.SMEM((cfg.hand_bufs, WGS, cfg.k_groups, lay.ROWS, mp), f32,
                                   transforms=() if interp else mg.exchange_transforms(mp)),

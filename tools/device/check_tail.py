@@ -46,10 +46,10 @@ from qspec_jax.bench.w4a16 import TOL_BF16  # noqa: E402
 from sass_of_ptx import sass_of_ptx  # noqa: E402
 from w4a16_persistent_probe import chained_us, median_us  # noqa: E402  (the probe's harness: same numbers, same way)
 
-# (attention width, hidden size, MLP width). "smollm2-pad": SmolLM2's layer padded to the tail's tiles (K and D
-# multiples of 256; SmolLM2's own 576 is not, so `tail_mgpu.takes` refuses "smollm2"): whether the tail pays at tiny
-# shapes (issue 31, kernel_notes "Forty-first session"), against the three fused kernels at the same padded shapes
-# (run with --k-groups 1: its K are odd numbers of k steps)
+# (attention width, hidden size, MLP width). "smollm2": SmolLM2's own layer (since 2026-12-05 the tail takes its 576
+# in 192-column k steps and 9 row tiles, the last pair the last tile twice); "smollm2-pad": padded to 256-column
+# multiples, as the 42nd session measured it (kernel_notes "Forty-second session"); both with --k-groups 1 (their
+# K are odd numbers of k steps)
 SHAPES = {"8b": (4096, 4096, 14336), "smollm2": (576, 576, 1536), "smollm2-pad": (768, 768, 1536)}
 # TailConfig fields with a comma-list option
 CONFIG_LISTS = ("hand_bufs", "l2_prefetch", "stages", "mma_chains", "chunk_ready")

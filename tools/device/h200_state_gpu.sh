@@ -71,8 +71,10 @@
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
 #   "halves": SmolLM2 batch 32 decoded as two half-batches with caches of their own, in one program, against the
 #   whole batch: draft and AR-bf16 steps and loops, per XLA setting and draft-attention CTA count (halves_probe.py, 47th)
-#   "tailcl": the layer tail at SmolLM2's (padded) layer as one thread-block cluster whose phase ends are the cluster
-#   barrier, against its grid-wide flags at the same CTA count and the three fused kernels (check_tail.py, 48th)
+#   "tailcl": the layer tail at SmolLM2's layer as one thread-block cluster whose phase ends are the cluster
+#   barrier, against its grid-wide flags at the same CTA count and the three fused kernels (check_tail.py, 48th);
+#   "tailclab": the same in the model (QSPEC_W4A16_TAIL=cluster): exactness, then A/B of SmolLM2 batch 32's draft step
+#   and γ 2 loop against the three fused kernels (48th)
 # Logs go to $OUT/logs and are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -818,7 +820,8 @@ for stage in ${STAGES:-probe smol 8b}; do
       done;;
     tailcl)  # (48th, prepared) the layer tail as one cluster (TailConfig.cluster: the cluster barrier at its two phase
       # ends, where the grid-wide flags cost 7.8-10 us of SmolLM2's 13-17-us layer, 42nd session) at SmolLM2's layer
-      # padded to the tail's tiles (smollm2-pad; M 1, 16 (a half of batch 32), 24 and 32 rows), per cluster size
+      # (TAILCL_SHAPE: smollm2, its own tiles; smollm2-pad, the 42nd's padded one; M 1, 16 (a half of batch 32), 24
+      # and 32 rows), per cluster size
       # TAILCL_SMS and K chunking TAILCL_CHUNKS ("default": balanced over the CTAs; "1,1,1": whole-K units, no chunk
       # counters, fewer units a CTA than the 42nd's 72 CTAs where the work itself slowed, 6.7 -> 9.2 us at M 24):
       # checked on fresh inputs (against the reference,
@@ -828,11 +831,26 @@ for stage in ${STAGES:-probe smol 8b}; do
       for s in ${TAILCL_SMS:-16 8}; do
         for ch in ${TAILCL_CHUNKS:-default 1,1,1}; do
           chunks=$([ $ch = default ] || echo --chunks $ch)
-          timeout ${TAIL_LIMIT:-280} python3 tools/device/check_tail.py --shape smollm2-pad --layers 32 \
+          timeout ${TAIL_LIMIT:-280} python3 tools/device/check_tail.py --shape ${TAILCL_SHAPE:-smollm2} --layers 32 \
             --ms ${TAIL_MS:-1,16,24,32} --ctas-per-sm 1 --k-groups 1 --sms $s $chunks --cluster 0,1 \
             --diags ${TAIL_DIAGS:-noflag} --loop --trace ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
-            | tee $L/tail_cluster_sms${s}_ch${ch//,/}.log | grep -E "^check|^loop|^rows|^time|^trace|rror"
+            | tee $L/tail_cluster_${TAILCL_SHAPE:-smollm2}_sms${s}_ch${ch//,/}.log \
+            | grep -E "^check|^loop|^rows|^time|^trace|rror"
           echo "== tailcl $s $ch rc=${PIPESTATUS[0]} (124: timed out) ($(( $(date +%s) - T0 )) s)"
+        done
+      done;;
+    tailclab)  # (48th, prepared) the cluster tail in the model at SmolLM2's shape (QSPEC_W4A16_TAIL=cluster: its
+      # layers' o -> gate_up -> down as one 16-CTA cluster kernel; "1": the 132-CTA grid with flags; "0": the three
+      # fused kernels, the default): exactness (batches 1 and 32), then alternating profiles of the draft step and
+      # the γ 2 loop at batch 32 (rows 4k-8k) over TCA_MODES, TCA_TRIALS times
+      for v in ${TCA_EXACT:-cluster}; do
+        QSPEC_W4A16_TAIL=$v timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 \
+          --batches 1,32 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_tail_${v}_smollm2.log | tail -3
+      done
+      for i in ${TCA_TRIALS:-1 2}; do
+        for v in ${TCA_MODES:-cluster 0}; do
+          QSPEC_W4A16_TAIL=$v prof smollm2_b32_8k_tail${v}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
+            --programs ${TCA_PROGS:-draft,spec_loop} --gamma 2 --verify-t 3
         done
       done;;
     tqkvsmol)  # SmolLM2's 64-channel heads (QSPEC_TARGET_QKV_CACHE=1 against auto, which leaves them alone): the
