@@ -663,7 +663,7 @@ def _tail_kernel(*refs, names: tuple[str, ...], m: int, mp: int, g: int, d: int,
     tile_row = mg.wgmma_iota((lay.ROWS, mp), 0, interpret)  # the column within the 64-column tile
     valid = batch_row < m
 
-    def load_f32(ref):  # a [64, M_pad] float32 tile in the accumulator's layout (global or shared memory)
+    def load_f32(ref):  # a [64, M_pad] float32 tile in the accumulator's layout from global memory
         return ref[...] if interpret else mg.load_wgmma(ref, optimized=False)
 
     def load_hand(ref):  # a consumer's accumulator from its hand-off buffer (swizzled above PLAIN_EXCHANGE_MP rows)

@@ -820,14 +820,12 @@ for stage in ${STAGES:-probe smol 8b}; do
       done;;
     tailcl)  # (48th, prepared) the layer tail as one cluster (TailConfig.cluster: the cluster barrier at its two phase
       # ends, where the grid-wide flags cost 7.8-10 us of SmolLM2's 13-17-us layer, 42nd session) at SmolLM2's layer
-      # (TAILCL_SHAPE: smollm2, its own tiles; smollm2-pad, the 42nd's padded one; M 1, 16 (a half of batch 32), 24
-      # and 32 rows), per cluster size
-      # TAILCL_SMS and K chunking TAILCL_CHUNKS ("default": balanced over the CTAs; "1,1,1": whole-K units, no chunk
-      # counters, fewer units a CTA than the 42nd's 72 CTAs where the work itself slowed, 6.7 -> 9.2 us at M 24):
-      # checked on fresh inputs (against the reference,
-      # deterministic, rows alone, a layer loop over one sync ref), then timed with and without the cluster at that
-      # CTA count, each without its phase ends (diag noflag: the work's own time), against the three fused kernels,
-      # and each alone from a profiler trace
+      # (TAILCL_SHAPE: smollm2, its own tiles; smollm2-pad, the 42nd's padded one) at M 1, 16 (a half of batch 32),
+      # 24 and 32 rows, per cluster size TAILCL_SMS and K chunking TAILCL_CHUNKS ("default": balanced over the CTAs;
+      # "1,1,1": whole-K units, no chunk counters, fewer units a CTA: at the 42nd's 72 CTAs the work itself slowed,
+      # 6.7 -> 9.2 us at M 24): checked on fresh inputs (against the reference, deterministic, rows alone, a layer
+      # loop over one sync ref), then timed with and without the cluster at that CTA count, each without its phase
+      # ends (diag noflag: the work's own time), against the three fused kernels, and each alone from a trace
       for s in ${TAILCL_SMS:-16 8}; do
         for ch in ${TAILCL_CHUNKS:-default 1,1,1}; do
           chunks=$([ $ch = default ] || echo --chunks $ch)
