@@ -824,17 +824,27 @@ for stage in ${STAGES:-probe smol 8b}; do
       # 24 and 32 rows, per cluster size TAILCL_SMS and K chunking TAILCL_CHUNKS ("default": balanced over the CTAs;
       # "1,1,1": whole-K units, no chunk counters, fewer units a CTA: at the 42nd's 72 CTAs the work itself slowed,
       # 6.7 -> 9.2 us at M 24): checked on fresh inputs (against the reference, deterministic, rows alone, a layer
-      # loop over one sync ref), then timed with and without the cluster at that CTA count, each without its phase
-      # ends (diag noflag: the work's own time), against the three fused kernels, and each alone from a trace
+      # loop over one sync ref), then timed (TAILCL_CLUSTER: 1 the cluster, 0 the flags at that CTA count), each
+      # without its phase ends (diag noflag: the work's own time), against the three fused kernels (TAIL_ARGS=--trace:
+      # each alone from a trace too)
+      # One process per M and cluster setting (49th session: one process for M 1 and 32 over both settings outran
+      # 240 s on an H100 after M 1's flag checks; each timed variant compiles a 32-layer chain), each line stamped
+      # with the stage's seconds, a Python traceback (SIGABRT, faulthandler) where one times out
       for s in ${TAILCL_SMS:-16 8}; do
         for ch in ${TAILCL_CHUNKS:-default 1,1,1}; do
           chunks=$([ $ch = default ] || echo --chunks $ch)
-          timeout ${TAIL_LIMIT:-280} python3 tools/device/check_tail.py --shape ${TAILCL_SHAPE:-smollm2} --layers 32 \
-            --ms ${TAIL_MS:-1,16,24,32} --ctas-per-sm 1 --k-groups 1 --sms $s $chunks --cluster 0,1 \
-            --diags ${TAIL_DIAGS:-noflag} --loop --trace ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
-            | tee $L/tail_cluster_${TAILCL_SHAPE:-smollm2}_sms${s}_ch${ch//,/}.log \
-            | grep -E "^check|^loop|^rows|^time|^trace|rror"
-          echo "== tailcl $s $ch rc=${PIPESTATUS[0]} (124: timed out) ($(( $(date +%s) - T0 )) s)"
+          for m in ${TAILCL_MS:-32 16}; do
+            for cl in ${TAILCL_CLUSTER:-1}; do  # 1: the cluster tail and the three fused kernels; 0: the flags' tail
+              log=$L/tail_cluster_${TAILCL_SHAPE:-smollm2}_sms${s}_ch${ch//,/}_m${m}_cl${cl}.log
+              timeout -s ABRT ${TAIL_LIMIT:-280} python3 -X faulthandler -u tools/device/check_tail.py \
+                --shape ${TAILCL_SHAPE:-smollm2} --layers 32 --ms $m --ctas-per-sm 1 --k-groups 1 --sms $s $chunks \
+                --cluster $cl --diags ${TAIL_DIAGS:-noflag} --loop ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
+                | while IFS= read -r line; do echo "$(( $(date +%s) - T0 )) $line"; done | tee $log \
+                | grep -E "^[0-9]+ (check|loop|rows|time|trace|Thread|  File)|rror"
+              echo "== tailcl sms $s chunks $ch M $m cluster $cl rc=${PIPESTATUS[0]} (124: timed out)" \
+                "($(( $(date +%s) - T0 )) s)"
+            done
+          done
         done
       done;;
     tailclab)  # (48th, prepared) the cluster tail in the model at SmolLM2's shape (QSPEC_W4A16_TAIL=cluster: its
