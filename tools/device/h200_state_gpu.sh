@@ -838,7 +838,7 @@ for stage in ${STAGES:-probe smol 8b}; do
               log=$L/tail_cluster_${TAILCL_SHAPE:-smollm2}_sms${s}_ch${ch//,/}_m${m}_cl${cl}.log
               timeout -s ABRT ${TAIL_LIMIT:-280} python3 -X faulthandler -u tools/device/check_tail.py \
                 --shape ${TAILCL_SHAPE:-smollm2} --layers 32 --ms $m --ctas-per-sm 1 --k-groups 1 --sms $s $chunks \
-                --cluster $cl --diags ${TAIL_DIAGS:-noflag} --loop ${TAIL_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
+                --cluster $cl --diags ${TAIL_DIAGS:-noflag} --loop ${TAIL_ARGS:-} 2>&1 | grep --line-buffered -v "^W[0-9]" \
                 | while IFS= read -r line; do echo "$(( $(date +%s) - T0 )) $line"; done | tee $log \
                 | grep -E "^[0-9]+ (check|loop|rows|time|trace|Thread|  File)|rror"
               echo "== tailcl sms $s chunks $ch M $m cluster $cl rc=${PIPESTATUS[0]} (124: timed out)" \
