@@ -213,7 +213,7 @@ def chained_sync_us(tail_fn, attn, x, layers: int, iters: int, d: int, f: int, t
             return i + 1, acc
         return lax.while_loop(lambda c: c[0] < iters, body, (jnp.int32(0), jnp.zeros((), jnp.float32)))[1]
 
-    return median_us(run, iters * layers, trials)
+    return median_us(run, iters * layers, trials, label="shared-ref chain")
 
 
 def main() -> int:
@@ -339,7 +339,7 @@ def main() -> int:
                 before = set(glob.glob(os.path.join(args.dump, "*.ptx"))) if args.dump else set()
                 # the probe's chain: per "copy" (here a layer of the stack) one call, acc threaded through
                 us = chained_us(lambda layer, fn=fn: [lambda acc: fn((attn.astype(jnp.float32) + acc).astype(
-                    jnp.bfloat16), x, layer)], L, iters)
+                    jnp.bfloat16), x, layer)], L, iters, label=label)
                 print(f"time M={m} ctas/SM {cps}: {label:20s} {us:8.2f} us  {floors.get(label, floor) / us:4.0%} of "
                       f"{'its' if label in floors else 'the'} floor",
                       flush=True)

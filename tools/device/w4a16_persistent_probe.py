@@ -221,10 +221,10 @@ def persistent_stream(shapes: list[tuple[int, int]], g: int, ctas: int, stages: 
                         kernel_name=f"persistent_stream_{n_lin}_b{int(barrier)}_bal{int(balance)}_{flag}")
 
 
-def chained_us(fns_of_copy, copies: int, iters: int, trials: int = 5) -> float:
+def chained_us(fns_of_copy, copies: int, iters: int, trials: int = 5, label: str = "") -> float:
     """Median microseconds per pass of fns_of_copy(copy) (a list of acc -> array calls: every linear once),
     chained by optimization barriers over `copies` weight copies, in an in-device loop (the sweep's harness;
-    tools/device/check_tail.py times through it too)."""
+    tools/device/check_tail.py times through it too). `label`: see `median_us`."""
     def f(_):
         def body(i, acc):
             _, acc = lax.optimization_barrier((i, acc))
@@ -235,14 +235,22 @@ def chained_us(fns_of_copy, copies: int, iters: int, trials: int = 5) -> float:
             return acc
         return lax.fori_loop(0, iters, body, jnp.zeros((), jnp.float32))
 
-    return median_us(f, iters * copies, trials)
+    return median_us(f, iters * copies, trials, label)
 
 
-def median_us(f, calls: int, trials: int = 5) -> float:
+def median_us(f, calls: int, trials: int = 5, label: str = "") -> float:
     """Median microseconds per call of `f(0)` (a function of a dummy int that runs `calls` calls), compiled and
-    warmed first (tools/device/check_tail.py times its shared-ref loop through it too)."""
-    exe = jax.jit(f).lower(0).compile()
+    warmed first (tools/device/check_tail.py times its shared-ref loop through it too). A `label` prints the
+    lowering, compile and first-run seconds under it (where a run that runs out of time spent it)."""
+    t0 = time.perf_counter()
+    lowered = jax.jit(f).lower(0)
+    t1 = time.perf_counter()
+    exe = lowered.compile()
+    t2 = time.perf_counter()
     jax.block_until_ready(exe(0))
+    if label:
+        print(f"  {label}: lowered in {t1 - t0:.1f} s, compiled in {t2 - t1:.1f} s, first run "
+              f"{time.perf_counter() - t2:.1f} s", flush=True)
     ts = []
     for _ in range(trials):
         t0 = time.perf_counter()
