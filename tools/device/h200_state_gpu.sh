@@ -840,7 +840,7 @@ for stage in ${STAGES:-probe smol 8b}; do
                 --shape ${TAILCL_SHAPE:-smollm2} --layers 32 --ms $m --ctas-per-sm 1 --k-groups 1 --sms $s $chunks \
                 --cluster $cl --diags ${TAIL_DIAGS:-noflag} --loop ${TAIL_ARGS:-} 2>&1 | grep --line-buffered -v "^W[0-9]" \
                 | while IFS= read -r line; do echo "$(( $(date +%s) - T0 )) $line"; done | tee $log \
-                | grep -E "^[0-9]+ (check|loop|rows|time|trace|Thread|  File)|lowered in|rror"
+                | grep -E "^[0-9]+ (check|loop|rows|time|trace|Thread|  File)|lowered in|first run|rror"
               echo "== tailcl sms $s chunks $ch M $m cluster $cl rc=${PIPESTATUS[0]} (124: timed out)" \
                 "($(( $(date +%s) - T0 )) s)"
             done
