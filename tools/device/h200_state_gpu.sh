@@ -820,13 +820,13 @@ for stage in ${STAGES:-probe smol 8b}; do
       done;;
     tailcl)  # (48th, prepared) the layer tail as one cluster (TailConfig.cluster: the cluster barrier at its two phase
       # ends, where the grid-wide flags cost 7.8-10 us of SmolLM2's 13-17-us layer, 42nd session) at SmolLM2's layer
-      # (TAILCL_SHAPE: smollm2, its own tiles; smollm2-pad, the 42nd's padded one) at M 1, 16 (a half of batch 32),
-      # 24 and 32 rows, per cluster size TAILCL_SMS and K chunking TAILCL_CHUNKS ("default": balanced over the CTAs;
-      # "1,1,1": whole-K units, no chunk counters, fewer units a CTA: at the 42nd's 72 CTAs the work itself slowed,
-      # 6.7 -> 9.2 us at M 24): checked on fresh inputs (against the reference, deterministic, rows alone, a layer
-      # loop over one sync ref), then timed (TAILCL_CLUSTER: 1 the cluster, 0 the flags at that CTA count), each
-      # without its phase ends (diag noflag: the work's own time), against the three fused kernels (TAIL_ARGS=--trace:
-      # each alone from a trace too)
+      # (TAILCL_SHAPE: smollm2, its own tiles; smollm2-pad, the 42nd's padded one) at TAILCL_MS rows (default 32 and
+      # 16, batch 32 and its half; 1 and 24 on request), per cluster size TAILCL_SMS and K chunking TAILCL_CHUNKS
+      # ("default": balanced over the CTAs; "1,1,1": whole-K units, no chunk counters, fewer units a CTA: at the
+      # 42nd's 72 CTAs the work itself slowed, 6.7 -> 9.2 us at M 24): checked on fresh inputs (against the reference,
+      # deterministic, a layer loop over one sync ref), then timed (TAILCL_CLUSTER: 1 the cluster, 0 the flags at that
+      # CTA count), each without its phase ends (diag noflag: the work's own time), against the three fused kernels
+      # (TAIL_ARGS=--trace: each alone from a trace too).
       # One process per M and cluster setting (49th session: one process for M 1 and 32 over both settings outran
       # 240 s on an H100 after M 1's flag checks; each timed variant compiles a 32-layer chain), each line stamped
       # with the stage's seconds, a Python traceback (SIGABRT, faulthandler) where one times out
