@@ -199,19 +199,19 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
 
 def chained_sync_us(tail_fn, attn, x, layers: int, iters: int, d: int, f: int, trials: int = 5) -> float:
     """`chained_us`'s harness for the tail with one sync ref for the whole run (the model's layer loop: no
-    zero-init launch per call), each call's ordinal the calls before it."""
+    zero-init launch per call), each call's ordinal the calls before it, its layer the ordinal mod `layers`.
+    One while loop over all iters x layers calls, so one call site: the kernel is lowered and compiled once (the
+    49th session's unrolled chain lowered it once per layer, 32 Mosaic GPU compiles, and ran out of its 240 s)."""
     def run(_):
         sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
 
         def body(carry):  # a while loop (loop_check says why)
             i, acc = lax.optimization_barrier(carry)
-            for cpy in range(layers):
-                _, acc = lax.optimization_barrier((acc, acc))
-                a = (attn.astype(jnp.float32) + acc).astype(jnp.bfloat16)
-                acc = acc + jnp.sum(tail_fn(a, x, cpy, sync=sync, ordinal=i * layers + cpy).astype(
-                    jnp.float32)[:1, :1])
-            return i + 1, acc
-        return lax.while_loop(lambda c: c[0] < iters, body, (jnp.int32(0), jnp.zeros((), jnp.float32)))[1]
+            a = (attn.astype(jnp.float32) + acc).astype(jnp.bfloat16)
+            y = tail_fn(a, x, lax.rem(i, layers), sync=sync, ordinal=i)
+            return i + 1, acc + jnp.sum(y.astype(jnp.float32)[:1, :1])
+        return lax.while_loop(lambda c: c[0] < iters * layers, body,
+                              (jnp.int32(0), jnp.zeros((), jnp.float32)))[1]
 
     return median_us(run, iters * layers, trials, label="shared-ref chain")
 
