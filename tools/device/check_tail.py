@@ -174,7 +174,8 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
 
     (ys, sums), words = jax.block_until_ready(loop(attn, x))
     ys, sums, words = np.asarray(ys), np.asarray(sums), np.asarray(words).astype(np.int64)
-    alone = [np.asarray(tail_fn(attn, x, layer)) for layer in range(layers)]
+    alone_fn = jax.jit(lambda layer: tail_fn(attn, x, layer))  # traced layer: one compile, not `layers`
+    alone = [np.asarray(alone_fn(jnp.int32(layer))) for layer in range(layers)]
     bad = [i for i in range(n) if not np.array_equal(ys[i].view(np.uint16), alone[i % layers].view(np.uint16))]
     want_sums = np.stack([np.asarray(mg.chunk_row_sums(jnp.asarray(y), mg.rows_for(m))) for y in ys])
     e_sums = float(np.max(np.abs(sums - want_sums) / np.maximum(np.abs(want_sums), 1e-30)))
@@ -199,19 +200,24 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
 
 def chained_sync_us(tail_fn, attn, x, layers: int, iters: int, d: int, f: int, trials: int = 5) -> float:
     """`chained_us`'s harness for the tail with one sync ref for the whole run (the model's layer loop: no
-    zero-init launch per call), each call's ordinal the calls before it, its layer the ordinal mod `layers`.
-    One while loop over all iters x layers calls, so one call site: the kernel is lowered and compiled once (the
-    49th session's unrolled chain lowered it once per layer, 32 Mosaic GPU compiles, and ran out of its 240 s)."""
+    zero-init launch per call), each call's ordinal the calls before it: `layers` calls unrolled per while
+    iteration (one iteration a call cost ~60 us of while-loop overhead a call, H100, 50th session), each through
+    one jitted function of traced layer, ordinal and ref, so the kernel is lowered once (49th: a Python-int layer
+    per call site lowered it 32 times, ~4.5 s each, and ran out of its 240 s)."""
+    one = jax.jit(lambda a, layer, ordinal, sync: tail_fn(a, x, layer, sync=sync, ordinal=ordinal))
+
     def run(_):
         sync = jax.new_ref(tm.sync_zeros(d, f), memory_space=plgpu.GMEM)
 
         def body(carry):  # a while loop (loop_check says why)
             i, acc = lax.optimization_barrier(carry)
-            a = (attn.astype(jnp.float32) + acc).astype(jnp.bfloat16)
-            y = tail_fn(a, x, lax.rem(i, layers), sync=sync, ordinal=i)
-            return i + 1, acc + jnp.sum(y.astype(jnp.float32)[:1, :1])
-        return lax.while_loop(lambda c: c[0] < iters * layers, body,
-                              (jnp.int32(0), jnp.zeros((), jnp.float32)))[1]
+            for cpy in range(layers):
+                _, acc = lax.optimization_barrier((acc, acc))
+                a = (attn.astype(jnp.float32) + acc).astype(jnp.bfloat16)
+                y = one(a, jnp.int32(cpy), i * layers + cpy, sync)
+                acc = acc + jnp.sum(y.astype(jnp.float32)[:1, :1])
+            return i + 1, acc
+        return lax.while_loop(lambda c: c[0] < iters, body, (jnp.int32(0), jnp.zeros((), jnp.float32)))[1]
 
     return median_us(run, iters * layers, trials, label="shared-ref chain")
 
