@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 import qspec_jax  # noqa: E402,F401  (XLA flags)
@@ -63,7 +64,10 @@ def build(mode: str, ws: list, backend: str, iters: int, annotate: bool):
     if annotate:
         from jax.experimental.compute_on import compute_on
 
-        m_fn = compute_on("gpu_stream:1")(jax.jit(chain_m))
+        try:  # jax >= 0.11: a function transform that names its outputs' memory space
+            m_fn = compute_on(jax.jit(chain_m), compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
+        except TypeError:  # jax 0.10: compute_on(compute_type) as a decorator
+            m_fn = compute_on("gpu_stream:1")(jax.jit(chain_m))
 
     def f(x, a):
         def body(i, carry):
@@ -115,8 +119,10 @@ def main(argv=None) -> int:
             return 1
         times[mode] = t / args.iters * 1e6
         print(f"  {mode:4s} {times[mode]:8.2f} us a trip", flush=True)
-    same_l = bool(jnp.array_equal(outs["both"][0], outs["L"][0]))
-    same_m = bool(jnp.array_equal(outs["both"][1], outs["M"][1]))
+    # bit for bit: 800 chained linears of unnormalized activations overflow to inf / NaN, where array_equal says
+    # False for equal NaNs (50th session: "L False" under every setting, the serial one too)
+    same_l = bool(np.array_equal(np.asarray(outs["both"][0]).view(np.uint16), np.asarray(outs["L"][0]).view(np.uint16)))
+    same_m = bool(np.array_equal(np.asarray(outs["both"][1]).view(np.uint32), np.asarray(outs["M"][1]).view(np.uint32)))
     tl, tm, tb = times["L"], times["M"], times["both"]
     overlap = (tl + tm - tb) / min(tl, tm)
     print(f"== serial sum {tl + tm:.2f} us, both {tb:.2f} us: overlap {overlap:.2f} of the shorter chain; "
