@@ -210,8 +210,8 @@ def tail_ready() -> bool:
 def tail_cluster() -> int:
     """CTAs of `layer_tail`'s kernel launched as one thread-block cluster, its phase ends the cluster
     barrier (QSPEC_W4A16_TAIL=cluster: TAIL_CLUSTER_CTAS; `tail_mgpu.TailConfig.cluster`), else 0 (the
-    grid of one CTA per SM and its grid-wide flags). For layers a few SMs stream (SmolLM2's); not yet
-    measured on a GPU (docs/kernel_notes.md, "Forty-eighth session")."""
+    grid of one CTA per SM and its grid-wide flags). Slower than the three fused kernels where measured
+    (H200, SmolLM2's layer at 32 rows: 43.3 against 20.9 us, docs/kernel_notes.md, "Fiftieth session")."""
     return TAIL_CLUSTER_CTAS if _tail_mode() == "cluster" else 0
 
 

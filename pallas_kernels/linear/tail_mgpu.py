@@ -65,13 +65,17 @@ zeroed ref per pass, its layer index as the ordinal; a call of its own makes a f
 takes x's place (x is read by the o epilogues, each before its CTA arrives at flag 0; out is written by down's
 epilogues, after their finisher has waited at flag 0).
 
-One cluster (`TailConfig.cluster`, off by default; prepared 2026-12-05, not yet run on a GPU): for layers whose
-weights a few SMs stream in a few microseconds (SmolLM2's ~2 MB), the grid is one thread-block cluster of up to 16
+One cluster (`TailConfig.cluster`, off by default): for small layers (SmolLM2's ~2 MB of weights), the grid is one
+thread-block cluster of up to 16
 CTAs and its two phase ends are the hardware cluster barrier (`barrier.cluster` arrive / wait, every thread of the
 cluster once per phase end: the finisher arrives with release semantics after its stores, the producer and the
 consumers relaxed) instead of the flags, whose global-memory round trips and wait for the slowest of 132 CTAs
 cost 7.8-10 us of a SmolLM2 layer's 13-17 (kernel_notes, "Forty-second session"). The chunk counters stay as they
 are, and so do the bits: they depend on the chunks and k groups as above, not on how the grid is launched.
+Measured (H200, 2026-12-05, SmolLM2's layer at M 32, 16 CTAs; kernel_notes "Fiftieth session"): correct, its
+barriers cost ~3 us a layer, but the work on 16 SMs alone takes 40 us against 20.9 us for the three fused kernels
+on every SM (1.9 MB in 40 us: 48 GB/s, not a bandwidth limit; per-SM issue, not yet profiled). Kept as a
+measured variant.
 
 Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, counters and waits
 are then program order and a shared-memory barrier; each wait checks that it found exactly its
