@@ -39,7 +39,7 @@ import numpy as np
 from flax import struct
 
 from qspec_jax import model as M
-from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache, SubBatchCache
+from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE, DenseKVCache, QuantSpecCache
 from qspec_jax.compilation import programs, run_program
 from qspec_jax.planner import (Request, check_params_fit, decode_cache_len, out_of_memory, prefill_chunk_for,
                                resource_exhausted)
@@ -76,10 +76,6 @@ class GenerationConfig:
     planner.DEFAULT_PREFILL_CHUNK tokens), "whole", or a chunk size (a multiple of group_size).
     prefill_progress: report the prefill's progress on stderr as it runs (`model.prefill`'s
     progress; the CLIs turn it on for long prompts).
-    sub_batches: decode the batch as this many sub-batches of equal rows (it must divide the
-    batch), each in a cache of its own, their layers interleaved in one layer loop
-    (`cache.SubBatchCache`): independent kernel chains a GPU runtime may overlap. Each sub-batch
-    computes what a batch of its rows computes alone; compare it with a run at the same split.
     """
 
     max_new_tokens: int = 128
@@ -93,12 +89,10 @@ class GenerationConfig:
     return_logits: bool = False
     prefill_chunk: int | str = "auto"
     prefill_progress: bool = False
-    sub_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        check_sub_batches(self.sub_batches)
         check_prefill_chunk(self.prefill_chunk, self.group_size if self.kv == "int8" else 1)
         if self.kv not in KV_KINDS:
             raise ValueError(f"kv={self.kv!r}; expected one of {KV_KINDS}")
@@ -185,15 +179,6 @@ def pad_prompts(prompt_ids: Sequence[Sequence[int]] | np.ndarray, vocab_size: in
     return tokens, lengths
 
 
-def check_sub_batches(sub_batches: Any, batch: int | None = None) -> None:
-    """A ValueError naming `sub_batches` unless it is an int >= 1 (dividing `batch` when given)."""
-    if not isinstance(sub_batches, (int, np.integer)) or isinstance(sub_batches, bool) or sub_batches < 1:
-        raise ValueError(f"sub_batches={sub_batches!r}: expected an int >= 1")
-    if batch is not None and batch % sub_batches:
-        raise ValueError(f"sub_batches={sub_batches} does not divide the batch of {batch} prompts "
-                         "(each sub-batch takes an equal share of the rows)")
-
-
 def check_fits(cfg: M.ModelConfig, lengths: np.ndarray, new_tokens: int) -> None:
     """Refuses prompts that would run past the model's max positions."""
     need = int(lengths.max()) + new_tokens
@@ -234,20 +219,15 @@ def ring_gamma_max(width: int) -> int:
 
 
 def new_cache(cfg: M.ModelConfig, kind: str, batch: int, max_len: int, group_size: int,
-              gamma_max: int = 1, scale_dtype: Any = jnp.float16, mesh: Any = None,
-              sub_batches: int = 1) -> DenseKVCache | QuantSpecCache | SubBatchCache:
+              gamma_max: int = 1, scale_dtype: Any = jnp.float16, mesh: Any = None) -> DenseKVCache | QuantSpecCache:
     """An empty cache: "bf16" dense (in the model dtype) or "int8" hierarchical; with a
-    tensor-parallel `mesh`, laid out along KV heads; with `sub_batches` > 1, that many caches of
-    batch / sub_batches rows each (SubBatchCache)."""
-    def make(rows: int) -> DenseKVCache | QuantSpecCache:
-        if kind == "bf16":
-            cache = DenseKVCache.init(cfg, rows, max_len)
-        else:
-            cache = QuantSpecCache.init(cfg, rows, max_len, group_size=group_size, gamma_max=gamma_max,
-                                        scale_dtype=scale_dtype)
-        return constrain_cache(cache, mesh)
-
-    return make(batch) if sub_batches == 1 else SubBatchCache.init(make, batch, sub_batches)
+    tensor-parallel `mesh`, laid out along KV heads."""
+    if kind == "bf16":
+        cache = DenseKVCache.init(cfg, batch, max_len)
+    else:
+        cache = QuantSpecCache.init(cfg, batch, max_len, group_size=group_size, gamma_max=gamma_max,
+                                    scale_dtype=scale_dtype)
+    return constrain_cache(cache, mesh)
 
 
 def prng_key(key: Any, fn: str) -> Array:
@@ -484,7 +464,7 @@ def autoregressive_loop(params: M.Params, cache: Any, first: Array, key: Array, 
 def _prefilled(params: M.Params, tokens: Array, lengths: Array, key: Array, *, gen: GenerationConfig,
                eos_ids: tuple[int, ...], max_len: int, chunk: int | None) -> _ARState:
     cache = new_cache(params.config, gen.kv, tokens.shape[0], max_len, gen.group_size,
-                      gamma_max=ring_gamma_max(gen.width), mesh=params.mesh, sub_batches=gen.sub_batches)
+                      gamma_max=ring_gamma_max(gen.width), mesh=params.mesh)
     logits, cache = M.prefill(params, tokens, lengths, cache, chunk=chunk, progress=gen.prefill_progress)
     key, sub = jax.random.split(key)
     first = sample(sub, logits, gen.sampling)
@@ -548,7 +528,6 @@ def generate_autoregressive(model: Any, prompt_ids: Sequence[Sequence[int]] | np
     cfg = params.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size, bucket)
     check_fits(cfg, lengths, config.max_new_tokens)
-    check_sub_batches(config.sub_batches, tokens.shape[0])
     request = checked_request(params, config, tokens.shape, int(lengths.max()))  # before anything is compiled
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     max_len = decode_cache_len(tokens.shape[1], config.max_new_tokens, config.width, config.group_size, config.kv)

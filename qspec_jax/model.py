@@ -29,7 +29,7 @@ from qspec_jax.attention import (
     prefill_impl,
     query_operand_shape,
 )
-from qspec_jax.cache import DenseKVCache, QuantSpecCache, SubBatchCache, prefill_quantized_len
+from qspec_jax.cache import DenseKVCache, QuantSpecCache, prefill_quantized_len
 from qspec_jax.config import ModelConfig
 from qspec_jax.linear import (
     StackedLayer,
@@ -53,7 +53,7 @@ from qspec_jax.norm import add_norm_backend, add_rms_norm
 from qspec_jax.weight_quant import QuantizedWeight
 
 Array = jax.Array
-Cache = DenseKVCache | QuantSpecCache | SubBatchCache
+Cache = DenseKVCache | QuantSpecCache
 # A linear weight (qspec_jax.linear): a dense [Din, Dout] array or an INT4 weight (QuantizedWeight,
 # or the Hopper kernel's W4A16Packed); inside the layer scan, a StackedLayer.
 Weight = Any
@@ -502,10 +502,6 @@ def prefill(params: Params, tokens: Array, lengths: Array, cache: Cache, *,
     """
     if tokens.ndim != 2:
         raise ValueError(f"prefill: tokens must be int32[B, T] (one row per prompt), got shape {tokens.shape}")
-    if isinstance(cache, SubBatchCache):  # each part's rows prefilled as a batch of their own, one after another
-        outs = [prefill(params, tk, n, part, all_logits=all_logits, chunk=chunk, progress=progress)
-                for tk, n, part in zip(cache.split(tokens), cache.split(lengths), cache.parts)]
-        return jnp.concatenate([o[0] for o in outs]), cache.replace(parts=tuple(o[1] for o in outs))
     b, t = tokens.shape
     if chunk is not None:
         group = cache.group_size if isinstance(cache, QuantSpecCache) else 1
@@ -616,52 +612,10 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     with width = gamma_max + 1 therefore computes, bit for bit, what the speculative verify
     pass computes for the same position (docs/QUALITY.md, "Fidelity" and "Exactness": at any
     width, tested at 3 and 8 on the CPU).
-
-    Over a SubBatchCache the parts' rows run as sub-batches in one layer loop
-    (`decode_sub_batches`): each part's logits are those of a batch of its rows alone.
     """
-    if tokens.ndim != 2:
-        raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
-    if isinstance(cache, SubBatchCache):  # the parts' layers interleaved in one loop; logits [B, T, V] joined
-        logits, parts = decode_sub_batches(params, cache.split(tokens), cache.parts, view=view, width=width)
-        return jnp.concatenate(logits), cache.replace(parts=parts)
     p = _decode_pass(params, tokens, cache, view, width)
     x, carry = _scan_layers(params, p.x, p.carry, p.layer, stack_norms=p.stack_norms, stack=p.stack)
     return p.finish(x, carry)
-
-
-def decode_sub_batches(params: Params, tokens: tuple[Array, ...], caches: tuple[Cache, ...], *,
-                       view: str = "target", width: int | None = None) -> tuple[tuple[Array, ...], tuple[Cache, ...]]:
-    """`decode` of several independent sub-batches, each over a cache of its own, in one layer loop.
-
-    tokens: int32[B_k, T] per sub-batch, all of one shape; caches: one per sub-batch, of one kind
-    and geometry. Each layer runs every sub-batch's layer in turn, so the loop body holds
-    independent chains of kernels that touch disjoint buffers: a GPU runtime that runs a body's
-    independent commands at the same time (XLA's command buffers as dependency graphs) can overlap
-    one sub-batch's memory-bound attention with another's latency-bound linears. Returns the
-    sub-batches' (logits [B_k, T, V], cache) as two tuples. Each sub-batch's arithmetic is that of
-    `decode` over it alone, op for op, so its results are bit for bit `decode`'s (tested)."""
-    if len(tokens) != len(caches) or not tokens:
-        raise ValueError(f"decode_sub_batches: {len(tokens)} token arrays for {len(caches)} caches "
-                         "(expected one per sub-batch, at least one)")
-    shapes = {tuple(t.shape) for t in tokens}
-    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-        raise ValueError(f"decode_sub_batches: the sub-batches' tokens must have one shape [B_k, T], got "
-                         f"{sorted(shapes)} (the layer loop picks the linears' kernels by the rows of a sub-batch)")
-    passes = [_decode_pass(params, t, c, view, width) for t, c in zip(tokens, caches)]
-    first = passes[0]
-    if any((p.stack_norms, p.stack) != (first.stack_norms, first.stack) for p in passes):
-        raise ValueError("decode_sub_batches: the sub-batches' passes read the stacked weights differently "
-                         "(caches of different kinds or geometries?)")
-
-    def layer(lp: LayerParams, xs: tuple, carries: tuple, i: Array) -> tuple[tuple, tuple]:
-        outs = [p.layer(lp, x, c, i) for p, x, c in zip(passes, xs, carries)]
-        return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
-
-    xs, carries = _scan_layers(params, tuple(p.x for p in passes), tuple(p.carry for p in passes), layer,
-                               stack_norms=first.stack_norms, stack=first.stack)
-    outs = [p.finish(x, c) for p, x, c in zip(passes, xs, carries)]
-    return tuple(o[0] for o in outs), tuple(o[1] for o in outs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -678,7 +632,9 @@ class _DecodePass:
 
 
 def _decode_pass(params: Params, tokens: Array, cache: Cache, view: str, width: int | None) -> _DecodePass:
-    """`decode`'s pass up to its layer loop (arguments as `decode`'s; tokens checked there)."""
+    """`decode`'s pass up to its layer loop (arguments as `decode`'s)."""
+    if tokens.ndim != 2:
+        raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
     cfg = params.config
     t = tokens.shape[1]
     if width is not None and width != t:

@@ -42,9 +42,9 @@ from flax import struct
 
 from qspec_jax import model as M
 from qspec_jax.cache import DEFAULT_GAMMA_MAX, DEFAULT_GROUP_SIZE
-from qspec_jax.generation import (PAD_ID, Progress, check_fits, check_prefill_chunk, check_sub_batches, eos_array,
-                                   initial_logits, loop_rounds, new_cache, pad_prompts, progress_of, prng_key,
-                                   record_logits, run_generation)
+from qspec_jax.generation import (PAD_ID, Progress, check_fits, check_prefill_chunk, eos_array, initial_logits,
+                                   loop_rounds, new_cache, pad_prompts, progress_of, prng_key, record_logits,
+                                   run_generation)
 from qspec_jax.planner import (Request, check_params_fit, decode_cache_len, out_of_memory, prefill_chunk_for,
                                resource_exhausted, weight_bytes)
 from qspec_jax.sampling import SamplingConfig, log_probs, sample
@@ -111,9 +111,6 @@ class SpecConfig:
     # stderr (GenerationConfig.prefill_chunk, prefill_progress).
     prefill_chunk: int | str = "auto"
     prefill_progress: bool = False
-    # The batch decoded as this many sub-batches, each in a cache of its own, their layers interleaved in one layer
-    # loop (GenerationConfig.sub_batches); greedy output equals autoregressive decoding's at the same split.
-    sub_batches: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.gamma, str):
@@ -144,7 +141,6 @@ class SpecConfig:
                 f"draft_kv={self.draft_kv!r} with target_kv={self.target_kv!r}: the draft reads the target's "
                 "cache, so use draft_kv int4/int8 with target_kv='int8', or bf16 with bf16")
         check_prefill_chunk(self.prefill_chunk, self.group_size if self.target_kv == "int8" else 1)
-        check_sub_batches(self.sub_batches)
         self.sampling  # validates the sampling fields
         self.draft_weights_config  # validates the draft-weight fields
 
@@ -503,7 +499,7 @@ def speculative_loop(target: M.Params, draft: M.Params, cache: Any, first: Array
 def _prefilled(target: M.Params, tokens: Array, lengths: Array, key: Array, *, spec: SpecConfig,
                eos_ids: tuple[int, ...], max_len: int, chunk: int | None) -> _SpecState:
     cache = new_cache(target.config, spec.target_kv, tokens.shape[0], max_len, spec.group_size, spec.gamma_max,
-                      mesh=target.mesh, sub_batches=spec.sub_batches)
+                      mesh=target.mesh)
     # The target's weights fill the shared cache.
     logits, cache = M.prefill(target, tokens, lengths, cache, chunk=chunk, progress=spec.prefill_progress)
     key, sub = jax.random.split(key)
@@ -622,7 +618,6 @@ def generate(model: Any, prompt_ids: Sequence[Sequence[int]] | np.ndarray, confi
     cfg = target.config
     tokens, lengths = pad_prompts(prompt_ids, cfg.vocab_size, bucket)
     check_fits(cfg, lengths, config.max_new_tokens)
-    check_sub_batches(config.sub_batches, tokens.shape[0])
     request, draft = check_memory(model, config, tokens.shape, int(lengths.max()), draft_params)
     eos = config.eos_token_ids if config.eos_token_ids is not None else cfg.eos_token_ids
     draft = draft if draft is not None else draft_params_for(model, config)

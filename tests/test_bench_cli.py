@@ -114,7 +114,6 @@ BAD_ARGS = [
     ("fidelity", ["--quick", "--batches", "0"], "--batches must be >= 1, got 0"),
     ("e2e", ["--quick", "--out", "/proc/nope"], "--out /proc/nope: cannot write there (/proc "),
     ("e2e", ["--quick", "--parts", "8b", "--smollm-gamma", "2,2"], "--smollm-gamma must be distinct values, got 2,2"),
-    ("e2e", ["--quick", "--parts", "8b", "--smollm-sub-batches", "0"], "--smollm-sub-batches must be >= 1, got 0"),
 ]
 
 
@@ -437,42 +436,6 @@ def test_e2e_smollm_reports_the_fastest_gamma(tiny_chat_checkpoint: Path, cache_
     text = doc.read_text()
     assert "(greedy, the fastest of γ=1,2,3)" in text and "| batch | γ=1 | γ=2 | γ=3 |" in text
     assert "AR at width 1 (the fastest AR loop), QuantSpec at gamma_max = γ" in text
-
-
-def test_e2e_smollm_sub_batches_apply_to_every_method(tiny_chat_checkpoint: Path, cache_home: Path, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """--smollm-sub-batches 2: at a batch it divides every method (both AR baselines, QuantSpec, the
-    untimed AR-int8 reference) runs as 2 sub-batches, the row and the report say so, and QuantSpec's
-    tokens still equal AR-int8's at the same split; a batch it does not divide runs whole."""
-    from qspec_jax import generation, speculative
-    from qspec_jax.bench import report
-
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    (texts / "play_gut.txt").write_text("Enter the king, with lords and attendants. " * 200)
-    seen: list[tuple[int, int]] = []  # (rows, sub_batches) of every generation the part runs
-
-    def recorded(real: Any) -> Any:
-        def run(model: Any, prompts: Any, cfg: Any, **kw: Any) -> Any:
-            seen.append((len(prompts), cfg.sub_batches))
-            return real(model, prompts, cfg, **kw)
-        return run
-
-    monkeypatch.setattr(speculative, "generate", recorded(speculative.generate))
-    monkeypatch.setattr(generation, "generate_autoregressive", recorded(generation.generate_autoregressive))
-    out = tmp_path / "o"
-    assert bench.main(["e2e", "--quick", "--parts", "smollm", "--smollm-checkpoint", str(tiny_chat_checkpoint),
-                       "--text-dir", str(texts), "--smollm-gamma", "2", "--smollm-batches", "1,2",
-                       "--smollm-sub-batches", "2", "--smollm-context", "48", "--smollm-new-tokens", "6",
-                       "--trials", "1", "--out", str(out)]) == 0
-    assert seen == [(1, 1)] * 4 + [(2, 2)] * 4  # AR-bf16, AR-int8, QuantSpec, the AR-int8 reference
-    rows = e2e_results(out)["smollm"]["rows"]
-    assert [(r["batch"], r["sub_batches"]) for r in rows] == [(1, 1), (2, 2)]
-    assert rows[1]["match_ar_int8"] == 1.0
-    doc = tmp_path / "B.md"
-    report.write_e2e(e2e_results(out), out, doc)
-    assert "Batch 2: every method as 2 sub-batches of 1 row each (`--smollm-sub-batches`)." in doc.read_text()
-    assert "Batch 1: every method" not in doc.read_text()
 
 
 def test_e2e_runs_part_smollms_pytorch_peer_first_and_keeps_it_with_the_part(

@@ -31,7 +31,6 @@ from qspec_jax.cache import (
     RING_ALIGN,
     DenseKVCache,
     QuantSpecCache,
-    SubBatchCache,
     cache_bytes,
     prefill_quantized_len,
     ring_slots,
@@ -701,32 +700,3 @@ def test_row_loop_flush_equals_the_all_rows_flush(flushing, monkeypatch):
         q = q_len[r]
         assert np.any(np.asarray(rows.k_hi)[:, r, :, q:q + G] != np.asarray(cache.k_hi)[:, r, :, q:q + G])
         assert np.any(np.asarray(rows.k_scale)[:, r, :, q // G] != np.asarray(cache.k_scale)[:, r, :, q // G])
-
-
-def test_sub_batch_cache_splits_and_joins_by_rows():
-    """SubBatchCache (a batch of 6 rows as two caches of 3): the per-row protocol (total lengths,
-    next positions, flush horizon) joins the parts' rows in order; rollback, finish_prefill and
-    per-row advance give each part its own rows; a scalar advance and flush reach every part; its
-    bytes are the parts' sum; a split that does not divide the batch is refused by name."""
-    make = lambda rows: QuantSpecCache.init(CFG, rows, MAX_LEN, group_size=8, gamma_max=GAMMA_MAX)  # noqa: E731
-    sub = SubBatchCache.init(make, 6, 2)
-    assert sub.rows == (3, 3) and sub.max_len == MAX_LEN
-    lengths = jnp.asarray([21, 40, 9, 33, 17, 64], jnp.int32)
-    sub = sub.finish_prefill(lengths)
-    for part, rows in zip(sub.parts, (lengths[:3], lengths[3:])):
-        np.testing.assert_array_equal(np.asarray(part.total_lengths()), np.asarray(rows))
-    np.testing.assert_array_equal(np.asarray(sub.total_lengths()), np.asarray(lengths))
-    np.testing.assert_array_equal(np.asarray(sub.next_positions(2)), np.asarray(lengths)[:, None] + np.arange(2))
-    whole = make(6).finish_prefill(lengths)
-    np.testing.assert_array_equal(np.asarray(sub.tokens_until_flush()), np.asarray(whole.tokens_until_flush()))
-    step = jnp.asarray([1, 2, 3, 4, 5, 6], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(sub.advance(step).total_lengths()), np.asarray(lengths + step))
-    np.testing.assert_array_equal(np.asarray(sub.advance(2).total_lengths()), np.asarray(lengths + 2))
-    np.testing.assert_array_equal(np.asarray(sub.rollback(lengths + 1).total_lengths()), np.asarray(lengths + 1))
-    for a, b in zip(jax.tree.leaves(sub.advance(step).flush().parts[1]),  # the second part flushes its own rows
-                    jax.tree.leaves(whole.advance(step).flush())):
-        if a.ndim == 1:
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[3:])
-    assert sub.nbytes_by_component() == {k: 2 * v for k, v in make(3).nbytes_by_component().items()}
-    with pytest.raises(ValueError, match="sub_batches=4: must be >= 1 and divide the batch of 6 rows"):
-        SubBatchCache.init(make, 6, 4)

@@ -86,35 +86,6 @@ def test_int8_spec_with_the_row_loop_flush_equals_ar(model, prompts, ar_ref, bit
     assert bitwise_logits(ar_ref["int8", 3], res)
 
 
-def test_sub_batches_spec_equals_ar_and_each_half_alone(model, prompts, bitwise_logits):
-    """sub_batches=2 (the batch as two sub-batches with caches of their own, their layers
-    interleaved in one layer loop: cache.SubBatchCache): greedy speculative output equals
-    autoregressive decoding's at the same split, tokens and logits bit for bit, and each half's
-    tokens and logits equal a run of that half's prompts alone, speculative over the INT8 cache
-    and autoregressive over the dense one (each sub-batch computes what a batch of its rows
-    computes alone); a split that does not divide the batch is refused by name."""
-    four = prompts + [prompts[0][:59]]
-    spec = SpecConfig(gamma=3, max_new_tokens=NEW, group_size=G, draft_group=32, return_logits=True, sub_batches=2)
-    res = generate(model, four, spec)
-    ar = generate_autoregressive(model, four, GenerationConfig(max_new_tokens=NEW, kv="int8", group_size=G,
-                                                               return_logits=True, sub_batches=2))
-    assert res.to_lists() == ar.to_lists() and bitwise_logits(ar, res)
-    assert res.acceptance_rate < 1.0
-    dense = GenerationConfig(max_new_tokens=NEW, kv="bf16", group_size=G, return_logits=True, sub_batches=2)
-    ar_dense = generate_autoregressive(model, four, dense)
-    for rows in (slice(0, 2), slice(2, 4)):
-        for whole, alone in ((res, generate(model, four[rows], dataclasses.replace(spec, sub_batches=1))),
-                             (ar_dense, generate_autoregressive(model, four[rows],
-                                                                dataclasses.replace(dense, sub_batches=1)))):
-            assert whole.to_lists()[rows] == alone.to_lists()
-            half = dataclasses.replace(whole, logits=whole.logits[rows], lengths=whole.lengths[rows])
-            assert bitwise_logits(alone, half)
-    with pytest.raises(ValueError, match="sub_batches=3 does not divide the batch of 4 prompts"):
-        generate(model, four, dataclasses.replace(spec, sub_batches=3))
-    with pytest.raises(ValueError, match="sub_batches=0: expected an int >= 1"):
-        GenerationConfig(sub_batches=0)
-
-
 def test_int8_spec_at_gamma_max_gamma_equals_ar_at_its_width(model, prompts, bitwise_logits):
     """A fixed gamma with gamma_max = gamma (verify passes of gamma + 1 = 3 columns, README's advice for a
     fixed draft length): greedy output equals AR-int8 at width 3, tokens and logits. Before the reference

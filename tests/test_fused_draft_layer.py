@@ -5,8 +5,7 @@ tests/test_w4a16_mgpu.py (interpret mode) and on the GPU by tools/device/check_w
 one layer with the interpret-mode kernels against the model's unfused math, `decode`'s wiring
 (stacked norms, the switch, the fallbacks) with the kernels replaced by their reference, the
 target's path untouched by the draft's switches, the target's own q|k|v-into-the-cache
-kernel behind its switch (QSPEC_TARGET_QKV_CACHE), and `decode_sub_batches` (sub-batches with
-caches of their own in one layer loop) bit for bit `decode` over each, through both layer forms.
+kernel behind its switch (QSPEC_TARGET_QKV_CACHE).
 """
 
 import importlib.util
@@ -642,54 +641,3 @@ def _case_tail() -> None:
             raise AssertionError(f"QSPEC_W4A16_TAIL={bad} was accepted")
         except ValueError as e:
             assert f"QSPEC_W4A16_TAIL={bad!r}: expected 0, 1, ready or cluster" in str(e)
-
-
-def _assert_sub_batches_equal_alone(params, toks, caches, view, width=None):
-    """`decode_sub_batches` over the sub-batches against `decode` of each alone: logits and every
-    cache leaf bit for bit, and one layer loop for all of them (the loop a single decode has)."""
-    split = jax.jit(lambda tk, cs: M.decode_sub_batches(params, tk, cs, view=view, width=width))
-    logits, out = split(toks, caches)
-    one = jax.jit(lambda tk, c: M.decode(params, tk, c, view=view, width=width))
-    for k, (tk, c) in enumerate(zip(toks, caches)):
-        alone, alone_cache = one(tk, c)
-        np.testing.assert_array_equal(np.asarray(logits[k]), np.asarray(alone), err_msg=f"sub-batch {k}")
-        for a, b in zip(jax.tree.leaves(out[k]), jax.tree.leaves(alone_cache)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"sub-batch {k}")
-    whiles = lambda jaxpr: str(jaxpr).count("while[")  # noqa: E731  (nested loops included)
-    assert whiles(jax.make_jaxpr(split)(toks, caches)) == whiles(jax.make_jaxpr(one)(toks[0], caches[0])) >= 1
-
-
-def test_sub_batches_decode_each_as_alone_in_one_layer_loop(monkeypatch):
-    """`decode_sub_batches` (a batch as sub-batches with caches of their own, their layers
-    interleaved in one layer loop): each sub-batch's logits and cache are bit for bit `decode`'s
-    over it alone, the target over dense caches (AR-bf16's pass, at a wider width) and over
-    QuantSpec caches (a verify pass of 3 tokens, the target view), with one layer loop in the
-    program; sub-batches of different shapes or a count mismatch are refused by name."""
-    monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "0")
-    cfg, target = _head_dim_target(64)
-    dense = tuple(synthetic.random_dense_cache(cfg, 2, 96, jax.random.PRNGKey(k), lengths=np.array(n))
-                  for k, n in ((1, [40, 17]), (2, [9, 63])))
-    toks = (jnp.asarray([[3], [4]], jnp.int32), jnp.asarray([[5], [6]], jnp.int32))
-    _assert_sub_batches_equal_alone(target, toks, dense, "target", width=3)
-    quant = tuple(synthetic.random_quant_cache(cfg, 2, 96, jax.random.PRNGKey(k), group=32, gamma_max=4, fp_start=s)
-                  for k, s in ((3, 7), (4, 2)))
-    toks = (jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32), jnp.asarray([[9, 10, 11], [12, 13, 14]], jnp.int32))
-    _assert_sub_batches_equal_alone(target, toks, quant, "target")
-    with pytest.raises(ValueError, match=r"one shape \[B_k, T\], got \[\(1, 3\), \(2, 3\)\]"):
-        M.decode_sub_batches(target, (toks[0][:1], toks[1]), quant, view="target")
-    with pytest.raises(ValueError, match="1 token arrays for 2 caches"):
-        M.decode_sub_batches(target, toks[:1], quant, view="target")
-
-
-def test_sub_batches_of_the_fused_draft_decode_each_as_alone(reference_kernels, qkv_reference, monkeypatch):
-    """The draft's fused layer with its q|k|v into the cache (the query operand in the layer
-    loop's carry: a carry of its own per sub-batch) through `decode_sub_batches`: each sub-batch's
-    logits and cache bit for bit the draft's `decode` over it alone, in one layer loop."""
-    monkeypatch.delenv(qlinear.QKV_CACHE_ENV, raising=False)
-    cfg, draft = _head_dim_draft(64)
-    qkv_calls, _ = qkv_reference
-    caches = tuple(synthetic.random_quant_cache(cfg, 3, 96, jax.random.PRNGKey(k), group=32, gamma_max=4, fp_start=s)
-                   for k, s in ((5, 7), (6, 1)))
-    toks = (jnp.asarray([[3], [4], [5]], jnp.int32), jnp.asarray([[6], [7], [8]], jnp.int32))
-    _assert_sub_batches_equal_alone(draft, toks, caches, "draft")
-    assert qkv_calls and set(qkv_calls) == {"interpret"}  # the fused q|k|v path ran

@@ -367,25 +367,20 @@ def part_smollm(args: argparse.Namespace) -> dict[str, Any]:
     # (`loop_spec`: verify passes of gamma + 1 columns), its greedy tokens compared with AR-INT8 at that
     # verify width (`exact_ar`), where the target computes the verify's logits bit for bit (the width-1
     # loop may differ in a last bit: GenerationConfig).
-    ar_one = {kv: GenerationConfig(max_new_tokens=new, kv=kv, eos_token_ids=(), width=1) for kv in ("bf16", "int8")}
+    ar = {kv: GenerationConfig(max_new_tokens=new, kv=kv, eos_token_ids=(), width=1) for kv in ("bf16", "int8")}
     stored = model.draft_weights_config  # the checkpoint's INT4 draft, used as it is (None: the default format, made)
     fmt = draft_format_fields(stored) if stored is not None else {}
-    spec_one = {g: loop_spec(g, max_new_tokens=new, eos_token_ids=(), **fmt) for g in args.smollm_gamma}
-    exact_one = {w: GenerationConfig(max_new_tokens=new, kv="int8", eos_token_ids=(), width=w)
-                 for w in sorted({c.verify_width for c in spec_one.values()})}
+    spec = {g: loop_spec(g, max_new_tokens=new, eos_token_ids=(), **fmt) for g in args.smollm_gamma}
+    exact_ar = {w: GenerationConfig(max_new_tokens=new, kv="int8", eos_token_ids=(), width=w)
+                for w in sorted({c.verify_width for c in spec.values()})}
     rows = []
     for batch in args.smollm_batches:
-        # every method at the same split (the AR baselines too): rows of batch / k as sub-batches in one layer loop
-        k = args.smollm_sub_batches if batch % args.smollm_sub_batches == 0 else 1
-        ar = {kv: dataclasses.replace(c, sub_batches=k) for kv, c in ar_one.items()}
-        spec = {g: dataclasses.replace(c, sub_batches=k) for g, c in spec_one.items()}
-        exact_ar = {w: dataclasses.replace(c, sub_batches=k) for w, c in exact_one.items()}
         prompts = []
         for b in range(batch):  # different plays and offsets: real, distinct prompts
             ids = read_text_tokens(model, texts[b % len(texts)], ctx, offset=1000 + 97 * (b // len(texts)))
             prompts.append(ids)
         prompts = np.stack(prompts)
-        row: dict[str, Any] = {"batch": batch, "context": ctx, "new_tokens": new, "sub_batches": k}
+        row: dict[str, Any] = {"batch": batch, "context": ctx, "new_tokens": new}
         outs, exact = {}, {}  # method: its last run's result; verify width: AR-INT8's tokens at that width
 
         def measure() -> None:  # the generation functions refuse what does not fit (DoesNotFitError)
@@ -711,9 +706,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smollm-gamma", type=ints, default="4",
                    help="part smollm: draft tokens per round; several (e.g. 2,3,4): each is timed and the fastest "
                         "is QuantSpec's row (best gamma)")
-    p.add_argument("--smollm-sub-batches", type=int, default=1,
-                   help="part smollm: every method decodes each batch as this many sub-batches in one layer loop "
-                        "(GenerationConfig / SpecConfig sub_batches; batches it does not divide run whole)")
     p.add_argument("--memory-contexts", type=ints, default="32768,131072",
                    help="part memory: contexts whose peak memory is measured")
     p.add_argument("--confirm-max-context", action="store_true",
@@ -755,7 +747,6 @@ def check_args(args: argparse.Namespace) -> None:
 
     options.positive(PROG, args, "--contexts", "--loop-contexts", "--gammas", "--loop-tokens", "--compile-workers",
                      "--steps", "--trials", "--smollm-context", "--smollm-new-tokens", "--smollm-batches",
-                     "--smollm-sub-batches",
                      "--memory-contexts", "--tp-sizes", "--tp-contexts", "--batch-size", "--batch-contexts",
                      "--prefill-contexts", "--prefill-chunks", "--request-context", "--request-new-tokens",
                      "--prefill-smollm-context")

@@ -274,17 +274,13 @@ def restarted(caches: dict[str, Any], kind: str, loop: Any, operands: tuple[Any,
     timed trials, trace) decodes from the same context. Without the donation XLA copies the cache
     into the loop's state: a second 32.5 GB dense cache at batch 8 and 32k, out of memory on the
     H200. The weights go in as `operands` (jit arguments): a loop that closed over them captured
-    them as constants of the program (16 GB for the 8B; its compile outran a ten-minute call).
-    `caches[kind]` may be a tuple of caches (a batch decoded as sub-batches): each is restored."""
-    many = isinstance(caches[kind], tuple)
-    marks = [{n: np.asarray(v) for n, v in bookkeeping(c).items()}  # host copies (the donation deletes)
-             for c in (caches[kind] if many else (caches[kind],))]
+    them as constants of the program (16 GB for the 8B; its compile outran a ten-minute call)."""
+    marks = {n: np.asarray(v) for n, v in bookkeeping(caches[kind]).items()}  # host copies (the donation deletes)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def run(cache: Any, operands: tuple[Any, ...]) -> tuple[Any, Any]:
         result, cache = loop(cache, *operands)
-        back = tuple(c.replace(**m) for c, m in zip(cache if many else (cache,), marks))
-        return result, back if many else back[0]
+        return result, cache.replace(**marks)
 
     def call() -> Any:
         result, caches[kind] = run(caches[kind], operands)

