@@ -613,6 +613,8 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     pass computes for the same position (docs/QUALITY.md, "Fidelity" and "Exactness": at any
     width, tested at 3 and 8 on the CPU).
     """
+    if tokens.ndim != 2:
+        raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
     p = _decode_pass(params, tokens, cache, view, width)
     x, carry = _scan_layers(params, p.x, p.carry, p.layer, stack_norms=p.stack_norms, stack=p.stack)
     return p.finish(x, carry)
@@ -632,9 +634,7 @@ class _DecodePass:
 
 
 def _decode_pass(params: Params, tokens: Array, cache: Cache, view: str, width: int | None) -> _DecodePass:
-    """`decode`'s pass up to its layer loop (arguments as `decode`'s)."""
-    if tokens.ndim != 2:
-        raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
+    """`decode`'s pass up to its layer loop (arguments as `decode`'s; tokens checked there)."""
     cfg = params.config
     t = tokens.shape[1]
     if width is not None and width != t:
