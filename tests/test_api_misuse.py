@@ -1,8 +1,8 @@
 """The Python API refuses misuse a newcomer tries in the first hour with an exception that says
 what was expected (issue 25's list): token ids outside the vocabulary, an int as a PRNG key, a
 missing or wrong config, a path or mesh of the wrong type, a cache group that is not a power of
-two, a mesh larger than the machine, named as the API (not as a CLI flag) names it, and a
-prefill timing with nowhere to report."""
+two, a mesh larger than the machine, named as the API (not as a CLI flag) names it, a
+prefill timing with nowhere to report, and token arrays of the wrong rank for the model's passes."""
 
 from __future__ import annotations
 
@@ -123,3 +123,17 @@ def test_time_prefill_needs_timings_and_no_stream(model, fn, cfg) -> None:
     res = fn(model, [ids], cfg, timings=tm, time_prefill=True)
     assert 0 < tm["prefill_s"] and 0 < tm["run_s"]
     assert (jnp.asarray(res.tokens) == jnp.asarray(fn(model, [ids], cfg).tokens)).all()
+
+
+def test_model_passes_refuse_tokens_of_the_wrong_rank(model) -> None:
+    """`model.prefill` and `model.decode` take int32[B, T] and say so for a flat [T] array, before
+    anything is traced."""
+    from qspec_jax import model as M
+
+    cache = QuantSpecCache.init(model.config, batch=1, max_len=256, group_size=32)
+    flat = jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match=r"prefill: tokens must be int32\[B, T\] \(one row per prompt\), got shape"):
+        M.prefill(model.params, flat, jnp.array([4], jnp.int32), cache)
+    with pytest.raises(ValueError, match=r"decode: tokens must be int32\[B, T\] \(one column per new token\), got "
+                                         r"shape \(4,\)"):
+        M.decode(model.params, flat, cache)
