@@ -169,6 +169,9 @@ TAIL_ENV = "QSPEC_W4A16_TAIL"  # "1": the draft layer's o -> gate_up -> down in 
 # the same kernel with its producer's waits per K chunk (`TailConfig.chunk_ready`); "cluster": the kernel as one
 # thread-block cluster of TAIL_CLUSTER_CTAS CTAs whose phase ends are the cluster barrier (`TailConfig.cluster`)
 TAIL_CLUSTER_CTAS = 16
+# "o,gate_up,down": the K chunk counts of `layer_tail`'s kernel (each must divide its linear's k steps); unset or
+# empty: balanced over the kernel's CTAs (`tail_mgpu.default_tail_config`). For A/B runs of the chunking in the model
+TAIL_CHUNKS_ENV = "QSPEC_W4A16_TAIL_CHUNKS"
 
 
 def tail_fusable(wo: Any, w_gate_up: Any, w_down: Any, int4_impl: str, rows: int) -> bool:
@@ -215,6 +218,23 @@ def tail_cluster() -> int:
     return TAIL_CLUSTER_CTAS if _tail_mode() == "cluster" else 0
 
 
+def tail_chunks() -> tuple[int, int, int] | None:
+    """QSPEC_W4A16_TAIL_CHUNKS as `layer_tail`'s kernel's (o, gate_up, down) K chunk counts, checked: three
+    positive integers; None where unset or empty (the kernel's balanced default). Whether each divides its
+    linear's k steps is the kernel's check (`tail_mgpu.int4_layer_tail_mgpu`), which names the chunks."""
+    raw = os.environ.get(TAIL_CHUNKS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        chunks = tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        chunks = ()
+    if len(chunks) != 3 or min(chunks) < 1:
+        raise ValueError(f"{TAIL_CHUNKS_ENV}={raw!r}: expected three positive integers 'o,gate_up,down' "
+                         "(K chunks of each linear), or unset for the balanced default")
+    return chunks
+
+
 def layer_tail_sync(w_down: Any, like: Any) -> Any:
     """The sync ref (`tail_mgpu.sync_words`: grid-wide flags and counters, zeros) that every
     `layer_tail` call of one decode pass shares, each with its layer index as the ordinal: made
@@ -247,7 +267,7 @@ def layer_tail(attn: Array, x: Array, wo: Any, norm: Any, w_gate_up: Any, w_down
     return int4_layer_tail(attn, x, wo, _norm_at(norm, layer), wgu, wd, layer=layer, norm_eps=norm_eps,
                            backend="interpret" if int4_impl == "interpret" else "mosaic", row_sums=row_sums,
                            sync=sync, ordinal=ordinal if sync is not None else 0, chunk_ready=tail_ready(),
-                           cluster=tail_cluster())
+                           cluster=tail_cluster(), chunks=tail_chunks())
 
 
 NORM_SUMS_ENV = "QSPEC_NORM_SUMS"  # "auto" (default), "1" at every row count, "0" off (`norm_sums_fusable`)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import linear as plinear
+from pallas_kernels.linear import tail_mgpu as tm
 from qspec_jax import linear as qlinear
 from qspec_jax import model as M
 from qspec_jax.bench import synthetic
@@ -576,7 +577,8 @@ def test_decode_runs_the_layer_tail_in_one_kernel_when_switched_on():
     with QSPEC_W4A16_TAIL=ready (the kernel's per-chunk ready counters) bit for bit the tail's decode;
     QSPEC_W4A16_TAIL=cluster hands the kernel its cluster (its chunks balanced over 16 CTAs: another float32
     order, so compared with the unfused decode); SmolLM2-like tiles (192-column k steps, an odd number of row
-    tiles) are taken; values other than 0, 1, ready and cluster are refused by name. In a child with 8 host
+    tiles) are taken, with QSPEC_W4A16_TAIL_CHUNKS's K chunks in the kernel's config (bad ones refused by name);
+    values other than 0, 1, ready and cluster are refused by name. In a child with 8 host
     devices (`subproc.run_in_child`)."""
     subproc.run_in_child(__file__, "_case_tail")
 
@@ -606,6 +608,28 @@ def _case_tail() -> None:
     (out3, _), _, _ = M._attn_out_and_mlp(CFG_TAIL_192, lp192, x192, a192, None, fused)
     (out, _), _, _ = M._attn_out_and_mlp(CFG_TAIL_192, lp192, x192, a192, None, fused.replace(tail=True))
     assert out.shape == (2, 1, 192) and _rel(out, out3) <= 2.0 ** -8
+    # QSPEC_W4A16_TAIL_CHUNKS reaches the kernel's config (down's two k steps in one chunk or two), checked by name
+    real_mgpu, configs = tm.int4_layer_tail_mgpu, []
+
+    def mgpu(*a, config, **kw):
+        configs.append(config)
+        return real_mgpu(*a, config=config, **kw)
+
+    tm.int4_layer_tail_mgpu = mgpu
+    for chunks in ((1, 1, 2), (1, 1, 1)):
+        os.environ[qlinear.TAIL_CHUNKS_ENV] = ",".join(map(str, chunks))
+        (out, _), _, _ = M._attn_out_and_mlp(CFG_TAIL_192, lp192, x192, a192, None, fused.replace(tail=True))
+        assert configs[-1].chunks == chunks and _rel(out, out3) <= 2.0 ** -8
+    for bad, msg in (("1,1", "expected three positive integers"), ("1,x,1", "expected three positive integers"),
+                     ("1,0,1", "expected three positive integers"), ("2,1,1", "chunk count 0 must divide")):
+        os.environ[qlinear.TAIL_CHUNKS_ENV] = bad
+        try:
+            M._attn_out_and_mlp(CFG_TAIL_192, lp192, x192, a192, None, fused.replace(tail=True))
+            raise AssertionError(f"QSPEC_W4A16_TAIL_CHUNKS={bad} was accepted")
+        except ValueError as e:
+            assert msg in str(e) and (bad == "2,1,1" or f"QSPEC_W4A16_TAIL_CHUNKS={bad!r}" in str(e)), str(e)
+    del os.environ[qlinear.TAIL_CHUNKS_ENV]
+    tm.int4_layer_tail_mgpu = real_mgpu
     # the decode: every other INT4 linear through its reference (interpret-mode kernels are slow in a loop)
     real_linear, real_tail, syncs, readys, clusters = plinear.int4_linear, plinear.int4_layer_tail, [], [], []
     plinear.int4_linear = lambda x, w, *, backend="auto", **kw: real_linear(x, w, backend="reference", **kw)

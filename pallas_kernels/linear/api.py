@@ -224,7 +224,7 @@ def int4_qkv_cache(x: Array, w: Any, *, backend: str, layer: Any, rope: Array, s
 def int4_layer_tail(attn: Array, x: Array, wo: Any, norm_weight: Array, w_gate_up: Any, w_down: Any, *,
                     backend: str, layer: Any = None, norm_eps: float = 1e-5, row_sums: bool = False,
                     sync: Any = None, ordinal: Any = 0, chunk_ready: bool = False,
-                    cluster: int = 0) -> Array | tuple[Array, Array]:
+                    cluster: int = 0, chunks: tuple[int, int, int] | None = None) -> Array | tuple[Array, Array]:
     """The draft layer's tail after the attention, x1 = bf16(attn Wo) + x, out = bf16(act Wd) + x1,
     act = silu(gate) up of RMSNorm(x1) Wgu, in one persistent kernel (`tail_mgpu.int4_layer_tail_mgpu`
     has the shapes, `sync` and `ordinal`). attn [..., Kq], x [..., D] bf16 (M rows in all, flattened).
@@ -233,7 +233,8 @@ def int4_layer_tail(attn: Array, x: Array, wo: Any, norm_weight: Array, w_gate_u
     also out's rows' sums of squares, float32 [D / 64, M_pad] (the next norm's `norm_sums`). `chunk_ready`:
     the producer waits per K chunk on ready counters instead of at the grid-wide flags (`TailConfig.chunk_ready`;
     the same bits). `cluster` > 0: the kernel as one thread-block cluster of that many CTAs, its phase ends the
-    cluster barrier (`TailConfig.cluster`; its chunks balanced over those CTAs)."""
+    cluster barrier (`TailConfig.cluster`). `chunks`: the (o, gate_up, down) K chunk counts (`TailConfig.chunks`,
+    each dividing its linear's k steps; they set the float32 summation order), None: balanced over the CTAs."""
     if backend not in QKV_CACHE_BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {QKV_CACHE_BACKENDS}")
     attn2, _ = _flatten(attn, _int4_shape(wo)[0])
@@ -248,6 +249,8 @@ def int4_layer_tail(attn: Array, x: Array, wo: Any, norm_weight: Array, w_gate_u
     else:
         cfg = tm.default_tail_config(ws[0].k, ws[0].n, ws[2].k, ws[0].group_size, x2.shape[0],
                                      num_sms=cluster or None).replace(chunk_ready=chunk_ready, cluster=cluster > 0)
+        if chunks is not None:
+            cfg = cfg.replace(chunks=tuple(int(c) for c in chunks))
         res = tm.int4_layer_tail_mgpu(attn2, x2, ws[0], norm_weight, ws[1], ws[2], layer=layer, norm_eps=norm_eps,
                                       row_sums=row_sums, sync=sync, ordinal=ordinal, config=cfg,
                                       interpret=backend == "interpret")

@@ -832,7 +832,9 @@ for stage in ${STAGES:-probe smol 8b}; do
     tailclab)  # (48th, prepared) the cluster tail in the model at SmolLM2's shape (QSPEC_W4A16_TAIL=cluster: its
       # layers' o -> gate_up -> down as one 16-CTA cluster kernel; "1": the 132-CTA grid with flags; "0": the three
       # fused kernels, the default): exactness (batches 1 and 32), then alternating profiles of the draft step and
-      # the γ 2 loop at batch 32 (rows 4k-8k) over TCA_MODES, TCA_TRIALS times
+      # the γ 2 loop at batch 32 (rows 4k-8k) over TCA_MODES, TCA_TRIALS times; TCA_CHUNKS "o,gate_up,down" the tail's
+      # K chunks (QSPEC_W4A16_TAIL_CHUNKS; empty: balanced over its CTAs)
+      export QSPEC_W4A16_TAIL_CHUNKS=${TCA_CHUNKS:-}
       for v in ${TCA_EXACT:-cluster}; do
         QSPEC_W4A16_TAIL=$v timeout ${EXACT_LIMIT:-200} python3 tools/device/exactness_check.py --shape smollm2 \
           --batches 1,32 2>&1 | grep -v "^W[0-9]" | tee $L/exactness_check_tail_${v}_smollm2.log | tail -3
@@ -842,7 +844,8 @@ for stage in ${STAGES:-probe smol 8b}; do
           QSPEC_W4A16_TAIL=$v prof smollm2_b32_8k_tail${v}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
             --programs ${TCA_PROGS:-draft,spec_loop} --gamma 2 --verify-t 3
         done
-      done;;
+      done
+      unset QSPEC_W4A16_TAIL_CHUNKS;;
     tqkvsmol)  # SmolLM2's 64-channel heads (QSPEC_TARGET_QKV_CACHE=1 against auto, which leaves them alone): the
       # verify (T 5) and the QuantSpec loop at batch 1 and 4 (5 / 20 rows), 8k
       for bb in ${TQS_BATCHES:-1 4}; do
