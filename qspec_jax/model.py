@@ -11,7 +11,6 @@ norms, RoPE angles, softmax and matmul accumulation are float32.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from typing import Any, Callable
@@ -615,26 +614,6 @@ def decode(params: Params, tokens: Array, cache: Cache, *, view: str = "target",
     """
     if tokens.ndim != 2:
         raise ValueError(f"decode: tokens must be int32[B, T] (one column per new token), got shape {tokens.shape}")
-    p = _decode_pass(params, tokens, cache, view, width)
-    x, carry = _scan_layers(params, p.x, p.carry, p.layer, stack_norms=p.stack_norms, stack=p.stack)
-    return p.finish(x, carry)
-
-
-@dataclasses.dataclass(frozen=True)
-class _DecodePass:
-    """One decode pass's layer loop, set up (`_decode_pass`): the loop's initial x (`_carry_in`) and
-    carry (the cache, or the cache and the query operand), the layer function `_scan_layers` runs,
-    which weights it reads stacked, and `finish(x, carry) -> (logits [B, T, V], cache)`."""
-    x: Any
-    carry: Any
-    layer: Callable[[LayerParams, Any, Any, Array], tuple[Any, Any]]
-    stack_norms: bool
-    stack: tuple[str, ...]
-    finish: Callable[[Any, Any], tuple[Array, Cache]]
-
-
-def _decode_pass(params: Params, tokens: Array, cache: Cache, view: str, width: int | None) -> _DecodePass:
-    """`decode`'s pass up to its layer loop (arguments as `decode`'s; tokens checked there)."""
     cfg = params.config
     t = tokens.shape[1]
     if width is not None and width != t:
@@ -648,11 +627,10 @@ def _decode_pass(params: Params, tokens: Array, cache: Cache, view: str, width: 
     inputs = attention_inputs(q_struct, positions, cache, view, cfg.attention_impl)
     fusion = _layer_fusion(params, b * w)
     tail_sync = layer_tail_sync(params.layers.w_down, x) if fusion.tail else None  # one per pass
-    stack_norms = fusion.norm or bool(fusion.add_norm)
     into_cache = _qkv_cache_plan(params, fusion, cache, view, q_struct)
     if into_cache is not None:
-        return _qkv_cache_pass(params, x, positions, cache, view, inputs, fusion, q_struct, *into_cache, t,
-                               tail_sync, stack_norms)
+        return _decode_qkv_cache(params, x, positions, cache, view, inputs, fusion, q_struct, *into_cache, t,
+                                 tail_sync)
 
     def layer(lp, x, cache, i):  # x [B, T, D], or the pair (x, down) / (x, sums): fusion.defers_residual / sums
         if fusion.norm:
@@ -667,10 +645,10 @@ def _decode_pass(params: Params, tokens: Array, cache: Cache, view: str, width: 
                                mesh=params.mesh, inputs=inputs)
         return _attn_out_and_mlp(cfg, lp, x, attn.reshape(b, w, -1), params.mesh, fusion, tail_sync)[0], cache
 
-    def finish(x, cache):  # the lm_head runs over all `width` columns too (its shape must not depend on T)
-        return _logits(params, _carry_out(fusion, x))[:, :t], cache.advance(t)
-
-    return _DecodePass(_carry_in(fusion, x), cache, layer, stack_norms, (), finish)
+    x, cache = _scan_layers(params, _carry_in(fusion, x), cache, layer,
+                            stack_norms=fusion.norm or bool(fusion.add_norm))
+    # The lm_head runs over all `width` columns too (its shape must not depend on T).
+    return _logits(params, _carry_out(fusion, x))[:, :t], cache.advance(t)
 
 
 def _carry_in(fusion: LayerFusion, x: Array) -> Any:
@@ -694,7 +672,7 @@ def _carry_out(fusion: LayerFusion, x: Any) -> Array:
 def _qkv_cache_plan(params: Params, fusion: LayerFusion, cache: Cache, view: str,
                     q_struct: jax.ShapeDtypeStruct) -> tuple[tuple[int, ...], str] | None:
     """(the attention's query operand shape, the kernel backend) where `decode` runs each layer's
-    q|k|v into the cache in one kernel (`_qkv_cache_pass`), else None. Where the new tokens'
+    q|k|v into the cache in one kernel (`_decode_qkv_cache`), else None. Where the new tokens'
     buffers (`append_buffers`) are bf16 and the attention kernel takes a prepared query operand:
     the fused draft layer (`fusion.norm`) decoding one token per row over a QuantSpecCache with
     heads its INT4 kernel takes (`linear.qkv_cache_fusable`), or a target's bf16 layer where
@@ -717,9 +695,9 @@ def _qkv_cache_plan(params: Params, fusion: LayerFusion, cache: Cache, view: str
     return None if shape is None else (shape, backend)
 
 
-def _qkv_cache_pass(params: Params, x: Array, positions: Array, cache: Cache, view: str,
-                    inputs: Any, fusion: LayerFusion, q_struct: jax.ShapeDtypeStruct, q_operand: tuple[int, ...],
-                    backend: str, t: int, tail_sync: Any, stack_norms: bool) -> _DecodePass:
+def _decode_qkv_cache(params: Params, x: Array, positions: Array, cache: Cache, view: str,
+                      inputs: Any, fusion: LayerFusion, q_struct: jax.ShapeDtypeStruct,
+                      q_operand: tuple[int, ...], backend: str, t: int, tail_sync: Any = None) -> tuple[Array, Cache]:
     """`decode`'s layer loop with each layer's q|k|v product, RoPE, query operand and ring writes
     in one kernel (`linear.qkv_into_cache`; the draft's with its attention norm inside, a target's
     after the norm's own kernel): the same function as the unfused layer (`_qkv`, `append_layer`,
@@ -750,8 +728,7 @@ def _qkv_cache_pass(params: Params, x: Array, positions: Array, cache: Cache, vi
         return (_attn_out_and_mlp(cfg, lp, x, attn.reshape(*positions.shape, -1), params.mesh, fusion, tail_sync)[0],
                 (cache, q_buf))
 
-    def finish(x, carry):
-        return _logits(params, _carry_out(fusion, x))[:, :t], carry[0].advance(t)
-
     q_buf = jnp.zeros(q_operand, jnp.bfloat16)
-    return _DecodePass(_carry_in(fusion, x), (cache, q_buf), layer, stack_norms, ("wqkv",), finish)
+    x, (cache, _) = _scan_layers(params, _carry_in(fusion, x), (cache, q_buf), layer,
+                                 stack_norms=fusion.norm or bool(fusion.add_norm), stack=("wqkv",))
+    return _logits(params, _carry_out(fusion, x))[:, :t], cache.advance(t)
