@@ -201,7 +201,8 @@ def loop_check(tail_fn, attn, x, layers: int, cfg, d: int, f: int) -> bool:
 def chained_sync_us(tail_fn, attn, x, layers: int, iters: int, d: int, f: int, trials: int = 5) -> float:
     """`chained_us`'s harness for the tail with one sync ref for the whole run (the model's layer loop: no
     zero-init launch per call), each call's ordinal the calls before it: `layers` calls unrolled per while
-    iteration (one iteration a call cost ~60 us of while-loop overhead a call, H100, 50th session), each through
+    iteration (one call a while iteration puts the loop's own overhead in every call's time: 60.6 us a call on the
+    H100, 50th session, a number not used), each through
     one jitted function of traced layer, ordinal and ref, so the kernel is lowered once (49th: a Python-int layer
     per call site lowered it 32 times, ~4.5 s each, and ran out of its 240 s)."""
     one = jax.jit(lambda a, layer, ordinal, sync: tail_fn(a, x, layer, sync=sync, ordinal=ordinal))
