@@ -205,8 +205,9 @@ def _tail_mode() -> str:
 
 def tail_ready() -> bool:
     """Whether `layer_tail`'s kernel waits per K chunk on ready counters instead of at grid-wide flags
-    (QSPEC_W4A16_TAIL=ready; `tail_mgpu.TailConfig.chunk_ready`: the same bits, another wait). Not yet
-    measured on a GPU (docs/kernel_notes.md, "Thirty-ninth session")."""
+    (QSPEC_W4A16_TAIL=ready; `tail_mgpu.TailConfig.chunk_ready`: the same bits, another wait). Slower where
+    measured (H200, 8B layer, M 1, kernel alone: 52.06 against the flags' 47.44 us; docs/kernel_notes.md,
+    "Fortieth session")."""
     return _tail_mode() == "ready"
 
 
@@ -214,7 +215,9 @@ def tail_cluster() -> int:
     """CTAs of `layer_tail`'s kernel launched as one thread-block cluster, its phase ends the cluster
     barrier (QSPEC_W4A16_TAIL=cluster: TAIL_CLUSTER_CTAS; `tail_mgpu.TailConfig.cluster`), else 0 (the
     grid of one CTA per SM and its grid-wide flags). Slower than the three fused kernels where measured
-    (H200, SmolLM2's layer at 32 rows: 43.3 against 20.9 us, docs/kernel_notes.md, "Fiftieth session")."""
+    (SmolLM2's layer at 32 rows: 43.3 against 20.9 us with the balanced chunks, H200; 25.7 against 21.7 with
+    whole-K units, QSPEC_W4A16_TAIL_CHUNKS=1,1,1, its best, H100; docs/kernel_notes.md, "Fiftieth session",
+    "Fifty-first session")."""
     return TAIL_CLUSTER_CTAS if _tail_mode() == "cluster" else 0
 
 

@@ -72,10 +72,11 @@ cluster once per phase end: the finisher arrives with release semantics after it
 consumers relaxed) instead of the flags, whose global-memory round trips and wait for the slowest of 132 CTAs
 cost 7.8-10 us of a SmolLM2 layer's 13-17 (kernel_notes, "Forty-second session"). The chunk counters stay as they
 are, and so do the bits: they depend on the chunks and k groups as above, not on how the grid is launched.
-Measured (H200, 2026-12-05, SmolLM2's layer at M 32, 16 CTAs; kernel_notes "Fiftieth session"): correct, its
-barriers cost ~3 us a layer, but the work on 16 SMs alone takes 40 us against 20.9 us for the three fused kernels
-on every SM (1.9 MB in 40 us: 48 GB/s, not a bandwidth limit; per-SM issue, not yet profiled). Kept as a
-measured variant.
+Measured (SmolLM2's layer at M 32, 16 CTAs; kernel_notes "Fiftieth session" and "Fifty-first session"): correct,
+its barriers cost ~0.6 us each, but with balanced one-step chunks (3, 3, 8) it takes 43 us against 20.9 for the three
+fused kernels on every SM (H200: the chunk partials' round trips), and with whole-K units (1, 1, 1), its best, 25.7
+against 21.7 (H100; four other chunkings 27.0-28.0): on 16 SMs each phase's path is one SM's MMAs (6.5 us of the
+25.7, halving at M 16) and a ~3-5 us start (first loads, epilogue round trips). Kept as a measured variant.
 
 Interpret mode (CPU, CI): the grid runs one CTA (`ctas` = 1: the flags, counters and waits
 are then program order and a shared-memory barrier; each wait checks that it found exactly its
@@ -170,6 +171,8 @@ class TailConfig:
     # cluster's SMs stream them (SmolLM2's: ~2 MB), where the flags cost more than the work (kernel_notes
     # "Forty-second session": 7.8-10 us of a 13-17 us layer) and a cluster barrier is a few hundred cycles.
     # GPU only (interpret mode runs one CTA: the flags' program-order twin, the same math); the chunk counters stay.
+    # Measured slower than the three fused kernels at SmolLM2's M 16 and 32 at every chunking tried (kernel_notes,
+    # "Fifty-first session": 25.7 against 21.7 us a layer at best, H100): off by default, a measured variant.
     cluster: bool = False
 
     def replace(self, **kw: Any) -> "TailConfig":
