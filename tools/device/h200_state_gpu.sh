@@ -68,6 +68,8 @@
 #   "bench": `make bench`'s parts by their Makefile targets (BENCH_PARTS), sections and JSON back in
 #   $OUT/bench.tgz (39th)
 #   "tqkvar": the AR-bf16 baseline at SmolLM2 batch 32 with / without the target's q|k|v into its dense cache (46th)
+#   "tqkvcmd": where that kernel's gain goes inside the AR loop (51st): the same A/B with XLA's command buffers on and
+#   off, and the command-buffer passes' log of the loop program with the kernel on
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
 #   "tailcl": the layer tail at SmolLM2's layer as one thread-block cluster whose phase ends are the cluster
 #   barrier, against its grid-wide flags at the same CTA count and the three fused kernels (check_tail.py, 48th);
@@ -784,6 +786,28 @@ for stage in ${STAGES:-probe smol 8b}; do
       # the fastest AR-bf16 this build has? QSPEC_TARGET_QKV_CACHE=1 against auto, alternating TQA_TRIALS times
       LIMIT=${TQA_LIMIT:-150} tqkv_ab smollm2_b32_8k_ar_tqkv "${TQA_TRIALS:-1 2}" auto --shape smollm2 --batch 32 \
         --contexts 8192 --ragged --programs ${TQA_PROGS:-ar_bf16,ar_loop};;
+    tqkvcmd)  # (51st, prepared) the AR loop's idle with the target's q|k|v kernel (46th on the H200, 51st on the H100:
+      # the AR-bf16 step gains 3.5%, the loop's wall stays, its idle grows 0.12-0.17 ms a token). If the kernel splits
+      # the layer loop body's command buffer, the gap closes with command buffers off (both settings then launch op
+      # by op) and the pass's log names the split: QSPEC_TARGET_QKV_CACHE 1 / auto x command buffers default / off,
+      # TQC_TRIALS times, then one run with the command-buffer passes' VLOG (grep'd; both pass names, old and new XLA)
+      for i in ${TQC_TRIALS:-1}; do
+        for cmd in default off; do
+          flags=""; [ $cmd = off ] && flags="--xla_gpu_enable_command_buffer="
+          for v in 1 auto; do
+            XLA_FLAGS="${XLA_FLAGS:-} $flags" QSPEC_TARGET_QKV_CACHE=$v LIMIT=${TQC_LIMIT:-90} prof \
+              smollm2_b32_8k_ar_tqkv${v}_cmd${cmd}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
+              --programs ${TQC_PROGS:-ar_loop,ar_bf16} | grep "^=="
+          done
+        done
+      done
+      QSPEC_TARGET_QKV_CACHE=1 TF_CPP_MIN_LOG_LEVEL=0 \
+        TF_CPP_VMODULE=command_buffer_scheduling=2,command_buffer_conversion_pass=2,command_buffer_cmd=1 \
+        timeout ${TQC_LIMIT:-90} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 --batch 32 \
+        --contexts 8192 --ragged --programs ar_loop --out /tmp/p_vlog > $L/tqkv_cmdbuf_vlog_full.log 2>&1
+      grep -iE "command.?buffer|mosaic|custom" $L/tqkv_cmdbuf_vlog_full.log | cut -c1-400 | head -2000 \
+        > $L/tqkv_cmdbuf_vlog.log; rm -f $L/tqkv_cmdbuf_vlog_full.log
+      wc -l $L/tqkv_cmdbuf_vlog.log; echo "== tqkvcmd done ($(( $(date +%s) - T0 )) s)";;
     overlap)  # (46th, prepared) can XLA run two independent kernel chains of one loop body at once? Four small INT4
       # linears (a half-batch's) beside a memory-bound reduction (half a draft call's bytes), inside a fori_loop:
       # default command buffers, a command buffer as a dependency graph (scheduling mode CONCURRENT; LHS), concurrent
