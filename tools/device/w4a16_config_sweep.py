@@ -50,9 +50,13 @@ def weights(key, k, n, g, copies):
 
 
 def time_config(cfg, x, ws, iters, trials=5):
-    def op(xi, w):
-        return mg.int4_matmul_mgpu(xi, w, config=cfg)
+    return time_chained(lambda xi, w: mg.int4_matmul_mgpu(xi, w, config=cfg), x, ws, iters, trials)
 
+
+def time_chained(op, x, ws, iters, trials=5):
+    """Median seconds per call of op(x, w) over the weight copies `ws` (W4A16Packed or [K, N] arrays), each call
+    ordered after the previous one by an optimization barrier, `iters` rounds in one jitted loop; and the first
+    copy's output."""
     def f(x, ws):
         def body(i, carry):
             xc, ys = carry
@@ -65,7 +69,8 @@ def time_config(cfg, x, ws, iters, trials=5):
                 prev = op(xi, w)
                 out.append(prev)
             return lax.optimization_barrier((xc, tuple(out)))
-        y0 = tuple(jnp.zeros((x.shape[0], w.n), jnp.bfloat16) for w in ws)
+        y0 = tuple(jnp.zeros((x.shape[0], w.n if isinstance(w, lay.W4A16Packed) else w.shape[1]), jnp.bfloat16)
+                   for w in ws)
         return lax.fori_loop(0, iters, body, (x, y0))[1]
 
     exe = jax.jit(f).lower(x, ws).compile()

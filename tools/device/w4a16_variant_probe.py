@@ -9,13 +9,12 @@ warpgroup's; the cluster tail measured its MMAs at ~6.5 of its 25.9 us on 16 SMs
 session), so whether the other instruction is cheaper at 32 rows decides where that goes next. For each shape and
 row count: the default launch shape with each variant (same config, so the same k order: outputs compared), and
 cuBLAS bf16 on the dequantized weight, each in an in-device loop over `--copies` weight copies chained by
-optimization barriers (`w4a16_config_sweep.time_config`'s harness)."""
+optimization barriers (`w4a16_config_sweep.time_chained`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -24,7 +23,6 @@ sys.path.insert(0, os.getcwd())
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
 
 import qspec_jax  # noqa: E402,F401  (XLA flags)
 from pallas_kernels.linear import layout as lay  # noqa: E402
@@ -32,40 +30,7 @@ from pallas_kernels.linear import mosaic_gpu as mg  # noqa: E402
 from qspec_jax.bench.w4a16 import BENCH_SHAPES as SHAPES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from w4a16_config_sweep import weights  # noqa: E402
-
-Array = jax.Array
-
-
-def chained(op, x, ws, iters: int, trials: int = 5) -> tuple[float, Array]:
-    """Seconds per call of op(x, w) over the weight copies, each call ordered after the previous one."""
-    def f(x, ws):
-        def body(i, carry):
-            xc, _ = carry
-            ws_i, _ = lax.optimization_barrier((ws, i))
-            prev, out = None, []
-            for w in ws_i:
-                xi = xc if prev is None else lax.optimization_barrier((xc, prev))[0]
-                prev = op(xi, w)
-                out.append(prev)
-            return lax.optimization_barrier((xc, tuple(out)))
-        y0 = tuple(jnp.zeros((x.shape[0], op_n(w)), jnp.bfloat16) for w in ws)
-        return lax.fori_loop(0, iters, body, (x, y0))[1]
-
-    exe = jax.jit(f).lower(x, ws).compile()
-    ys = exe(x, ws)
-    jax.block_until_ready(ys)
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(exe(x, ws))
-        ts.append((time.perf_counter() - t0) / (iters * len(ws)))
-    return statistics.median(ts), ys[0]
-
-
-def op_n(w) -> int:
-    return w.n if isinstance(w, lay.W4A16Packed) else w.shape[1]
-
+from w4a16_config_sweep import time_chained, weights  # noqa: E402
 
 
 def main() -> int:
@@ -88,13 +53,13 @@ def main() -> int:
             outs = {}
             for variant in ("mma", "wgmma"):
                 try:
-                    t, y = chained(lambda xi, w, v=variant: mg.int4_matmul_mgpu(xi, w, config=cfg, variant=v), x,
-                                   ws, args.iters)
+                    t, y = time_chained(lambda xi, w, v=variant: mg.int4_matmul_mgpu(xi, w, config=cfg, variant=v),
+                                        x, ws, args.iters)
                     row[variant], outs[variant] = t * 1e6, np.asarray(y, np.float32)
                 except Exception as e:  # noqa: BLE001  (a variant that does not lower at this shape: say so)
                     row[variant] = float("nan")
                     print(f"{name} M={m} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            t, _ = chained(lambda xi, w: jnp.dot(xi, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
+            t, _ = time_chained(lambda xi, w: jnp.dot(xi, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
                            x, dense, args.iters)
             row["cublas"] = t * 1e6
             rel = (float(np.abs(outs["mma"] - outs["wgmma"]).max() / (np.abs(outs["mma"]).max() + 1e-30))
