@@ -367,11 +367,14 @@ def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = 
     Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1" for every head dim the qkv epilogue takes,
     over either cache (a QuantSpecCache, or the AR-bf16 baseline's DenseKVCache), "0" never,
     "interpret" the kernel's CPU twin (tests). Up to the rows the draft's kernel runs at for that
-    head dim (24; 32 for 64 channels: `mosaic_gpu.QKV_CACHE_FUSED_M`) and the new tokens' buffer
+    head dim (24; 32 for 64 channels: `mosaic_gpu.QKV_CACHE_FUSED_M`), or for head dims whose rows go in
+    blocks of those (`mosaic_gpu.QKV_BLOCK_ROWS`: 64 channels, the verify's B x T rows) up to
+    `mosaic_gpu.QKV_MAX_M`, and the new tokens' buffer
     (`buffer`: the cache's `append_buffers[0]`, or its shape) the kernel indexes
     (`QKV_MAX_BUFFER_ELEMENTS`). From the pass's shape, never from T: the verify and the AR
     decode it is compared with (`decode(width=)`) take the same path."""
-    from pallas_kernels.linear.mosaic_gpu import AUTO_FUSED_M, QKV_CACHE_FUSED_M, QKV_HEAD_DIMS, QKV_MAX_BUFFER_ELEMENTS
+    from pallas_kernels.linear.mosaic_gpu import (AUTO_FUSED_M, QKV_BLOCK_ROWS, QKV_CACHE_FUSED_M, QKV_HEAD_DIMS,
+                                                  QKV_MAX_BUFFER_ELEMENTS, QKV_MAX_M)
 
     mode = os.environ.get(TARGET_QKV_CACHE_ENV, "auto")
     dims = {"0": (), "auto": TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1": QKV_HEAD_DIMS, "interpret": QKV_HEAD_DIMS}
@@ -381,7 +384,7 @@ def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = 
     size = 0 if buffer is None else int(np.prod(getattr(buffer, "shape", buffer)))
     if (head_dim not in dims[mode] or size > QKV_MAX_BUFFER_ELEMENTS
             or not isinstance(inner, jax.Array) or inner.dtype != jnp.bfloat16 or inner.ndim != 3
-            or rows > QKV_CACHE_FUSED_M.get(head_dim, AUTO_FUSED_M)):
+            or rows > (QKV_MAX_M if head_dim in QKV_BLOCK_ROWS else QKV_CACHE_FUSED_M.get(head_dim, AUTO_FUSED_M))):
         return None
     if mode == "interpret":
         return "interpret"
@@ -394,12 +397,12 @@ def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Arra
     """What every layer's `qkv_into_cache` of one decode pass shares, computed once outside the
     layer loop: the RoPE table of positions int32 [B, T] (row m = b T + t;
     `pallas_kernels.linear.mosaic_gpu.rope_table`) and the ring slots int32 [B, T] as the
-    kernel's rows, padded to its M_pad."""
-    from pallas_kernels.linear.mosaic_gpu import rope_table, rows_for
+    kernel's rows, padded to its M_pad (its row blocks' rows above `mosaic_gpu.QKV_BLOCK_ROWS`)."""
+    from pallas_kernels.linear.mosaic_gpu import qkv_rows, rope_table
 
     m = positions.size
-    return (rope_table(positions.reshape(m), jnp.asarray(inv_freq, jnp.float32)),
-            jnp.pad(slots.reshape(m), (0, rows_for(m) - m)))
+    inv = jnp.asarray(inv_freq, jnp.float32)
+    return (rope_table(positions.reshape(m), inv), jnp.pad(slots.reshape(m), (0, qkv_rows(m, 2 * inv.shape[0]) - m)))
 
 
 def qkv_into_cache(x: Array, w: Any, *, backend: str, rope: Array, slots: Array, q_buf: Array, k_ring: Array,

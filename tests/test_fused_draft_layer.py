@@ -311,16 +311,18 @@ def test_target_writes_qkv_into_the_cache_in_one_kernel(qkv_reference, monkeypat
         M.decode(target, toks, cache, view="target")
 
 
-def test_target_qkv_cache_keeps_the_verify_equal_to_ar(qkv_reference, monkeypatch):
+@pytest.mark.parametrize("batch", [2, 32])
+def test_target_qkv_cache_keeps_the_verify_equal_to_ar(qkv_reference, monkeypatch, batch):
     """With the target's q|k|v into the cache on, a verify pass of 3 tokens and the autoregressive
     decode of the same tokens one at a time at the verify's width (`decode(width=3)`) give each
     position bit for bit the same logits: the path follows the pass's shape [B, width], never T
-    (a pass of one token at width 3 runs the same kernel as the verify)."""
+    (a pass of one token at width 3 runs the same kernel as the verify); at batch 32 (96 rows: the
+    kernel's row blocks, `mosaic_gpu.QKV_BLOCK_ROWS`) as at 2."""
     cfg, target = _head_dim_target(64)
     qkv_calls, _ = qkv_reference
     monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "interpret")
-    cache = synthetic.random_quant_cache(cfg, 2, 96, jax.random.PRNGKey(6), group=32, gamma_max=4, fp_start=3)
-    toks = jnp.asarray([[3, 4, 5], [6, 7, 8]], jnp.int32)
+    cache = synthetic.random_quant_cache(cfg, batch, 96, jax.random.PRNGKey(6), group=32, gamma_max=4, fp_start=3)
+    toks = jax.random.randint(jax.random.PRNGKey(batch), (batch, 3), 3, cfg.vocab_size, jnp.int32)
     verify, _ = _target_decode(target, toks, cache)
     ar = jax.jit(lambda c, tk: M.decode(target, tk, c, view="target", width=3))
     for j in range(3):
@@ -360,7 +362,8 @@ def test_ar_bf16_writes_qkv_into_its_dense_cache(qkv_reference, monkeypatch):
 def test_target_qkv_cache_policy(draft, monkeypatch):
     """Where a target's layer runs `qkv_into_cache` (`linear.target_qkv_cache_backend`): a stacked
     bf16 q|k|v weight of heads the epilogue takes (64, 128 channels), up to the rows the draft's
-    kernel runs at (24; 32 for 64 channels); not the draft's INT4 weight, not head dim 32; the
+    kernel runs at (24), or for 64 channels, whose rows go in blocks of 32 (`mosaic_gpu.QKV_BLOCK_ROWS`), up to
+    `mosaic_gpu.QKV_MAX_M` (128: the verify's at SmolLM2's batch 32); not the draft's INT4 weight, not head dim 32; the
     Mosaic kernel on Hopper only (none here: by default, "auto", and with "1", no kernel runs on
     the CPU); "auto" takes only the head dims measured faster (128), over either cache, "0" none."""
     _, target = _head_dim_target(128)
@@ -384,7 +387,8 @@ def test_target_qkv_cache_policy(draft, monkeypatch):
     assert pick(w, 5, 128) is None
     monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "interpret")
     assert pick(w, 24, 128) == "interpret" and pick(w, 25, 128) is None
-    assert pick(w, 32, 64) == "interpret" and pick(w, 33, 64) is None
+    assert pick(w, 32, 64) == "interpret" and pick(w, 96, 64) == "interpret" and pick(w, 128, 64) == "interpret"
+    assert pick(w, 129, 64) is None
     assert pick(w, 5, 32) is None and pick(w[0], 5, 128) is None
     assert pick(draft.layers.wqkv, 5, 128) is None
     # a bf16 weight's kernel has no norm: a norm handed to it is refused, not dropped

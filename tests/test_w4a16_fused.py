@@ -585,6 +585,18 @@ def test_bf16_qkv_epilogue_matches_reference():
     _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, False, False, 3, True)
 
 
+def test_bf16_qkv_epilogue_row_blocks_match_reference():
+    """Above `QKV_BLOCK_ROWS` rows (64-channel heads: 32) the bf16 qkv epilogue runs its rows in blocks of 32 on a
+    grid axis of its own: SmolLM2's heads at K 576, T 3, batch 12 (36 rows: two blocks, the second mostly padding)
+    and 32 (96 rows, the verify's at batch 32 and γ 2: three) against `qkv_cache_reference`; a batch row's writes
+    are bit for bit those of a call holding only the first 12 batch rows (the same blocks of 32: a row's bits do
+    not depend on the rows beside it or the block count)."""
+    assert mg.qkv_blocks(36, 64) == (2, 32) and mg.qkv_blocks(96, 64) == (3, 32) and mg.qkv_blocks(32, 64) == (1, 32)
+    assert mg.qkv_blocks(96, 128) == (1, 96) and mg.qkv_rows(36, 64) == 64
+    _child("_case_qkv_cache", 64, None, 3, 1, 11, 576, False, False, 3, True, 12)
+    _child("_case_qkv_cache", 64, None, 3, 1, 19, 576, False, False, 3, True, 32, 12)
+
+
 def test_qkv_epilogue_with_given_sums_matches_reference():
     """The qkv epilogue with the rows' sums of x^2 given (`norm_sums`, `Epilogue.sums`: the kernel
     sums no x^2; here by 64-column chunks, added in order) at SmolLM2's shape, against the
@@ -600,12 +612,13 @@ def chunk_sums(x, chunk: int = 64):
 
 
 def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 2, seed: int = 7,
-                    k: int = 128, unit: bool = False, sums: bool = False, t: int = 1, dense: bool = False) -> None:
+                    k: int = 128, unit: bool = False, sums: bool = False, t: int = 1, dense: bool = False,
+                    b: int = 3, sub: int = 0) -> None:
     """wgs None: the default launch shape; `unit`: the norm without weight; `sums`: the rows' sums
     of x^2 given (`norm_sums`, by 64-column chunks); `t`: tokens per batch row; `dense`: the bf16
-    kernel (`bf16_qkv_cache_mgpu`, no norm) on the same weight's bf16 values."""
-    b = 3
-    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k, t=t)
+    kernel (`bf16_qkv_cache_mgpu`, no norm) on the same weight's bf16 values; `b`: batch rows; `sub`: also a call
+    on the first `sub` batch rows alone, whose writes must be the whole call's for those rows bit for bit."""
+    p, x, gw, pos, slots, qb, kr, vr = _qkv_case(seed, b, hq, hkv, dh=dh, k=k, t=t, ring=max(32, b * t))
     rope = mg.rope_table(pos, _inv_freq(dh=dh))
     cfg = None if wgs is None else mg.MgpuConfig(wgs=wgs, k_tile=64, splits=1, stages=2)
     layer = jnp.int32(1)
@@ -614,6 +627,15 @@ def _case_qkv_cache(dh: int = 128, wgs: int | None = 2, hq: int = 4, hkv: int = 
         gw, unit = None, False
         got = mg.bf16_qkv_cache_mgpu(x, lay.dequantize_bf16(p), layer=layer, rope=rope, slots=slots, q_buf=qb,
                                      k_ring=kr, v_ring=vr, config=cfg, interpret=True)
+        if sub:  # the first `sub` batch rows alone: the same bits where they write
+            r = sub * t
+            part = mg.bf16_qkv_cache_mgpu(x[:r], lay.dequantize_bf16(p), layer=layer,
+                                          rope=mg.rope_table(pos[:r], _inv_freq(dh=dh)), slots=slots[:r],
+                                          q_buf=qb[:sub], k_ring=kr[:, :sub], v_ring=vr[:, :sub], config=cfg,
+                                          interpret=True)
+            for name, a, whole in zip(("q_buf", "k_ring", "v_ring"), part, got):
+                whole = whole[:sub] if name == "q_buf" else whole[:, :sub]
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(whole, np.float32), err_msg=name)
     else:
         got = mg.int4_qkv_cache_mgpu(x, p, layer=layer, rope=rope, slots=slots, q_buf=qb, k_ring=kr, v_ring=vr,
                                      norm_weight=None if unit else gw, unit_norm=unit, norm_sums=ss, config=cfg,
@@ -748,13 +770,15 @@ for b, t in ((1, 5), (4, 3), (6, 5)):  # SmolLM2's, to 30 rows
     lower_qkv(b, 30, 9, 3, 64, 576, 96, mg.MgpuConfig(wgs=1, k_tile=192, splits=1), t=t)
     n_ok += 1
 for b, t, L, hq, hkv, D, K, R in ((1, 1, 4, 32, 8, 128, 4096, 288), (1, 5, 4, 32, 8, 128, 4096, 288),
-                                  (32, 1, 30, 9, 3, 64, 576, 96), (6, 5, 30, 9, 3, 64, 576, 96)):  # the bf16 kernel
+                                  (32, 1, 30, 9, 3, 64, 576, 96), (6, 5, 30, 9, 3, 64, 576, 96),
+                                  (12, 3, 30, 9, 3, 64, 576, 96), (32, 3, 30, 9, 3, 64, 576, 96)):  # the bf16 kernel
+    # (the last two in row blocks of 32: 36 and 96 rows, the verify's at SmolLM2's batch 32 and γ 2)
     n, m = (hq + 2 * hkv) * D, b * t
     CN = 16 * -(-t * (hq // hkv) // 16)
     f = lambda x, w, l, cs, sl, q, k, v: mg.bf16_qkv_cache_mgpu(x, w, layer=l, rope=cs, slots=sl, q_buf=q, k_ring=k,
                                                                 v_ring=v, interpret=False)
     text = lower(f, S((m, K), jnp.bfloat16), S((L, K, n), jnp.bfloat16), S((), jnp.int32),
-                 S((2, 64, mg.rows_for(m)), jnp.float32), S((m,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
+                 S((2, 64, mg.qkv_rows(m, D)), jnp.float32), S((m,), jnp.int32), S((b, hkv, D, CN), jnp.bfloat16),
                  S((L, b, hkv, R, D), jnp.bfloat16), S((L, b, hkv, R, D), jnp.bfloat16))
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
     n_ok += 1

@@ -160,6 +160,12 @@ AUTO_RESIDUAL_M = MAX_FUSED_M  # a residual add alone
 # twenty-third session). 128 (two warpgroups per head) stays at PLAIN_EXCHANGE_MP: its halves' exchange does not lower
 # above it (`_qkv_geometry`).
 QKV_CACHE_FUSED_M = {64: 32}
+# Above this many rows (per head dim) the qkv epilogue without a norm (the target's bf16 q|k|v, `bf16_qkv_cache_mgpu`:
+# the verify's B x T rows, 96 at SmolLM2's batch 32 and γ 2) runs its rows in blocks of that many, one grid axis of
+# blocks: each CTA is the checked 32-row CTA (M_pad 32 in every scratch), x, the RoPE table and the slots are read
+# at the block's rows, the query operand and ring writes index by the global row (`qkv_blocks`). Up to QKV_MAX_M rows.
+QKV_BLOCK_ROWS = {64: 32}
+QKV_MAX_M = 128
 # Elements of each buffer [L, B, Hkv, R, D] the qkv epilogue writes into: its stores index the flat buffer in int32.
 QKV_MAX_BUFFER_ELEMENTS = 2 ** 31 - 1
 
@@ -326,6 +332,21 @@ def exchange_transforms(mp: int) -> tuple:
 def rows_for(m: int) -> int:
     """M_pad: the wgmma N for M activation rows (a multiple of 8)."""
     return 8 * max(1, -(-m // 8))
+
+
+def qkv_blocks(m: int, head_dim: int) -> tuple[int, int]:
+    """(row blocks, rows per block M_pad) of the qkv epilogue at M rows of `head_dim`-channel heads: one block of
+    rows_for(M), or above QKV_BLOCK_ROWS[head_dim] rows blocks of that many (`QKV_BLOCK_ROWS`)."""
+    block = QKV_BLOCK_ROWS.get(head_dim)
+    if block is None or m <= block:
+        return 1, rows_for(m)
+    return -(-m // block), block
+
+
+def qkv_rows(m: int, head_dim: int) -> int:
+    """Rows of the qkv epilogue's RoPE table and slots for M rows (`rope_table`): its blocks' rows together."""
+    nb, mp = qkv_blocks(m, head_dim)
+    return nb * mp
 
 
 def _x_stage_bytes(mp: int, kt: int) -> int:
@@ -1179,11 +1200,12 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             wgs: int, steps: int, stages: int, splits: int, g: int | None, w_stacked: bool, g_stacked: bool,
             n_layers: int, reduce: str, diag: str = "", pdl: bool = False, epi: Epilogue = Epilogue(),
             k_total: int = 0, half_tiles: int = 0, norm_ahead: int = 1, mma_chains: int = 1, k_groups: int = 1,
-            cn: bool = False):
+            cn: bool = False, row_blocks: int = 1):
     """One CTA: column tile `nt` (64 wgs rows of N), k split `ks`. See the module docstring;
     `epi` the fused glue (`Epilogue`; `cn`: the norm in the consumers, `norm_in_consumers`, decided by
     `_call`, which sizes the barriers and scratch for it; `norm_ahead`: `MgpuConfig.norm_ahead`; `k_groups`:
-    `MgpuConfig.k_groups`). `names` names the refs (inputs, output, scratch: `_call`).
+    `MgpuConfig.k_groups`; `row_blocks`: the qkv epilogue's row blocks, `qkv_blocks`: this CTA's rows are
+    row0 .. row0 + M_pad - 1 of x, M_pad = `mp`). `names` names the refs (inputs, output, scratch: `_call`).
 
     Warpgroups: consumers wg = q wgs + r (row tile r, k group q) for q < k_groups, then the
     producer. Group 0's warpgroups are wg 0 .. wgs - 1 and run everything after the main loop
@@ -1205,6 +1227,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
     nt = lax.axis_index("nt")
     ks = lax.axis_index("ks")
     wg = lax.axis_index("wg")
+    row0 = lax.axis_index("rb") * mp if row_blocks > 1 else 0  # this CTA's first row of x
     # reduce == "sem": one semaphore per column tile of one warpgroup (zeroed by Pallas per call)
     sem = (pl.get_global(plgpu.SemaphoreType.REGULAR((ws_gmem.shape[1],)))
            if ws_gmem is not None and not interpret else None)
@@ -1229,7 +1252,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             k0 = ks * k_split + i * kt
             # norm: x goes through the producer's pass first, unless the consumers run the norm (cn)
             bar = xfull.at[slot] if epi.norm and not cn else full.at[slot]
-            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(k0, kt)], x_smem.at[slot], bar)
+            plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row0, mp), pl.ds(k0, kt)], x_smem.at[slot], bar)
             if epi.norm and epi.gain:
                 plgpu.copy_gmem_to_smem(g_gmem.at[(*g_lead, pl.ds(k0, kt))], g_smem.at[slot], bar)
 
@@ -1395,15 +1418,18 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             other = half[...] if interpret else load_wgmma(half, optimized=False)
             sign = jnp.where(row < lay.ROWS // 2, -1.0, 1.0).astype(jnp.float32)
         load_g = (lambda ref: ref[...]) if interpret else (lambda ref: load_wgmma(ref, optimized=False))
-        cos, sin = load_g(cs_gmem.at[0]), load_g(cs_gmem.at[1])  # row r: the angle of r's pair (rope_table)
+        # row r: the angle of r's pair (rope_table), columns: this block's rows
+        cs = [cs_gmem.at[i] if row_blocks == 1 else cs_gmem.at[i, :, pl.ds(row0, mp)] for i in range(2)]
+        cos, sin = load_g(cs[0]), load_g(cs[1])
         # rotate-half: channel c < D/2 gets x_c cos - x_(c+D/2) sin, channel c + D/2 x_(c+D/2) cos + x_c sin
         roped = acc * cos + sign * (other * sin)
-        mrow = wgmma_iota((lay.ROWS, mp), 1, interpret)  # row of x: m = b T + t
+        mrow = wgmma_iota((lay.ROWS, mp), 1, interpret) + row0  # row of x: m = b T + t
         valid = mrow < m
         # batch row b and the query operand's first column of token t, t n_rep (T = 1: b = m, t = 0)
         b, t_col = (mrow, None) if geo.tokens == 1 else (mrow // geo.tokens, lax.rem(mrow, geo.tokens) * n_rep)
-        slot_col = slots_gmem[...] if interpret else _common.load_with_layout(
-            slots_gmem, plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        slots_blk = slots_gmem if row_blocks == 1 else slots_gmem.at[pl.ds(row0, mp)]
+        slot_col = slots_blk[...] if interpret else _common.load_with_layout(
+            slots_blk, plgpu.Layout.WGMMA.reduce(0), optimized=False)
         slot = lax.broadcast_in_dim(slot_col, (lay.ROWS, mp), (1,))
 
         def ring_offsets(h):  # flat index of ring[layer, b, h, slot[b], channel]
@@ -1775,9 +1801,13 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     """Builds and runs one launch. `qkv_operands` (Epilogue.qkv): the arrays "cs" and "slots" and
     the refs "qbuf", "kring", "vring" (flat, `jax.new_ref`), which the kernel writes in place."""
     m = x.shape[0]
-    mp = rows_for(m)
+    nb, mp = qkv_blocks(m, epi.qkv.head_dim) if epi.qkv is not None else (1, rows_for(m))  # row blocks, M_pad each
     kt, wgs, s, kg = cfg.k_tile, cfg.wgs, cfg.splits, cfg.k_groups
     steps = k // (kt * s)
+    if nb > 1 and (epi.norm or s > 1 or kg > 1):
+        raise ValueError(f"M={m} rows of {epi.qkv.head_dim}-channel heads run in {nb} row blocks, which take the qkv "
+                         f"epilogue without a norm, one split and one k group (the target's bf16 q|k|v); got "
+                         f"norm={epi.norm}, splits={s}, k_groups={kg}")
     reduce = cfg.reduce if s > 1 else "gmem"
     if interpret and reduce == "cluster":
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
@@ -1860,8 +1890,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     scratch = declare_scratch(stages)
     n_out = n // 2 if epi.swiglu else n
     out_shape = (m, n_out) if whole else (s, m, n)
-    if m > 8 and m % 8:  # the TMA view of x tiles rows by 8: above 8 rows, M must be a multiple
-        x = jnp.pad(x, ((0, mp - m), (0, 0)))  # zero rows, never stored: rows stay independent
+    if m > 8 and m % 8 or nb * mp > max(m, 8):  # the TMA view of x tiles rows by 8 (above 8 rows, M must be a
+        x = jnp.pad(x, ((0, nb * mp - m), (0, 0)))  # multiple), and every block whole: zero rows, never stored
     inputs: dict[str, Array] = {"x": x, "w": w_arrays[0]}
     if kind == "int4":
         inputs["sz"] = w_arrays[1]
@@ -1884,12 +1914,15 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
-        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn)
+        half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn,
+        row_blocks=nb)
     kw: dict[str, Any] = {}
     if interpret:
         kw["interpret"] = interpret_params()
     if reduce == "cluster":  # the S CTAs of a column tile form one cluster (rank = split index)
         kw.update(grid=(n // (lay.ROWS * wgs),), grid_names=("nt",), cluster=(s,), cluster_names=("ks",))
+    elif nb > 1:  # the qkv epilogue's row blocks (`qkv_blocks`)
+        kw.update(grid=(n // (lay.ROWS * wgs), s, nb), grid_names=("nt", "ks", "rb"))
     else:
         kw.update(grid=(n // (lay.ROWS * wgs), s), grid_names=("nt", "ks"))
     out_types = [jax.ShapeDtypeStruct(out_shape, o_dtype)]
@@ -1927,7 +1960,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
 
 
 # ------------------------------------------------------------------------------ public entries
-def _check_x(x: Array, k: int) -> int:
+def _check_x(x: Array, k: int, max_m: int = MAX_M) -> int:
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     if x.dtype != jnp.bfloat16:
@@ -1935,8 +1968,8 @@ def _check_x(x: Array, k: int) -> int:
     m, kx = x.shape
     if kx != k:
         raise ValueError(f"x has K={kx} columns but the weight has K={k} rows")
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"M={m} rows; the skinny kernels take 1..{MAX_M} (decode-sized M)")
+    if not 1 <= m <= max_m:
+        raise ValueError(f"M={m} rows; the skinny kernels take 1..{max_m} (decode-sized M)")
     return m
 
 
@@ -2064,7 +2097,8 @@ def int4_matmul_mgpu(x: Array, w: lay.W4A16Packed, *, layer: Any = None, out_dty
 
 
 def rope_table(positions: Array, inv_freq: Array) -> Array:
-    """float32 [2, 64, M_pad]: cos and sin of positions[m] x inv_freq[r mod D/2] in row r, the
+    """float32 [2, 64, qkv_rows(M, D)] (M_pad, or the row blocks' rows together): cos and sin of
+    positions[m] x inv_freq[r mod D/2] in row r, the
     RoPE angles of the qkv epilogue for the pair a warpgroup's tile row r belongs to
     (`model.apply_rope`'s formula; columns past M are zero angles). positions: int32 [M] (one
     token per row); inv_freq: float32 [D/2] for a head dim D in QKV_HEAD_DIMS (D = 64: the 32
@@ -2073,7 +2107,7 @@ def rope_table(positions: Array, inv_freq: Array) -> Array:
         raise ValueError(f"inv_freq must be [D/2] for a head dim D in {QKV_HEAD_DIMS}, got {inv_freq.shape}")
     inv = jnp.tile(jnp.asarray(inv_freq, jnp.float32), lay.ROWS // inv_freq.shape[0])  # [64]
     m = positions.shape[0]
-    pos = jnp.pad(positions.astype(jnp.float32), (0, rows_for(m) - m))
+    pos = jnp.pad(positions.astype(jnp.float32), (0, qkv_rows(m, 2 * inv_freq.shape[0]) - m))
     ang = pos[None, :] * inv[:, None]  # [64, M_pad]
     return jnp.stack([jnp.cos(ang), jnp.sin(ang)])
 
@@ -2103,11 +2137,14 @@ def _qkv_geometry(m: int, n: int, q_buf: Array, k_ring: Array, v_ring: Array, ro
     for name, a in (("q_buf", q_buf), ("k_ring", k_ring), ("v_ring", v_ring)):
         if a.dtype != jnp.bfloat16:
             raise ValueError(f"{name} must be bfloat16, got {a.dtype}")
-    if rope.shape != (2, lay.ROWS, rows_for(m)) or rope.dtype != jnp.float32:
-        raise ValueError(f"rope must be float32 [2, {lay.ROWS}, {rows_for(m)}] (rope_table); got {rope.dtype} "
+    if m > QKV_MAX_M:
+        raise ValueError(f"x has {m} rows; the qkv epilogue takes at most {QKV_MAX_M}")
+    rows = qkv_rows(m, dh)
+    if rope.shape != (2, lay.ROWS, rows) or rope.dtype != jnp.float32:
+        raise ValueError(f"rope must be float32 [2, {lay.ROWS}, {rows}] (rope_table); got {rope.dtype} "
                          f"{rope.shape}")
-    if slots.shape not in ((m,), (rows_for(m),)) or slots.dtype != jnp.int32:
-        raise ValueError(f"slots must be int32 [{m}] (or padded to [{rows_for(m)}]), got {slots.dtype} {slots.shape}")
+    if slots.shape not in ((m,), (rows,)) or slots.dtype != jnp.int32:
+        raise ValueError(f"slots must be int32 [{m}] (or padded to [{rows}]), got {slots.dtype} {slots.shape}")
     return QkvCache(num_heads=hq, num_kv_heads=hkv, batch=b, ring=ring, q_cols=q_buf.shape[3], layers=n_layers,
                     head_dim=dh, tokens=t)
 
@@ -2172,9 +2209,9 @@ def _qkv_cache_call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any
     """`_call` with the qkv epilogue (under jit: refs in global memory exist only there; inside an
     outer jit this one is inlined): the query operand and the rings `bufs` written in place."""
     refs = [jax.new_ref(a.reshape(-1), memory_space=plgpu.GMEM) for a in bufs]
-    m = x.shape[0]
+    rows = rope.shape[-1]  # qkv_rows(M, D) (`_qkv_geometry` checked)
     _call(kind, x, w_arrays, layer, out_dtype=jnp.bfloat16,
-          qkv_operands=dict(cs=rope, slots=jnp.pad(slots, (0, rows_for(m) - slots.shape[0])), qbuf=refs[0],
+          qkv_operands=dict(cs=rope, slots=jnp.pad(slots, (0, rows - slots.shape[0])), qbuf=refs[0],
                             kring=refs[1], vring=refs[2]), **kw)
     return tuple(r[...].reshape(a.shape) for r, a in zip(refs, bufs))
 
@@ -2196,15 +2233,17 @@ def bf16_qkv_cache_mgpu(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
                         interpret: bool | None = None) -> tuple[Array, Array, Array]:
     """`int4_qkv_cache_mgpu` for a bf16 weight (the target's q|k|v): x [M, K] bf16 already normed
     (no norm in the kernel), w [K, N] or a stack [L, K, N] read at `layer`; the product (the bf16
-    kernel's, rows independent of M), RoPE and the writes as there. `qkv_cache_reference` with
+    kernel's, rows independent of M), RoPE and the writes as there. M up to QKV_MAX_M for 64-channel
+    heads, whose rows above QKV_BLOCK_ROWS go in blocks of that many (`qkv_blocks`: the verify's B x T
+    rows; `rope` then has `qkv_rows(M, D)` columns, as `rope_table` makes it). `qkv_cache_reference` with
     w in float32 is the math."""
     k, n = _check_bf16_weight(w, "bf16_qkv_cache_mgpu")
-    m = _check_x(x, k)
+    m = _check_x(x, k, max_m=QKV_MAX_M)
     geo = _qkv_geometry(m, n, q_buf, k_ring, v_ring, rope, slots)
     if w.ndim == 3 and w.shape[0] != geo.layers:
         raise ValueError(f"weight stack of {w.shape[0]} layers; the rings hold {geo.layers}")
     epi = Epilogue(qkv=geo)
-    _check_epilogue(epi, m, k, n, layer, jnp.dtype(jnp.bfloat16), None, None)
+    _check_epilogue(epi, min(m, qkv_blocks(m, geo.head_dim)[1]), k, n, layer, jnp.dtype(jnp.bfloat16), None, None)
     interp = _common.interpret_default(interpret)
     cfg = config or default_config(k, n, None, reduce=reduce_mode(m, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.KB)
@@ -2267,9 +2306,11 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3, epi=epi)
 
 
-__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_CACHE_FUSED_M", "QKV_HEAD_DIM",
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_BLOCK_ROWS", "QKV_CACHE_FUSED_M",
+           "QKV_HEAD_DIM", "QKV_MAX_M",
            "QKV_HEAD_DIMS", "QKV_MAX_BUFFER_ELEMENTS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows",
            "bf16_matmul_mgpu", "bf16_qkv_cache_mgpu",
            "chunk_row_sums", "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
-           "check_norm_sums", "check_sums_flags", "interpret_params", "qkv_cache_reference", "rope_table", "rows_for",
+           "check_norm_sums", "check_sums_flags", "interpret_params", "qkv_blocks", "qkv_cache_reference", "qkv_rows",
+           "rope_table", "rows_for",
            "takes_norm_sums", "tuned_config"]

@@ -70,6 +70,8 @@
 #   "tqkvar": the AR-bf16 baseline at SmolLM2 batch 32 with / without the target's q|k|v into its dense cache (46th)
 #   "tqkvcmd": where that kernel's gain goes inside the AR loop (51st): the same A/B with XLA's command buffers on and
 #   off, and the command-buffer passes' log of the loop program with the kernel on
+#   "tqkvverify": the target's q|k|v into the cache at the verify's 96 rows (SmolLM2 batch 32, γ 2: the kernel's row
+#   blocks, 51st, GPU-unchecked): the kernel checked, then the verify / γ 2 loop A/B with QSPEC_TARGET_QKV_CACHE=1
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
 #   "tailcl": the layer tail at SmolLM2's layer as one thread-block cluster whose phase ends are the cluster
 #   barrier, against its grid-wide flags at the same CTA count and the three fused kernels (check_tail.py, 48th);
@@ -808,6 +810,19 @@ for stage in ${STAGES:-probe smol 8b}; do
       grep -iE "command.?buffer|mosaic|custom" $L/tqkv_cmdbuf_vlog_full.log | cut -c1-400 | head -2000 \
         > $L/tqkv_cmdbuf_vlog.log; rm -f $L/tqkv_cmdbuf_vlog_full.log
       wc -l $L/tqkv_cmdbuf_vlog.log; echo "== tqkvcmd done ($(( $(date +%s) - T0 )) s)";;
+    tqkvverify)  # (51st, prepared) the bf16 q|k|v-into-the-cache kernel in row blocks of 32 (mosaic_gpu.QKV_BLOCK_ROWS)
+      # at SmolLM2's heads: the kernel against its reference at B 12 / 32, T 3 (36 / 96 rows: 2 / 3 blocks; fresh
+      # inputs, deterministic, other slots bitwise) and the model's target pass (T 3, batch 32) with it against without;
+      # then, if those pass, the verify step (T 3) and the γ 2 loop at batch 32 / 8k, QSPEC_TARGET_QKV_CACHE=1 against
+      # auto, alternating TQV_TRIALS times
+      timeout ${TQV_CHECK_LIMIT:-240} python3 tools/device/qkv_cache_gpu.py --parts kernel,model --kinds bf16 \
+        --shapes smollm2 --batches 12,32 --tokens 3 --target-t 3 --model-batches 32 --layers 4 2>&1 \
+        | grep -v "^W[0-9]" | tee $L/qkv_blocks_check.log | grep -E "OK|FAIL|rror" | tail -12
+      if grep -q "^ALL OK" $L/qkv_blocks_check.log; then
+        LIMIT=${TQV_LIMIT:-150} tqkv_ab smollm2_b32_8k_verify_tqkv "${TQV_TRIALS:-1 2}" auto --shape smollm2 \
+          --batch 32 --contexts 8192 --ragged --programs ${TQV_PROGS:-verify,spec_loop} --gamma 2 --verify-t 3
+      fi
+      echo "== tqkvverify done ($(( $(date +%s) - T0 )) s)";;
     overlap)  # (46th, prepared) can XLA run two independent kernel chains of one loop body at once? Four small INT4
       # linears (a half-batch's) beside a memory-bound reduction (half a draft call's bytes), inside a fori_loop:
       # default command buffers, a command buffer as a dependency graph (scheduling mode CONCURRENT; LHS), concurrent

@@ -189,7 +189,7 @@ def sweep_bf16(tokens: int, n_layers: int, budget_s: float, linear: str = "qkv")
     w = _bf(rng, n_layers, k, n)
     inv = jnp.asarray(1.0 / theta ** (np.arange(0, dh, 2) / dh), jnp.float32)
     rope = mg.rope_table(jnp.arange(m, dtype=jnp.int32) + 4000, inv)
-    slots = jnp.pad(jnp.arange(m, dtype=jnp.int32) + 4000, (0, mg.rows_for(m) - m))
+    slots = jnp.pad(jnp.arange(m, dtype=jnp.int32) + 4000, (0, mg.qkv_rows(m, dh) - m))
     bufs = (_bf(rng, 1, hkv, dh, cn), _bf(rng, n_layers, 1, hkv, ring, dh), _bf(rng, n_layers, 1, hkv, ring, dh))
     x = _bf(rng, m, k)
 
