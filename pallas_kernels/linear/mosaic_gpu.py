@@ -1890,8 +1890,9 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     scratch = declare_scratch(stages)
     n_out = n // 2 if epi.swiglu else n
     out_shape = (m, n_out) if whole else (s, m, n)
-    if m > 8 and m % 8 or nb * mp > max(m, 8):  # the TMA view of x tiles rows by 8 (above 8 rows, M must be a
-        x = jnp.pad(x, ((0, nb * mp - m), (0, 0)))  # multiple), and every block whole: zero rows, never stored
+    # the TMA view of x tiles rows by 8 (above 8 rows, M must be a multiple: rows_for) and every row block is whole:
+    if nb * mp > max(m, 8):  # zero rows, never stored (rows stay independent)
+        x = jnp.pad(x, ((0, nb * mp - m), (0, 0)))
     inputs: dict[str, Array] = {"x": x, "w": w_arrays[0]}
     if kind == "int4":
         inputs["sz"] = w_arrays[1]

@@ -61,7 +61,7 @@ def main() -> int:
                     row[variant] = float("nan")
                     print(f"{name} M={m} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             t, _ = time_chained(lambda xi, w: jnp.dot(xi, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
-                           x, dense, args.iters)
+                                x, dense, args.iters)
             row["cublas"] = t * 1e6
             rel = (float(np.abs(outs["mma"] - outs["wgmma"]).max() / (np.abs(outs["mma"]).max() + 1e-30))
                    if len(outs) == 2 else float("nan"))
