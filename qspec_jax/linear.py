@@ -366,15 +366,13 @@ def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = 
     RoPE and cache writes. QSPEC_TARGET_QKV_CACHE: "auto" (the default) the Mosaic kernel on
     Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1" for every head dim the qkv epilogue takes,
     over either cache (a QuantSpecCache, or the AR-bf16 baseline's DenseKVCache), "0" never,
-    "interpret" the kernel's CPU twin (tests). Up to the rows the draft's kernel runs at for that
-    head dim (24; 32 for 64 channels: `mosaic_gpu.QKV_CACHE_FUSED_M`), or for head dims whose rows go in
-    blocks of those (`mosaic_gpu.QKV_BLOCK_ROWS`: 64 channels, the verify's B x T rows) up to
-    `mosaic_gpu.QKV_MAX_M`, and the new tokens' buffer
+    "interpret" the kernel's CPU twin (tests). Up to the rows the kernel is checked at for that
+    head dim (`mosaic_gpu.bf16_qkv_max_rows`: 24; 128 for 64 channels, whose rows above 32 go in
+    blocks, the verify's B x T rows), and the new tokens' buffer
     (`buffer`: the cache's `append_buffers[0]`, or its shape) the kernel indexes
     (`QKV_MAX_BUFFER_ELEMENTS`). From the pass's shape, never from T: the verify and the AR
     decode it is compared with (`decode(width=)`) take the same path."""
-    from pallas_kernels.linear.mosaic_gpu import (AUTO_FUSED_M, QKV_BLOCK_ROWS, QKV_CACHE_FUSED_M, QKV_HEAD_DIMS,
-                                                  QKV_MAX_BUFFER_ELEMENTS, QKV_MAX_M)
+    from pallas_kernels.linear.mosaic_gpu import QKV_HEAD_DIMS, QKV_MAX_BUFFER_ELEMENTS, bf16_qkv_max_rows
 
     mode = os.environ.get(TARGET_QKV_CACHE_ENV, "auto")
     dims = {"0": (), "auto": TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1": QKV_HEAD_DIMS, "interpret": QKV_HEAD_DIMS}
@@ -384,7 +382,7 @@ def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = 
     size = 0 if buffer is None else int(np.prod(getattr(buffer, "shape", buffer)))
     if (head_dim not in dims[mode] or size > QKV_MAX_BUFFER_ELEMENTS
             or not isinstance(inner, jax.Array) or inner.dtype != jnp.bfloat16 or inner.ndim != 3
-            or rows > (QKV_MAX_M if head_dim in QKV_BLOCK_ROWS else QKV_CACHE_FUSED_M.get(head_dim, AUTO_FUSED_M))):
+            or rows > bf16_qkv_max_rows(head_dim)):
         return None
     if mode == "interpret":
         return "interpret"

@@ -313,3 +313,21 @@ def test_attention_floor_counts_each_rows_length():
         both = quant_bytes(cache([256, 512]), 5, cfg.num_heads, target)
         alone = [quant_bytes(cache([n]), 5, cfg.num_heads, target) for n in (256, 512)]
         assert both == sum(alone) and alone[0] < alone[1]
+
+
+def test_gaps_are_the_wall_outside_kernels(capsys):
+    """A GPU row's line and report row give the wall a step spends outside kernels (wall - kernels): the loops'
+    idle that the kernel times alone hide; a row without kernel events (a CPU run) has none in the report."""
+    cats = {c: {"us": 0.0, "launches": 0.0} for c in P.CATEGORIES}
+    gpu = {"program": "ar_loop", "context": 8192, "unit": "token", "wall_us": 2915.0, "busy_us": 2779.0,
+           "launches": 459.0, "categories": cats, "floor_us": {}, "labels": []}
+    assert P.gaps_us(gpu) == pytest.approx(136.0)
+    P.show(gpu, 3, 30)
+    assert "kernels 2.779 ms in 459 launches/token (15.3 per layer), gaps 0.136 ms" in capsys.readouterr().out
+    cpu = dict(gpu, program="draft", busy_us=0.0, launches=0.0)
+    res = {"config": "cfg", "batch": 32, "read_ceiling_bytes_per_s": 4.35e12, "draft": {"group_size": 32},
+           "verify_t": 3, "gamma": 2, "alpha": 0.9, "rows": [gpu, cpu]}
+    env = {"device": "H100", "backend": "gpu", "num_devices": 1, "date": "2026-12-05", "jax": "0.11.2"}
+    md = P.markdown(res, "cmd", env, 3)
+    assert "| gaps ms |" in md and "| ar_loop | 8192 | 2.92 | 2.78 | 0.136 | 459 |" in md
+    assert "| draft | 8192 | 2.92 | 0 | – | 0 |" in md

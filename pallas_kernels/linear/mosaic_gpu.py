@@ -343,6 +343,13 @@ def qkv_blocks(m: int, head_dim: int) -> tuple[int, int]:
     return -(-m // block), block
 
 
+def bf16_qkv_max_rows(head_dim: int) -> int:
+    """Rows up to which `bf16_qkv_cache_mgpu` runs checked for `head_dim`-channel heads: QKV_MAX_M where its rows go in
+    blocks (`QKV_BLOCK_ROWS`), else the rows the draft's q|k|v kernel is checked at (QKV_CACHE_FUSED_M, or
+    AUTO_FUSED_M)."""
+    return QKV_MAX_M if head_dim in QKV_BLOCK_ROWS else QKV_CACHE_FUSED_M.get(head_dim, AUTO_FUSED_M)
+
+
 def qkv_rows(m: int, head_dim: int) -> int:
     """Rows of the qkv epilogue's RoPE table and slots for M rows (`rope_table`): its blocks' rows together."""
     nb, mp = qkv_blocks(m, head_dim)
@@ -2310,7 +2317,7 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
 __all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_BLOCK_ROWS", "QKV_CACHE_FUSED_M",
            "QKV_HEAD_DIM", "QKV_MAX_M",
            "QKV_HEAD_DIMS", "QKV_MAX_BUFFER_ELEMENTS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows",
-           "bf16_matmul_mgpu", "bf16_qkv_cache_mgpu",
+           "bf16_matmul_mgpu", "bf16_qkv_cache_mgpu", "bf16_qkv_max_rows",
            "chunk_row_sums", "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
            "check_norm_sums", "check_sums_flags", "interpret_params", "qkv_blocks", "qkv_cache_reference", "qkv_rows",
            "rope_table", "rows_for",

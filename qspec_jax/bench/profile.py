@@ -290,6 +290,14 @@ def restarted(caches: dict[str, Any], kind: str, loop: Any, operands: tuple[Any,
 
 
 # ---------------------------------------------------------------------------------- output
+def gaps_us(r: dict[str, Any]) -> float:
+    """The untimed-run wall a step (or token) spends outside kernels: wall minus the trace's kernel time. The
+    trace runs op by op (the profiler turns XLA's command buffers off) but a kernel's own duration does not depend
+    on how it was launched, so this is the GPU's idle between kernels in the run that was timed (launch gaps, host
+    steps of loops, synchronizations)."""
+    return r["wall_us"] - r["busy_us"]
+
+
 def show(r: dict[str, Any], top: int, layers: int) -> None:
     unit = r["unit"]
     at = r["context"] if "lengths" not in r else f"{r['context']} (rows of {min(r['lengths'])}..{max(r['lengths'])})"
@@ -298,7 +306,8 @@ def show(r: dict[str, Any], top: int, layers: int) -> None:
               "kernel events (not a GPU run)")
         return
     print(f"\n== {r['program']} at {at}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}, kernels "
-          f"{r['busy_us'] / 1e3:.3f} ms in {r['launches']:.0f} launches/{unit} ({r['launches'] / layers:.1f} per layer)")
+          f"{r['busy_us'] / 1e3:.3f} ms in {r['launches']:.0f} launches/{unit} "
+          f"({r['launches'] / layers:.1f} per layer), gaps {gaps_us(r) / 1e3:.3f} ms")
     for c in CATEGORIES:
         v = r["categories"][c]
         fl = r["floor_us"].get(c)
@@ -315,16 +324,18 @@ def markdown(results: dict[str, Any], command: str, env: dict[str, Any], top: in
              f"{results['config']}, batch {results['batch']}; kernel times from the GPU trace of one call, per step (per token for "
              f"the loops); floors at {results['read_ceiling_bytes_per_s'] / 1e12:.2f} TB/s. Draft: INT4 g{results['draft']['group_size']}; "
              f"verify at T = {results['verify_t']}; loops: AR width 1 over a bf16 cache, QuantSpec γ = "
-             f"{results['gamma']} at forced α = {results['alpha']}.\n"]
+             f"{results['gamma']} at forced α = {results['alpha']}. Gaps: the timed wall minus the kernels "
+             "(the GPU idle between kernels).\n"]
     rows = []
     measured = [r for r in results["rows"] if "error" not in r]
     for r in measured:
-        cells = [r["program"], r["context"], r["wall_us"] / 1e3, r["busy_us"] / 1e3, round(r["launches"])]
+        cells = [r["program"], r["context"], r["wall_us"] / 1e3, r["busy_us"] / 1e3,
+                 gaps_us(r) / 1e3 if r["launches"] else float("nan"), round(r["launches"])]
         for c in CATEGORIES:
             v, fl = r["categories"][c], r["floor_us"].get(c)
             cells.append(f"{v['us'] / 1e3:.3f}" + (f" ({fl / v['us']:.0%})" if fl and v["us"] else ""))
         rows.append(cells)
-    parts.append(report.table(["program", "context", "wall ms", "kernels ms", "launches"]
+    parts.append(report.table(["program", "context", "wall ms", "kernels ms", "gaps ms", "launches"]
                               + [f"{c} ms (% of floor)" for c in CATEGORIES], rows))
     parts += [f"\n- {r['program'] + ' at ' if 'program' in r else ''}context {r['context']}: {r['error']}"
               for r in results["rows"] if "error" in r]

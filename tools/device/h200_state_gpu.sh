@@ -69,7 +69,11 @@
 #   $OUT/bench.tgz (39th)
 #   "tqkvar": the AR-bf16 baseline at SmolLM2 batch 32 with / without the target's q|k|v into its dense cache (46th)
 #   "tqkvcmd": where that kernel's gain goes inside the AR loop (51st): the same A/B with XLA's command buffers on and
-#   off, and the command-buffer passes' log of the loop program with the kernel on
+#   off
+#   "tqkvvlog": the same loop program's command-buffer thunks by VLOG (re-recordings, traced custom calls), the kernel
+#   on / off and the other bf16 linears on our kernel (52nd)
+#   "cbunroll": the layer loops unrolled into XLA's command buffers (WHILE + unroll_loops) against the default, the
+#   AR and γ 2 loops at SmolLM2 batch 32, the target's q|k|v kernel on / off (52nd)
 #   "tqkvverify": the target's q|k|v into the cache at the verify's 96 rows (SmolLM2 batch 32, γ 2: the kernel's row
 #   blocks, 51st, GPU-unchecked): the kernel checked, then the verify / γ 2 loop A/B with QSPEC_TARGET_QKV_CACHE=1
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
@@ -630,6 +634,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       # Then the optimized HLO of the default's programs (copies: AR-bf16's memcpy32_post, ~99 us per step)
       for cb in ${CB_SETS:-default +WHILE,+CONDITIONAL none}; do
         case $cb in default) F="";; none) F="--xla_gpu_enable_command_buffer=";;
+          unroll) F="--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true";;
           *) F="--xla_gpu_enable_command_buffer=$cb";; esac
         echo "== command buffers: $cb" | tee -a $L/cmdbuf.log
         XLA_FLAGS="$F" timeout ${LIMIT:-300} python3 tools/device/gen_gap.py --shape ${CB_SHAPE:-smollm2} \
@@ -791,8 +796,9 @@ for stage in ${STAGES:-probe smol 8b}; do
     tqkvcmd)  # (51st, prepared) the AR loop's idle with the target's q|k|v kernel (46th on the H200, 51st on the H100:
       # the AR-bf16 step gains 3.5%, the loop's wall stays, its idle grows 0.12-0.17 ms a token). If the kernel splits
       # the layer loop body's command buffer, the gap closes with command buffers off (both settings then launch op
-      # by op) and the pass's log names the split: QSPEC_TARGET_QKV_CACHE 1 / auto x command buffers default / off,
-      # TQC_TRIALS times, then one run with the command-buffer passes' VLOG (grep'd; both pass names, old and new XLA)
+      # by op): QSPEC_TARGET_QKV_CACHE 1 / auto x command buffers default / off, TQC_TRIALS times (52nd session, H100:
+      # with them off the kernel takes 0.54 ms off the loop's 3.76 a token; with them on, the 51st's: nothing).
+      # The thunk-level log is "tqkvvlog"'s.
       for i in ${TQC_TRIALS:-1}; do
         for cmd in default off; do
           flags=""; [ $cmd = off ] && flags="--xla_gpu_enable_command_buffer="
@@ -803,13 +809,44 @@ for stage in ${STAGES:-probe smol 8b}; do
           done
         done
       done
-      QSPEC_TARGET_QKV_CACHE=1 TF_CPP_MIN_LOG_LEVEL=0 \
-        TF_CPP_VMODULE=command_buffer_scheduling=2,command_buffer_conversion_pass=2,command_buffer_cmd=1 \
-        timeout ${TQC_LIMIT:-90} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 --batch 32 \
-        --contexts 8192 --ragged --programs ar_loop --out /tmp/p_vlog > $L/tqkv_cmdbuf_vlog_full.log 2>&1
-      grep -iE "command.?buffer|mosaic|custom" $L/tqkv_cmdbuf_vlog_full.log | cut -c1-400 | head -2000 \
-        > $L/tqkv_cmdbuf_vlog.log; rm -f $L/tqkv_cmdbuf_vlog_full.log
-      wc -l $L/tqkv_cmdbuf_vlog.log; echo "== tqkvcmd done ($(( $(date +%s) - T0 )) s)";;
+      echo "== tqkvcmd A/B done ($(( $(date +%s) - T0 )) s)";;
+    tqkvvlog)  # (52nd) where the AR loop's idle with the target's q|k|v kernel comes from, at the thunk level: the loop
+      # program (16 tokens a loop) with the command-buffer thunk's VLOG (3: every re-recording "Update command buffer
+      # ... updated_allocs=N" and every execution) and the commands' (traced custom calls re-traced on a cache miss),
+      # QSPEC_TARGET_QKV_CACHE 1 and auto, and auto with the target's other bf16 linears on our kernel ("mm": three more
+      # Mosaic calls a layer, none with refs; if its loop's idle grows too, any custom call costs it, else the refs
+      # do); counts per message kind, the full logs gzip'd
+      for v in 1 auto mm; do
+        dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
+        QSPEC_TARGET_QKV_CACHE=${v/mm/auto} TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
+          TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,command_buffer_conversion_pass=2 \
+          timeout ${TQC_LIMIT:-120} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 \
+          --batch 32 --contexts 8192 --ragged --programs ar_loop --loop-tokens 16 $dm --out /tmp/p_vlog_$v \
+          > /tmp/vlog_$v.log 2>&1
+        grep -E "^==" /tmp/vlog_$v.log
+        echo "-- tqkv $v: message kinds (counts)"
+        grep -E "^[IWE][0-9]{4}" /tmp/vlog_$v.log | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //; s/[0-9]+/N/g' \
+          | cut -c1-160 | sort | uniq -c | sort -rn | head -40 | tee $L/tqkv_vlog_kinds_$v.log
+        gzip -c /tmp/vlog_$v.log | head -c 40000000 > $L/tqkv_vlog_$v.log.gz
+      done
+      echo "== tqkvvlog done ($(( $(date +%s) - T0 )) s)";;
+    cbunroll)  # (52nd, prepared) the layer loops unrolled into the command buffer: WHILE among the command types with
+      # `--xla_gpu_command_buffer_unroll_loops` (a loop of known trip count and only graph-capable commands becomes its
+      # body's commands L times in one graph, no host step a layer; the 30th session measured WHILE / CONDITIONAL as
+      # graph *nodes*, not unrolled: slower). Whether the loop programs' idle (0.05-0.25 ms a token at SmolLM2 batch 32,
+      # growing with the target's q|k|v kernel, 52nd) is the per-layer host step: the AR and γ 2 loops, kernel on / off,
+      # per setting (CBU_SETS: default, unroll = +WHILE unrolled, unrollc = +WHILE,+CONDITIONAL unrolled)
+      for cb in ${CBU_SETS:-default unroll unrollc}; do
+        case $cb in default) F="";;
+          unroll) F="--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true";;
+          unrollc) F="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true";;
+        esac
+        for v in 1 auto; do
+          XLA_FLAGS="${XLA_FLAGS:-} $F" QSPEC_TARGET_QKV_CACHE=$v LIMIT=${CBU_LIMIT:-150} prof \
+            smollm2_b32_8k_loops_cb${cb}_tqkv$v --shape smollm2 --batch 32 --contexts 8192 --ragged \
+            --programs ${CBU_PROGS:-ar_loop,spec_loop} --gamma 2 --verify-t 3 | grep "^=="
+        done
+      done;;
     tqkvverify)  # (51st, prepared) the bf16 q|k|v-into-the-cache kernel in row blocks of 32 (mosaic_gpu.QKV_BLOCK_ROWS)
       # at SmolLM2's heads: the kernel against its reference at B 12 / 32, T 3 (36 / 96 rows: 2 / 3 blocks; fresh
       # inputs, deterministic, other slots bitwise) and the model's target pass (T 3, batch 32) with it against without;
