@@ -835,11 +835,15 @@ for stage in ${STAGES:-probe smol 8b}; do
       # body's commands L times in one graph, no host step a layer; the 30th session measured WHILE / CONDITIONAL as
       # graph *nodes*, not unrolled: slower). Whether the loop programs' idle (0.05-0.25 ms a token at SmolLM2 batch 32,
       # growing with the target's q|k|v kernel, 52nd) is the per-layer host step: the AR and γ 2 loops, kernel on / off,
-      # per setting (CBU_SETS: default, unroll = +WHILE unrolled, unrollc = +WHILE,+CONDITIONAL unrolled)
-      for cb in ${CBU_SETS:-default unroll unrollc}; do
+      # per setting (CBU_SETS: default, unroll = +WHILE unrolled, unrollc = +WHILE,+CONDITIONAL unrolled, min1 = every
+      # run of graph-capable commands a graph, however short: `--xla_gpu_graph_min_graph_size=1`, default 5; if a
+      # custom call is not graph-capable it splits the body's graph and runs of < 5 commands between two of them go
+      # op by op, which the target's q|k|v kernel would make more of)
+      for cb in ${CBU_SETS:-default unroll min1}; do
         case $cb in default) F="";;
           unroll) F="--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true";;
           unrollc) F="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true";;
+          min1) F="--xla_gpu_graph_min_graph_size=1";;
         esac
         for v in 1 auto; do
           XLA_FLAGS="${XLA_FLAGS:-} $F" QSPEC_TARGET_QKV_CACHE=$v LIMIT=${CBU_LIMIT:-150} prof \
