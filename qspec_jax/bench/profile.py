@@ -291,10 +291,10 @@ def restarted(caches: dict[str, Any], kind: str, loop: Any, operands: tuple[Any,
 
 # ---------------------------------------------------------------------------------- output
 def gaps_us(r: dict[str, Any]) -> float:
-    """The untimed-run wall a step (or token) spends outside kernels: wall minus the trace's kernel time. The
-    trace runs op by op (the profiler turns XLA's command buffers off) but a kernel's own duration does not depend
-    on how it was launched, so this is the GPU's idle between kernels in the run that was timed (launch gaps, host
-    steps of loops, synchronizations)."""
+    """What a step (or token) of the timed, untraced run spends outside kernels: its wall minus the trace's kernel
+    time. The trace runs op by op (the profiler turns XLA's command buffers off), but a kernel's own duration does
+    not depend on how it was launched, so this is the GPU's idle between kernels in the run that was timed (launch
+    gaps, host steps of loops, synchronizations)."""
     return r["wall_us"] - r["busy_us"]
 
 
