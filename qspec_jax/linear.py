@@ -395,12 +395,13 @@ def qkv_pass_inputs(positions: Array, slots: Array, inv_freq: Any) -> tuple[Arra
     """What every layer's `qkv_into_cache` of one decode pass shares, computed once outside the
     layer loop: the RoPE table of positions int32 [B, T] (row m = b T + t;
     `pallas_kernels.linear.mosaic_gpu.rope_table`) and the ring slots int32 [B, T] as the
-    kernel's rows, padded to its M_pad (its row blocks' rows above `mosaic_gpu.QKV_BLOCK_ROWS`)."""
-    from pallas_kernels.linear.mosaic_gpu import qkv_rows, rope_table
+    kernel's rows, padded to the table's columns (M_pad, or its row blocks' rows above
+    `mosaic_gpu.QKV_BLOCK_ROWS`: `mosaic_gpu.qkv_rows`)."""
+    from pallas_kernels.linear.mosaic_gpu import rope_table
 
     m = positions.size
-    inv = jnp.asarray(inv_freq, jnp.float32)
-    return (rope_table(positions.reshape(m), inv), jnp.pad(slots.reshape(m), (0, qkv_rows(m, 2 * inv.shape[0]) - m)))
+    rope = rope_table(positions.reshape(m), jnp.asarray(inv_freq, jnp.float32))
+    return rope, jnp.pad(slots.reshape(m), (0, rope.shape[-1] - m))
 
 
 def qkv_into_cache(x: Array, w: Any, *, backend: str, rope: Array, slots: Array, q_buf: Array, k_ring: Array,
