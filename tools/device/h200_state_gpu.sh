@@ -819,7 +819,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       for v in 1 auto mm; do
         dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
         QSPEC_TARGET_QKV_CACHE=${v/mm/auto} TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
-          TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,command_buffer_conversion_pass=2 \
+          TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,dynamic_slice_thunk=3,command_buffer_conversion_pass=2 \
           timeout ${TQC_LIMIT:-120} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 \
           --batch 32 --contexts 8192 --ragged --programs ar_loop --loop-tokens 16 $dm --out /tmp/p_vlog_$v \
           > /tmp/vlog_$v.log 2>&1
@@ -844,11 +844,14 @@ for stage in ${STAGES:-probe smol 8b}; do
           unroll) F="--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true";;
           unrollc) F="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true";;
           min1) F="--xla_gpu_graph_min_graph_size=1";;
+          tc64) F="--xla_cmd_buffer_trace_cache_size=64";;  # traced custom calls' cache (default 16) over 30 layers
         esac
-        for v in 1 auto; do
+        # CBU_ARGS / CBU_TAG pick the shape (the 8B at batch 1: CBU_ARGS="--batch 1 --contexts 4096" CBU_TAG=8b_b1_4k
+        # CBU_PROGS=draft,spec_loop CBU_TQKV=auto)
+        for v in ${CBU_TQKV:-1 auto}; do
           XLA_FLAGS="${XLA_FLAGS:-} $F" QSPEC_TARGET_QKV_CACHE=$v LIMIT=${CBU_LIMIT:-150} prof \
-            smollm2_b32_8k_loops_cb${cb}_tqkv$v --shape smollm2 --batch 32 --contexts 8192 --ragged \
-            --programs ${CBU_PROGS:-ar_loop,spec_loop} --gamma 2 --verify-t 3 | grep "^=="
+            ${CBU_TAG:-smollm2_b32_8k}_loops_cb${cb}_tqkv$v ${CBU_ARGS:---shape smollm2 --batch 32 --contexts 8192 \
+            --ragged} --programs ${CBU_PROGS:-ar_loop,spec_loop} --gamma 2 --verify-t 3 | grep "^=="
         done
       done;;
     tqkvverify)  # (51st, prepared) the bf16 q|k|v-into-the-cache kernel in row blocks of 32 (mosaic_gpu.QKV_BLOCK_ROWS)
