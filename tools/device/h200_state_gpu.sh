@@ -73,7 +73,8 @@
 #   "tqkvvlog": the same loop program's command-buffer thunks by VLOG (re-recordings, traced custom calls), the kernel
 #   on / off and the other bf16 linears on our kernel (52nd)
 #   "cbunroll": the layer loops unrolled into XLA's command buffers (WHILE + unroll_loops) against the default, the
-#   AR and γ 2 loops at SmolLM2 batch 32, the target's q|k|v kernel on / off (52nd)
+#   AR and γ 2 loops at SmolLM2 batch 32, the target's q|k|v kernel on / off (52nd); CBU_SETS also takes min1, tc64,
+#   and CBU_ARGS / CBU_TAG / CBU_TQKV another shape (53rd)
 #   "tqkvverify": the target's q|k|v into the cache at the verify's 96 rows (SmolLM2 batch 32, γ 2: the kernel's row
 #   blocks, 51st, GPU-unchecked): the kernel checked, then the verify / γ 2 loop A/B with QSPEC_TARGET_QKV_CACHE=1
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
