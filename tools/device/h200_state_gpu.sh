@@ -817,7 +817,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       # QSPEC_TARGET_QKV_CACHE 1 and auto, and auto with the target's other bf16 linears on our kernel ("mm": three more
       # Mosaic calls a layer, none with refs; if its loop's idle grows too, any custom call costs it, else the refs
       # do); counts per message kind, the full logs gzip'd
-      for v in 1 auto mm; do
+      for v in ${TQC_VARIANTS:-1 auto mm}; do  # (54th) TQC_VARIANTS picks some of them
         dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
         QSPEC_TARGET_QKV_CACHE=${v/mm/auto} TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
           TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,dynamic_slice_thunk=3,command_buffer_conversion_pass=2 \
