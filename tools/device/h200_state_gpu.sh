@@ -816,9 +816,12 @@ for stage in ${STAGES:-probe smol 8b}; do
       # ... updated_allocs=N" and every execution) and the commands' (traced custom calls re-traced on a cache miss),
       # QSPEC_TARGET_QKV_CACHE 1 and auto, and auto with the target's other bf16 linears on our kernel ("mm": three more
       # Mosaic calls a layer, none with refs; if its loop's idle grows too, any custom call costs it, else the refs
-      # do); counts per message kind, the full logs gzip'd
-      for v in ${TQC_VARIANTS:-1 auto mm}; do  # (54th) TQC_VARIANTS picks some of them
+      # do); counts per message kind, the full logs gzip'd. (54th) TQC_VARIANTS picks some of them; each variant's
+      # optimized HLO is dumped too (the largest module gzipped, and its command-buffer computations, calls, while
+      # loops, custom calls, dynamic slices and copies listed): which commands each graph holds, kernel on and off
+      for v in ${TQC_VARIANTS:-1 auto mm}; do
         dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_vlog_$v --xla_dump_hlo_as_text" \
         QSPEC_TARGET_QKV_CACHE=${v/mm/auto} TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
           TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,dynamic_slice_thunk=3,command_buffer_conversion_pass=2 \
           timeout ${TQC_LIMIT:-120} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 \
@@ -829,6 +832,14 @@ for stage in ${STAGES:-probe smol 8b}; do
         grep -E "^[IWE][0-9]{4}" /tmp/vlog_$v.log | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //; s/[0-9]+/N/g' \
           | cut -c1-160 | sort | uniq -c | sort -rn | head -40 | tee $L/tqkv_vlog_kinds_$v.log
         gzip -c /tmp/vlog_$v.log | head -c 40000000 > $L/tqkv_vlog_$v.log.gz
+        f=$(ls -S /tmp/hlo_vlog_$v/*after_optimizations.txt 2>/dev/null | head -1)
+        if [[ -n $f ]]; then
+          { echo "## $f"; grep -nE "^(ENTRY )?%[^ =]+ \(|call\(| while\(|custom_call_target=|dynamic-slice\(|dynamic-update-slice\(| copy\(" $f \
+              | cut -c1-300; } > $L/hlo_vlog_$v.txt
+          echo "-- tqkv $v: HLO $(basename $f): $(grep -cE "^%command_buffer[^ ]* \(" $f) command-buffer computations"
+          gzip -c $f > $L/hlo_vlog_$v.after_optimizations.txt.gz
+        fi
+        rm -rf /tmp/hlo_vlog_$v
       done
       echo "== tqkvvlog done ($(( $(date +%s) - T0 )) s)";;
     cbunroll)  # (52nd, prepared) the layer loops unrolled into the command buffer: WHILE among the command types with
