@@ -12,6 +12,7 @@ norms, RoPE angles, softmax and matmul accumulation are float32.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable
 
@@ -399,6 +400,30 @@ def layer_forward(cfg: ModelConfig, lp: LayerParams, x: Array, positions: Array,
     return out, (k, v), {"attn_in": h, "attn_out": attn, "mlp_in": h2, "mlp_out": act}
 
 
+NORM_SELECT_ENV = "QSPEC_NORM_SELECT"  # how the layer loop takes a layer's RMSNorm weights (`_layer_norm_row`)
+NORM_SELECT_MODES = ("slice", "onehot")
+
+
+def _norm_select() -> str:
+    """QSPEC_NORM_SELECT: "slice" (the default) or "onehot" (`_layer_norm_row`). Read at trace time."""
+    mode = os.environ.get(NORM_SELECT_ENV, "slice")
+    if mode not in NORM_SELECT_MODES:
+        raise ValueError(f"{NORM_SELECT_ENV}={mode!r}: expected one of {', '.join(NORM_SELECT_MODES)}")
+    return mode
+
+
+def _layer_norm_row(w: Array, i: Array) -> Array:
+    """Row i of the stacked RMSNorm weights w [L, D] as a one-hot contraction instead of a dynamic
+    slice: the same values (one product w[i] x 1, the others x 0, for finite weights; a -0.0 comes
+    back +0.0). On a GPU, XLA (jax 0.11) turns the per-layer slice of a norm it runs itself
+    (SmolLM2's 576-wide norms, which our norm kernel does not take) into an asynchronous copy on a
+    second stream, which splits the layer loop body's command buffer; the contraction fuses into the
+    norm's own fusion instead (`tools/aot_thunks.py`; kernel_notes, "Fifty-fourth session"). Opt-in
+    (QSPEC_NORM_SELECT=onehot) until measured on a GPU."""
+    sel = (jnp.arange(w.shape[0]) == i).astype(w.dtype)
+    return jnp.einsum("l,ld->d", sel, w)
+
+
 def _scan_layers(params: Params, x: Array, cache: Any,
                  layer_fn: Callable[[LayerParams, Array, Any, Array], tuple[Array, Any]],
                  stack_norms: bool = False, stack: tuple[str, ...] = ()) -> tuple[Array, Any]:
@@ -414,16 +439,21 @@ def _scan_layers(params: Params, x: Array, cache: Any,
     operand, where a scanned index costs a dynamic-slice kernel per layer on a GPU.
     `stack_norms`: the RMSNorm weights stay stacked too (the fused kernels read them in place);
     `stack`: so do these weights (a kernel reads them whatever `dense_matmul_impl` says).
+    The norm weights the loop slices are taken as QSPEC_NORM_SELECT says (`_layer_norm_row`).
     """
     impl = params.config.dense_matmul_impl
     rows = int(np.prod(jax.tree.leaves(x)[0].shape[:-1]))  # x [B, T, D], or a pair led by it (`_carry_in`)
     stacked = {n: w for n, w in vars(params.layers).items()
                if keep_stacked(w, impl, rows) or (stack_norms and n in ("attn_norm", "mlp_norm")) or n in stack}
     sliced = params.layers.replace(**{n: None for n in stacked})
+    onehot = ([n for n in ("attn_norm", "mlp_norm") if getattr(sliced, n) is not None]
+              if _norm_select() == "onehot" else [])
 
     def body(carry):
         i, x, cache = carry
-        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), sliced)
+        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
+                          sliced.replace(**{n: None for n in onehot}))
+        lp = lp.replace(**{n: _layer_norm_row(getattr(sliced, n), i) for n in onehot})
         lp = lp.replace(**{n: StackedLayer(w, i) for n, w in stacked.items()})
         x, cache = layer_fn(lp, x, cache, i)
         return i + 1, x, cache

@@ -75,6 +75,9 @@
 #   "cbunroll": the layer loops unrolled into XLA's command buffers (WHILE + unroll_loops) against the default, the
 #   AR and γ 2 loops at SmolLM2 batch 32, the target's q|k|v kernel on / off (52nd); CBU_SETS also takes min1, tc64,
 #   and CBU_ARGS / CBU_TAG / CBU_TQKV another shape (53rd)
+#   "normsel": the target's layer loop body in one command buffer (54th): the dense linears on our kernel and the
+#   norms' rows by one-hot (QSPEC_NORM_SELECT=onehot), AR and γ 2 loops at SmolLM2 batch 32, and the device's thunk
+#   sequences (what tools/aot_thunks.py shows on the CPU)
 #   "tqkvverify": the target's q|k|v into the cache at the verify's 96 rows (SmolLM2 batch 32, γ 2: the kernel's row
 #   blocks, 51st, GPU-unchecked): the kernel checked, then the verify / γ 2 loop A/B with QSPEC_TARGET_QKV_CACHE=1
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
@@ -817,8 +820,8 @@ for stage in ${STAGES:-probe smol 8b}; do
       # QSPEC_TARGET_QKV_CACHE 1 and auto, and auto with the target's other bf16 linears on our kernel ("mm": three more
       # Mosaic calls a layer, none with refs; if its loop's idle grows too, any custom call costs it, else the refs
       # do); counts per message kind, the full logs gzip'd. (54th) TQC_VARIANTS picks some of them; each variant's
-      # optimized HLO is dumped too (the largest module gzipped, and its command-buffer computations, calls, while
-      # loops, custom calls, dynamic slices and copies listed): which commands each graph holds, kernel on and off
+      # optimized HLO and thunk sequence are dumped too (the largest module's, gzipped; its computations, calls, while
+      # loops, custom calls, dynamic slices and copies listed; its thunks counted by kind), kernel on and off
       for v in ${TQC_VARIANTS:-1 auto mm}; do
         dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_vlog_$v --xla_dump_hlo_as_text" \
@@ -838,10 +841,42 @@ for stage in ${STAGES:-probe smol 8b}; do
               | cut -c1-300; } > $L/hlo_vlog_$v.txt
           echo "-- tqkv $v: HLO $(basename $f): $(grep -cE "^%command_buffer[^ ]* \(" $f) command-buffer computations"
           gzip -c $f > $L/hlo_vlog_$v.after_optimizations.txt.gz
+          t=$(ls -S /tmp/hlo_vlog_$v/*thunk_sequence.txt 2>/dev/null | head -1)  # the thunks XLA runs, nested
+          [[ -n $t ]] && gzip -c $t > $L/hlo_vlog_$v.thunk_sequence.txt.gz \
+            && echo "-- tqkv $v: thunks by kind: $(grep -oE "k[A-Z][A-Za-z]+" $t | sort | uniq -c | sort -rn | head -12 | tr -s ' \n' ' ')"
         fi
         rm -rf /tmp/hlo_vlog_$v
       done
       echo "== tqkvvlog done ($(( $(date +%s) - T0 )) s)";;
+    normsel)  # (54th, prepared) the target's layer loop body as one command buffer. `tools/aot_thunks.py` (an sm_90
+      # compile on the CPU) shows SmolLM2's target layer bodies running mostly op by op: each cuBLAS linear is a
+      # dynamic-slice fusion over the stacked weight (not graph-capable in jax 0.11.2's XLA) and the two 576-wide
+      # norms' per-layer slices are asynchronous copies on a second stream; with the linears on our kernel
+      # (`--dense-matmul mosaic`: reads the stack in place; up to 64 rows, so the AR loop's 32 but not the verify's
+      # 96) and QSPEC_NORM_SELECT=onehot the AR layer body is one command buffer. Per setting (NS_SETS: xla = the
+      # default, mm = the dense linears on our kernel, mmoh = mm + one-hot norms, oh = one-hot norms alone), alternating
+      # NS_TRIALS times (e.g. "1 2"): the AR and γ 2 loops and the AR-bf16 step, gaps and kernel times; then the thunk sequences on
+      # the device for xla and mmoh (the AR loop only; confirms the CPU compile's)
+      for i in ${NS_TRIALS:-1}; do  # ~65 s a setting and trial; the dumps ~90 s
+        for ns in ${NS_SETS:-xla mm mmoh oh}; do
+          dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh ]] && sel=onehot
+          QSPEC_NORM_SELECT=$sel LIMIT=${NS_LIMIT:-150} prof smollm2_b32_8k_normsel_${ns}_$i --shape smollm2 --batch 32 \
+            --contexts 8192 --ragged --programs ${NS_PROGS:-ar_bf16,ar_loop,spec_loop} --gamma 2 --verify-t 3 \
+            --dense-matmul $dm | grep "^=="
+        done
+      done
+      for ns in xla mmoh; do
+        dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh ]] && sel=onehot
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_ns_$ns --xla_dump_hlo_as_text" QSPEC_NORM_SELECT=$sel \
+          timeout 120 python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 --batch 32 \
+          --contexts 8192 --ragged --programs ar_loop --loop-tokens 16 --dense-matmul $dm --out /tmp/p_ns_$ns \
+          > /dev/null 2>&1
+        t=$(ls -S /tmp/hlo_ns_$ns/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | head -1)
+        [[ -n $t ]] && gzip -c $t > $L/thunks_ar_loop_$ns.txt.gz \
+          && echo "-- $ns: $(grep -c kCommandBuffer $t) command buffers, $(grep -cE "kAsyncStart|kDynamicSliceFusion" $t) async starts / dynamic-slice fusions"
+        rm -rf /tmp/hlo_ns_$ns /tmp/p_ns_$ns
+      done
+      echo "== normsel done ($(( $(date +%s) - T0 )) s)";;
     cbunroll)  # (52nd, prepared) the layer loops unrolled into the command buffer: WHILE among the command types with
       # `--xla_gpu_command_buffer_unroll_loops` (a loop of known trip count and only graph-capable commands becomes its
       # body's commands L times in one graph, no host step a layer; the 30th session measured WHILE / CONDITIONAL as
