@@ -542,9 +542,10 @@ def _dense(x: Array, w: Array, layer: Array | None, impl: str, out_dtype: Any, *
         raise ValueError(f"dense_matmul_impl={impl!r}; expected one of {DENSE_MATMUL_IMPLS}")
     rows = int(np.prod(x.shape[:-1]))
     if layer is not None and dense_uses_kernel(w, impl, rows):
-        from pallas_kernels.linear import dense_linear, supports
+        from pallas_kernels.linear import dense_linear, dense_supports
 
-        if impl == "auto" or supports(impl, rows, *w.shape[-2:]):  # explicit kernels: not at prefill rows
+        # explicit kernels: up to a verify's rows (in row blocks above the kernel's own), not at prefill rows
+        if impl == "auto" or dense_supports(impl, rows, *w.shape[-2:]):
             return dense_linear(x, w, layer=layer, backend=impl, out_dtype=out_dtype)
     if layer is not None:
         w = w[layer]

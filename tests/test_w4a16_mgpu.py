@@ -529,6 +529,42 @@ def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
         jnp.ones((limit + 1, 256), jnp.bfloat16) @ measured[1], np.float32))
 
 
+def test_dense_linear_runs_a_verifys_rows_in_row_blocks(monkeypatch):
+    """The kernel backends of `dense_linear` take up to DENSE_BLOCKED_MAX_ROWS rows (a verify's B x T,
+    e.g. SmolLM2's 32 x 3) as row blocks of MAX_M: at 96 rows two kernel calls (64 + 32 rows) whose
+    outputs are the blocks' own calls, in order, and within bf16 rounding of the reference (on the
+    GPU each block's rows are also the rows alone, bitwise: the kernel's row invariance,
+    tools/device/check_w4a16.py; the CPU interpreter's float32 sums follow M, so not here); above
+    the limit a clear error; `dense_supports` says so while `supports` (the INT4 kernel's too) keeps
+    MAX_M; and the model's `linear` sends a stacked weight's 96-row pass to the kernel."""
+    from qspec_jax import linear as qlinear
+
+    rng = np.random.default_rng(51)
+    w = jnp.asarray(rng.standard_normal((2, 128, 64)).astype(np.float32) / 8).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((32, 3, 128)).astype(np.float32)).astype(jnp.bfloat16)
+    rows, kernel = [], mg.bf16_matmul_mgpu
+    monkeypatch.setattr(mg, "bf16_matmul_mgpu", lambda x2, *a, **kw: rows.append(x2.shape[0]) or kernel(x2, *a, **kw))
+    y = linear.dense_linear(x, w, layer=1, backend="interpret", out_dtype=jnp.float32)
+    assert y.shape == (32, 3, 64) and rows == [64, 32]
+    ref = np.asarray(linear.dense_linear(x, w, layer=1, backend="reference", out_dtype=jnp.float32), np.float64)
+    assert _rel(y, ref) < 1e-2
+    flat, y2 = x.reshape(96, 128), np.asarray(y).reshape(96, 64)
+    for lo, hi in ((0, 64), (64, 96)):  # the blocks, each as the kernel gives it alone
+        block = kernel(flat[lo:hi], w, layer=1, out_dtype=jnp.float32, interpret=True)
+        np.testing.assert_array_equal(y2[lo:hi], np.asarray(block))
+    limit = linear.DENSE_BLOCKED_MAX_ROWS
+    assert linear.dense_supports("interpret", 96, 128, 64) and linear.dense_supports("mosaic", limit, 128, 64)
+    assert not linear.dense_supports("mosaic", limit + 1, 128, 64) and not linear.supports("mosaic", 96, 128, 64)
+    assert linear.dense_supports("xla", 10 * limit, 128, 64)
+    with pytest.raises(ValueError, match=f"x has {limit + 1} rows; the interpret kernel takes at most {limit}"):
+        linear.dense_linear(jnp.zeros((limit + 1, 128), jnp.bfloat16), w, layer=1, backend="interpret")
+    calls = []
+    monkeypatch.setattr(linear, "dense_linear", lambda x, w, **kw: calls.append((x.shape[0], kw["backend"])) or
+                        jnp.zeros((x.shape[0], w.shape[-1]), x.dtype))
+    qlinear.linear(flat, qlinear.StackedLayer(w, jnp.int32(1)), dense_impl="interpret")
+    assert calls == [(96, "interpret")]
+
+
 def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
     """A measured shape (`TUNED_SHAPES`) replaces the cost model's on the device it was measured
     on, only for its (K, N, G), only where it can run the call's epilogue and reduction, and never

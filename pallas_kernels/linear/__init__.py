@@ -14,8 +14,10 @@
 
 from pallas_kernels.linear.api import (
     BACKENDS,
+    DENSE_BLOCKED_MAX_ROWS,
     bf16_qkv_cache,
     dense_linear,
+    dense_supports,
     device_arch,
     int4_layer_tail,
     int4_linear,
@@ -24,5 +26,5 @@ from pallas_kernels.linear.api import (
     supports,
 )
 
-__all__ = ["BACKENDS", "bf16_qkv_cache", "dense_linear", "device_arch", "int4_layer_tail", "int4_linear",
-           "int4_qkv_cache", "pick_backend", "supports"]
+__all__ = ["BACKENDS", "DENSE_BLOCKED_MAX_ROWS", "bf16_qkv_cache", "dense_linear", "dense_supports", "device_arch",
+           "int4_layer_tail", "int4_linear", "int4_qkv_cache", "pick_backend", "supports"]

@@ -87,6 +87,21 @@ def supports(backend: str, m: int, k: int, n: int) -> bool:
     return True
 
 
+# Rows up to which `dense_linear`'s kernel backends run a call as row blocks of `mosaic_gpu.MAX_M` (a verify's
+# B x T rows above the kernel's own limit: SmolLM2 batch 32 at T 3 is 96). The kernel's rows do not depend on the
+# rows sharing the call, so the blocks give the bits one call would. Above it: prefill, where a GEMM belongs.
+DENSE_BLOCKED_MAX_ROWS = 4 * mg.MAX_M
+
+
+def dense_supports(backend: str, m: int, k: int, n: int) -> bool:
+    """Whether `dense_linear` runs an [M, K] @ [K, N] bf16 call on the explicit kernel `backend`
+    ("mosaic" / "interpret"), up to DENSE_BLOCKED_MAX_ROWS rows in blocks of MAX_M; other backends
+    as `supports`."""
+    if backend in ("mosaic", "interpret"):
+        return m <= DENSE_BLOCKED_MAX_ROWS and supports(backend, min(m, mg.MAX_M), k, n)
+    return supports(backend, m, k, n)
+
+
 def _dequantize_f32(w: Any) -> Array:
     """W [..., K, N] float32 as the weight's own format defines it: U * scale + zero from the
     fields, the Mosaic kernel's weight (before its bf16 rounding) from the layout."""
@@ -279,7 +294,9 @@ def bf16_qkv_cache(x: Array, w: Array, *, backend: str, layer: Any, rope: Array,
 def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None,
                  out_dtype: Any = None, swiglu: bool = False) -> Array:
     """x [..., K] @ W [K, N] (or a stack [L, K, N] with `layer`) -> [..., N]. On Hopper the
-    Mosaic kernel's rows do not depend on how many rows share the call (bitwise). `swiglu`: W
+    Mosaic kernel's rows do not depend on how many rows share the call (bitwise), so the kernel
+    backends run more than `mosaic_gpu.MAX_M` rows as row blocks of MAX_M, up to
+    DENSE_BLOCKED_MAX_ROWS (`dense_supports`). `swiglu`: W
     holds gate | up column halves and the call returns silu(gate) * up [..., N / 2] (the kernel
     forms it from its float32 products, up to `mosaic_gpu.MAX_FUSED_M` rows; XLA from the bf16
     products, as the unfused model does)."""
@@ -299,8 +316,14 @@ def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None
         if backend == "mosaic" and (w.dtype != jnp.bfloat16 or (swiglu and m > mg.MAX_FUSED_M)):
             backend = "xla"
     if backend in ("mosaic", "interpret"):
-        y = mg.bf16_matmul_mgpu(x2, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret",
-                                swiglu=swiglu)
+        if m > DENSE_BLOCKED_MAX_ROWS:
+            raise ValueError(f"x has {m} rows; the {backend} kernel takes at most {DENSE_BLOCKED_MAX_ROWS} "
+                             f"(in blocks of {mg.MAX_M}); use backend='xla' for prefill-sized calls")
+        y = jnp.concatenate([  # row blocks of MAX_M, each the kernel's own rows (row-invariant: the same bits)
+            mg.bf16_matmul_mgpu(lax.optimization_barrier(x2[s:s + mg.MAX_M]), w, layer=layer, out_dtype=out_dtype,
+                                interpret=backend == "interpret", swiglu=swiglu)
+            for s in range(0, m, mg.MAX_M)]) if m > mg.MAX_M else mg.bf16_matmul_mgpu(
+            x2, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret", swiglu=swiglu)
     else:
         wl = w if layer is None else w[layer]
         if backend == "reference":
@@ -314,4 +337,5 @@ def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None
     return y.reshape(*lead, y.shape[-1])
 
 
-__all__ = ["BACKENDS", "dense_linear", "device_arch", "int4_linear", "pick_backend", "supports"]
+__all__ = ["BACKENDS", "DENSE_BLOCKED_MAX_ROWS", "dense_linear", "dense_supports", "device_arch", "int4_linear",
+           "pick_backend", "supports"]

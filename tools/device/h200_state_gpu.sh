@@ -852,11 +852,11 @@ for stage in ${STAGES:-probe smol 8b}; do
       # compile on the CPU) shows SmolLM2's target layer bodies running mostly op by op: each cuBLAS linear is a
       # dynamic-slice fusion over the stacked weight (not graph-capable in jax 0.11.2's XLA) and the two 576-wide
       # norms' per-layer slices are asynchronous copies on a second stream; with the linears on our kernel
-      # (`--dense-matmul mosaic`: reads the stack in place; up to 64 rows, so the AR loop's 32 but not the verify's
-      # 96) and QSPEC_NORM_SELECT=onehot the AR layer body is one command buffer. Per setting (NS_SETS: xla = the
-      # default, mm = the dense linears on our kernel, mmoh = mm + one-hot norms, oh = one-hot norms alone), alternating
-      # NS_TRIALS times (e.g. "1 2"): the AR and γ 2 loops and the AR-bf16 step, gaps and kernel times; then the thunk sequences on
-      # the device for xla and mmoh (the AR loop only; confirms the CPU compile's)
+      # (`--dense-matmul mosaic`: reads the stack in place; the verify's 96 rows in two row blocks) and
+      # QSPEC_NORM_SELECT=onehot the AR and verify layer bodies are one command buffer each. Per setting (NS_SETS: xla
+      # = the default, mm = the dense linears on our kernel, mmoh = mm + one-hot norms, oh = one-hot norms alone),
+      # alternating NS_TRIALS times (e.g. "1 2"): the AR and γ 2 loops and the AR-bf16 step, gaps and kernel times;
+      # then the thunk sequences on the device for xla and mmoh (both loops; to set beside the CPU compile's)
       for i in ${NS_TRIALS:-1}; do  # ~65 s a setting and trial; the dumps ~90 s
         for ns in ${NS_SETS:-xla mm mmoh oh}; do
           dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh ]] && sel=onehot
@@ -865,15 +865,17 @@ for stage in ${STAGES:-probe smol 8b}; do
             --dense-matmul $dm | grep "^=="
         done
       done
-      for ns in xla mmoh; do
+      for ns in xla mmoh; do  # the two loop programs' thunk sequences (the two largest modules), gzipped, counted
         dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh ]] && sel=onehot
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_ns_$ns --xla_dump_hlo_as_text" QSPEC_NORM_SELECT=$sel \
-          timeout 120 python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 --batch 32 \
-          --contexts 8192 --ragged --programs ar_loop --loop-tokens 16 --dense-matmul $dm --out /tmp/p_ns_$ns \
-          > /dev/null 2>&1
-        t=$(ls -S /tmp/hlo_ns_$ns/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | head -1)
-        [[ -n $t ]] && gzip -c $t > $L/thunks_ar_loop_$ns.txt.gz \
-          && echo "-- $ns: $(grep -c kCommandBuffer $t) command buffers, $(grep -cE "kAsyncStart|kDynamicSliceFusion" $t) async starts / dynamic-slice fusions"
+          timeout 150 python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 --batch 32 \
+          --contexts 8192 --ragged --programs ar_loop,spec_loop --loop-tokens 16 --gamma 2 --verify-t 3 \
+          --dense-matmul $dm --out /tmp/p_ns_$ns > /dev/null 2>&1
+        for t in $(ls -S /tmp/hlo_ns_$ns/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | head -2); do
+          gzip -c $t > $L/thunks_${ns}_$(basename $t).gz
+          echo "-- $ns $(basename $t): $(grep -c kCommandBuffer $t) command buffers, $(grep -cE \
+            "kAsyncStart|kDynamicSliceFusion" $t) async starts / dynamic-slice fusions"
+        done
         rm -rf /tmp/hlo_ns_$ns /tmp/p_ns_$ns
       done
       echo "== normsel done ($(( $(date +%s) - T0 )) s)";;
