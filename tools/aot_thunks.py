@@ -40,8 +40,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--target", type=Path, default=ROOT / "tools" / "gpu_specs" / "h100_sxm.txtpb")
     p.add_argument("--out", type=Path, default=Path("/tmp/aot_thunks"))
     p.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
-                   help="an XLA debug option for the compile (repeatable; XLA_FLAGS did not reach it in jax 0.11.2), e.g. "
-                        "xla_gpu_graph_min_graph_size=1")
+                   help="an XLA debug option for the compile (repeatable; XLA_FLAGS did not reach it in jax "
+                        "0.11.2), e.g. xla_gpu_graph_min_graph_size=1")
     return p.parse_args()
 
 
@@ -82,7 +82,8 @@ def _summary(path: Path) -> str:
         name = rest.split(" grid:")[0].strip()[:60]
         kinds_out[(kind, name)] = kinds_out.get((kind, name), 0) + 1
     out.append(f"  command buffers: {n_cb} (thunks directly inside each: {cb_sizes})")
-    out.append("  thunks outside command buffers (each a launch of its own, per loop trip inside loops; nested ones too):")
+    out.append("  thunks outside command buffers (each a launch of its own, per loop trip inside loops; "
+               "nested ones too):")
     for (kind, name), n in sorted(kinds_out.items(), key=lambda kv: -kv[1]):
         out.append(f"    {n:4d}  {kind} {name}".rstrip())
     return "\n".join(out)
