@@ -854,20 +854,25 @@ for stage in ${STAGES:-probe smol 8b}; do
       # norms' per-layer slices are asynchronous copies on a second stream; with the linears on our kernel
       # (`--dense-matmul mosaic`: reads the stack in place; the verify's 96 rows in two row blocks) and
       # QSPEC_NORM_SELECT=onehot the AR and verify layer bodies are one command buffer each. Per setting (NS_SETS: xla
-      # = the default, mm = the dense linears on our kernel, mmoh = mm + one-hot norms, oh = one-hot norms alone),
-      # alternating NS_TRIALS times (e.g. "1 2"): the AR and γ 2 loops and the AR-bf16 step, gaps and kernel times;
-      # then the thunk sequences on the device for xla and mmoh (both loops; to set beside the CPU compile's)
-      for i in ${NS_TRIALS:-1}; do  # ~65 s a setting and trial; the dumps ~90 s
-        for ns in ${NS_SETS:-xla mm mmoh oh}; do
-          dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh ]] && sel=onehot
-          QSPEC_NORM_SELECT=$sel LIMIT=${NS_LIMIT:-150} prof smollm2_b32_8k_normsel_${ns}_$i --shape smollm2 --batch 32 \
-            --contexts 8192 --ragged --programs ${NS_PROGS:-ar_bf16,ar_loop,spec_loop} --gamma 2 --verify-t 3 \
+      # = the default, mm = the dense linears on our kernel, mmoh = mm + one-hot norms, mmohq = mmoh + the target's
+      # q|k|v kernel (QSPEC_TARGET_QKV_CACHE=1: the fewest kernels, still one graph a layer), oh = one-hot norms
+      # alone, on request), alternating NS_TRIALS times (e.g. "1 2"): the AR and γ 2 loops and the AR-bf16 step, gaps
+      # and kernel times; then the thunk sequences on the device for xla and mmohq (both loops; to set beside the CPU
+      # compile's)
+      for i in ${NS_TRIALS:-1}; do  # ~65 s a setting and trial, the dumps ~90 s each: ~7.5 min in all
+        for ns in ${NS_SETS:-xla mm mmoh mmohq}; do
+          dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh* ]] && sel=onehot; tq=auto
+          [[ $ns == *q ]] && tq=1
+          QSPEC_TARGET_QKV_CACHE=$tq QSPEC_NORM_SELECT=$sel LIMIT=${NS_LIMIT:-150} prof smollm2_b32_8k_normsel_${ns}_$i \
+            --shape smollm2 --batch 32 --contexts 8192 --ragged --programs ${NS_PROGS:-ar_bf16,ar_loop,spec_loop} --gamma 2 --verify-t 3 \
             --dense-matmul $dm | grep "^=="
         done
       done
-      for ns in xla mmoh; do  # the two loop programs' thunk sequences (the two largest modules), gzipped, counted
-        dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh ]] && sel=onehot
+      for ns in xla mmohq; do  # the two loop programs' thunk sequences (the two largest modules), gzipped, counted
+        dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh* ]] && sel=onehot; tq=auto
+        [[ $ns == *q ]] && tq=1
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_ns_$ns --xla_dump_hlo_as_text" QSPEC_NORM_SELECT=$sel \
+          QSPEC_TARGET_QKV_CACHE=$tq \
           timeout 150 python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 --batch 32 \
           --contexts 8192 --ragged --programs ar_loop,spec_loop --loop-tokens 16 --gamma 2 --verify-t 3 \
           --dense-matmul $dm --out /tmp/p_ns_$ns > /dev/null 2>&1
