@@ -863,9 +863,9 @@ for stage in ${STAGES:-probe smol 8b}; do
         for ns in ${NS_SETS:-xla mm mmoh mmohq}; do
           dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh* ]] && sel=onehot; tq=auto
           [[ $ns == *q ]] && tq=1
-          QSPEC_TARGET_QKV_CACHE=$tq QSPEC_NORM_SELECT=$sel LIMIT=${NS_LIMIT:-150} prof smollm2_b32_8k_normsel_${ns}_$i \
-            --shape smollm2 --batch 32 --contexts 8192 --ragged --programs ${NS_PROGS:-ar_bf16,ar_loop,spec_loop} --gamma 2 --verify-t 3 \
-            --dense-matmul $dm | grep "^=="
+          QSPEC_TARGET_QKV_CACHE=$tq QSPEC_NORM_SELECT=$sel LIMIT=${NS_LIMIT:-150} \
+            prof smollm2_b32_8k_normsel_${ns}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
+            --programs ${NS_PROGS:-ar_bf16,ar_loop,spec_loop} --gamma 2 --verify-t 3 --dense-matmul $dm | grep "^=="
         done
       done
       for ns in xla mmohq; do  # the two loop programs' thunk sequences (the two largest modules), gzipped, counted
