@@ -50,3 +50,13 @@ def test_options_parse_as_xla_debug_option_values():
     assert aot._option("--xla_gpu_enable_cublaslt=false") == ("xla_gpu_enable_cublaslt", False)
     assert aot._option("xla_gpu_enable_command_buffer=FUSION,CUBLAS") == ("xla_gpu_enable_command_buffer",
                                                                           "FUSION,CUBLAS")
+
+
+def test_summarize_prints_the_summary_of_given_dumps_without_compiling(tmp_path, monkeypatch, capsys):
+    """`--summarize FILE...` (what the device stages run on the GPU's own dumps): each file's summary
+    under its name, and no jax import or compile (the function returns before either)."""
+    path = tmp_path / "m.thunk_sequence_after_thunk_passes.txt"
+    path.write_text(SAMPLE)
+    monkeypatch.setattr("sys.argv", ["aot_thunks.py", "--summarize", str(path)])
+    aot.main()
+    assert capsys.readouterr().out == f"== {path.name}\n{aot._summary(path)}\n"

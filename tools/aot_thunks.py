@@ -5,15 +5,16 @@
         [--out /tmp/aot_thunks] [--target tools/gpu_specs/h100_sxm.txtpb]
 
 Needs jax 0.11.x with `jax-cuda12-plugin` / `jax-cuda12-pjrt` and `nvidia-cuda-nvcc-cu12` installed (no GPU, no
-driver: `jax.experimental.topologies` compiles against the target config's device description). The model's
-backend choices (`pallas_kernels.linear.device_arch`, `jax.default_backend`) are pointed at an sm_90 GPU for the
-trace, so the programs carry the same Mosaic GPU and Triton custom calls as on the device; the arguments are
-abstract (`jax.eval_shape`: random SmolLM2- or 8B-shaped weights, caches of `--context` rows, ragged as the
-profile's). The QSPEC_* switches apply as on the device. XLA dumps each program under `--out/<program>` (the
-optimized HLO, and `*.thunk_sequence_after_thunk_passes.txt`: the thunks after the command-buffer conversion); the
-script prints how many command buffers there are and which thunks run outside them (each such thunk is a launch of
-its own from the host, per loop trip inside a loop). What it cannot show: what is decided at run time on the device
-(command-buffer updates, trace-cache hits), and cuBLAS's algorithm choices (no autotuning without a device).
+driver: `jax.experimental.topologies` compiles against the target config's device description). The model's backend
+choices (`pallas_kernels.linear.device_arch`, `jax.default_backend`) are pointed at an sm_90 GPU for the trace, so the
+programs carry the same Mosaic GPU and Triton custom calls as on the device; the arguments are abstract
+(`jax.eval_shape`: random SmolLM2- or 8B-shaped weights, caches of `--context` rows, ragged as the profile's). The
+QSPEC_* switches apply as on the device. XLA dumps each program under `--out/<program>` (the optimized HLO, and
+`*.thunk_sequence_after_thunk_passes.txt`: the thunks after the command-buffer conversion); the script prints how many
+command buffers there are and which thunks run outside them (each such thunk is a launch of its own from the host, per
+loop trip inside a loop). `--summarize FILE...` prints the same for dumps made elsewhere (the device stages of
+tools/device/h200_state_gpu.sh use it on the GPU's own). What it cannot show: what is decided at run time on the
+device (command-buffer updates, trace-cache hits), and cuBLAS's algorithm choices (no autotuning without a device).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--dense-matmul", default=None, help="the target's bf16 linears (ModelConfig.dense_matmul_impl)")
     p.add_argument("--target", type=Path, default=ROOT / "tools" / "gpu_specs" / "h100_sxm.txtpb")
     p.add_argument("--out", type=Path, default=Path("/tmp/aot_thunks"))
+    p.add_argument("--summarize", type=Path, nargs="+", metavar="THUNKS",
+                   help="only print the summary of these dumped `*thunk_sequence_after_thunk_passes.txt` files (e.g. "
+                        "a GPU run's, XLA_FLAGS=--xla_dump_to=DIR), compiling nothing")
     p.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
                    help="an XLA debug option for the compile (repeatable; XLA_FLAGS did not reach it in jax "
                         "0.11.2), e.g. xla_gpu_graph_min_graph_size=1")
@@ -91,6 +95,10 @@ def _summary(path: Path) -> str:
 
 def main() -> None:
     args = _args()
+    if args.summarize:
+        for path in args.summarize:
+            print(f"== {path.name}\n{_summary(path)}")
+        return
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies

@@ -319,11 +319,14 @@ def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None
         if m > DENSE_BLOCKED_MAX_ROWS:
             raise ValueError(f"x has {m} rows; the {backend} kernel takes at most {DENSE_BLOCKED_MAX_ROWS} "
                              f"(in blocks of {mg.MAX_M}); use backend='xla' for prefill-sized calls")
-        y = jnp.concatenate([  # row blocks of MAX_M, each the kernel's own rows (row-invariant: the same bits)
-            mg.bf16_matmul_mgpu(lax.optimization_barrier(x2[s:s + mg.MAX_M]), w, layer=layer, out_dtype=out_dtype,
-                                interpret=backend == "interpret", swiglu=swiglu)
-            for s in range(0, m, mg.MAX_M)]) if m > mg.MAX_M else mg.bf16_matmul_mgpu(
-            x2, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret", swiglu=swiglu)
+        # Row blocks of MAX_M, each the kernel's own rows (row-invariant: the same bits as one call). A block
+        # goes through an optimization barrier: XLA would make a custom call on a slice of x a dynamic-slice
+        # fusion, which splits a layer loop's command buffer.
+        blocks = ([x2] if m <= mg.MAX_M else
+                  [lax.optimization_barrier(x2[s:s + mg.MAX_M]) for s in range(0, m, mg.MAX_M)])
+        ys = [mg.bf16_matmul_mgpu(b, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret",
+                                  swiglu=swiglu) for b in blocks]
+        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys)
     else:
         wl = w if layer is None else w[layer]
         if backend == "reference":

@@ -113,6 +113,12 @@ ab() {  # tag, programs, tuned_table_run options: SmolLM2 batch AB_BATCH (32), r
   grep -E "\[linear\]|\[attention\]|glue  " $L/profile_smollm2_b${AB_BATCH:-32}_$tag.log | head -7
   rm -rf $OUT/p_$tag/traces
 }
+normsel_parse() {  # a `normsel` setting name -> dm (dense linears), sel (QSPEC_NORM_SELECT), tq (QSPEC_TARGET_QKV_CACHE)
+  dm=xla; [[ $1 == mm* ]] && dm=mosaic
+  sel=slice; [[ $1 == *oh* ]] && sel=onehot
+  tq=auto; [[ $1 == *q ]] && tq=1
+  return 0
+}
 tqkv_ab() {  # tag, trials, the off value of QSPEC_TARGET_QKV_CACHE, then qspec-bench profile arguments: on / off
   # alternating per trial, tags <tag><value>_<trial>
   local tag=$1 trials=$2 off=$3 i v; shift 3
@@ -821,7 +827,8 @@ for stage in ${STAGES:-probe smol 8b}; do
       # Mosaic calls a layer, none with refs; if its loop's idle grows too, any custom call costs it, else the refs
       # do); counts per message kind, the full logs gzip'd. (54th) TQC_VARIANTS picks some of them; each variant's
       # optimized HLO and thunk sequence are dumped too (the largest module's, gzipped; its computations, calls, while
-      # loops, custom calls, dynamic slices and copies listed; its thunks counted by kind), kernel on and off
+      # loops, custom calls, dynamic slices and copies listed; its command buffers and the thunks outside them by
+      # `tools/aot_thunks.py --summarize`), kernel on and off
       for v in ${TQC_VARIANTS:-1 auto mm}; do
         dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_vlog_$v --xla_dump_hlo_as_text" \
@@ -839,11 +846,10 @@ for stage in ${STAGES:-probe smol 8b}; do
         if [[ -n $f ]]; then
           { echo "## $f"; grep -nE "^(ENTRY )?%[^ =]+ \(|call\(| while\(|custom_call_target=|dynamic-slice\(|dynamic-update-slice\(| copy\(" $f \
               | cut -c1-300; } > $L/hlo_vlog_$v.txt
-          echo "-- tqkv $v: HLO $(basename $f): $(grep -cE "^%command_buffer[^ ]* \(" $f) command-buffer computations"
           gzip -c $f > $L/hlo_vlog_$v.after_optimizations.txt.gz
-          t=$(ls -S /tmp/hlo_vlog_$v/*thunk_sequence.txt 2>/dev/null | head -1)  # the thunks XLA runs, nested
-          [[ -n $t ]] && gzip -c $t > $L/hlo_vlog_$v.thunk_sequence.txt.gz \
-            && echo "-- tqkv $v: thunks by kind: $(grep -oE "k[A-Z][A-Za-z]+" $t | sort | uniq -c | sort -rn | head -12 | tr -s ' \n' ' ')"
+          # the thunks XLA runs after its command-buffer conversion (the graphs are formed there, not in the HLO)
+          t=$(ls -S /tmp/hlo_vlog_$v/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | head -1)
+          [[ -n $t ]] && gzip -c $t > $L/hlo_vlog_$v.thunks.txt.gz && python3 tools/aot_thunks.py --summarize $t
         fi
         rm -rf /tmp/hlo_vlog_$v
       done
@@ -861,16 +867,14 @@ for stage in ${STAGES:-probe smol 8b}; do
       # compile's)
       for i in ${NS_TRIALS:-1}; do  # ~65 s a setting and trial, the dumps ~90 s each: ~7.5 min in all
         for ns in ${NS_SETS:-xla mm mmoh mmohq}; do
-          dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh* ]] && sel=onehot; tq=auto
-          [[ $ns == *q ]] && tq=1
+          normsel_parse $ns
           QSPEC_TARGET_QKV_CACHE=$tq QSPEC_NORM_SELECT=$sel LIMIT=${NS_LIMIT:-150} \
             prof smollm2_b32_8k_normsel_${ns}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
             --programs ${NS_PROGS:-ar_bf16,ar_loop,spec_loop} --gamma 2 --verify-t 3 --dense-matmul $dm | grep "^=="
         done
       done
-      for ns in xla mmohq; do  # the two loop programs' thunk sequences (the two largest modules), gzipped, counted
-        dm=xla; [[ $ns == mm* ]] && dm=mosaic; sel=slice; [[ $ns == *oh* ]] && sel=onehot; tq=auto
-        [[ $ns == *q ]] && tq=1
+      for ns in xla mmohq; do  # the two loop programs' thunk sequences (the two largest modules), gzipped, summarized
+        normsel_parse $ns
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_ns_$ns --xla_dump_hlo_as_text" QSPEC_NORM_SELECT=$sel \
           QSPEC_TARGET_QKV_CACHE=$tq \
           timeout 150 python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 --batch 32 \
@@ -878,8 +882,7 @@ for stage in ${STAGES:-probe smol 8b}; do
           --dense-matmul $dm --out /tmp/p_ns_$ns > /dev/null 2>&1
         for t in $(ls -S /tmp/hlo_ns_$ns/*thunk_sequence_after_thunk_passes.txt 2>/dev/null | head -2); do
           gzip -c $t > $L/thunks_${ns}_$(basename $t).gz
-          echo "-- $ns $(basename $t): $(grep -c kCommandBuffer $t) command buffers, $(grep -cE \
-            "kAsyncStart|kDynamicSliceFusion" $t) async starts / dynamic-slice fusions"
+          echo "-- $ns:"; python3 tools/aot_thunks.py --summarize $t | tee -a $L/thunks_normsel_summary.log
         done
         rm -rf /tmp/hlo_ns_$ns /tmp/p_ns_$ns
       done
