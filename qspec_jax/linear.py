@@ -356,15 +356,22 @@ TARGET_QKV_CACHE_ENV = "QSPEC_TARGET_QKV_CACHE"  # a target's bf16 q|k|v into th
 # QuantSpec loop 3.937 -> 3.848 ms a token; at batch 4 (20 rows) 5.472 -> 5.428. The AR-bf16 baseline's dense cache
 # (the Triton dense kernel given the operand; 2026-12-02, with the target's other linears on the Mosaic kernel too,
 # `dense_uses_kernel`): the AR-bf16 step 4.691 -> 4.605 / 4.597 ms, glue 0.442 -> 0.310 (with cuBLAS linears it was
-# even: 4.741 / 4.736 -> 4.752 / 4.751). 64 (SmolLM2's): not yet in "auto" (the verify faster, the loop not shown).
-TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS = (128,)
+# even: 4.741 / 4.736 -> 4.752 / 4.751). 64 (SmolLM2's), up to one row block (32 rows), with the norms' rows taken
+# by one-hot (`model.NORM_SELECT_ENV`; H100, 2026-12-06, `qspec-bench profile --shape smollm2 --contexts 8192`, γ 2,
+# verify T 3): the AR-bf16 loop at batch 1 1.229 -> 1.126 ms a token, batch 8 1.669 -> 1.410 (slice norms, no
+# kernel: 1.582), batch 32 2.82 -> 2.70 (slice: 2.87); the QuantSpec loop at batch 1 1.329 -> 1.282, batch 8 even
+# (1.402 / 1.407). Above one block (the verify's 96 rows at batch 32) the kernel's row blocks take 0.07 ms a token of
+# kernels off the γ 2 loop but add 0.1 ms of idle between kernels (2.48 -> 2.52): not in "auto".
+TARGET_QKV_CACHE_AUTO_ROWS = {128: 24, 64: 32}  # head dim -> the most rows "auto" runs the kernel at
+TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS = tuple(TARGET_QKV_CACHE_AUTO_ROWS)
 
 
 def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = None) -> str | None:
     """The backend `qkv_into_cache` runs a target's fused bf16 q|k|v weight `w` (a stack [L, K, N]
     or its StackedLayer) with at `rows` = B x T rows, or None where the target keeps its XLA q|k|v,
     RoPE and cache writes. QSPEC_TARGET_QKV_CACHE: "auto" (the default) the Mosaic kernel on
-    Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1" for every head dim the qkv epilogue takes,
+    Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS up to their TARGET_QKV_CACHE_AUTO_ROWS (measured
+    in the model), "1" for every head dim the qkv epilogue takes,
     over either cache (a QuantSpecCache, or the AR-bf16 baseline's DenseKVCache), "0" never,
     "interpret" the kernel's CPU twin (tests). Up to the rows the kernel is checked at for that
     head dim (`mosaic_gpu.bf16_qkv_max_rows`: 24; 128 for 64 channels, whose rows above 32 go in
@@ -382,7 +389,8 @@ def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = 
     size = 0 if buffer is None else int(np.prod(getattr(buffer, "shape", buffer)))
     if (head_dim not in dims[mode] or size > QKV_MAX_BUFFER_ELEMENTS
             or not isinstance(inner, jax.Array) or inner.dtype != jnp.bfloat16 or inner.ndim != 3
-            or rows > bf16_qkv_max_rows(head_dim)):
+            or rows > bf16_qkv_max_rows(head_dim)
+            or (mode == "auto" and rows > TARGET_QKV_CACHE_AUTO_ROWS[head_dim])):
         return None
     if mode == "interpret":
         return "interpret"

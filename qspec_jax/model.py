@@ -405,8 +405,8 @@ NORM_SELECT_MODES = ("slice", "onehot")
 
 
 def _norm_select() -> str:
-    """QSPEC_NORM_SELECT: "slice" (the default) or "onehot" (`_layer_norm_row`). Read at trace time."""
-    mode = os.environ.get(NORM_SELECT_ENV, "slice")
+    """QSPEC_NORM_SELECT: "onehot" (the default) or "slice" (`_layer_norm_row`). Read at trace time."""
+    mode = os.environ.get(NORM_SELECT_ENV, "onehot")
     if mode not in NORM_SELECT_MODES:
         raise ValueError(f"{NORM_SELECT_ENV}={mode!r}: expected one of {', '.join(NORM_SELECT_MODES)}")
     return mode
@@ -418,8 +418,9 @@ def _layer_norm_row(w: Array, i: Array) -> Array:
     back +0.0). On a GPU, XLA (jax 0.11) turns the per-layer slice of a norm it runs itself
     (SmolLM2's 576-wide norms, which our norm kernel does not take) into an asynchronous copy on a
     second stream, which splits the layer loop body's command buffer; the contraction fuses into the
-    norm's own fusion instead (`tools/aot_thunks.py`; kernel_notes, "Fifty-fourth session"). Opt-in
-    (QSPEC_NORM_SELECT=onehot) until measured on a GPU."""
+    norm's own fusion instead (`tools/aot_thunks.py`; kernel_notes, "Fifty-fourth session"). The
+    default: with it the target's q|k|v kernel at SmolLM2's head dim pays in the AR loop (H100,
+    `linear.TARGET_QKV_CACHE_AUTO_ROWS`); QSPEC_NORM_SELECT=slice takes the rows by dynamic slice."""
     sel = (jnp.arange(w.shape[0]) == i).astype(w.dtype)
     return jnp.einsum("l,ld->d", sel, w)
 

@@ -365,19 +365,21 @@ def test_target_qkv_cache_policy(draft, monkeypatch):
     kernel runs at (24), or for 64 channels, whose rows go in blocks of 32 (`mosaic_gpu.QKV_BLOCK_ROWS`), up to
     `mosaic_gpu.QKV_MAX_M` (128: the verify's at SmolLM2's batch 32); not the draft's INT4 weight, not head dim 32; the
     Mosaic kernel on Hopper only (none here: by default, "auto", and with "1", no kernel runs on
-    the CPU); "auto" takes only the head dims measured faster (128), over either cache, "0" none."""
+    the CPU); "auto" takes only the head dims measured faster, up to the rows measured there (128 up to 24 rows, 64
+    up to one row block of 32), over either cache, "0" none."""
     _, target = _head_dim_target(128)
     w = target.layers.wqkv
     pick = qlinear.target_qkv_cache_backend
-    assert qlinear.TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS == (128,)
+    assert qlinear.TARGET_QKV_CACHE_AUTO_ROWS == {128: 24, 64: 32}
     for mode in ("auto", "1", "0"):
         monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, mode)
         assert pick(w, 5, 128) is None  # the CPU
     monkeypatch.setattr(plinear, "device_arch", lambda: ("gpu", 9))  # as on Hopper
     monkeypatch.delenv(qlinear.TARGET_QKV_CACHE_ENV)
-    assert pick(w, 5, 128) == "mosaic" and pick(w, 5, 64) is None and pick(w, 25, 128) is None
+    assert pick(w, 5, 128) == "mosaic" and pick(w, 25, 128) is None
+    assert pick(w, 1, 64) == pick(w, 32, 64) == "mosaic" and pick(w, 33, 64) is None and pick(w, 96, 64) is None
     monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, "1")
-    assert pick(w, 5, 128) == "mosaic" and pick(w, 5, 64) == "mosaic"
+    assert pick(w, 5, 128) == "mosaic" and pick(w, 5, 64) == "mosaic" and pick(w, 96, 64) == "mosaic"
     # a dense cache's buffer (the AR-bf16 baseline's [L, B, Hkv, S, D]): only those the kernel indexes in int32
     for mode in ("auto", "1"):
         monkeypatch.setenv(qlinear.TARGET_QKV_CACHE_ENV, mode)

@@ -1,7 +1,7 @@
 """QSPEC_NORM_SELECT: how the decode layer loop takes each layer's RMSNorm weights.
 
-"onehot" (`model._layer_norm_row`) exists for the GPU's command buffers (kernel_notes, "Fifty-fourth
-session"); it must not change a single bit of what the model computes.
+"onehot" (`model._layer_norm_row`, the default) exists for the GPU's command buffers (kernel_notes,
+"Fifty-fourth session"); it must not change a single bit of what the model computes.
 """
 
 import jax
@@ -60,6 +60,11 @@ def test_layer_norm_row_is_the_row():
     w = (1 + 0.3 * jax.random.normal(jax.random.PRNGKey(3), (5, 40))).astype(jnp.bfloat16)
     rows = jax.jit(lambda w: jax.lax.map(lambda i: M._layer_norm_row(w, i), jnp.arange(5)))(w)
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(w))
+
+
+def test_onehot_is_the_default(monkeypatch):
+    monkeypatch.delenv(M.NORM_SELECT_ENV, raising=False)
+    assert M._norm_select() == "onehot"
 
 
 def test_bad_mode_is_named(monkeypatch):

@@ -873,7 +873,8 @@ for stage in ${STAGES:-probe smol 8b}; do
             --programs ${NS_PROGS:-ar_bf16,ar_loop,spec_loop} --gamma 2 --verify-t 3 --dense-matmul $dm | grep "^=="
         done
       done
-      for ns in xla mmohq; do  # the two loop programs' thunk sequences (the two largest modules), gzipped, summarized
+      for ns in ${NS_DUMP-xla mmohq}; do  # the two loop programs' thunk sequences (the two largest modules), gzipped,
+        # summarized (NS_DUMP: the settings dumped; empty: none)
         normsel_parse $ns
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_ns_$ns --xla_dump_hlo_as_text" QSPEC_NORM_SELECT=$sel \
           QSPEC_TARGET_QKV_CACHE=$tq \
