@@ -331,3 +331,55 @@ def test_gaps_are_the_wall_outside_kernels(capsys):
     md = P.markdown(res, "cmd", env, 3)
     assert "| gaps ms |" in md and "| ar_loop | 8192 | 2.92 | 2.78 | 0.136 | 459 |" in md
     assert "| draft | 8192 | 2.92 | 0 | – | 0 |" in md
+
+
+def test_traced_idle_is_charged_to_its_boundary(capsys):
+    """`idle_boundaries`: kernels on one timeline (two streams overlapping count once), the stretches with none
+    running, each charged to (the kernel that ended last before it, the one after it), per step; largest first."""
+    lin, att = "int4_mma_skinny_k576_n960_g32_s1", "quantspec_draft_mgpu_ws_mosaic_gpu_kernel"
+    ev = []
+    for base in (0.0, 100.0):  # two steps
+        ev += [{"name": lin, "ts_us": base, "dur_us": 10.0},
+               {"name": "loop_add_fusion", "ts_us": base + 4.0, "dur_us": 2.0},  # inside lin's span: no idle
+               {"name": att, "ts_us": base + 13.0, "dur_us": 20.0},  # 3 us after lin ended
+               {"name": "memcpy32_post", "ts_us": base + 40.0, "dur_us": 2.0}]  # 7 us after att ended
+    t = P.idle_boundaries(ev, per=2, top=4)
+    assert t["span_us"] == pytest.approx(142.0 / 2)  # 0 .. the second step's copy's end
+    assert t["idle_us"] == pytest.approx((3 + 7 + 58 + 3 + 7) / 2)  # 58: the first copy's end to the next step
+    b = t["boundaries"]
+    assert [(x["before"], x["after"]) for x in b] == [
+        ("memcpy32_post", "int4 k576 n960 g32"), (att, "memcpy32_post"), ("int4 k576 n960 g32", att)]
+    assert [x["us"] for x in b] == pytest.approx([29.0, 7.0, 3.0]) and [x["count"] for x in b] == [0.5, 1, 1]
+    assert len(P.idle_boundaries(ev, per=2, top=1)["boundaries"]) == 1
+    assert P.idle_boundaries([], per=1) == {"span_us": 0.0, "idle_us": 0.0, "boundaries": []}
+    cats = {c: {"us": 0.0, "launches": 0.0} for c in P.CATEGORIES}
+    row = {"program": "draft", "context": 8192, "unit": "step", "wall_us": 80.0, "busy_us": 33.0, "launches": 4.0,
+           "categories": cats, "floor_us": {}, "labels": [], "traced": t, "graphs_in_trace": True}
+    P.show(row, 3, 30)
+    out = capsys.readouterr().out
+    assert "traced      0.071 ms from the first kernel to the last, idle 0.039 ms (graphs kept)" in out
+    assert "idle     29.0 us  x   0.5  memcpy32_post -> int4 k576 n960 g32" in out
+    P.show(dict(row, graphs_in_trace=False), 3, 30)
+    assert "(op by op)" in capsys.readouterr().out
+
+
+def test_graphs_in_trace_sets_the_xla_flag(monkeypatch):
+    """`--graphs-in-trace` adds XLA's keep-command-buffers-while-profiling flag to XLA_FLAGS, keeps the others,
+    accepts it already given, and refuses a conflicting value or a backend that has read XLA_FLAGS already."""
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
+    P.keep_graphs_in_trace(env)
+    assert env["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false " + P.GRAPHS_IN_TRACE_FLAG
+    P.keep_graphs_in_trace(env)  # given already: unchanged
+    assert env["XLA_FLAGS"].split().count(P.GRAPHS_IN_TRACE_FLAG) == 1
+    empty: dict[str, str] = {}
+    P.keep_graphs_in_trace(empty)
+    assert empty == {"XLA_FLAGS": P.GRAPHS_IN_TRACE_FLAG}
+    with pytest.raises(SystemExit) as e:
+        P.keep_graphs_in_trace({"XLA_FLAGS": "--xla_enable_command_buffers_during_profiling=false"})
+    assert e.value.code == 2
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    with pytest.raises(SystemExit):
+        P.keep_graphs_in_trace({})

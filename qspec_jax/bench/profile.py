@@ -9,6 +9,16 @@ and reports per step (per token for the loops):
     kernels      GPU kernel time summed, and the number of kernel launches
     categories   linear (each INT4 / bf16 Mosaic shape, cuBLAS), attention, glue (every other
                  XLA fusion), copies; each against its byte floor at the read ceiling
+    traced idle  the stretches of the traced call with no kernel running, by the boundary they
+                 sit at (the kernel that ended before -> the one that starts after)
+
+The wall is timed with XLA's command buffers (CUDA graphs) as the program runs; the trace, by
+default, is of the program launched op by op (XLA turns its command buffers off under the
+profiler), so a kernel's traced duration is its own and "gaps" (wall - kernels) is the timed
+run's idle, but the traced idle is the op-by-op launch's. `--graphs-in-trace` keeps the command
+buffers while tracing (`--xla_enable_command_buffers_during_profiling`): the traced idle and
+kernel times are then the graphs' own, which tells a kernel that runs slower inside a graph from
+a wait between kernels.
 
 The byte floor of a category is the fewest bytes it must read over the device's read ceiling
 (`timing.read_ceiling_bps`: the H200's measured 4.35 TB/s, the H100's datasheet 3.35 TB/s): the
@@ -27,6 +37,7 @@ import collections
 import functools
 import gzip
 import json
+import os
 import re
 import sys
 import time
@@ -51,6 +62,7 @@ from qspec_jax.speculative import speculative_loop
 from qspec_jax.weight_quant import DraftWeightsConfig, make_draft_params
 
 PROGRAMS = ("ar_bf16", "draft", "verify", "ar_loop", "spec_loop")
+GRAPHS_IN_TRACE_FLAG = "--xla_enable_command_buffers_during_profiling=true"
 SHAPES = {"llama3-8b": (e2e.LLAMA31_8B, "Llama-3.1-8B shape"), "smollm2": (SMOLLM2, "SmolLM2-135M shape")}
 CATEGORIES = ("linear", "attention", "glue", "copy")
 _MOSAIC_LINEAR = re.compile(r"(int4|bf16)_(mma|wgmma|smem)_skinny_k(\d+)_n(\d+)_g(\w+?)_s(\d+)")
@@ -83,6 +95,32 @@ def gpu_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
     return [{"name": e["name"], "dur_us": float(e["dur"]), "ts_us": float(e.get("ts", 0.0))} for e in events
             if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+
+
+def idle_boundaries(events: list[dict[str, Any]], per: int, top: int = 4) -> dict[str, Any]:
+    """The idle of a traced call of `per` steps, per step: its kernels on one timeline (any stream),
+    from the first kernel's start to the last one's end (`span_us`), the stretches with no kernel
+    running (`idle_us`), and the `top` boundaries that hold the most of it: (label of the kernel
+    that ended last before the stretch, label of the kernel that starts after it, us per step,
+    stretches per step). Labels as `classify` gives them."""
+    ev = sorted(events, key=lambda e: e["ts_us"])
+    if not ev:
+        return {"span_us": 0.0, "idle_us": 0.0, "boundaries": []}
+    by_pair: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    last, end, idle = ev[0], ev[0]["ts_us"] + ev[0]["dur_us"], 0.0
+    for e in ev[1:]:
+        gap = e["ts_us"] - end
+        if gap > 0:
+            a = by_pair[(classify(last["name"])[1], classify(e["name"])[1])]
+            a[0] += gap
+            a[1] += 1
+            idle += gap
+        if e["ts_us"] + e["dur_us"] >= end:
+            last, end = e, e["ts_us"] + e["dur_us"]
+    pairs = sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_us": (end - ev[0]["ts_us"]) / per, "idle_us": idle / per,
+            "boundaries": [{"before": b, "after": a, "us": v[0] / per, "count": v[1] / per}
+                           for (b, a), v in pairs]}
 
 
 def classify(name: str) -> tuple[str, str, int | None]:
@@ -158,7 +196,10 @@ def _profile(call: Any, trace_dir: Path, per: int, trials: int) -> dict[str, Any
     wall = e2e.median_seconds(call, trials) / per
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         jax.block_until_ready(call())
-    out = summarize(kernel_events(trace_dir), per)
+    events = kernel_events(trace_dir)
+    out = summarize(events, per)
+    out["traced"] = idle_boundaries(events, per)
+    out["graphs_in_trace"] = GRAPHS_IN_TRACE_FLAG in os.environ.get("XLA_FLAGS", "").split()
     out["wall_us"] = wall * 1e6
     return out
 
@@ -308,6 +349,12 @@ def show(r: dict[str, Any], top: int, layers: int) -> None:
     print(f"\n== {r['program']} at {at}: wall {r['wall_us'] / 1e3:.3f} ms/{unit}, kernels "
           f"{r['busy_us'] / 1e3:.3f} ms in {r['launches']:.0f} launches/{unit} "
           f"({r['launches'] / layers:.1f} per layer), gaps {gaps_us(r) / 1e3:.3f} ms")
+    tr = r.get("traced")
+    if tr and tr["span_us"]:
+        print(f"   traced   {tr['span_us'] / 1e3:8.3f} ms from the first kernel to the last, idle "
+              f"{tr['idle_us'] / 1e3:.3f} ms ({'graphs kept' if r.get('graphs_in_trace') else 'op by op'})")
+        for b in tr["boundaries"]:
+            print(f"      idle {b['us']:8.1f} us  x{b['count']:6.1f}  {b['before'][:40]} -> {b['after'][:40]}")
     for c in CATEGORIES:
         v = r["categories"][c]
         fl = r["floor_us"].get(c)
@@ -379,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hopper where the device has a measured launch shape, up to 24 rows) or interpret (its CPU "
                         "twin); default: the model config's")
     p.add_argument("--top", type=int, default=24, help="kernels listed per program")
+    p.add_argument("--graphs-in-trace", action="store_true",
+                   help="keep XLA's command buffers (CUDA graphs) while tracing "
+                        f"({GRAPHS_IN_TRACE_FLAG}): kernel times and idle inside the graphs; "
+                        "by default the trace is of the program launched op by op")
     options.add_output_args(p, "profile", "BENCHMARKS.md")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, and tiny contexts unless given (runs on a CPU, where the trace has no GPU "
@@ -409,12 +460,33 @@ def check_args(args: argparse.Namespace) -> None:
         fail(PROG, f"--doc: no GPU ({jax.default_backend()} backend): the trace would have no kernels to report")
 
 
+def keep_graphs_in_trace(environ: Any = None) -> None:
+    """Adds GRAPHS_IN_TRACE_FLAG to XLA_FLAGS (read when jax creates its backend, so before any
+    computation); refuses where XLA_FLAGS already sets that flag otherwise, or the backend exists."""
+    from qspec_jax.cli import fail
+
+    environ = os.environ if environ is None else environ
+    name, value = GRAPHS_IN_TRACE_FLAG.split("=")
+    given = [f for f in environ.get("XLA_FLAGS", "").split() if f.split("=")[0] == name]
+    if given and given != [GRAPHS_IN_TRACE_FLAG]:
+        fail(PROG, f"--graphs-in-trace: XLA_FLAGS sets {given[-1]}; expected {GRAPHS_IN_TRACE_FLAG} or nothing")
+    from jax._src import xla_bridge  # no public way to ask whether XLA_FLAGS has been read yet
+
+    if xla_bridge.backends_are_initialized():
+        fail(PROG, "--graphs-in-trace: jax's backend already exists, so XLA_FLAGS can no longer change; "
+                   f"set XLA_FLAGS={GRAPHS_IN_TRACE_FLAG} before starting instead")
+    if not given:
+        environ["XLA_FLAGS"] = " ".join([environ.get("XLA_FLAGS", ""), GRAPHS_IN_TRACE_FLAG]).strip()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return options.run_bench(PROG, _main, argv)
 
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.graphs_in_trace:
+        keep_graphs_in_trace()
     options.resolve_outputs(PROG, args, "profile", "BENCHMARKS.md", quick=args.quick)
     check_args(args)  # every argument given, --quick or not
     options.require_gpu(PROG, args.quick, "the profile runs the 8B shape's step programs (16 GB of weights, caches "

@@ -78,6 +78,9 @@
 #   "normsel": the target's layer loop body in one command buffer (54th): the dense linears on our kernel and the
 #   norms' rows by one-hot (QSPEC_NORM_SELECT=onehot), AR and γ 2 loops at SmolLM2 batch 32, and the device's thunk
 #   sequences (what tools/aot_thunks.py shows on the CPU)
+#   "graphtrace": the loops traced with XLA's command buffers kept (`qspec-bench profile --graphs-in-trace`, 55th):
+#   kernel times and idle inside the graphs by boundary, the target's q|k|v kernel on at the verify's 96 rows
+#   (QSPEC_TARGET_QKV_CACHE=1) against auto (off there), graphs kept and not (GT_TRIALS, GT_PROGS, GT_BATCH)
 #   "tqkvverify": the target's q|k|v into the cache at the verify's 96 rows (SmolLM2 batch 32, γ 2: the kernel's row
 #   blocks, 51st, GPU-unchecked): the kernel checked, then the verify / γ 2 loop A/B with QSPEC_TARGET_QKV_CACHE=1
 #   "overlap": whether XLA overlaps two independent kernel chains of a loop body (tools/device/overlap_probe.py, 46th)
@@ -854,6 +857,22 @@ for stage in ${STAGES:-probe smol 8b}; do
         rm -rf /tmp/hlo_vlog_$v
       done
       echo "== tqkvvlog done ($(( $(date +%s) - T0 )) s)";;
+    graphtrace)  # (55th, prepared) the γ 2 loop's idle with the target's q|k|v kernel at the verify's 96 rows
+      # (0.15-0.18 ms a token, 55th, its layer body one command buffer): the profile's gaps are the timed wall (graphs
+      # on) minus the kernels traced op by op, so a kernel slower inside a graph counts as idle too. Traced with the
+      # graphs kept, the kernel times and the idle by boundary are the graphs' own. ~60 s a run
+      for i in ${GT_TRIALS:-1}; do
+        for v in 1 auto; do
+          for g in graphs opbyop; do
+            GF=""; [[ $g == graphs ]] && GF=--graphs-in-trace
+            QSPEC_TARGET_QKV_CACHE=$v LIMIT=${GT_LIMIT:-150} prof smollm2_b${GT_BATCH:-32}_8k_graphtrace_tqkv${v}_${g}_$i \
+              --shape smollm2 --batch ${GT_BATCH:-32} --contexts 8192 --ragged --programs ${GT_PROGS:-verify,spec_loop} \
+              --gamma 2 --verify-t 3 $GF | grep "^=="
+            grep -E "^   (traced|   idle)" $L/profile_smollm2_b${GT_BATCH:-32}_8k_graphtrace_tqkv${v}_${g}_$i.log
+          done
+        done
+      done
+      echo "== graphtrace done ($(( $(date +%s) - T0 )) s)";;
     normsel)  # (54th, prepared) the target's layer loop body as one command buffer. `tools/aot_thunks.py` (an sm_90
       # compile on the CPU) shows SmolLM2's target layer bodies running mostly op by op: each cuBLAS linear is a
       # dynamic-slice fusion over the stacked weight (not graph-capable in jax 0.11.2's XLA) and the two 576-wide
