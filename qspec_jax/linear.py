@@ -361,7 +361,7 @@ TARGET_QKV_CACHE_ENV = "QSPEC_TARGET_QKV_CACHE"  # a target's bf16 q|k|v into th
 # verify T 3): the AR-bf16 loop at batch 1 1.229 -> 1.126 ms a token, batch 8 1.669 -> 1.410 (slice norms, no
 # kernel: 1.582), batch 32 2.82 -> 2.70 (slice: 2.87); the QuantSpec loop at batch 1 1.329 -> 1.282, batch 8 even
 # (1.402 / 1.407). Above one block (the verify's 96 rows at batch 32) the kernel's row blocks take 0.07 ms a token of
-# kernels off the γ 2 loop but add 0.1 ms of idle between kernels (2.48 -> 2.52): not in "auto".
+# kernels off the γ 2 loop but add 0.1 ms of wall outside them (2.48 -> 2.52): not in "auto".
 TARGET_QKV_CACHE_AUTO_ROWS = {128: 24, 64: 32}  # head dim -> the most rows "auto" runs the kernel at
 TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS = tuple(TARGET_QKV_CACHE_AUTO_ROWS)
 

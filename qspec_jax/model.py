@@ -417,10 +417,11 @@ def _layer_norm_row(w: Array, i: Array) -> Array:
     slice: the same values (one product w[i] x 1, the others x 0, for finite weights; a -0.0 comes
     back +0.0). On a GPU, XLA (jax 0.11) turns the per-layer slice of a norm it runs itself
     (SmolLM2's 576-wide norms, which our norm kernel does not take) into an asynchronous copy on a
-    second stream, which splits the layer loop body's command buffer; the contraction fuses into the
-    norm's own fusion instead (`tools/aot_thunks.py`; kernel_notes, "Fifty-fourth session"). The
-    default: with it the target's q|k|v kernel at SmolLM2's head dim pays in the AR loop (H100,
-    `linear.TARGET_QKV_CACHE_AUTO_ROWS`); QSPEC_NORM_SELECT=slice takes the rows by dynamic slice."""
+    second stream; the contraction fuses into the norm's own fusion instead (kernel_notes,
+    "Fifty-fourth session" and "Fifty-fifth session"). The default: with it the target's q|k|v
+    kernel at SmolLM2's head dim pays in the AR loop, where with the sliced rows it left the loop
+    idle (H100, `linear.TARGET_QKV_CACHE_AUTO_ROWS`); QSPEC_NORM_SELECT=slice takes the rows by
+    dynamic slice."""
     sel = (jnp.arange(w.shape[0]) == i).astype(w.dtype)
     return jnp.einsum("l,ld->d", sel, w)
 

@@ -466,7 +466,7 @@ def keep_graphs_in_trace(environ: Any = None) -> None:
     from qspec_jax.cli import fail
 
     environ = os.environ if environ is None else environ
-    name, value = GRAPHS_IN_TRACE_FLAG.split("=")
+    name = GRAPHS_IN_TRACE_FLAG.split("=")[0]
     given = [f for f in environ.get("XLA_FLAGS", "").split() if f.split("=")[0] == name]
     if given and given != [GRAPHS_IN_TRACE_FLAG]:
         fail(PROG, f"--graphs-in-trace: XLA_FLAGS sets {given[-1]}; expected {GRAPHS_IN_TRACE_FLAG} or nothing")
