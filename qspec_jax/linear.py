@@ -363,15 +363,14 @@ TARGET_QKV_CACHE_ENV = "QSPEC_TARGET_QKV_CACHE"  # a target's bf16 q|k|v into th
 # (1.402 / 1.407). Above one block (the verify's 96 rows at batch 32) the kernel's row blocks take 0.07 ms a token of
 # kernels off the γ 2 loop but add 0.1 ms of wall outside them (2.48 -> 2.52): not in "auto".
 TARGET_QKV_CACHE_AUTO_ROWS = {128: 24, 64: 32}  # head dim -> the most rows "auto" runs the kernel at
-TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS = tuple(TARGET_QKV_CACHE_AUTO_ROWS)
 
 
 def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = None) -> str | None:
     """The backend `qkv_into_cache` runs a target's fused bf16 q|k|v weight `w` (a stack [L, K, N]
     or its StackedLayer) with at `rows` = B x T rows, or None where the target keeps its XLA q|k|v,
     RoPE and cache writes. QSPEC_TARGET_QKV_CACHE: "auto" (the default) the Mosaic kernel on
-    Hopper for TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS up to their TARGET_QKV_CACHE_AUTO_ROWS (measured
-    in the model), "1" for every head dim the qkv epilogue takes,
+    Hopper for the head dims of TARGET_QKV_CACHE_AUTO_ROWS up to their rows there (measured in
+    the model), "1" for every head dim the qkv epilogue takes,
     over either cache (a QuantSpecCache, or the AR-bf16 baseline's DenseKVCache), "0" never,
     "interpret" the kernel's CPU twin (tests). Up to the rows the kernel is checked at for that
     head dim (`mosaic_gpu.bf16_qkv_max_rows`: 24; 128 for 64 channels, whose rows above 32 go in
@@ -382,7 +381,7 @@ def target_qkv_cache_backend(w: Any, rows: int, head_dim: int, *, buffer: Any = 
     from pallas_kernels.linear.mosaic_gpu import QKV_HEAD_DIMS, QKV_MAX_BUFFER_ELEMENTS, bf16_qkv_max_rows
 
     mode = os.environ.get(TARGET_QKV_CACHE_ENV, "auto")
-    dims = {"0": (), "auto": TARGET_QKV_CACHE_DEFAULT_HEAD_DIMS, "1": QKV_HEAD_DIMS, "interpret": QKV_HEAD_DIMS}
+    dims = {"0": (), "auto": tuple(TARGET_QKV_CACHE_AUTO_ROWS), "1": QKV_HEAD_DIMS, "interpret": QKV_HEAD_DIMS}
     if mode not in dims:
         raise ValueError(f"{TARGET_QKV_CACHE_ENV}={mode!r}: expected one of {', '.join(dims)}")
     inner = w.weight if isinstance(w, StackedLayer) else w
