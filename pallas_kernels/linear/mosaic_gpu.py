@@ -431,7 +431,13 @@ TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # same shape with a cluster sum: 27.1 / 28.3). In the draft step (4k) down went 615 -> 508 us at
     # batch 1 and 606 -> 517 at batch 8 for ~42 us of XLA sums. o's best (wgs 2, S 8, gmem: 9.1 us
     # against 10.0) saved 38-42 us of kernel time and cost as much in XLA sums: not taken.
-    "H100": {(14336, 4096, 32): (2, 256, 4, "gmem")},
+    # SmolLM2's bf16 target linears (G None) at the cost model's own shapes (6 stages), 2026-12-06
+    # (docs/bench/dsf_smollm2_*_h100_2026-12-06c.log): with `--dense-matmul mosaic` the batch-1 loops at 8k went AR
+    # 1.121 -> 1.069 ms a token, γ 2 1.283 -> 1.213 (the stack read in place: no cuBLAS call on a dynamic slice of
+    # it, whose command buffer XLA re-records every layer); at batch 32 (above DENSE_AUTO_MAX_ROWS) even.
+    "H100": {(14336, 4096, 32): (2, 256, 4, "gmem"),
+             (576, 960, None): (1, 64, 1, "cluster", 1, 6), (576, 576, None): (1, 64, 1, "cluster", 1, 6),
+             (576, 3072, None): (1, 64, 1, "cluster", 1, 6), (1536, 576, None): (1, 128, 3, "cluster", 1, 6)},
     # H200, jax 0.11.2, 2026-11-29 (docs/bench/*_h200_2026-11-29d*): the 8B draft's down and o with two k
     # groups per row tile (`MgpuConfig.k_groups`), the model's wgs 1, S 2 cluster otherwise. Stand-alone at
     # M = 1: down 19.86 -> 17.07 us (8 stages; the split sums through global memory ran 17.9-19.4 plus a

@@ -831,14 +831,16 @@ for stage in ${STAGES:-probe smol 8b}; do
       # do); counts per message kind, the full logs gzip'd. (54th) TQC_VARIANTS picks some of them; each variant's
       # optimized HLO and thunk sequence are dumped too (the largest module's, gzipped; its computations, calls, while
       # loops, custom calls, dynamic slices and copies listed; its command buffers and the thunks outside them by
-      # `tools/aot_thunks.py --summarize`), kernel on and off
+      # `tools/aot_thunks.py --summarize`), kernel on and off. (56th) TQC_PROGS=spec_loop: the γ 2 loop instead (its
+      # verify's 96 rows take the kernel only with 1)
       for v in ${TQC_VARIANTS:-1 auto mm}; do
         dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_vlog_$v --xla_dump_hlo_as_text" \
         QSPEC_TARGET_QKV_CACHE=${v/mm/auto} TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
           TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,dynamic_slice_thunk=3,command_buffer_conversion_pass=2 \
           timeout ${TQC_LIMIT:-120} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 \
-          --batch 32 --contexts 8192 --ragged --programs ar_loop --loop-tokens 16 $dm --out /tmp/p_vlog_$v \
+          --batch 32 --contexts 8192 --ragged --programs ${TQC_PROGS:-ar_loop} --gamma 2 --verify-t 3 --loop-tokens 16 $dm \
+          --out /tmp/p_vlog_$v \
           > /tmp/vlog_$v.log 2>&1
         grep -E "^==" /tmp/vlog_$v.log
         echo "-- tqkv $v: message kinds (counts)"
@@ -857,6 +859,27 @@ for stage in ${STAGES:-probe smol 8b}; do
         rm -rf /tmp/hlo_vlog_$v
       done
       echo "== tqkvvlog done ($(( $(date +%s) - T0 )) s)";;
+    dsf)  # (56th) the target's layer body is re-recorded on every execution (`tqkvvlog` of the γ 2 loop: "needs_update"
+      # with no changed allocation, 41-79 us of host a layer under VLOG): its cuBLAS calls read a slice of the stacked
+      # weights at the layer index (`kDynamicSliceFusion`, whose offset follows the loop). Per batch (DSF_BATCHES) and
+      # setting (DSF_SETS: default; nodsf = XLA's dynamic-slice fusion off, the slices copied by a fusion that reads the
+      # index on the device; nodsfq = nodsf + the target's q|k|v kernel at every row count; mm = the dense linears on
+      # our kernel, which reads the stack in place; xla = cuBLAS, the default before the 56th session's H100 entries),
+      # alternating DSF_TRIALS times
+      for i in ${DSF_TRIALS:-1}; do for b in ${DSF_BATCHES:-32 1}; do
+        R=""; [[ $b != 1 ]] && R=--ragged
+        for st in ${DSF_SETS:-default nodsf nodsfq mm}; do
+          F=""; tq=auto; dm=auto
+          [[ $st == nodsf* ]] && F="--xla_gpu_enable_dynamic_slice_fusion=false"
+          [[ $st == *q ]] && tq=1
+          [[ $st == mm* ]] && dm=mosaic
+          [[ $st == xla ]] && dm=xla
+          XLA_FLAGS="${XLA_FLAGS:-} $F" QSPEC_TARGET_QKV_CACHE=$tq LIMIT=${DSF_LIMIT:-120} prof \
+            smollm2_b${b}_8k_dsf_${st}_$i --shape smollm2 --batch $b --contexts 8192 $R --programs ${DSF_PROGS:-ar_loop,spec_loop} \
+            --gamma 2 --verify-t 3 --dense-matmul $dm | grep "^=="
+        done
+      done; done
+      echo "== dsf done ($(( $(date +%s) - T0 )) s)";;
     graphtrace)  # (55th, prepared) the γ 2 loop's idle with the target's q|k|v kernel at the verify's 96 rows
       # (0.15-0.18 ms a token, 55th, its layer body one command buffer): the profile's gaps are the timed wall (graphs
       # on) minus the kernels traced op by op, so a kernel slower inside a graph counts as idle too. Traced with the
