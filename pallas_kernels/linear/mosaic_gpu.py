@@ -433,8 +433,9 @@ TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # against 10.0) saved 38-42 us of kernel time and cost as much in XLA sums: not taken.
     # SmolLM2's bf16 target linears (G None) at the cost model's own shapes (6 stages), 2026-12-06
     # (docs/bench/dsf_smollm2_*_h100_2026-12-06c.log): with `--dense-matmul mosaic` the batch-1 loops at 8k went AR
-    # 1.121 -> 1.069 ms a token, γ 2 1.283 -> 1.213 (the stack read in place: no cuBLAS call on a dynamic slice of
-    # it, whose command buffer XLA re-records every layer); at batch 32 (above DENSE_AUTO_MAX_ROWS) even.
+    # 1.121 -> 1.069 ms a token, γ 2 1.283 -> 1.213 (the stack read in place, replacing XLA's own matrix-vector
+    # reduce fusions at the AR step's one row and, at the verify's three, cuBLAS on a dynamic slice of the stack,
+    # whose command buffer XLA re-records every layer); at batch 32 (above DENSE_AUTO_MAX_ROWS) even.
     "H100": {(14336, 4096, 32): (2, 256, 4, "gmem"),
              (576, 960, None): (1, 64, 1, "cluster", 1, 6), (576, 576, None): (1, 64, 1, "cluster", 1, 6),
              (576, 3072, None): (1, 64, 1, "cluster", 1, 6), (1536, 576, None): (1, 128, 3, "cluster", 1, 6)},
