@@ -96,32 +96,15 @@ FEW_SMS = 8
 @pytest.fixture(scope="module")
 def reuse_interpreter_programs() -> Any:
     """GPU interpret mode compiles every simulated warpgroup's program on every call (~2 s each);
-    reusing the compiled program for the same jaxpr and argument types keeps these tests fast.
-    Pure caching: a missing hook (another jax version) only makes the tests slower. Used by the
+    reusing the compiled program for the same jaxpr and argument types keeps these tests fast
+    (`tests/helpers/subproc.reuse_interpreter_programs`, for the module's duration). Used by the
     modules of the Mosaic GPU kernels (`pytestmark = pytest.mark.usefixtures(...)`)."""
-    import jax  # imported where used, as elsewhere in this conftest
-
-    try:
-        from jax._src.pallas.mosaic.interpret import thread_map
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    original = thread_map._run_jaxpr
-    cache: dict = {}
-
-    def run(jaxpr, consts, *args):
-        key = (id(jaxpr), tuple((np.shape(a), np.asarray(a).dtype.str)
-                                for a in (*jax.tree.leaves(consts), *args)))
-        if key not in cache:
-            def body(jaxpr, consts, *args):
-                jax.core.eval_jaxpr(jaxpr, consts, *args)
-            compiled = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-            cache[key] = (jaxpr, compiled)  # the jaxpr is kept alive so its id stays unique
-        cache[key][1](consts, *args)
-
-    thread_map._run_jaxpr = run
+    spec = importlib.util.spec_from_file_location("subproc", Path(__file__).parent / "helpers" / "subproc.py")
+    subproc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(subproc)
+    restore = subproc.reuse_interpreter_programs()
     yield
-    thread_map._run_jaxpr = original
+    restore()
 
 
 @pytest.fixture

@@ -4,11 +4,14 @@ bitwise row invariance, the launch-shape choice, bad inputs and CUDA lowering of
 
 The interpret-mode runs happen in a child process with 8 host devices (`_child`;
 `tests/helpers/subproc.run_in_child` says why: with one host device the simulation of the kernel's
-four or five warpgroups (now four or six) deadlocked on a 2-core machine, seen here). ~10-20 s per kernel call.
+four or five warpgroups (now four or six) deadlocked on a 2-core machine, seen here). ~2-6 s per kernel call: the
+child compiles each traced kernel's program once for all its warpgroups and calls
+(`subproc.reuse_interpreter_programs`; ~7-15 s a call when every warpgroup compiled its own).
 The GPU kernel (its grid-wide flags, chunk counters, register MMA, inline loads and stores) runs
 in tools/device/check_tail.py against the same reference on the H200.
 """
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -26,8 +29,9 @@ _spec.loader.exec_module(subproc)
 
 
 def _child(fn: str, *args) -> None:
-    """`fn(*args)` of this module in a child with 8 host devices (the module docstring says why)."""
-    subproc.run_in_child(__file__, fn, *args)
+    """`fn(*args)` of this module in a child with 8 host devices (the module docstring says why), which
+    compiles each interpreted kernel's program once (`subproc.reuse_interpreter_programs`)."""
+    subproc.run_in_child(__file__, fn, *args, reuse_programs=True)
 
 
 def _packed(key: jax.Array, k: int, n: int, lead: tuple[int, ...] = (), g: int = 32) -> lay.W4A16Packed:
@@ -40,6 +44,7 @@ def _packed(key: jax.Array, k: int, n: int, lead: tuple[int, ...] = (), g: int =
                            zero.astype(jnp.float16))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))  # one compile, not one per eager op (~4 s a call)
 def _inputs(seed: int, m: int, kq: int, d: int, f: int, lead: tuple[int, ...] = ()):
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     ws = _packed(ks[0], kq, d, lead), _packed(ks[1], d, 2 * f, lead), _packed(ks[2], f, d, lead)
@@ -124,7 +129,7 @@ def test_stacked_weights_at_the_layer_and_rows_alone_bit_for_bit() -> None:
     (the same kernel on the same data), the layer index is clamped like the linear kernels', and
     row i of an M-row call == the row computed alone (issue 11: a row's bits never depend on M); the
     cluster form's interpret run is the same kernel (its phase ends are GPU-only).
-    One test for both: each interpret-mode kernel call costs ~10-20 s on a 2-core CPU."""
+    One test for both: each interpret-mode kernel call costs seconds on a 2-core CPU."""
     _child("check_stacked_rows")
 
 

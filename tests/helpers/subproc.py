@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,9 +51,53 @@ def run_script(interpreter: str, script: str, host_devices: int | None = None,
     return subprocess.run([interpreter, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
 
 
-def run_in_child(test_file: str, fn: str, *args, host_devices: int = 8) -> None:
+def reuse_interpreter_programs() -> Callable[[], None]:
+    """GPU interpret mode compiles the kernel's whole program once per simulated warpgroup and call
+    (`thread_map._run_jaxpr`: 4-6 compiles of ~1.5 s a kernel call, the most of a call's time on a
+    2-core CPU). From now on in this process, compile it once per jaxpr and argument types; the other
+    warpgroups (and later calls of the same traced kernel: a layer loop's, a jitted function's) reuse
+    it, with a lock per program so that the warpgroups of one call compile it once. Returns the
+    function that restores the original. Used by tests/conftest.py's fixture of the same name (the
+    pytest process) and by `run_in_child(reuse_programs=True)` (a child, which the fixture's hook does
+    not reach). Pure caching: a missing hook (another jax version) only makes the tests slower."""
+    import threading
+
+    import jax
+    import numpy as np
+
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover
+        return lambda: None
+    original = thread_map._run_jaxpr
+    cache: dict = {}
+    lock = threading.Lock()
+
+    def body(jaxpr, consts, *args):
+        jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run(jaxpr, consts, *args):
+        key = (id(jaxpr), tuple((np.shape(a), np.asarray(a).dtype.str)
+                                for a in (*jax.tree.leaves(consts), *args)))
+        with lock:  # the jaxpr is kept alive in its entry so that its id stays unique
+            entry = cache.setdefault(key, [jaxpr, threading.Lock(), None])
+        with entry[1]:
+            if entry[2] is None:
+                entry[2] = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+        entry[2](consts, *args)
+
+    thread_map._run_jaxpr = run
+
+    def restore() -> None:
+        thread_map._run_jaxpr = original
+
+    return restore
+
+
+def run_in_child(test_file: str, fn: str, *args, host_devices: int = 8, reuse_programs: bool = False) -> None:
     """Calls `fn(*args)` of the test module at `test_file` in a child interpreter with
-    `host_devices` host devices and asserts that it returned.
+    `host_devices` host devices and asserts that it returned; with `reuse_programs`, the child
+    compiles each interpreted kernel's program once (`reuse_interpreter_programs`).
 
     Why (GPU interpret mode): the interpreter runs each simulated warpgroup's program on XLA:CPU
     and blocks in barrier callbacks, whose thread pool grows with the host device count. With one
@@ -63,6 +108,9 @@ def run_in_child(test_file: str, fn: str, *args, host_devices: int = 8) -> None:
     large XLA program run once, whose compile dominates (~25% less test time measured); the test
     compares results computed in the same child, so the optimization level is the same on both sides."""
     script = (f"import importlib.util\n"
+              + (f"spec = importlib.util.spec_from_file_location('subproc', {str(Path(__file__).resolve())!r})\n"
+                 f"sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp)\n"
+                 f"sp.reuse_interpreter_programs()\n" if reuse_programs else "") +
               f"spec = importlib.util.spec_from_file_location('child_tests', {str(Path(test_file).resolve())!r})\n"
               f"mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
               f"mod.{fn}(*{args!r})\nprint('CHILD OK')\n")
