@@ -535,31 +535,49 @@ def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
 
 def test_dense_linear_runs_a_verifys_rows_in_row_blocks(monkeypatch):
     """The kernel backends of `dense_linear` take up to DENSE_BLOCKED_MAX_ROWS rows (a verify's B x T,
-    e.g. SmolLM2's 32 x 3) as row blocks of MAX_M: at 96 rows two kernel calls (64 + 32 rows) whose
-    outputs are the blocks' own calls, in order, and within bf16 rounding of the reference (on the
-    GPU each block's rows are also the rows alone, bitwise: the kernel's row invariance,
-    tools/device/check_w4a16.py; the CPU interpreter's float32 sums follow M, so not here); above
-    the limit a clear error; `dense_supports` says so while `supports` (the INT4 kernel's too) keeps
-    MAX_M; and the model's `linear` sends a stacked weight's 96-row pass to the kernel."""
+    e.g. SmolLM2's 32 x 3) in one launch of equal row blocks (`dense_blocks`): at 96 rows one kernel call,
+    whose blocks of 48 rows are each the kernel's own 48-row call, in order, and within bf16 rounding of the
+    reference (on the GPU each block's rows are also the rows alone, bitwise: the kernel's row invariance,
+    tools/device/check_w4a16.py; the CPU interpreter's float32 sums follow M, so not here); a last block
+    with padding rows (70 rows: 2 x 40), a split-K sum and SiLU·up take the same blocks; above the limit a
+    clear error; `dense_supports` says so while `supports` (the INT4 kernel's too) keeps MAX_M; and the
+    model's `linear` sends a stacked weight's 96-row pass to the kernel."""
     from qspec_jax import linear as qlinear
 
     rng = np.random.default_rng(51)
-    w = jnp.asarray(rng.standard_normal((2, 128, 64)).astype(np.float32) / 8).astype(jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 128, 128)).astype(np.float32) / 8).astype(jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((32, 3, 128)).astype(np.float32)).astype(jnp.bfloat16)
     rows, kernel = [], mg.bf16_matmul_mgpu
     monkeypatch.setattr(mg, "bf16_matmul_mgpu", lambda x2, *a, **kw: rows.append(x2.shape[0]) or kernel(x2, *a, **kw))
     y = linear.dense_linear(x, w, layer=1, backend="interpret", out_dtype=jnp.float32)
-    assert y.shape == (32, 3, 64) and rows == [64, 32]
+    assert y.shape == (32, 3, 128) and rows == [96] and mg.dense_blocks(96) == (2, 48)
     ref = np.asarray(linear.dense_linear(x, w, layer=1, backend="reference", out_dtype=jnp.float32), np.float64)
     assert _rel(y, ref) < 1e-2
-    flat, y2 = x.reshape(96, 128), np.asarray(y).reshape(96, 64)
-    for lo, hi in ((0, 64), (64, 96)):  # the blocks, each as the kernel gives it alone
+    flat, y2 = x.reshape(96, 128), np.asarray(y).reshape(96, 128)
+    for lo, hi in ((0, 48), (48, 96)):  # the blocks, each as the kernel gives it alone
         block = kernel(flat[lo:hi], w, layer=1, out_dtype=jnp.float32, interpret=True)
         np.testing.assert_array_equal(y2[lo:hi], np.asarray(block))
+    # 70 rows: blocks of 40, the last one 30 rows and 10 zero rows (never returned); split-K over global
+    # memory (two float32 partials per block); SiLU·up (two warpgroups: gate | up)
+    assert mg.dense_blocks(70) == (2, 40) and mg.dense_blocks(64) == (1, 64) and mg.dense_blocks(256) == (4, 64)
+    x70 = flat[:70]
+    split = mg.MgpuConfig(wgs=1, k_tile=64, splits=2, reduce="gmem", stages=2)
+    swi = mg.MgpuConfig(wgs=2, k_tile=64, splits=1, reduce="gmem", stages=2)
+    for cfg, swiglu, n_out in ((split, False, 128), (swi, True, 64)):
+        y70 = np.asarray(kernel(x70, w, layer=0, out_dtype=jnp.float32, interpret=True, config=cfg, swiglu=swiglu))
+        assert y70.shape == (70, n_out)
+        r70 = np.asarray(mg.epilogue_reference(x70, w[0].astype(jnp.float32), mg.Epilogue(swiglu=swiglu),
+                                               out_dtype=jnp.float32), np.float64)
+        assert _rel(y70, r70) < 1e-2
+        last = jnp.pad(x70[40:], ((0, 10), (0, 0)))  # the last block as the kernel runs it: 40 rows, 10 of zeros
+        for lo, xb in ((0, x70[:40]), (40, last)):
+            alone = np.asarray(kernel(xb, w, layer=0, out_dtype=jnp.float32, interpret=True, config=cfg,
+                                      swiglu=swiglu))
+            np.testing.assert_array_equal(y70[lo:lo + 40], alone[:min(40, 70 - lo)])
     limit = linear.DENSE_BLOCKED_MAX_ROWS
-    assert linear.dense_supports("interpret", 96, 128, 64) and linear.dense_supports("mosaic", limit, 128, 64)
-    assert not linear.dense_supports("mosaic", limit + 1, 128, 64) and not linear.supports("mosaic", 96, 128, 64)
-    assert linear.dense_supports("xla", 10 * limit, 128, 64)
+    assert linear.dense_supports("interpret", 96, 128, 128) and linear.dense_supports("mosaic", limit, 128, 128)
+    assert not linear.dense_supports("mosaic", limit + 1, 128, 128) and not linear.supports("mosaic", 96, 128, 128)
+    assert linear.dense_supports("xla", 10 * limit, 128, 128)
     with pytest.raises(ValueError, match=f"x has {limit + 1} rows; the interpret kernel takes at most {limit}"):
         linear.dense_linear(jnp.zeros((limit + 1, 128), jnp.bfloat16), w, layer=1, backend="interpret")
     calls = []

@@ -87,15 +87,16 @@ def supports(backend: str, m: int, k: int, n: int) -> bool:
     return True
 
 
-# Rows up to which `dense_linear`'s kernel backends run a call as row blocks of `mosaic_gpu.MAX_M` (a verify's
-# B x T rows above the kernel's own limit: SmolLM2 batch 32 at T 3 is 96). The kernel's rows do not depend on the
-# rows sharing the call, so the blocks give the bits one call would. Above it: prefill, where a GEMM belongs.
-DENSE_BLOCKED_MAX_ROWS = 4 * mg.MAX_M
+# Rows up to which `dense_linear`'s kernel backends run a call, above `mosaic_gpu.MAX_M` as row blocks of one
+# launch (a verify's B x T rows: SmolLM2 batch 32 at T 3 is 96, two blocks of 48; `mosaic_gpu.dense_blocks`). The
+# kernel's rows do not depend on the rows sharing the call, so the blocks give the bits one call of MAX_M would.
+# Above it: prefill, where a GEMM belongs.
+DENSE_BLOCKED_MAX_ROWS = mg.DENSE_MAX_M
 
 
 def dense_supports(backend: str, m: int, k: int, n: int) -> bool:
     """Whether `dense_linear` runs an [M, K] @ [K, N] bf16 call on the explicit kernel `backend`
-    ("mosaic" / "interpret"), up to DENSE_BLOCKED_MAX_ROWS rows in blocks of MAX_M; other backends
+    ("mosaic" / "interpret"), up to DENSE_BLOCKED_MAX_ROWS rows in row blocks of one launch; other backends
     as `supports`."""
     if backend in ("mosaic", "interpret"):
         return m <= DENSE_BLOCKED_MAX_ROWS and supports(backend, min(m, mg.MAX_M), k, n)
@@ -295,7 +296,7 @@ def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None
                  out_dtype: Any = None, swiglu: bool = False) -> Array:
     """x [..., K] @ W [K, N] (or a stack [L, K, N] with `layer`) -> [..., N]. On Hopper the
     Mosaic kernel's rows do not depend on how many rows share the call (bitwise), so the kernel
-    backends run more than `mosaic_gpu.MAX_M` rows as row blocks of MAX_M, up to
+    backends run more than `mosaic_gpu.MAX_M` rows as row blocks of one launch, up to
     DENSE_BLOCKED_MAX_ROWS (`dense_supports`). `swiglu`: W
     holds gate | up column halves and the call returns silu(gate) * up [..., N / 2] (the kernel
     forms it from its float32 products, up to `mosaic_gpu.MAX_FUSED_M` rows; XLA from the bf16
@@ -318,15 +319,10 @@ def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None
     if backend in ("mosaic", "interpret"):
         if m > DENSE_BLOCKED_MAX_ROWS:
             raise ValueError(f"x has {m} rows; the {backend} kernel takes at most {DENSE_BLOCKED_MAX_ROWS} "
-                             f"(in blocks of {mg.MAX_M}); use backend='xla' for prefill-sized calls")
-        # Row blocks of MAX_M, each the kernel's own rows (row-invariant: the same bits as one call). A block
-        # goes through an optimization barrier: XLA would make a custom call on a slice of x a dynamic-slice
-        # fusion, which splits a layer loop's command buffer.
-        blocks = ([x2] if m <= mg.MAX_M else
-                  [lax.optimization_barrier(x2[s:s + mg.MAX_M]) for s in range(0, m, mg.MAX_M)])
-        ys = [mg.bf16_matmul_mgpu(b, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret",
-                                  swiglu=swiglu) for b in blocks]
-        y = ys[0] if len(ys) == 1 else jnp.concatenate(ys)
+                             f"(in row blocks of at most {mg.MAX_M}); use backend='xla' for prefill-sized calls")
+        # above MAX_M rows, row blocks of one launch (`mosaic_gpu.dense_blocks`; rows do not depend on the block)
+        y = mg.bf16_matmul_mgpu(x2, w, layer=layer, out_dtype=out_dtype, interpret=backend == "interpret",
+                                swiglu=swiglu)
     else:
         wl = w if layer is None else w[layer]
         if backend == "reference":

@@ -77,6 +77,7 @@ from pallas_kernels.linear import layout as lay
 Array = jax.Array
 
 MAX_M = 64  # rows per call (M_pad <= 64; larger M is prefill: use a dense GEMM)
+DENSE_MAX_M = 4 * MAX_M  # rows of a plain bf16 call, in row blocks of at most MAX_M (`dense_blocks`)
 SMEM_BUDGET = 200 * 1024  # bytes of pipeline buffers per CTA (the H100/H200 limit is 227 KB)
 SMEM_LIMIT = 219 * 1024  # all of a CTA's scratch: the 227 KB opt-in limit less barriers and alignment
 REDUCE_MODES = ("gmem", "cluster", "sem")
@@ -341,6 +342,16 @@ def qkv_blocks(m: int, head_dim: int) -> tuple[int, int]:
     if block is None or m <= block:
         return 1, rows_for(m)
     return -(-m // block), block
+
+
+def dense_blocks(m: int) -> tuple[int, int]:
+    """(row blocks, rows per block M_pad) of a plain bf16 call at M rows (`bf16_matmul_mgpu`): one block of
+    rows_for(M) up to MAX_M rows, else the fewest blocks of at most MAX_M rows, of equal size (96 rows: 2 x 48),
+    one grid axis of them in one launch (each CTA the kernel at M_pad rows: rows do not depend on the block)."""
+    if m <= MAX_M:
+        return 1, rows_for(m)
+    nb = -(-m // MAX_M)
+    return nb, rows_for(-(-m // nb))
 
 
 def bf16_qkv_max_rows(head_dim: int) -> int:
@@ -1387,7 +1398,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         res = dict(res=res_smem.at[wg], res_bar=res_bar.at[0]) if res_smem is not None else {}
         if not epi.swiglu:
             sums = rsq_gmem.at[nt * wgs + wg] if rsq_gmem is not None else None
-            _store_tile(acc, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret, sums=sums, **res)
+            _store_tile(acc, o_smem, out_gmem, wg=wg, col0=col0, m=m, interpret=interpret, sums=sums, row0=row0,
+                        **res)
             return
 
         @pl.when(wg == 1)  # up
@@ -1400,7 +1412,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
             plgpu.barrier_wait(pair_bar.at[0])
             up = _load_acc(pair, interpret)
             _store_tile(acc / (1.0 + jnp.exp(-acc)) * up, o_smem, out_gmem, wg=wg, col0=nt * lay.ROWS, m=m,
-                        interpret=interpret, **res)
+                        interpret=interpret, row0=row0, **res)
 
     def qkv_store(acc):
         """Epilogue.qkv (`QkvCache`). 128-channel heads: head `nt` (this CTA's 128 columns;
@@ -1489,7 +1501,7 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
         elif ws_gmem is not None:
             sem_sum(acc)
         elif splits > 1:
-            _store_tile(acc, o_smem, out_gmem.at[ks], wg=wg, col0=col0, m=m, interpret=interpret)
+            _store_tile(acc, o_smem, out_gmem.at[ks], wg=wg, col0=col0, m=m, interpret=interpret, row0=row0)
         else:
             if epi.norm and ss is None:
                 plgpu.barrier_wait(norm_bar.at[0])
@@ -1648,8 +1660,8 @@ def _kernel(*refs, names: tuple[str, ...], kind: str, variant: str, interpret: b
 
 
 def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int, interpret: bool,
-                res: Any = None, res_bar: Any = None, sums: Any = None) -> None:
-    """acc [64 (n), M_pad] float32 -> out rows 0..M-1, columns col0 .. col0 + 63 (transposed
+                res: Any = None, res_bar: Any = None, sums: Any = None, row0: Any = 0) -> None:
+    """acc [64 (n), M_pad] float32 -> out rows row0 .. row0 + M - 1, columns col0 .. col0 + 63 (transposed
     through shared memory, one TMA store). `res` (shared [M_pad, 64], landing on `res_bar`):
     the tile in the output dtype plus res, in that dtype (`Epilogue.residual`). `sums` (global
     float32 [M_pad], `Epilogue.row_sums`): the rows' sums of the stored tile squared, read back
@@ -1665,7 +1677,7 @@ def _store_tile(acc: Array, o_smem: Any, dst: Any, *, wg: Any, col0: Any, m: int
         plgpu.barrier_wait(res_bar)
         tile[...] = tile[...] + res[...]
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, m)], dst.at[pl.ds(0, m), pl.ds(col0, lay.ROWS)])
+    plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, m)], dst.at[pl.ds(row0, m), pl.ds(col0, lay.ROWS)])
     if sums is not None:
         if interpret:
             sums[...] = chunk_row_sums(tile[...][:m], tile.shape[0])[0]
@@ -1815,14 +1827,21 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     """Builds and runs one launch. `qkv_operands` (Epilogue.qkv): the arrays "cs" and "slots" and
     the refs "qbuf", "kring", "vring" (flat, `jax.new_ref`), which the kernel writes in place."""
     m = x.shape[0]
-    nb, mp = qkv_blocks(m, epi.qkv.head_dim) if epi.qkv is not None else (1, rows_for(m))  # row blocks, M_pad each
+    # row blocks, M_pad each: the qkv epilogue's (`qkv_blocks`) or a plain call's (`dense_blocks`)
+    nb, mp = qkv_blocks(m, epi.qkv.head_dim) if epi.qkv is not None else dense_blocks(m)
     kt, wgs, s, kg = cfg.k_tile, cfg.wgs, cfg.splits, cfg.k_groups
     steps = k // (kt * s)
-    if nb > 1 and (epi.norm or s > 1 or kg > 1):
+    if nb > 1 and epi.qkv is not None and (epi.norm or s > 1 or kg > 1):
         raise ValueError(f"M={m} rows of {epi.qkv.head_dim}-channel heads run in {nb} row blocks, which take the qkv "
                          f"epilogue without a norm, one split and one k group (the target's bf16 q|k|v); got "
                          f"norm={epi.norm}, splits={s}, k_groups={kg}")
     reduce = cfg.reduce if s > 1 else "gmem"
+    if nb > 1 and epi.qkv is None and (epi.norm or epi.residual or kg > 1 or reduce != "gmem"):
+        # (a block has M_pad > 24 rows, where the cluster sum does not lower: `reduce_mode`)
+        raise ValueError(f"M={m} rows run in {nb} row blocks of {mp}, which take no norm or residual, one k group "
+                         f"and the 'gmem' split-K sum; got norm={epi.norm}, residual={epi.residual}, "
+                         f"k_groups={kg}, reduce={reduce!r}")
+    m_cta = mp if nb > 1 and epi.qkv is None else m  # rows a CTA stores: a plain call's block stores all of its own
     if interpret and reduce == "cluster":
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
     if cfg.norm_ahead < 1:
@@ -1903,7 +1922,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
                          f"multiple of it (each k group owns the slots of its residue)")
     scratch = declare_scratch(stages)
     n_out = n // 2 if epi.swiglu else n
-    out_shape = (m, n_out) if whole else (s, m, n)
+    m_out = nb * mp if nb > 1 and epi.qkv is None else m  # plain row blocks store whole blocks (rows past M: cut)
+    out_shape = (m_out, n_out) if whole else (s, m_out, n)
     # the TMA view of x tiles rows by 8 (above 8 rows, M must be a multiple: rows_for) and every row block is whole:
     if nb * mp > max(m, 8):  # zero rows, never stored (rows stay independent)
         x = jnp.pad(x, ((0, nb * mp - m), (0, 0)))
@@ -1926,7 +1946,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     rsq_names = ("rsq",) if epi.row_sums and res_in_kernel else ()  # the output rows' sums of squares
     names = (*inputs, "out", *rsq_names, *ws_names, *scratch)
     kernel = functools.partial(
-        _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m, mp=mp, kt=kt, wgs=wgs,
+        _kernel, names=names, kind=kind, variant=variant, interpret=interpret, m=m_cta, mp=mp, kt=kt, wgs=wgs,
         steps=steps, stages=stages, splits=s, g=g, w_stacked=w_stacked, g_stacked=g_stacked, n_layers=n_layers,
         reduce=reduce, diag=cfg.diag, pdl=cfg.pdl and not interpret, epi=epi, k_total=k,
         half_tiles=n // 2 // lay.ROWS, norm_ahead=cfg.norm_ahead, mma_chains=cfg.mma_chains, k_groups=kg, cn=cn,
@@ -1936,7 +1956,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
         kw["interpret"] = interpret_params()
     if reduce == "cluster":  # the S CTAs of a column tile form one cluster (rank = split index)
         kw.update(grid=(n // (lay.ROWS * wgs),), grid_names=("nt",), cluster=(s,), cluster_names=("ks",))
-    elif nb > 1:  # the qkv epilogue's row blocks (`qkv_blocks`)
+    elif nb > 1:  # row blocks (`qkv_blocks`, `dense_blocks`)
         kw.update(grid=(n // (lay.ROWS * wgs), s, nb), grid_names=("nt", "ks", "rb"))
     else:
         kw.update(grid=(n // (lay.ROWS * wgs), s), grid_names=("nt", "ks"))
@@ -1962,6 +1982,8 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     rsq = y[1] if rsq_names else None
     if len(out_types) > 1:
         y = y[0]
+    if m_out > m:  # a plain call's last block's padding rows
+        y = y[:, :m] if not whole else y[:m]
     if not whole:  # fixed-order sum of the split-K partials: p[0] + p[1] + ... + p[S-1]
         acc = y[0]
         for i in range(1, s):
@@ -2303,29 +2325,31 @@ def qkv_cache_reference(x: Array, w: Array, *, layer: Any, rope: Array, slots: A
 def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = None,
                      config: MgpuConfig | None = None, interpret: bool | None = None,
                      swiglu: bool = False) -> Array:
-    """x [M, K] bf16 @ W [K, N] bf16 -> [M, N] with row-invariant results (module docstring).
+    """x [M, K] bf16 @ W [K, N] bf16 -> [M, N] with row-invariant results (module docstring), M up to
+    DENSE_MAX_M: above MAX_M rows in equal row blocks of one launch (`dense_blocks`; a verify's B x T rows).
     `w` is one layer [K, N] or a stack [L, K, N] with `layer` read in place. `swiglu` (the
-    target's gate | up weight, at most MAX_FUSED_M rows): silu(gate) * up [M, N / 2] from the
+    target's gate | up weight; each row block as a call of its rows): silu(gate) * up [M, N / 2] from the
     float32 products, as the INT4 kernel's `Epilogue.swiglu` (`epilogue_reference` is the math)."""
     k, n = _check_bf16_weight(w, "bf16_matmul_mgpu")
     if (layer is None) != (w.ndim == 2):
         raise ValueError(f"w must be [K, N], or [L, K, N] with layer=; got {w.shape} and layer={layer!r}")
-    m = _check_x(x, k)
+    m = _check_x(x, k, max_m=DENSE_MAX_M)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     epi = Epilogue(swiglu=swiglu)
-    _check_epilogue(epi, m, k, n, layer, out_dtype, None, None)
+    mp = dense_blocks(m)[1]  # each row block is a call of mp rows (one launch holds them all)
+    _check_epilogue(epi, mp, k, n, layer, out_dtype, None, None)
     interp = _common.interpret_default(interpret)
-    cfg = config or default_config(k, n, None, reduce=reduce_mode(m, interp), epilogue=epi)
+    cfg = config or default_config(k, n, None, reduce=reduce_mode(mp, interp), epilogue=epi)
     _check_cfg(cfg, k, n, lay.KB)
     return _call("bf16", x, (w,), layer, k=k, n=n, g=None, cfg=cfg, out_dtype=out_dtype, variant="wgmma",
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3, epi=epi)
 
 
-__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "MAX_FUSED_M", "MAX_M", "QKV_BLOCK_ROWS", "QKV_CACHE_FUSED_M",
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "DENSE_MAX_M", "MAX_FUSED_M", "MAX_M", "QKV_BLOCK_ROWS", "QKV_CACHE_FUSED_M",
            "QKV_HEAD_DIM", "QKV_MAX_M",
            "QKV_HEAD_DIMS", "QKV_MAX_BUFFER_ELEMENTS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows",
            "bf16_matmul_mgpu", "bf16_qkv_cache_mgpu", "bf16_qkv_max_rows",
-           "chunk_row_sums", "default_config", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
+           "chunk_row_sums", "default_config", "dense_blocks", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
            "check_norm_sums", "check_sums_flags", "interpret_params", "qkv_blocks", "qkv_cache_reference", "qkv_rows",
            "rope_table", "rows_for",
            "takes_norm_sums", "tuned_config"]

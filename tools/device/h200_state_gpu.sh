@@ -880,6 +880,12 @@ for stage in ${STAGES:-probe smol 8b}; do
         done
       done; done
       echo "== dsf done ($(( $(date +%s) - T0 )) s)";;
+    dblocks)  # (57th) the bf16 kernel's row blocks in one launch (a verify's 96 rows, `mosaic_gpu.dense_blocks`):
+      # checks (reference, every row bitwise the row alone, deterministic) and kernel / wall time against the former
+      # two launches and cuBLAS (tools/device/check_dense_blocks.py)
+      timeout ${DB_LIMIT:-300} python3 tools/device/check_dense_blocks.py ${DB_ARGS:-} 2>&1 | grep -v "^W[0-9]" \
+        | tee $L/check_dense_blocks.log | grep -E "FAIL|ALL OK|SOME|time |rror"
+      echo "== dblocks done ($(( $(date +%s) - T0 )) s)";;
     graphtrace)  # (55th, prepared) the γ 2 loop's idle with the target's q|k|v kernel at the verify's 96 rows
       # (0.15-0.18 ms a token, 55th, its layer body one command buffer): the profile's gaps are the timed wall (graphs
       # on) minus the kernels traced op by op, so a kernel slower inside a graph counts as idle too. Traced with the
