@@ -586,7 +586,7 @@ def test_decode_runs_the_layer_tail_in_one_kernel_when_switched_on():
     tiles) are taken, with QSPEC_W4A16_TAIL_CHUNKS's K chunks in the kernel's config (bad ones refused by name);
     values other than 0, 1, ready and cluster are refused by name. In a child with 8 host
     devices (`subproc.run_in_child`)."""
-    subproc.run_in_child(__file__, "_case_tail", reuse_programs=True)
+    subproc.run_in_child(__file__, "_case_tail")
 
 
 def _case_tail() -> None:

@@ -31,7 +31,7 @@ _spec.loader.exec_module(subproc)
 def _child(fn: str, *args) -> None:
     """`fn(*args)` of this module in a child with 8 host devices (the module docstring says why), which
     compiles each interpreted kernel's program once (`subproc.reuse_interpreter_programs`)."""
-    subproc.run_in_child(__file__, fn, *args, reuse_programs=True)
+    subproc.run_in_child(__file__, fn, *args)
 
 
 def _packed(key: jax.Array, k: int, n: int, lead: tuple[int, ...] = (), g: int = 32) -> lay.W4A16Packed:

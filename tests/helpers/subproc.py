@@ -58,7 +58,7 @@ def reuse_interpreter_programs() -> Callable[[], None]:
     warpgroups (and later calls of the same traced kernel: a layer loop's, a jitted function's) reuse
     it, with a lock per program so that the warpgroups of one call compile it once. Returns the
     function that restores the original. Used by tests/conftest.py's fixture of the same name (the
-    pytest process) and by `run_in_child(reuse_programs=True)` (a child, which the fixture's hook does
+    pytest process) and by `run_in_child` (in the child, which the fixture's hook does
     not reach). Pure caching: a missing hook (another jax version) only makes the tests slower."""
     import threading
 
@@ -94,10 +94,10 @@ def reuse_interpreter_programs() -> Callable[[], None]:
     return restore
 
 
-def run_in_child(test_file: str, fn: str, *args, host_devices: int = 8, reuse_programs: bool = False) -> None:
+def run_in_child(test_file: str, fn: str, *args, host_devices: int = 8) -> None:
     """Calls `fn(*args)` of the test module at `test_file` in a child interpreter with
-    `host_devices` host devices and asserts that it returned; with `reuse_programs`, the child
-    compiles each interpreted kernel's program once (`reuse_interpreter_programs`).
+    `host_devices` host devices and asserts that it returned. The child compiles each interpreted
+    kernel's program once (`reuse_interpreter_programs`: a layer tail or fused-kernel test ~2-3x faster).
 
     Why (GPU interpret mode): the interpreter runs each simulated warpgroup's program on XLA:CPU
     and blocks in barrier callbacks, whose thread pool grows with the host device count. With one
@@ -108,9 +108,9 @@ def run_in_child(test_file: str, fn: str, *args, host_devices: int = 8, reuse_pr
     large XLA program run once, whose compile dominates (~25% less test time measured); the test
     compares results computed in the same child, so the optimization level is the same on both sides."""
     script = (f"import importlib.util\n"
-              + (f"spec = importlib.util.spec_from_file_location('subproc', {str(Path(__file__).resolve())!r})\n"
-                 f"sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp)\n"
-                 f"sp.reuse_interpreter_programs()\n" if reuse_programs else "") +
+              f"spec = importlib.util.spec_from_file_location('subproc', {str(Path(__file__).resolve())!r})\n"
+              f"sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp)\n"
+              f"sp.reuse_interpreter_programs()\n"
               f"spec = importlib.util.spec_from_file_location('child_tests', {str(Path(test_file).resolve())!r})\n"
               f"mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
               f"mod.{fn}(*{args!r})\nprint('CHILD OK')\n")
