@@ -832,11 +832,12 @@ for stage in ${STAGES:-probe smol 8b}; do
       # optimized HLO and thunk sequence are dumped too (the largest module's, gzipped; its computations, calls, while
       # loops, custom calls, dynamic slices and copies listed; its command buffers and the thunks outside them by
       # `tools/aot_thunks.py --summarize`), kernel on and off. (56th) TQC_PROGS=spec_loop: the γ 2 loop instead (its
-      # verify's 96 rows take the kernel only with 1)
+      # verify's 96 rows take the kernel only with 1). (57th) mmq: mm and the q|k|v kernel at every row count (1), so
+      # the verify body has no dynamic-slice command (its rows in one launch of row blocks)
       for v in ${TQC_VARIANTS:-1 auto mm}; do
-        dm=""; [ $v = mm ] && dm="--dense-matmul mosaic"
+        dm=""; tq=$v; [[ $v == mm* ]] && dm="--dense-matmul mosaic" && tq=auto; [ $v = mmq ] && tq=1
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_vlog_$v --xla_dump_hlo_as_text" \
-        QSPEC_TARGET_QKV_CACHE=${v/mm/auto} TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
+        QSPEC_TARGET_QKV_CACHE=$tq TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
           TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,dynamic_slice_thunk=3,command_buffer_conversion_pass=2 \
           timeout ${TQC_LIMIT:-120} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 \
           --batch 32 --contexts 8192 --ragged --programs ${TQC_PROGS:-ar_loop} --gamma 2 --verify-t 3 --loop-tokens 16 $dm \
