@@ -299,7 +299,7 @@ def dense_linear(x: Array, w: Array, *, backend: str = "auto", layer: Any = None
     backends run more than `mosaic_gpu.MAX_M` rows as row blocks of one launch, up to
     DENSE_BLOCKED_MAX_ROWS (`dense_supports`). `swiglu`: W
     holds gate | up column halves and the call returns silu(gate) * up [..., N / 2] (the kernel
-    forms it from its float32 products, up to `mosaic_gpu.MAX_FUSED_M` rows; XLA from the bf16
+    forms it from its float32 products, "auto" up to `mosaic_gpu.MAX_FUSED_M` rows; XLA from the bf16
     products, as the unfused model does)."""
     _check_backend(backend)
     if backend == "triton":
