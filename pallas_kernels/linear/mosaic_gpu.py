@@ -1831,17 +1831,18 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
     nb, mp = qkv_blocks(m, epi.qkv.head_dim) if epi.qkv is not None else dense_blocks(m)
     kt, wgs, s, kg = cfg.k_tile, cfg.wgs, cfg.splits, cfg.k_groups
     steps = k // (kt * s)
-    if nb > 1 and epi.qkv is not None and (epi.norm or s > 1 or kg > 1):
+    plain_blocks = nb > 1 and epi.qkv is None  # a plain call's row blocks: each stores its whole block
+    if nb > 1 and not plain_blocks and (epi.norm or s > 1 or kg > 1):
         raise ValueError(f"M={m} rows of {epi.qkv.head_dim}-channel heads run in {nb} row blocks, which take the qkv "
                          f"epilogue without a norm, one split and one k group (the target's bf16 q|k|v); got "
                          f"norm={epi.norm}, splits={s}, k_groups={kg}")
     reduce = cfg.reduce if s > 1 else "gmem"
-    if nb > 1 and epi.qkv is None and (epi.norm or epi.residual or kg > 1 or reduce != "gmem"):
+    if plain_blocks and (epi.norm or epi.residual or kg > 1 or reduce != "gmem"):
         # (a block has M_pad > 24 rows, where the cluster sum does not lower: `reduce_mode`)
         raise ValueError(f"M={m} rows run in {nb} row blocks of {mp}, which take no norm or residual, one k group "
                          f"and the 'gmem' split-K sum; got norm={epi.norm}, residual={epi.residual}, "
                          f"k_groups={kg}, reduce={reduce!r}")
-    m_cta = mp if nb > 1 and epi.qkv is None else m  # rows a CTA stores: a plain call's block stores all of its own
+    m_cta = mp if plain_blocks else m  # rows a CTA stores
     if interpret and reduce == "cluster":
         raise ValueError("the cluster split-K reduction does not run in interpret mode; use reduce='gmem'")
     if cfg.norm_ahead < 1:
@@ -1922,7 +1923,7 @@ def _call(kind: str, x: Array, w_arrays: tuple[Array, ...], layer: Any, *, k: in
                          f"multiple of it (each k group owns the slots of its residue)")
     scratch = declare_scratch(stages)
     n_out = n // 2 if epi.swiglu else n
-    m_out = nb * mp if nb > 1 and epi.qkv is None else m  # plain row blocks store whole blocks (rows past M: cut)
+    m_out = nb * mp if plain_blocks else m  # the output's rows (plain blocks: rows past M are cut below)
     out_shape = (m_out, n_out) if whole else (s, m_out, n)
     # the TMA view of x tiles rows by 8 (above 8 rows, M must be a multiple: rows_for) and every row block is whole:
     if nb * mp > max(m, 8):  # zero rows, never stored (rows stay independent)
@@ -2345,11 +2346,12 @@ def bf16_matmul_mgpu(x: Array, w: Array, *, layer: Any = None, out_dtype: Any = 
                  interpret=interp, n_layers=w.shape[0] if w.ndim == 3 else 0, w_stacked=w.ndim == 3, epi=epi)
 
 
-__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "DENSE_MAX_M", "MAX_FUSED_M", "MAX_M", "QKV_BLOCK_ROWS", "QKV_CACHE_FUSED_M",
-           "QKV_HEAD_DIM", "QKV_MAX_M",
+__all__ = ["AUTO_FUSED_M", "AUTO_RESIDUAL_M", "DENSE_MAX_M", "MAX_FUSED_M", "MAX_M", "QKV_BLOCK_ROWS",
+           "QKV_CACHE_FUSED_M", "QKV_HEAD_DIM", "QKV_MAX_M",
            "QKV_HEAD_DIMS", "QKV_MAX_BUFFER_ELEMENTS", "Epilogue", "MgpuConfig", "QkvCache", "auto_fused_rows",
            "bf16_matmul_mgpu", "bf16_qkv_cache_mgpu", "bf16_qkv_max_rows",
-           "chunk_row_sums", "default_config", "dense_blocks", "epilogue_reference", "int4_matmul_mgpu", "int4_qkv_cache_mgpu",
+           "chunk_row_sums", "default_config", "dense_blocks", "epilogue_reference", "int4_matmul_mgpu",
+           "int4_qkv_cache_mgpu",
            "check_norm_sums", "check_sums_flags", "interpret_params", "qkv_blocks", "qkv_cache_reference", "qkv_rows",
            "rope_table", "rows_for",
            "takes_norm_sums", "tuned_config"]
