@@ -615,16 +615,17 @@ def test_tuned_shapes_apply_by_device_and_epilogue(monkeypatch):
     assert mg.default_config(*down, device_kind=H100, epilogue=mg.Epilogue(residual=True)) == tuned
     normed = mg.default_config(*down, device_kind=H100, epilogue=mg.Epilogue(norm=True))
     assert normed.splits == 1 or normed.reduce == "cluster"
-    # SmolLM2's K 576 on the H200: k_tile 192 with each call's epilogue (the norm in the consumers, SiLU·up on
-    # warpgroup pairs, the residual); its lm_head (not measured faster) keeps the cost model's shape
+    # SmolLM2's K 576 on the H200 and the H100: k_tile 192 with each call's epilogue (the norm in the consumers,
+    # SiLU·up on warpgroup pairs, the residual); its lm_head (not measured faster) keeps the cost model's shape
     h200 = "NVIDIA H200"
-    for (k, n), epi in (((576, 3072), mg.Epilogue(norm=True, swiglu=True)), ((576, 576), mg.Epilogue(residual=True)),
-                        ((576, 960), mg.Epilogue(norm=True))):
-        cfg = mg.default_config(k, n, 32, device_kind=h200, num_sms=132, epilogue=epi)
-        assert (cfg.k_tile, cfg.splits) == (192, 1) and cfg != mg.default_config(
-            k, n, 32, device_kind="", num_sms=132, epilogue=epi)
-    assert mg.default_config(576, 49152, 32, device_kind=h200, num_sms=132) == mg.default_config(
-        576, 49152, 32, device_kind="", num_sms=132)
+    for kind in (h200, H100):
+        for (k, n), epi in (((576, 3072), mg.Epilogue(norm=True, swiglu=True)),
+                            ((576, 576), mg.Epilogue(residual=True)), ((576, 960), mg.Epilogue(norm=True))):
+            cfg = mg.default_config(k, n, 32, device_kind=kind, num_sms=132, epilogue=epi)
+            assert (cfg.k_tile, cfg.splits) == (192, 1) and cfg != mg.default_config(
+                k, n, 32, device_kind="", num_sms=132, epilogue=epi)
+        assert mg.default_config(576, 49152, 32, device_kind=kind, num_sms=132) == mg.default_config(
+            576, 49152, 32, device_kind="", num_sms=132)
     # the 8B target's bf16 q|k|v with the qkv epilogue (its two warpgroups, the whole K in the kernel): k_tile 256,
     # 2 splits summed in the cluster; not the cost model's, and not on other devices
     qkv = mg.Epilogue(qkv=mg.QkvCache(num_heads=32, num_kv_heads=8, batch=1, ring=288, q_cols=32, layers=32,

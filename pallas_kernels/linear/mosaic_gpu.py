@@ -447,7 +447,12 @@ TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # 1.121 -> 1.069 ms a token, γ 2 1.283 -> 1.213 (the stack read in place, replacing XLA's own matrix-vector
     # reduce fusions at the AR step's one row and, at the verify's three, cuBLAS on a dynamic slice of the stack,
     # whose command buffer XLA re-records every layer); at batch 32 (above DENSE_AUTO_MAX_ROWS) even.
+    # SmolLM2's K-576 INT4 linears at k_tile 192, as on the H200 (below), 2026-12-06 (docs/bench/
+    # kt192_smollm2_b32_h100_2026-12-06e.log, `STAGES=kt192`: checked on fresh inputs, then the draft step at batch 32,
+    # 8k): q|k|v 205.2 -> 190.0 us, gate_up 203.4 -> 187.6, o 135.6 -> 121.7, wall 1.856 -> 1.811 ms.
     "H100": {(14336, 4096, 32): (2, 256, 4, "gmem"),
+             (576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
+             (576, 576, 32): (1, 192, 1, "cluster"),
              (576, 960, None): (1, 64, 1, "cluster", 1, 6), (576, 576, None): (1, 64, 1, "cluster", 1, 6),
              (576, 3072, None): (1, 64, 1, "cluster", 1, 6), (1536, 576, None): (1, 128, 3, "cluster", 1, 6)},
     # H200, jax 0.11.2, 2026-11-29 (docs/bench/*_h200_2026-11-29d*): the 8B draft's down and o with two k

@@ -811,14 +811,16 @@ for stage in ${STAGES:-probe smol 8b}; do
       # the layer loop body's command buffer, the gap closes with command buffers off (both settings then launch op
       # by op): QSPEC_TARGET_QKV_CACHE 1 / auto x command buffers default / off, TQC_TRIALS times (52nd session, H100:
       # with them off the kernel takes 0.54 ms off the loop's 3.76 a token; with them on, the 51st's: nothing).
-      # The thunk-level log is "tqkvvlog"'s.
+      # The thunk-level log is "tqkvvlog"'s. (58th) TQC_VARIANTS as tqkvvlog's (mm, mmq: every target linear on our
+      # dense kernel, mmq with the q|k|v kernel at every row count), with TQC_PROGS=spec_loop --gamma 2 the γ 2 loop
       for i in ${TQC_TRIALS:-1}; do
         for cmd in default off; do
           flags=""; [ $cmd = off ] && flags="--xla_gpu_enable_command_buffer="
-          for v in 1 auto; do
-            XLA_FLAGS="${XLA_FLAGS:-} $flags" QSPEC_TARGET_QKV_CACHE=$v LIMIT=${TQC_LIMIT:-90} prof \
-              smollm2_b32_8k_ar_tqkv${v}_cmd${cmd}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
-              --programs ${TQC_PROGS:-ar_loop,ar_bf16} | grep "^=="
+          for v in ${TQC_VARIANTS:-1 auto}; do
+            dm=auto; tq=$v; [[ $v == mm* ]] && dm=mosaic && tq=auto; [ $v = mmq ] && tq=1
+            XLA_FLAGS="${XLA_FLAGS:-} $flags" QSPEC_TARGET_QKV_CACHE=$tq LIMIT=${TQC_LIMIT:-90} prof \
+              smollm2_b32_8k_tqkv${v}_cmd${cmd}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
+              --programs ${TQC_PROGS:-ar_loop,ar_bf16} --gamma 2 --verify-t 3 --dense-matmul $dm | grep "^=="
           done
         done
       done
