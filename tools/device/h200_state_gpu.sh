@@ -892,14 +892,16 @@ for stage in ${STAGES:-probe smol 8b}; do
     graphtrace)  # (55th, prepared) the γ 2 loop's idle with the target's q|k|v kernel at the verify's 96 rows
       # (0.15-0.18 ms a token, 55th, its layer body one command buffer): the profile's gaps are the timed wall (graphs
       # on) minus the kernels traced op by op, so a kernel slower inside a graph counts as idle too. Traced with the
-      # graphs kept, the kernel times and the idle by boundary are the graphs' own. ~60 s a run
+      # graphs kept, the kernel times and the idle by boundary are the graphs' own. ~60 s a run. (58th) GT_VARIANTS as
+      # tqkvvlog's (1, auto, mm, mmq: mm = every target linear on our dense kernel, mmq = mm + the q|k|v kernel)
       for i in ${GT_TRIALS:-1}; do
-        for v in 1 auto; do
+        for v in ${GT_VARIANTS:-1 auto}; do
+          dm=auto; tq=$v; [[ $v == mm* ]] && dm=mosaic && tq=auto; [ $v = mmq ] && tq=1
           for g in graphs opbyop; do
             GF=""; [[ $g == graphs ]] && GF=--graphs-in-trace
-            QSPEC_TARGET_QKV_CACHE=$v LIMIT=${GT_LIMIT:-150} prof smollm2_b${GT_BATCH:-32}_8k_graphtrace_tqkv${v}_${g}_$i \
+            QSPEC_TARGET_QKV_CACHE=$tq LIMIT=${GT_LIMIT:-150} prof smollm2_b${GT_BATCH:-32}_8k_graphtrace_tqkv${v}_${g}_$i \
               --shape smollm2 --batch ${GT_BATCH:-32} --contexts 8192 --ragged --programs ${GT_PROGS:-verify,spec_loop} \
-              --gamma 2 --verify-t 3 $GF | grep "^=="
+              --gamma 2 --verify-t 3 --dense-matmul $dm $GF | grep "^=="
             grep -E "^   (traced|   idle)" $L/profile_smollm2_b${GT_BATCH:-32}_8k_graphtrace_tqkv${v}_${g}_$i.log
           done
         done
