@@ -122,6 +122,11 @@ normsel_parse() {  # a `normsel` setting name -> dm (dense linears), sel (QSPEC_
   tq=auto; [[ $1 == *q ]] && tq=1
   return 0
 }
+tqkv_variant() {  # a tqkvvlog / tqkvcmd / graphtrace variant (1, auto: QSPEC_TARGET_QKV_CACHE; mm: every target linear
+  # on our dense kernel; mmq: mm + the q|k|v kernel at every row count) -> dm (--dense-matmul), tq (QSPEC_TARGET_QKV_CACHE)
+  dm=auto; tq=$1; [[ $1 == mm* ]] && dm=mosaic && tq=auto; [ $1 = mmq ] && tq=1
+  return 0
+}
 tqkv_ab() {  # tag, trials, the off value of QSPEC_TARGET_QKV_CACHE, then qspec-bench profile arguments: on / off
   # alternating per trial, tags <tag><value>_<trial>
   local tag=$1 trials=$2 off=$3 i v; shift 3
@@ -817,7 +822,7 @@ for stage in ${STAGES:-probe smol 8b}; do
         for cmd in default off; do
           flags=""; [ $cmd = off ] && flags="--xla_gpu_enable_command_buffer="
           for v in ${TQC_VARIANTS:-1 auto}; do
-            dm=auto; tq=$v; [[ $v == mm* ]] && dm=mosaic && tq=auto; [ $v = mmq ] && tq=1
+            tqkv_variant $v
             XLA_FLAGS="${XLA_FLAGS:-} $flags" QSPEC_TARGET_QKV_CACHE=$tq LIMIT=${TQC_LIMIT:-90} prof \
               smollm2_b32_8k_tqkv${v}_cmd${cmd}_$i --shape smollm2 --batch 32 --contexts 8192 --ragged \
               --programs ${TQC_PROGS:-ar_loop,ar_bf16} --gamma 2 --verify-t 3 --dense-matmul $dm | grep "^=="
@@ -837,12 +842,12 @@ for stage in ${STAGES:-probe smol 8b}; do
       # verify's 96 rows take the kernel only with 1). (57th) mmq: mm and the q|k|v kernel at every row count (1), so
       # the verify body has no dynamic-slice command (its rows in one launch of row blocks)
       for v in ${TQC_VARIANTS:-1 auto mm}; do
-        dm=""; tq=$v; [[ $v == mm* ]] && dm="--dense-matmul mosaic" && tq=auto; [ $v = mmq ] && tq=1
+        tqkv_variant $v
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo_vlog_$v --xla_dump_hlo_as_text" \
         QSPEC_TARGET_QKV_CACHE=$tq TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_MAX_VLOG_LEVEL=0 \
           TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=6,command_executor=3,command_state=3,command=6,custom_call_thunk=3,while_thunk=3,dynamic_slice_thunk=3,command_buffer_conversion_pass=2 \
           timeout ${TQC_LIMIT:-120} python3 -m qspec_jax.cli.bench profile --steps 2 --trials 1 --shape smollm2 \
-          --batch 32 --contexts 8192 --ragged --programs ${TQC_PROGS:-ar_loop} --gamma 2 --verify-t 3 --loop-tokens 16 $dm \
+          --batch 32 --contexts 8192 --ragged --programs ${TQC_PROGS:-ar_loop} --gamma 2 --verify-t 3 --loop-tokens 16 --dense-matmul $dm \
           --out /tmp/p_vlog_$v \
           > /tmp/vlog_$v.log 2>&1
         grep -E "^==" /tmp/vlog_$v.log
@@ -896,7 +901,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       # tqkvvlog's (1, auto, mm, mmq: mm = every target linear on our dense kernel, mmq = mm + the q|k|v kernel)
       for i in ${GT_TRIALS:-1}; do
         for v in ${GT_VARIANTS:-1 auto}; do
-          dm=auto; tq=$v; [[ $v == mm* ]] && dm=mosaic && tq=auto; [ $v = mmq ] && tq=1
+          tqkv_variant $v
           for g in graphs opbyop; do
             GF=""; [[ $g == graphs ]] && GF=--graphs-in-trace
             QSPEC_TARGET_QKV_CACHE=$tq LIMIT=${GT_LIMIT:-150} prof smollm2_b${GT_BATCH:-32}_8k_graphtrace_tqkv${v}_${g}_$i \
