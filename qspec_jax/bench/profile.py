@@ -14,8 +14,9 @@ and reports per step (per token for the loops):
 
 The wall is timed with XLA's command buffers (CUDA graphs) as the program runs; the trace, by
 default, is of the program launched op by op (XLA turns its command buffers off under the
-profiler), so a kernel's traced duration is its own and "gaps" (wall - kernels) is the timed
-run's idle, but the traced idle is the op-by-op launch's. `--graphs-in-trace` keeps the command
+profiler), so a kernel's traced duration is its own, "gaps" (wall - kernels) estimates the timed
+run's idle (a lower bound where the graph runs independent kernels side by side), and the traced
+idle is the op-by-op launch's. `--graphs-in-trace` keeps the command
 buffers while tracing (`--xla_enable_command_buffers_during_profiling`): the traced idle and
 kernel times are then the graphs' own, which tells a kernel that runs slower inside a graph from
 a wait between kernels.
@@ -333,9 +334,10 @@ def restarted(caches: dict[str, Any], kind: str, loop: Any, operands: tuple[Any,
 # ---------------------------------------------------------------------------------- output
 def gaps_us(r: dict[str, Any]) -> float:
     """What a step (or token) of the timed, untraced run spends outside kernels: its wall minus the trace's kernel
-    time. The trace runs op by op (the profiler turns XLA's command buffers off), but a kernel's own duration does
-    not depend on how it was launched, so this is the GPU's idle between kernels in the run that was timed (launch
-    gaps, host steps of loops, synchronizations)."""
+    time (launch gaps, host steps of loops, synchronizations). An estimate, not a measurement of idle: the trace runs
+    op by op (the profiler turns XLA's command buffers off), where kernels run one at a time and at their own speed,
+    while the timed run's graphs may run independent kernels side by side (a body that branches: its gaps understate
+    its idle by the overlap) or a kernel slower than alone. `--graphs-in-trace` measures the graphs' own idle."""
     return r["wall_us"] - r["busy_us"]
 
 
