@@ -902,7 +902,7 @@ for stage in ${STAGES:-probe smol 8b}; do
       for i in ${GT_TRIALS:-1}; do
         for v in ${GT_VARIANTS:-1 auto}; do
           tqkv_variant $v
-          for g in graphs opbyop; do
+          for g in ${GT_MODES:-graphs opbyop}; do  # (59th) GT_MODES=graphs: the graphs-kept traces only
             GF=""; [[ $g == graphs ]] && GF=--graphs-in-trace
             QSPEC_TARGET_QKV_CACHE=$tq LIMIT=${GT_LIMIT:-150} prof smollm2_b${GT_BATCH:-32}_8k_graphtrace_tqkv${v}_${g}_$i \
               --shape smollm2 --batch ${GT_BATCH:-32} --contexts 8192 --ragged --programs ${GT_PROGS:-verify,spec_loop} \
