@@ -60,8 +60,8 @@ def dense_uses_kernel(w: Any, impl: str, rows: int) -> bool:
     (and "interpret", its CPU twin: tests) always, "xla" never, "auto" on Hopper for bf16 weights
     this device has a measured launch shape for (`mosaic_gpu.tuned_config`: on the H200 the 8B's
     q|k|v, o, gate_up and down, each faster than cuBLAS alone and the AR-bf16 step 4.81 -> 4.69 ms
-    in the model; docs/BENCHMARKS.md "Thirty-fourth session"; on the H100 SmolLM2's four, the
-    batch-1 AR and γ 2 loops ~5% faster, "Fifty-sixth session") up to DENSE_AUTO_MAX_ROWS rows;
+    in the model; docs/BENCHMARKS.md "Thirty-fourth session"; on the H100 and the H200 SmolLM2's four, the
+    batch-1 AR and γ 2 loops ~5% faster, "Fifty-sixth" and "Fifty-ninth session") up to DENSE_AUTO_MAX_ROWS rows;
     other shapes, and more rows, keep cuBLAS. From the pass's rows, never T: the verify and the AR
     decode at its width run the same kernels. Prefill rows go to XLA under every choice (`_dense`,
     `pallas_kernels.linear.supports`)."""

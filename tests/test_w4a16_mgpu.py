@@ -484,7 +484,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
     """`qspec_jax.linear.dense_uses_kernel` under the config's default "auto": a stacked bf16 weight
     [L, K, N] goes to the Mosaic kernel on Hopper only where this device has a measured launch
-    shape (`TUNED_SHAPES`: the 8B's q|k|v, o, gate_up and down on the H200, SmolLM2's on the H100),
+    shape (`TUNED_SHAPES`: the 8B's q|k|v, o, gate_up and down on the H200, SmolLM2's on both),
     never on the CPU or another device kind, never a float32 or one-layer weight; "mosaic" always, "xla" never; the
     layer loop keeps exactly those weights stacked (`keep_stacked`) at passes of up to
     `DENSE_AUTO_MAX_ROWS` rows; and "auto" calls the kernel only up to those rows."""
@@ -504,7 +504,8 @@ def test_dense_linears_take_the_kernel_where_a_shape_was_measured(monkeypatch):
     assert not uses(stack(4096, 4096, jnp.float32), "auto") and not uses(jax.ShapeDtypeStruct((4096, 4096),
                                                                                              jnp.bfloat16), "auto")
     smol = [stack(576, 960), stack(576, 576), stack(576, 3072), stack(1536, 576)]  # SmolLM2's q|k|v, o, gate_up, down
-    assert not any(uses(w, "auto") for w in smol)  # not measured on the H200
+    assert all(uses(w, "auto") for w in smol)  # SmolLM2's measured on the H200 too
+    assert not any(uses(w, "auto", qlinear.DENSE_AUTO_MAX_ROWS + 1) for w in smol)
     monkeypatch.setattr(mg._common, "device_kind", lambda: "NVIDIA H100 80GB HBM3")  # no 8B bf16 entries there
     assert not any(uses(w, "auto") for w in eight_b)
     assert all(uses(w, "auto") for w in smol) and not uses(smollm2, "auto")  # SmolLM2's measured there

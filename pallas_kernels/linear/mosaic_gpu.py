@@ -471,11 +471,17 @@ TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # The 8B target's other bf16 linears, plain, 2026-12-02 (docs/bench/*_h200_2026-12-02a*, the same sweep, M = 1 / 5):
     # one split at k_tile 256 against the cost model's 2 cluster splits at k_tile 128 (64 for gate_up): o 10.84 ->
     # 9.77 / 9.78 us, gate_up (two warpgroups) 62.2 -> 55.6 / 56.3, down 29.6 -> 28.7 / 29.0 (floors 7.7, 54.0, 27.0).
+    # SmolLM2's bf16 target linears at the cost model's own shapes (the H100's entries), 2026-12-06 (docs/bench/
+    # dsf_smollm2_b1_b8_8k_h200_2026-12-06f.log, two alternating trials, ms a token at 8k, xla -> mosaic): batch 1 AR
+    # loop 1.105 / 1.112 -> 1.060 / 1.054, γ 2 loop 1.236 / 1.236 -> 1.159 / 1.164; batch 8 AR 1.319 / 1.332 -> 1.253
+    # / 1.249, γ 2 1.344 / 1.343 -> 1.358 / 1.349 (even).
     "H200": {(14336, 4096, 32): (1, 256, 2, "cluster", 2, 8), (4096, 4096, 32): (1, 256, 2, "cluster", 2, 4),
              (576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
              (576, 576, 32): (1, 192, 1, "cluster"), (4096, 6144, None): (2, 256, 2, "cluster", 1, 4),
              (4096, 4096, None): (1, 256, 1, "cluster"), (4096, 28672, None): (2, 256, 1, "cluster"),
-             (14336, 4096, None): (1, 256, 1, "cluster")},
+             (14336, 4096, None): (1, 256, 1, "cluster"),
+             (576, 960, None): (1, 64, 1, "cluster", 1, 6), (576, 576, None): (1, 64, 1, "cluster", 1, 6),
+             (576, 3072, None): (1, 64, 1, "cluster", 1, 6), (1536, 576, None): (1, 128, 3, "cluster", 1, 6)},
 }
 
 
