@@ -436,52 +436,49 @@ def epilogue_allows(epi: Epilogue | None, wgs: int, splits: int, reduce: str) ->
 # XLA sum included) and is used where it can run the call's epilogue (`epilogue_allows`) and its
 # reduction (a "cluster" entry only where the call allows cluster sums). From (K, N, G) only, never
 # from M, like the model.
+
+# SmolLM2's K-576 INT4 draft linears at k_tile 192 (3 steps, all of K in flight at once) instead of 64 (9 steps), the
+# same shapes on both cards. H200, 2026-11-30 (docs/bench/*_h200_2026-11-30e*): the draft step at batch 32, 8k
+# (`tuned_table_run.py --linear-config k_tile=192 --linear-k 576`): gate_up 243.4 -> 220.9 us, q|k|v 226.2 -> 215.5,
+# o 137.3 -> 120.0, wall 1.964 -> 1.896 ms; the lm_head (576, 49152) 15.6 -> 16.4 us, so it keeps the cost model's
+# k_tile 64. H100, 2026-12-06 (docs/bench/kt192_smollm2_b32_h100_2026-12-06e.log, `STAGES=kt192`: checked on fresh
+# inputs, then the draft step at batch 32, 8k): q|k|v 205.2 -> 190.0 us, gate_up 203.4 -> 187.6, o 135.6 -> 121.7,
+# wall 1.856 -> 1.811 ms.
+_SMOLLM2_K576_INT4 = {(576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
+                      (576, 576, 32): (1, 192, 1, "cluster")}
+# SmolLM2's bf16 target linears (G None) at the cost model's own shapes (6 stages; the same on both cards), entered
+# so that "auto" takes our kernel for them (`qspec_jax.linear.dense_uses_kernel`), ms a token at 8k, `--dense-matmul
+# xla -> mosaic`. H100, 2026-12-06 (docs/bench/dsf_smollm2_*_h100_2026-12-06c.log): batch 1 AR 1.121 -> 1.069, γ 2
+# 1.283 -> 1.213 (the stack read in place, replacing XLA's own matrix-vector reduce fusions at the AR step's one row
+# and, at the verify's three, cuBLAS on a dynamic slice of the stack, whose command buffer XLA re-records every
+# layer); at batch 32 (above DENSE_AUTO_MAX_ROWS) even. H200, 2026-12-06 (docs/bench/
+# dsf_smollm2_b1_b8_8k_h200_2026-12-06f.log, two alternating trials): batch 1 AR 1.105 / 1.112 -> 1.060 / 1.054, γ 2
+# 1.236 / 1.236 -> 1.159 / 1.164; batch 8 AR 1.319 / 1.332 -> 1.253 / 1.249, γ 2 1.344 / 1.343 -> 1.358 / 1.349 (even).
+_SMOLLM2_BF16 = {(576, 960, None): (1, 64, 1, "cluster", 1, 6), (576, 576, None): (1, 64, 1, "cluster", 1, 6),
+                 (576, 3072, None): (1, 64, 1, "cluster", 1, 6), (1536, 576, None): (1, 128, 3, "cluster", 1, 6)}
 TUNED_SHAPES: dict[str, dict[tuple[int, int, int], tuple]] = {
     # H100 SXM, jax 0.11.2, 2026-11-27 (docs/bench/w4a16_config_sweep_h100_2026-11-27.log), M = 1 / 8:
     # the 8B draft's down 19.6 / 21.8 us against 22.1 / 22.2 for the model's wgs 1, S 2 cluster (the
     # same shape with a cluster sum: 27.1 / 28.3). In the draft step (4k) down went 615 -> 508 us at
     # batch 1 and 606 -> 517 at batch 8 for ~42 us of XLA sums. o's best (wgs 2, S 8, gmem: 9.1 us
     # against 10.0) saved 38-42 us of kernel time and cost as much in XLA sums: not taken.
-    # SmolLM2's bf16 target linears (G None) at the cost model's own shapes (6 stages), 2026-12-06
-    # (docs/bench/dsf_smollm2_*_h100_2026-12-06c.log): with `--dense-matmul mosaic` the batch-1 loops at 8k went AR
-    # 1.121 -> 1.069 ms a token, γ 2 1.283 -> 1.213 (the stack read in place, replacing XLA's own matrix-vector
-    # reduce fusions at the AR step's one row and, at the verify's three, cuBLAS on a dynamic slice of the stack,
-    # whose command buffer XLA re-records every layer); at batch 32 (above DENSE_AUTO_MAX_ROWS) even.
-    # SmolLM2's K-576 INT4 linears at k_tile 192, as on the H200 (below), 2026-12-06 (docs/bench/
-    # kt192_smollm2_b32_h100_2026-12-06e.log, `STAGES=kt192`: checked on fresh inputs, then the draft step at batch 32,
-    # 8k): q|k|v 205.2 -> 190.0 us, gate_up 203.4 -> 187.6, o 135.6 -> 121.7, wall 1.856 -> 1.811 ms.
-    "H100": {(14336, 4096, 32): (2, 256, 4, "gmem"),
-             (576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
-             (576, 576, 32): (1, 192, 1, "cluster"),
-             (576, 960, None): (1, 64, 1, "cluster", 1, 6), (576, 576, None): (1, 64, 1, "cluster", 1, 6),
-             (576, 3072, None): (1, 64, 1, "cluster", 1, 6), (1536, 576, None): (1, 128, 3, "cluster", 1, 6)},
+    "H100": {(14336, 4096, 32): (2, 256, 4, "gmem"), **_SMOLLM2_K576_INT4, **_SMOLLM2_BF16},
     # H200, jax 0.11.2, 2026-11-29 (docs/bench/*_h200_2026-11-29d*): the 8B draft's down and o with two k
     # groups per row tile (`MgpuConfig.k_groups`), the model's wgs 1, S 2 cluster otherwise. Stand-alone at
     # M = 1: down 19.86 -> 17.07 us (8 stages; the split sums through global memory ran 17.9-19.4 plus a
     # launch), o 8.26 -> 7.79 us (4 stages). In the draft step at 4k (`tuned_table_run.py`): batch 1 down
     # 522.8 -> 453.9 us, o 228.7 -> 216.8, wall 2.684 -> 2.599 ms; batch 8 wall 3.287 -> 3.177 ms; launches
     # unchanged. qkv with two k groups: no gain (342.9 -> 350.2 us), not taken.
-    # SmolLM2's K 576 at k_tile 192 (3 steps, all of K in flight at once) instead of 64 (9 steps), 2026-11-30
-    # (docs/bench/*_h200_2026-11-30e*): the draft step at batch 32, 8k (`tuned_table_run.py --linear-config
-    # k_tile=192 --linear-k 576`): gate_up 243.4 -> 220.9 us, q|k|v 226.2 -> 215.5, o 137.3 -> 120.0, wall
-    # 1.964 -> 1.896 ms; the lm_head (576, 49152) 15.6 -> 16.4 us, so it keeps the cost model's k_tile 64.
     # The 8B target's bf16 q|k|v (G None) with the qkv epilogue, 2026-12-01 (docs/bench/*_h200_2026-12-01g*,
     # `qkv_cache_gpu.py --parts sweep`, kernel time from a trace, M = 5): 21.0 us for the cost model's wgs 2, k_tile
     # 64, S 8 cluster; 15.2 at k_tile 256, S 2 (S 4: 20.1, S 8: 25.6; cuBLAS's GEMM alone 17.6 there).
     # The 8B target's other bf16 linears, plain, 2026-12-02 (docs/bench/*_h200_2026-12-02a*, the same sweep, M = 1 / 5):
     # one split at k_tile 256 against the cost model's 2 cluster splits at k_tile 128 (64 for gate_up): o 10.84 ->
     # 9.77 / 9.78 us, gate_up (two warpgroups) 62.2 -> 55.6 / 56.3, down 29.6 -> 28.7 / 29.0 (floors 7.7, 54.0, 27.0).
-    # SmolLM2's bf16 target linears at the cost model's own shapes (the H100's entries), 2026-12-06 (docs/bench/
-    # dsf_smollm2_b1_b8_8k_h200_2026-12-06f.log, two alternating trials, ms a token at 8k, xla -> mosaic): batch 1 AR
-    # loop 1.105 / 1.112 -> 1.060 / 1.054, γ 2 loop 1.236 / 1.236 -> 1.159 / 1.164; batch 8 AR 1.319 / 1.332 -> 1.253
-    # / 1.249, γ 2 1.344 / 1.343 -> 1.358 / 1.349 (even).
     "H200": {(14336, 4096, 32): (1, 256, 2, "cluster", 2, 8), (4096, 4096, 32): (1, 256, 2, "cluster", 2, 4),
-             (576, 960, 32): (1, 192, 1, "cluster"), (576, 3072, 32): (2, 192, 1, "cluster"),
-             (576, 576, 32): (1, 192, 1, "cluster"), (4096, 6144, None): (2, 256, 2, "cluster", 1, 4),
-             (4096, 4096, None): (1, 256, 1, "cluster"), (4096, 28672, None): (2, 256, 1, "cluster"),
-             (14336, 4096, None): (1, 256, 1, "cluster"),
-             (576, 960, None): (1, 64, 1, "cluster", 1, 6), (576, 576, None): (1, 64, 1, "cluster", 1, 6),
-             (576, 3072, None): (1, 64, 1, "cluster", 1, 6), (1536, 576, None): (1, 128, 3, "cluster", 1, 6)},
+             (4096, 6144, None): (2, 256, 2, "cluster", 1, 4), (4096, 4096, None): (1, 256, 1, "cluster"),
+             (4096, 28672, None): (2, 256, 1, "cluster"), (14336, 4096, None): (1, 256, 1, "cluster"),
+             **_SMOLLM2_K576_INT4, **_SMOLLM2_BF16},
 }
 
 
